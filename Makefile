@@ -1,0 +1,32 @@
+# `make serve` and `make test` set themselves up on a fresh machine: a .venv, torch (CPU) first,
+# then this package in editable mode. The stamp makes the install happen once per pyproject change.
+VENV    := .venv
+PY      := $(VENV)/bin/python
+STAMP   := $(VENV)/.installed
+CONFIG  ?= deploy/configs/default.yaml
+PROMPT  ?= Explain speculative decoding in one sentence.
+
+export RAY_AUTH_MODE ?= disabled
+
+.PHONY: venv install test serve clean
+
+venv: $(PY)
+install: $(STAMP)
+
+$(PY):
+	python3 -m venv $(VENV)
+
+$(STAMP): pyproject.toml | $(PY)
+	$(PY) -m pip install torch==2.13.0
+	$(PY) -m pip install -e '.[test,bench]'
+	touch $@
+
+test: $(STAMP)
+	$(PY) -m pytest -q tests
+
+serve: $(STAMP)
+	$(VENV)/bin/specfleet generate --config $(CONFIG) --prompt "$(PROMPT)"
+
+clean:  # build outputs and caches; `rm -rf .venv` for a full reset
+	rm -rf build dist *.egg-info .pytest_cache
+	find . -path ./$(VENV) -prune -o -name __pycache__ -type d -exec rm -rf {} +

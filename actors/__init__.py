@@ -1,0 +1,1 @@
+"""Data plane: model runner, KV cache, speculative decoding, shard actors and the instance engine."""

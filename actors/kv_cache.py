@@ -1,0 +1,180 @@
+"""Paged KV cache of one shard: fixed-size blocks, per-request block tables, crop, export and import.
+
+Storage per layer is a pool of blocks, K and V each of shape (num_blocks, block_size, kv_heads,
+head_dim), as in vLLM's PagedAttention (Kwon et al., SOSP '23). A request owns a list of blocks (its
+block table) and a length in tokens; slot `s` of a request lives in block `table[s // block_size]`
+at offset `s % block_size`. The last block of the pool is reserved as a scratch block that padded
+positions of a batch write into, so a batched write needs no masking.
+
+Running out of blocks is an expected condition: `reserve` returns False and changes nothing; the
+engine then queues or preempts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass(frozen=True)
+class KVExport:
+    """KV of one request's token range [start, end) for a set of layers, as plain tensors."""
+
+    request_id: str
+    layer_ids: tuple[int, ...]
+    start: int
+    end: int
+    k: torch.Tensor  # (L, end - start, kv_heads, head_dim)
+    v: torch.Tensor  # (L, end - start, kv_heads, head_dim)
+
+
+@dataclass
+class _Seq:
+    blocks: list[int] = field(default_factory=list)
+    length: int = 0  # tokens whose KV is written
+
+
+class KVCache:
+    """Paged KV storage for the layers `layer_ids` of one model shard."""
+
+    def __init__(
+        self,
+        layer_ids: list[int],
+        num_blocks: int,
+        block_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        if num_blocks < 2:
+            raise ValueError("the KV cache needs at least 2 blocks (one is the scratch block)")
+        self.layer_ids = list(layer_ids)
+        self.block_size = block_size
+        self.num_blocks = num_blocks - 1  # usable; the last is scratch
+        self.scratch_block = num_blocks - 1
+        shape = (len(layer_ids), num_blocks, block_size, num_kv_heads, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)  # (L, NB, BS, kvh, hd)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)  # (L, NB, BS, kvh, hd)
+        self._index = {layer: i for i, layer in enumerate(self.layer_ids)}
+        self._free: list[int] = list(range(self.num_blocks - 1, -1, -1))  # pop() gives low ids first
+        self._seqs: dict[str, _Seq] = {}
+
+    # ---- accounting -------------------------------------------------------------------------
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - len(self._free)
+
+    def blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def has(self, request_id: str) -> bool:
+        return request_id in self._seqs
+
+    def length(self, request_id: str) -> int:
+        seq = self._seqs.get(request_id)
+        return seq.length if seq else 0
+
+    def block_table(self, request_id: str) -> list[int]:
+        return self._seqs[request_id].blocks
+
+    def extra_blocks_needed(self, request_id: str, total_tokens: int) -> int:
+        """Blocks a request must still get to hold `total_tokens` tokens."""
+        seq = self._seqs.get(request_id)
+        have = len(seq.blocks) if seq else 0
+        return max(0, self.blocks_for(total_tokens) - have)
+
+    def reserve(self, request_id: str, total_tokens: int) -> bool:
+        """Make room for `total_tokens` tokens of a request; False (and no change) if out of blocks."""
+        need = self.extra_blocks_needed(request_id, total_tokens)
+        if need > len(self._free):
+            return False
+        seq = self._seqs.setdefault(request_id, _Seq())
+        seq.blocks.extend(self._free.pop() for _ in range(need))
+        return True
+
+    def crop(self, request_id: str, length: int) -> None:
+        """Keep the first `length` tokens of a request (rejected drafts go) and free unused blocks."""
+        seq = self._seqs[request_id]
+        if length > seq.length:
+            raise ValueError(f"cannot crop {request_id} to {length}: it holds {seq.length} tokens")
+        seq.length = length
+        keep = self.blocks_for(length)
+        self._free.extend(reversed(seq.blocks[keep:]))
+        del seq.blocks[keep:]
+
+    def free(self, request_id: str) -> None:
+        """Release every block of a request (finished, aborted or preempted). Unknown ids are a no-op."""
+        seq = self._seqs.pop(request_id, None)
+        if seq is not None:
+            self._free.extend(reversed(seq.blocks))
+
+    # ---- data -------------------------------------------------------------------------------
+    def slots(self, request_id: str, start: int, end: int) -> torch.Tensor:
+        """Flat slot indices of token positions [start, end) of a request."""
+        table = torch.tensor(self._seqs[request_id].blocks, dtype=torch.long)
+        pos = torch.arange(start, end)
+        return table[pos // self.block_size] * self.block_size + pos % self.block_size  # (end-start,)
+
+    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Write K, V of shape (N, kvh, hd) at flat slots (N,) of one layer."""
+        i = self._index[layer]
+        self.k[i].view(-1, *self.k.shape[-2:]).index_copy_(0, slots, k.to(self.k.dtype))
+        self.v[i].view(-1, *self.v.shape[-2:]).index_copy_(0, slots, v.to(self.v.dtype))
+
+    def gather(self, layer: int, block_tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K, V of every slot of the given block tables (B, nb): each (B, nb * block_size, kvh, hd)."""
+        i = self._index[layer]
+        b, nb = block_tables.shape
+        k = self.k[i][block_tables].view(b, nb * self.block_size, *self.k.shape[-2:])
+        v = self.v[i][block_tables].view(b, nb * self.block_size, *self.v.shape[-2:])
+        return k, v
+
+    def set_length(self, request_id: str, length: int) -> None:
+        """Record that KV up to `length` tokens is written (after a forward wrote it)."""
+        seq = self._seqs[request_id]
+        if self.blocks_for(length) > len(seq.blocks):
+            raise ValueError(f"{request_id}: length {length} exceeds its reserved blocks")
+        seq.length = length
+
+    def export(self, request_id: str, start: int = 0, end: int | None = None) -> KVExport:
+        """Copy out the KV of tokens [start, end) of a request for every layer of this shard."""
+        seq = self._seqs[request_id]
+        end = seq.length if end is None else end
+        if not 0 <= start <= end <= seq.length:
+            raise ValueError(f"{request_id}: range [{start}, {end}) outside its {seq.length} tokens")
+        slots = self.slots(request_id, start, end)
+        flat = (len(self.layer_ids), -1, *self.k.shape[-2:])
+        return KVExport(
+            request_id=request_id,
+            layer_ids=tuple(self.layer_ids),
+            start=start,
+            end=end,
+            k=self.k.view(flat)[:, slots].clone(),
+            v=self.v.view(flat)[:, slots].clone(),
+        )
+
+    def import_(self, export: KVExport) -> bool:
+        """Write an exported range into this cache, appending at the request's current length.
+
+        The export must start where this cache's copy of the request ends (a fresh request starts
+        at 0), so ranges can be streamed in stages. Returns False if out of blocks.
+        """
+        if tuple(self.layer_ids) != export.layer_ids:
+            raise ValueError(f"export holds layers {export.layer_ids}, this cache {self.layer_ids}")
+        have = self.length(export.request_id)
+        if export.start != have:
+            raise ValueError(f"{export.request_id}: export starts at {export.start}, cache holds {have}")
+        if not self.reserve(export.request_id, export.end):
+            return False
+        slots = self.slots(export.request_id, export.start, export.end)
+        flat = (len(self.layer_ids), -1, *self.k.shape[-2:])
+        self.k.view(flat)[:, slots] = export.k.to(self.k.dtype)
+        self.v.view(flat)[:, slots] = export.v.to(self.v.dtype)
+        self._seqs[export.request_id].length = export.end
+        return True

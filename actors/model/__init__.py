@@ -1,0 +1,1 @@
+"""Model side of the data plane: checkpoint loading and the layer runner."""

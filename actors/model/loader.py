@@ -1,0 +1,107 @@
+"""Load a checkpoint (GGUF file, local Hugging Face folder, or hub id) with its tokenizer, via transformers."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    PretrainedConfig,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+)
+
+# model_type -> feed-forward kind; anything else is refused before weights are read.
+SUPPORTED_ARCHITECTURES = {"llama": "dense", "qwen2": "dense", "mistral": "dense", "mixtral": "moe", "qwen2_moe": "moe"}
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+class ModelLoadError(ValueError):
+    """The checkpoint cannot be loaded: missing file, unreachable hub, or unsupported architecture."""
+
+
+class UnsupportedArchitecture(ModelLoadError):
+    pass
+
+
+@dataclass
+class LoadedModel:
+    """A checkpoint in memory: the transformers model (weights and reference forward) and its tokenizer."""
+
+    source: str
+    config: PretrainedConfig
+    hf_model: PreTrainedModel
+    tokenizer: PreTrainedTokenizerBase
+    dtype: torch.dtype
+
+    @property
+    def num_layers(self) -> int:
+        return self.config.num_hidden_layers
+
+    @property
+    def max_model_len(self) -> int:
+        return int(self.config.max_position_embeddings)
+
+    @property
+    def eos_token_ids(self) -> frozenset[int]:
+        """EOS ids from the generation config and the tokenizer."""
+        ids: set[int] = set()
+        gen = getattr(self.hf_model, "generation_config", None)
+        for value in (getattr(gen, "eos_token_id", None), self.tokenizer.eos_token_id):
+            if isinstance(value, int):
+                ids.add(value)
+            elif value is not None:
+                ids.update(value)
+        return frozenset(ids)
+
+
+def _looks_like_path(source: str) -> bool:
+    """A hub id is `org/name`; anything absolute, relative-dotted, home-based or .gguf is a path."""
+    return source.endswith(".gguf") or source.startswith((".", "/", "~"))
+
+
+def _location(source: str) -> tuple[str, dict]:
+    """Map a source to transformers' (pretrained_model_name_or_path, extra kwargs)."""
+    path = Path(source).expanduser()
+    if path.is_file():
+        if path.suffix != ".gguf":
+            raise ModelLoadError(f"{source}: a model file must be GGUF (.gguf); a safetensors model is a folder")
+        return str(path.parent), {"gguf_file": path.name}
+    if path.is_dir():
+        return str(path), {}
+    if _looks_like_path(source):
+        raise ModelLoadError(f"model not found: {source} (no such file or folder)")
+    return source, {}  # a hub id
+
+
+def load_config(source: str) -> PretrainedConfig:
+    """Read only the model's config, refusing unsupported architectures with the supported list."""
+    where, kwargs = _location(source)
+    try:
+        config = AutoConfig.from_pretrained(where, **kwargs)
+    except (OSError, ValueError) as e:
+        raise ModelLoadError(f"cannot read the config of {source}: {e}") from None
+    if config.model_type not in SUPPORTED_ARCHITECTURES:
+        supported = ", ".join(sorted(SUPPORTED_ARCHITECTURES))
+        raise UnsupportedArchitecture(f"unsupported architecture {config.model_type!r}; supported: {supported}")
+    return config
+
+
+def load_model(source: str, dtype: str = "fp32") -> LoadedModel:
+    """Load weights and tokenizer of `source` (a GGUF file, a local folder, or a hub id) in `dtype`."""
+    if dtype not in DTYPES:
+        raise ModelLoadError(f"unsupported dtype {dtype!r}; supported: {', '.join(DTYPES)}")
+    config = load_config(source)
+    where, kwargs = _location(source)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(where, **kwargs)
+        model = AutoModelForCausalLM.from_pretrained(where, dtype=DTYPES[dtype], **kwargs)
+    except (OSError, ValueError) as e:
+        raise ModelLoadError(f"cannot load {source}: {e}") from None
+    model.eval().requires_grad_(False)
+    return LoadedModel(source=source, config=config, hf_model=model, tokenizer=tokenizer, dtype=DTYPES[dtype])

@@ -1,0 +1,130 @@
+"""ModelRunner: runs a chosen set of a model's decoder layers over the runner's own paged KV cache.
+
+A runner is a pipeline stage (a contiguous layer range; the first embeds tokens, the last produces
+logits), a whole model (all layers, first and last), or a self-speculative draft (a subset of the
+target's layers, sharing its weights, with a cache of its own).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from transformers.activations import ACT2FN
+
+from actors.kv_cache import KVCache
+from actors.model.layers import Attention, DecoderLayer, DenseMLP, MoE, rms_norm
+from actors.model.loader import SUPPORTED_ARCHITECTURES, LoadedModel
+from actors.model.metadata import AttentionMetadata, SeqChunk
+from cluster.config import CacheConfig
+
+
+class CacheFull(RuntimeError):
+    """A forward needs KV blocks that are not free; the engine should have reserved them first."""
+
+
+def _sliding_window(config, index: int) -> int | None:
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is not None and layer_types[index] != "sliding_attention":
+        return None
+    return getattr(config, "sliding_window", None)
+
+
+def build_layer(model: LoadedModel, index: int) -> DecoderLayer:
+    """Wrap layer `index` of the transformers model in our own layer (weights shared, not copied)."""
+    cfg = model.config
+    hf = model.hf_model.model.layers[index]
+    a = hf.self_attn
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    attn = Attention(
+        a.q_proj, a.k_proj, a.v_proj, a.o_proj,
+        num_heads=cfg.num_attention_heads,
+        num_kv_heads=cfg.num_key_value_heads,
+        head_dim=head_dim,
+        sliding_window=_sliding_window(cfg, index),
+    )
+    mlp = hf.mlp
+    ffn: DenseMLP | MoE
+    if hasattr(mlp, "experts"):
+        shared = getattr(mlp, "shared_expert", None)
+        ffn = MoE(
+            router=mlp.gate.weight,
+            gate_up=mlp.experts.gate_up_proj,
+            down=mlp.experts.down_proj,
+            top_k=cfg.num_experts_per_tok,
+            normalize_top_k=getattr(cfg, "norm_topk_prob", True),
+            act=ACT2FN[cfg.hidden_act],
+            weights_in_input_dtype=cfg.model_type == "qwen2_moe",
+            shared=DenseMLP(shared.gate_proj, shared.up_proj, shared.down_proj, shared.act_fn) if shared else None,
+            shared_gate=getattr(mlp, "shared_expert_gate", None),
+        )
+    else:
+        ffn = DenseMLP(mlp.gate_proj, mlp.up_proj, mlp.down_proj, mlp.act_fn)
+    return DecoderLayer(
+        index=index,
+        input_norm=hf.input_layernorm.weight,
+        post_norm=hf.post_attention_layernorm.weight,
+        eps=cfg.rms_norm_eps,
+        attn=attn,
+        ffn=ffn,
+    )
+
+
+class ModelRunner:
+    """Runs `layer_ids` of a loaded model in order; embeds tokens if `first`, returns logits if `last`."""
+
+    def __init__(
+        self,
+        model: LoadedModel,
+        layer_ids: Sequence[int],
+        cache: CacheConfig,
+        first: bool = True,
+        last: bool = True,
+    ) -> None:
+        cfg = model.config
+        assert cfg.model_type in SUPPORTED_ARCHITECTURES, cfg.model_type
+        bad = [i for i in layer_ids if not 0 <= i < cfg.num_hidden_layers]
+        if bad or not layer_ids:
+            raise ValueError(f"layers {list(layer_ids)} not within the model's {cfg.num_hidden_layers} layers")
+        self.model = model
+        self.first, self.last = first, last
+        self.layers = [build_layer(model, i) for i in layer_ids]
+        hf = model.hf_model
+        self.embed = hf.model.embed_tokens if first else None
+        self.norm = hf.model.norm.weight if last else None
+        self.lm_head = hf.lm_head if last else None
+        self.rotary = hf.model.rotary_emb
+        attn = self.layers[0].attn
+        self.cache = KVCache(
+            list(layer_ids), cache.num_blocks, cache.block_size, attn.num_kv_heads, attn.head_dim, model.dtype
+        )
+
+    @property
+    def layer_ids(self) -> list[int]:
+        return [layer.index for layer in self.layers]
+
+    def reserve(self, request_id: str, total_tokens: int) -> bool:
+        """Make room in this runner's cache for `total_tokens` tokens of a request."""
+        return self.cache.reserve(request_id, total_tokens)
+
+    @torch.inference_mode()
+    def forward(self, chunks: list[SeqChunk], hidden: torch.Tensor | None = None) -> torch.Tensor:
+        """Run the new tokens of each chunk through this runner's layers, appending their KV.
+
+        First runner: `hidden` is None and tokens are embedded. Others: hidden (B, T, H) from the
+        previous stage. Returns logits (sum num_logits, V) in fp32 if last, else hidden (B, T, H).
+        """
+        for c in chunks:
+            if not self.cache.reserve(c.request_id, self.cache.length(c.request_id) + len(c.token_ids)):
+                raise CacheFull(f"no KV blocks for {c.request_id}")
+        meta = AttentionMetadata.build(chunks, self.cache)
+        x = self.embed(meta.token_ids) if self.first else hidden  # (B, T, H)
+        cos, sin = self.rotary(x, meta.positions)  # (B, T, hd) each
+        for layer in self.layers:
+            x = layer(x, cos, sin, meta, self.cache)
+        for c in chunks:
+            self.cache.set_length(c.request_id, self.cache.length(c.request_id) + len(c.token_ids))
+        if not self.last:
+            return x
+        h = x.reshape(-1, x.shape[-1])[meta.logits_index]  # (sum num_logits, H)
+        return self.lm_head(rms_norm(h, self.norm, self.model.config.rms_norm_eps)).float()  # (N, V)

@@ -1,0 +1,48 @@
+"""Per-request state inside an engine: tokens so far, output and stop logic, speculation stats, RNG."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import torch
+
+from actors.output import RequestOutput
+from cluster.request import Request, SpecStats
+
+
+class SeqStatus(enum.Enum):
+    WAITING = "waiting"  # queued, or preempted (its KV freed; it recomputes on resumption)
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class Sequence:
+    """One request being served. `token_ids` is the prompt followed by every generated token."""
+
+    request: Request
+    token_ids: list[int]
+    output: RequestOutput
+    generator: torch.Generator | None  # None for greedy requests
+    stats: SpecStats = field(default_factory=SpecStats)
+    status: SeqStatus = SeqStatus.WAITING
+    num_preemptions: int = 0
+    seqno: int = 0  # order of arrival at this engine, the tie-break after arrival_time
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+    @property
+    def greedy(self) -> bool:
+        return self.request.params.greedy
+
+    @property
+    def remaining(self) -> int:
+        """Tokens still allowed before the length limit."""
+        return self.output.max_new_tokens - len(self.output.token_ids)
+
+    def order_key(self) -> tuple[int, float, int]:
+        """Sort key: higher priority first, then earlier arrival."""
+        return (-self.request.priority, self.request.arrival_time, self.seqno)

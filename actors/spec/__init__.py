@@ -1,0 +1,1 @@
+"""Speculative decoding: drafting, verification and token acceptance."""

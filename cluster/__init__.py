@@ -1,0 +1,1 @@
+"""Control plane: typed config, request model, router, global scheduler and its policies."""

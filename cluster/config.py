@@ -1,0 +1,108 @@
+"""The one typed configuration tree (pydantic v2, frozen, extra="forbid"), loaded from YAML.
+
+Each component receives only its own sub-config: the model loader gets `ModelConfig`, the
+speculation policy `SpeculationConfig`, the KV cache `CacheConfig`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class ConfigError(ValueError):
+    """A configuration file or value is wrong; the message names the file and the key."""
+
+
+class ModelConfig(_Frozen):
+    """The model pair an instance serves.
+
+    `target` and `draft` are each a catalog name (see deploy/model_store.py), a GGUF file, a local
+    Hugging Face folder (safetensors), or a hub id. `draft: null` decodes without speculation;
+    `draft_layers` instead makes a self-speculative draft out of those layers of the target
+    (layer skipping, as in SWIFT arXiv 2410.06916 and Kangaroo arXiv 2404.18911), sharing its weights.
+    """
+
+    target: str
+    draft: str | None = None
+    draft_layers: tuple[int, ...] | None = None
+    dtype: Literal["fp32", "bf16"] = "fp32"
+    # "int8": int8 weight-only draft (gpt-fast style); cheaper drafting, the output stays the target's
+    draft_quantization: Literal["none", "int8"] = "none"
+    max_model_len: int | None = Field(default=None, ge=2)
+    name: str | None = None  # the name clients use for the model; defaults to the target's
+
+    @model_validator(mode="after")
+    def _one_draft(self) -> "ModelConfig":
+        if self.draft is not None and self.draft_layers is not None:
+            raise ValueError("set either draft or draft_layers, not both")
+        if self.draft_layers is not None and len(self.draft_layers) == 0:
+            raise ValueError("draft_layers must name at least one layer")
+        return self
+
+    @property
+    def served_name(self) -> str:
+        return self.name or Path(self.target).stem
+
+
+class SpeculationConfig(_Frozen):
+    """How many tokens the draft proposes per round. `fixed`: k tokens; `off`: plain decoding."""
+
+    policy: Literal["fixed", "off"] = "fixed"
+    k: int = Field(default=4, ge=0, le=16)
+
+
+class CacheConfig(_Frozen):
+    """KV cache size in fixed-size blocks of `block_size` tokens, per shard."""
+
+    block_size: int = Field(default=16, ge=1, le=1024)
+    num_blocks: int = Field(default=2048, ge=2)
+
+
+class EngineConfig(_Frozen):
+    """One instance's engine: its model pair, speculation and cache."""
+
+    model: ModelConfig
+    speculation: SpeculationConfig = SpeculationConfig()
+    cache: CacheConfig = CacheConfig()
+    max_batch_size: int = Field(default=8, ge=1)
+
+
+class SpecfleetConfig(_Frozen):
+    """The root of the tree, as read from a YAML file."""
+
+    engine: EngineConfig
+
+
+def load_config(path: str | Path) -> SpecfleetConfig:
+    """Read and validate a YAML config; errors name the file and the offending key."""
+    path = Path(path)
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: no such config file") from None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: not valid YAML: {e}") from None
+    return parse_config(raw, source=str(path))
+
+
+def parse_config(raw: object, source: str = "<config>") -> SpecfleetConfig:
+    """Validate an already-parsed mapping; `source` names where it came from in errors."""
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{source}: expected a mapping at the top level, got {type(raw).__name__}")
+    try:
+        return SpecfleetConfig.model_validate(raw)
+    except ValidationError as e:
+        problems = []
+        for err in e.errors():
+            key = ".".join(str(p) for p in err["loc"]) or "<root>"
+            msg = "unknown key" if err["type"] == "extra_forbidden" else err["msg"]
+            problems.append(f"{source}: {key}: {msg}")
+        raise ConfigError("\n".join(problems)) from None

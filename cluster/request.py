@@ -1,0 +1,127 @@
+"""The request model: typed messages that cross every boundary (sampling parameters, requests, deltas)."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+
+class SamplingParams(BaseModel):
+    """How one request samples and when it stops (the OpenAI / vLLM fields).
+
+    temperature 0 means greedy. top_k 0 (or -1) and top_p 1.0 switch those filters off. A seed makes
+    the same request give the same output. max_tokens counts generated tokens.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    temperature: float = Field(default=1.0, ge=0.0, le=100.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    top_k: int = Field(default=0, ge=-1)
+    seed: int | None = None
+    max_tokens: int = Field(default=16, ge=1)
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _stop_list(cls, v: object) -> object:
+        if isinstance(v, str):
+            return (v,)
+        return v
+
+    @field_validator("stop")
+    @classmethod
+    def _no_empty_stop(cls, v: tuple[str, ...]) -> tuple[str, ...]:
+        if any(s == "" for s in v):
+            raise ValueError("stop strings must not be empty")
+        return v
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+class FinishReason(str, enum.Enum):
+    """Why a request ended; the first two are OpenAI's `finish_reason` values."""
+
+    STOP = "stop"  # EOS, a stop token id or a stop string
+    LENGTH = "length"  # max_tokens reached, or the model's context is full
+    ABORT = "abort"  # cancelled by the client or an operator
+    ERROR = "error"  # the request could not be served (see TokenDelta.error)
+
+
+@dataclass(frozen=True)
+class Request:
+    """A tokenized request as the engine receives it."""
+
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    params: SamplingParams
+    priority: int = 0  # higher is served first
+    arrival_time: float = 0.0
+
+
+@dataclass
+class SpecStats:
+    """Speculation counters of one request (or summed over many)."""
+
+    proposed: int = 0  # draft tokens proposed
+    accepted: int = 0  # draft tokens the target accepted
+    rounds: int = 0  # verification rounds (each emits accepted + 1 tokens)
+    accepted_per_position: list[int] = field(default_factory=list)  # [j] = accepted at draft position j
+
+    def record(self, proposed: int, accepted: int) -> None:
+        self.proposed += proposed
+        self.accepted += accepted
+        self.rounds += 1
+        if len(self.accepted_per_position) < proposed:
+            self.accepted_per_position.extend([0] * (proposed - len(self.accepted_per_position)))
+        for j in range(accepted):
+            self.accepted_per_position[j] += 1
+
+    def merge(self, other: "SpecStats") -> None:
+        self.proposed += other.proposed
+        self.accepted += other.accepted
+        self.rounds += other.rounds
+        n = max(len(self.accepted_per_position), len(other.accepted_per_position))
+        a = self.accepted_per_position + [0] * (n - len(self.accepted_per_position))
+        b = other.accepted_per_position + [0] * (n - len(other.accepted_per_position))
+        self.accepted_per_position = [x + y for x, y in zip(a, b)]
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.proposed if self.proposed else 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens emitted per verification round (accepted drafts + the target's own token)."""
+        return (self.accepted + self.rounds) / self.rounds if self.rounds else 0.0
+
+    def as_dict(self) -> dict:
+        return {
+            "proposed": self.proposed,
+            "accepted": self.accepted,
+            "rounds": self.rounds,
+            "acceptance_rate": round(self.acceptance_rate, 4),
+            "mean_accepted_length": round(self.mean_accepted_length, 4),
+            "accepted_per_position": list(self.accepted_per_position),
+        }
+
+
+@dataclass(frozen=True)
+class TokenDelta:
+    """What one engine step emitted for one request: new tokens, new text, and the end if it ended."""
+
+    request_id: str
+    token_ids: tuple[int, ...]
+    text: str
+    finish_reason: FinishReason | None = None
+    error: str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None

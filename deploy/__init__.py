@@ -1,0 +1,1 @@
+"""Deployment: Ray Serve application, CLI, model store, benchmarks and local cluster bring-up."""

@@ -1,0 +1,1 @@
+"""Benchmarks: workloads, load generators and the figures they record."""

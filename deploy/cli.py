@@ -1,0 +1,50 @@
+"""The `specfleet` command line: a thin layer that parses flags and hands them to one command module each."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from pydantic import ValidationError
+
+from actors.engine import RequestError
+from actors.model.loader import ModelLoadError
+from cluster.config import ConfigError
+from deploy import generate
+from deploy.bench import spec as bench_spec
+from deploy.flags import UsageError
+from deploy.model_store import ModelFetchError
+
+# Errors a user can fix from the message alone: printed without a traceback, exit status 2.
+USER_ERRORS = (ConfigError, ModelLoadError, ModelFetchError, RequestError, UsageError, ValidationError, OSError)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="specfleet", description="Serve LLMs with lossless speculative decoding.")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    p = commands.add_parser("generate", help="generate offline in one process")
+    generate.add_arguments(p)
+    p.set_defaults(run=generate.run)
+
+    bench = commands.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True, metavar="BENCH")
+    p = bench.add_parser("spec", help="speculative decoding vs plain decoding vs transformers' assisted generation")
+    bench_spec.add_arguments(p)
+    p.set_defaults(run=bench_spec.run)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.run(args)
+    except USER_ERRORS as e:
+        print(f"specfleet: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,60 @@
+"""Flags shared by commands that build an engine, and their translation into the typed EngineConfig."""
+
+from __future__ import annotations
+
+import argparse
+
+from cluster.config import ConfigError, EngineConfig, load_config, parse_config
+
+
+class UsageError(ValueError):
+    """Bad command-line input that is not a config problem (an unreadable prompts file, say)."""
+
+
+def parse_layers(text: str) -> tuple[int, ...]:
+    """'0-9,28,29' -> (0, 1, ..., 9, 28, 29)."""
+    layers: list[int] = []
+    try:
+        for part in text.split(","):
+            lo, _, hi = part.strip().partition("-")
+            layers.extend(range(int(lo), int(hi or lo) + 1))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"bad layer list {text!r}; expected e.g. 0-9,28,29") from None
+    return tuple(layers)
+
+
+def add_engine_flags(p: argparse.ArgumentParser, *, default_dtype: str | None = None) -> None:
+    g = p.add_argument_group("model")
+    g.add_argument("--config", help="YAML config (deploy/configs/default.yaml); flags below override it")
+    g.add_argument("--target", help="target model: catalog name, GGUF file, HF folder, or hub id")
+    g.add_argument("--draft", help="draft model (same forms as --target), or 'none' for no speculation")
+    g.add_argument("--draft-layers", type=parse_layers, help="self-speculative draft from these target layers")
+    g.add_argument("--draft-quantization", choices=["none", "int8"], help="int8: weight-only int8 draft")
+    g.add_argument("--dtype", choices=["fp32", "bf16"], default=default_dtype)
+    g.add_argument("--k", type=int, help="draft tokens per round (0 = no speculation)")
+    g.add_argument("--max-batch-size", type=int)
+
+
+def engine_config(args: argparse.Namespace) -> EngineConfig:
+    """The engine config from --config (if any) with the flags applied on top, validated as one."""
+    raw: dict = load_config(args.config).engine.model_dump() if args.config else {"model": {}}
+    model = raw["model"]
+    if args.target:
+        model["target"] = args.target
+    if args.draft is not None:
+        model["draft"] = None if args.draft == "none" else args.draft
+        model["draft_layers"] = None
+        if args.draft == "none":
+            raw.setdefault("speculation", {})["policy"] = "off"
+    if args.draft_layers is not None:
+        model["draft_layers"], model["draft"] = args.draft_layers, None
+    for key in ("draft_quantization", "dtype"):
+        if getattr(args, key) is not None:
+            model[key] = getattr(args, key)
+    if args.k is not None:
+        raw.setdefault("speculation", {})["k"] = args.k
+    if args.max_batch_size is not None:
+        raw["max_batch_size"] = args.max_batch_size
+    if "target" not in model:
+        raise ConfigError("no target model: pass --target or --config")
+    return parse_config({"engine": raw}, source=args.config or "command line").engine

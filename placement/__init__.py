@@ -1,0 +1,1 @@
+"""Heterogeneous placement: device catalog, layer splits, draft and expert groups, Ray placement groups."""

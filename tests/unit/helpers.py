@@ -1,0 +1,130 @@
+"""Shared helpers of the data-plane unit tests: cached model loading, real-text prompts, HF references, chi-square."""
+
+from __future__ import annotations
+
+import functools
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from actors.engine import Engine
+from actors.model.loader import LoadedModel, load_model
+from actors.model.runner import ModelRunner
+from cluster.config import CacheConfig
+from cluster.request import FinishReason
+
+# The tiny models run far faster on one thread, and a second OpenMP thread fighting other processes for
+# the machine's 2 cores makes runtimes swing by 100x; every data-plane test module imports this file.
+torch.set_num_threads(1)
+
+MT_BENCH = Path("/work/shared/datasets/mt_bench_questions.jsonl")
+_FALLBACK_TEXTS = (
+    "Compose an engaging travel blog post about a recent trip to Hawaii, highlighting cultural experiences.",
+    "Draft a professional email seeking your supervisor's feedback on the 'Quarterly Financial Report'.",
+    "Imagine you are writing a blog post comparing two popular smartphone models.",
+    "Write a persuasive essay to convince your audience that daily exercise is worth the effort.",
+    "Describe a vivid and unique character, using strong imagery and creative language.",
+    "Explain the process of photosynthesis and why it matters for life on Earth.",
+    "Implement a program to find the common elements in two arrays without extra data structures.",
+    "Solve the equation 3x + 10 = 5(x - 2) and explain each step of the solution.",
+)
+# Prompt length in tokens of question i: all different, several beyond mistral's sliding window of 24. Some
+# were picked so that the tiny models' greedy continuation ends with EOS within 24 tokens: question 5
+# (mixtral), 6 (qwen2, mixtral), 7 (qwen2_moe, at once), 10 and 12 (qwen2), 11 (mistral), 13 (llama, mistral).
+PROMPT_LENGTHS = (40, 9, 31, 17, 26, 35, 16, 20, 3, 38, 8, 21, 13, 7, 12, 28)
+
+
+@functools.cache
+def load(path: str | Path) -> LoadedModel:
+    """load_model(path, "fp32"), once per path per session (tests never modify a loaded model)."""
+    return load_model(str(path), "fp32")
+
+
+@functools.cache
+def question_texts() -> tuple[str, ...]:
+    """First turns of the MT-Bench questions (a built-in handful if the dataset is not on this machine)."""
+    if not MT_BENCH.exists():
+        return _FALLBACK_TEXTS
+    return tuple(json.loads(line)["turns"][0] for line in MT_BENCH.read_text().splitlines() if line.strip())
+
+
+def text_prompts(model: LoadedModel, n: int, offset: int = 0) -> list[list[int]]:
+    """Questions offset..offset+n-1 as prompts, tokenized by the model's tokenizer, cut to PROMPT_LENGTHS."""
+    texts = question_texts()
+    prompts = []
+    for i in range(offset, offset + n):
+        ids = model.tokenizer.encode(texts[i % len(texts)])
+        length = PROMPT_LENGTHS[i % len(PROMPT_LENGTHS)]
+        assert len(ids) >= length, "every question is longer than 40 tiny-tokenizer tokens"
+        prompts.append(ids[:length])
+    return prompts
+
+
+@functools.cache
+def _reference(path: str, prompt: tuple[int, ...], max_new_tokens: int) -> tuple[int, ...]:
+    model = load(path)
+    out = model.hf_model.generate(
+        torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+        do_sample=False, max_new_tokens=max_new_tokens,
+    )
+    return tuple(out[0, len(prompt):].tolist())
+
+
+def reference_greedy(path: str | Path, prompt: Sequence[int], max_new_tokens: int) -> list[int]:
+    """transformers' own greedy continuation of `prompt` by the model at `path` (stops after EOS)."""
+    return list(_reference(str(path), tuple(prompt), max_new_tokens))
+
+
+def runner(model: LoadedModel, layers: Sequence[int] | None = None, block_size: int = 4,
+           num_blocks: int = 256, first: bool = True, last: bool = True) -> ModelRunner:
+    layers = range(model.num_layers) if layers is None else layers
+    return ModelRunner(model, layers, CacheConfig(block_size=block_size, num_blocks=num_blocks), first=first, last=last)
+
+
+@dataclass
+class Result:
+    """What the deltas of one request added up to."""
+
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    finish_reason: FinishReason | None = None
+    error: str | None = None
+    first_step: int | None = None  # the step that emitted its first token
+
+
+def drain(engine: Engine, results: dict[str, Result] | None = None, steps: int | None = None,
+          start_step: int = 0) -> dict[str, Result]:
+    """Step `engine` `steps` times, or until nothing is left, accumulating each request's deltas into `results`."""
+    results = {} if results is None else results
+    limit = 2000 if steps is None else steps
+    for step in range(start_step, start_step + limit):
+        if not engine.has_unfinished():
+            return results
+        for delta in engine.step():
+            r = results.setdefault(delta.request_id, Result())
+            assert r.finish_reason is None, f"{delta.request_id} got a delta after it finished"
+            if delta.token_ids and r.first_step is None:
+                r.first_step = step
+            r.token_ids.extend(delta.token_ids)
+            r.text += delta.text
+            r.finish_reason, r.error = delta.finish_reason, delta.error
+    if steps is None:
+        raise AssertionError(f"the engine did not finish within {limit} steps")
+    return results
+
+
+def chi_square(observed: torch.Tensor, probs: torch.Tensor) -> tuple[float, float]:
+    """Pearson's chi-square statistic of counts against probabilities, and its p-value (df = bins - 1).
+
+    p-value = P(chi2_df >= stat) = Q(df/2, stat/2), the regularized upper incomplete gamma function.
+    """
+    observed = observed.double()
+    expected = probs.double() / probs.double().sum() * observed.sum()
+    assert (expected >= 5).all(), f"bins with fewer than 5 expected counts: {expected}"
+    stat = ((observed - expected) ** 2 / expected).sum()
+    df = observed.numel() - 1
+    p_value = torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64), stat / 2)
+    return float(stat), float(p_value)

@@ -1,0 +1,75 @@
+"""`specfleet generate` end to end in a subprocess on tiny models: JSON output, lossless output, clear errors."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+
+def specfleet(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "deploy.cli", *args], capture_output=True, text=True, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def pair(tiny_models, tiny_draft_models):
+    return tiny_models["qwen2"], tiny_draft_models["qwen2"]
+
+
+def test_generate_json_is_the_targets_greedy_output(pair, tmp_path):
+    target, draft = pair
+    prompts = ["The quick brown fox", "def add(a, b):"]
+    (tmp_path / "p.jsonl").write_text("\n".join(json.dumps({"prompt": p}) for p in prompts))
+    res = specfleet("generate", "--target", str(target), "--draft", str(draft), "--prompts-file",
+                    str(tmp_path / "p.jsonl"), "--max-tokens", "12", "--k", "3", "--no-chat", "--json")
+    assert res.returncode == 0, res.stderr
+    rows = [json.loads(line) for line in res.stdout.splitlines()]
+    assert [r["prompt"] for r in rows] == prompts
+    tok = AutoTokenizer.from_pretrained(target)
+    model = AutoModelForCausalLM.from_pretrained(target).eval()
+    for r in rows:
+        ids = tok.encode(r["prompt"])
+        ref = model.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False,
+                             attention_mask=torch.ones(1, len(ids), dtype=torch.long))[0, len(ids):].tolist()
+        assert r["token_ids"] == ref
+        assert r["text"] == tok.decode(ref, skip_special_tokens=True)
+        assert r["stats"]["proposed"] > 0 and 0 <= r["stats"]["accepted"] <= r["stats"]["proposed"]
+        assert r["finish_reason"] in ("length", "stop")
+
+
+def test_generate_without_draft_and_with_self_draft_agree(pair):
+    target, _ = pair
+    outs = []
+    for extra in (["--draft", "none"], ["--draft-layers", "0,3", "--draft-quantization", "int8"]):
+        res = specfleet("generate", "--target", str(target), *extra, "--prompt", "Hello there", "--max-tokens",
+                        "10", "--json")
+        assert res.returncode == 0, res.stderr
+        outs.append(json.loads(res.stdout)["token_ids"])
+    assert outs[0] == outs[1] and len(outs[0]) > 0
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--target", "/nonexistent/model.gguf"], "not found"),
+        (["--config", "/nonexistent.yaml"], "no such config file"),
+        (["--max-tokens", "0"], "max_tokens"),
+        (["--k", "99"], "speculation.k"),
+        (["--draft-layers", "0,99"], "layers"),
+    ],
+)
+def test_bad_input_gives_a_clear_message_and_exit_2(pair, args, message):
+    target, _ = pair
+    base = ["generate", "--prompt", "hi"] + ([] if "--target" in args or "--config" in args else ["--target", str(target)])
+    res = specfleet(*base, *args)
+    assert res.returncode == 2, (res.stdout, res.stderr)
+    assert message in res.stderr and "Traceback" not in res.stderr
+
+
+def test_empty_prompt_is_refused(pair):
+    res = specfleet("generate", "--target", str(pair[0]), "--prompt", "", "--no-chat")
+    assert res.returncode == 2 and "prompt is empty" in res.stderr

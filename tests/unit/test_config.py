@@ -1,0 +1,144 @@
+"""The typed config tree: the shipped default loads, and every kind of mistake is named clearly."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pydantic
+import pytest
+
+import deploy
+from cluster.config import (
+    CacheConfig,
+    ConfigError,
+    EngineConfig,
+    ModelConfig,
+    SpecfleetConfig,
+    SpeculationConfig,
+    load_config,
+    parse_config,
+)
+from deploy.model_store import CATALOG
+
+DEFAULT = Path(deploy.__file__).parent / "configs" / "default.yaml"
+
+MINIMAL = "engine:\n  model:\n    target: smollm2-135m-instruct\n"
+
+
+def write(tmp_path: Path, text: str, name: str = "c.yaml") -> Path:
+    path = tmp_path / name
+    path.write_text(text)
+    return path
+
+
+def test_default_config_loads() -> None:
+    cfg = load_config(DEFAULT)
+    model = cfg.engine.model
+    assert model.target in CATALOG
+    assert model.draft is None and model.draft_layers  # a self-speculative draft
+    assert list(model.draft_layers) == sorted(set(model.draft_layers))
+    assert all(0 <= i < 30 for i in model.draft_layers)  # SmolLM2-135M has 30 layers
+    assert len(model.draft_layers) < 30
+    assert model.dtype == "fp32"
+    assert cfg.engine.speculation == SpeculationConfig(policy="fixed", k=4)
+    assert cfg.engine.cache == CacheConfig(block_size=16, num_blocks=2048)
+
+
+def test_minimal_config_takes_defaults(tmp_path: Path) -> None:
+    cfg = load_config(write(tmp_path, MINIMAL))
+    assert cfg.engine.model == ModelConfig(target="smollm2-135m-instruct")
+    assert cfg.engine.speculation == SpeculationConfig()
+    assert cfg.engine.model.served_name == "smollm2-135m-instruct"
+
+
+@pytest.mark.parametrize(
+    ("text", "key"),
+    [
+        ("engine:\n  model: {target: x}\nrouter: {}\n", "router"),
+        ("engine:\n  model: {target: x}\n  turbo: true\n", "engine.turbo"),
+        ("engine:\n  model: {target: x, drafts: y}\n", "engine.model.drafts"),
+        ("engine:\n  model: {target: x}\n  cache: {blocksize: 8}\n", "engine.cache.blocksize"),
+    ],
+)
+def test_unknown_key_names_path_and_file(tmp_path: Path, text: str, key: str) -> None:
+    path = write(tmp_path, text, "typo.yaml")
+    with pytest.raises(ConfigError) as err:
+        load_config(path)
+    msg = str(err.value)
+    assert f"{key}: unknown key" in msg
+    assert str(path) in msg
+
+
+@pytest.mark.parametrize(
+    ("text", "key"),
+    [
+        ("engine:\n  model: {target: x}\n  speculation: {k: many}\n", "engine.speculation.k"),
+        ("engine:\n  model: {target: x, dtype: fp8}\n", "engine.model.dtype"),
+        ("engine:\n  model: {target: x}\n  cache: {block_size: 0}\n", "engine.cache.block_size"),
+        ("engine:\n  model: {target: x, draft_layers: [a]}\n", "engine.model.draft_layers.0"),
+        ("engine:\n  model: {}\n", "engine.model.target"),
+    ],
+)
+def test_wrong_value_names_key(tmp_path: Path, text: str, key: str) -> None:
+    path = write(tmp_path, text)
+    with pytest.raises(ConfigError, match=rf"{path}: {key}:"):
+        load_config(path)
+
+
+def test_missing_file(tmp_path: Path) -> None:
+    path = tmp_path / "nope.yaml"
+    with pytest.raises(ConfigError, match="no such config file") as err:
+        load_config(path)
+    assert str(path) in str(err.value)
+
+
+def test_invalid_yaml(tmp_path: Path) -> None:
+    path = write(tmp_path, "engine: [unclosed\n")
+    with pytest.raises(ConfigError, match="not valid YAML") as err:
+        load_config(path)
+    assert str(path) in str(err.value)
+
+
+@pytest.mark.parametrize("text", ["", "- a\n- b\n", "just a string\n"])
+def test_top_level_must_be_a_mapping(tmp_path: Path, text: str) -> None:
+    with pytest.raises(ConfigError, match="expected a mapping"):
+        load_config(write(tmp_path, text))
+
+
+def test_draft_and_draft_layers_together_is_an_error(tmp_path: Path) -> None:
+    path = write(tmp_path, "engine:\n  model: {target: t, draft: d, draft_layers: [0, 1]}\n")
+    with pytest.raises(ConfigError, match="either draft or draft_layers") as err:
+        load_config(path)
+    assert "engine.model" in str(err.value)
+
+
+def test_empty_draft_layers_is_an_error() -> None:
+    with pytest.raises(ConfigError, match="at least one layer"):
+        parse_config({"engine": {"model": {"target": "t", "draft_layers": []}}})
+
+
+def test_parse_config_names_its_source() -> None:
+    with pytest.raises(ConfigError, match=r"^inline: engine: Field required"):
+        parse_config({}, source="inline")
+
+
+@pytest.mark.parametrize(
+    ("obj", "field", "value"),
+    [
+        (ModelConfig(target="t"), "target", "u"),
+        (SpeculationConfig(), "k", 2),
+        (CacheConfig(), "num_blocks", 4),
+        (EngineConfig(model=ModelConfig(target="t")), "max_batch_size", 1),
+        (SpecfleetConfig(engine=EngineConfig(model=ModelConfig(target="t"))), "engine", None),
+    ],
+)
+def test_configs_are_frozen(obj: pydantic.BaseModel, field: str, value: object) -> None:
+    with pytest.raises(pydantic.ValidationError, match="frozen"):
+        setattr(obj, field, value)
+
+
+def test_loaded_config_is_frozen_and_hashable() -> None:
+    cfg = load_config(DEFAULT)
+    with pytest.raises(pydantic.ValidationError):
+        cfg.engine.model.draft_layers = (0,)  # type: ignore[misc]
+    assert hash(cfg) == hash(load_config(DEFAULT))
