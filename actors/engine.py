@@ -103,15 +103,19 @@ class Engine:
 
     # ---- requests ---------------------------------------------------------------------------
     def encode(self, prompt: str, chat: bool = False) -> list[int]:
-        """Tokenize a prompt; with `chat`, as one user message through the model's chat template."""
-        if chat:
-            return list(self.tokenizer.apply_chat_template(
-                [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True, return_dict=False
-            ))
-        return self.tokenizer.encode(prompt)
+        """Tokenize a prompt with the target's tokenizer (see LoadedModel.encode)."""
+        return self.target.model.encode(prompt, chat)
 
     def add_request(self, request: Request) -> None:
         """Queue a request; raises RequestError if it can never be served."""
+        self.check_request(request)
+        params = request.params
+        out = RequestOutput(self.tokenizer, params, self.eos_token_ids, params.max_tokens)
+        gen = None if params.greedy else make_generator(params)
+        self.waiting.append(Sequence(request, list(request.prompt_token_ids), out, gen, seqno=next(self._ids)))
+
+    def check_request(self, request: Request) -> None:
+        """Raise RequestError if the request can never be served; changes nothing."""
         n = len(request.prompt_token_ids)
         if n == 0:
             raise RequestError("the prompt is empty")
@@ -127,10 +131,6 @@ class Engine:
             )
         if any(s.request_id == request.request_id for s in self.waiting + self.running):
             raise RequestError(f"request id {request.request_id!r} is already in use")
-        params = request.params
-        out = RequestOutput(self.tokenizer, params, self.eos_token_ids, params.max_tokens)
-        gen = None if params.greedy else make_generator(params)
-        self.waiting.append(Sequence(request, list(request.prompt_token_ids), out, gen, seqno=next(self._ids)))
 
     def abort(self, request_id: str) -> TokenDelta | None:
         """Cancel a request and free its KV; returns its final delta, or None if it is unknown."""
@@ -149,11 +149,13 @@ class Engine:
     def generate(self, prompts: Seq[Seq[int]], params: SamplingParams | Seq[SamplingParams]) -> list[Completion]:
         """Serve a batch of tokenized prompts to completion (offline use); results in prompt order."""
         params_list = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
+        requests = [Request(f"gen-{next(self._ids)}", tuple(p), sp) for p, sp in zip(prompts, params_list, strict=True)]
+        for r in requests:  # all or nothing: a bad prompt must not leave the good ones queued
+            self.check_request(r)
         done: dict[str, Completion] = {}
-        for prompt, sp in zip(prompts, params_list, strict=True):
-            rid = f"gen-{next(self._ids)}"
-            self.add_request(Request(rid, tuple(prompt), sp))
-            done[rid] = Completion(rid, list(prompt), [], "", None, self.waiting[-1].stats)
+        for r in requests:
+            self.add_request(r)
+            done[r.request_id] = Completion(r.request_id, list(r.prompt_token_ids), [], "", None, self.waiting[-1].stats)
         while any(c.finish_reason is None for c in done.values()) and self.has_unfinished():
             for delta in self.step():
                 c = done.get(delta.request_id)

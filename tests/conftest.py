@@ -6,11 +6,15 @@ from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.fixtures.tiny_models import DRAFT_NOISE, FAMILIES, build_tiny_model, perturbed_copy, write_tiny_gguf
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    # The tiny models run faster on one thread, and a second OpenMP thread fighting other processes
+    # for the machine's 2 cores made runtimes swing by 100x. (Subprocesses, e.g. the CLI, are unaffected.)
+    torch.set_num_threads(1)
     config.addinivalue_line("markers", "slow: a long-running test; deselect with -m 'not slow'")
 
 

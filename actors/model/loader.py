@@ -47,6 +47,14 @@ class LoadedModel:
     def max_model_len(self) -> int:
         return int(self.config.max_position_embeddings)
 
+    def encode(self, prompt: str, chat: bool = False) -> list[int]:
+        """Tokenize a prompt; with `chat`, as one user message through the model's chat template."""
+        if chat:
+            return list(self.tokenizer.apply_chat_template(
+                [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True, return_dict=False
+            ))
+        return self.tokenizer.encode(prompt)
+
     @property
     def eos_token_ids(self) -> frozenset[int]:
         """EOS ids from the generation config and the tokenizer."""

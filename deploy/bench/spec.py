@@ -142,14 +142,11 @@ def run(args: argparse.Namespace) -> int:
         modes["c_hf_assisted"] = _peer_mode(target, draft)
     results = {name: ModeResult(name) for name in modes}
 
-    tok = target.tokenizer
-    encode = lambda p: tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,  # noqa: E731
-                                               tokenize=True, return_dict=False)
     prompts = load_prompts(args.prompts, args.num_prompts)
     for fn in modes.values():  # warm-up: first-call kernel set-up is not what we measure
-        fn(list(encode("Hello")), 8)
+        fn(target.encode("Hello", chat=True), 8)
     for i, prompt in enumerate(prompts):
-        ids = list(encode(prompt))
+        ids = target.encode(prompt, chat=True)
         for name, fn in modes.items():
             _reset_peak_rss()
             t = time.perf_counter()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import functools
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -16,20 +16,26 @@ from actors.model.runner import ModelRunner
 from cluster.config import CacheConfig
 from cluster.request import FinishReason
 
-# The tiny models run far faster on one thread, and a second OpenMP thread fighting other processes for
-# the machine's 2 cores makes runtimes swing by 100x; every data-plane test module imports this file.
-torch.set_num_threads(1)
-
-MT_BENCH = Path("/work/shared/datasets/mt_bench_questions.jsonl")
-_FALLBACK_TEXTS = (
-    "Compose an engaging travel blog post about a recent trip to Hawaii, highlighting cultural experiences.",
-    "Draft a professional email seeking your supervisor's feedback on the 'Quarterly Financial Report'.",
-    "Imagine you are writing a blog post comparing two popular smartphone models.",
-    "Write a persuasive essay to convince your audience that daily exercise is worth the effort.",
-    "Describe a vivid and unique character, using strong imagery and creative language.",
-    "Explain the process of photosynthesis and why it matters for life on Earth.",
-    "Implement a program to find the common elements in two arrays without extra data structures.",
-    "Solve the equation 3x + 10 = 5(x - 2) and explain each step of the solution.",
+MT_BENCH = Path(__file__).resolve().parents[3] / "shared" / "datasets" / "mt_bench_questions.jsonl"
+# The first 100 characters of the first 16 questions' first turns: the prompts below only use their first
+# 40 tokens, so the tests run the same where the dataset is not next to the checkout.
+_MT_BENCH_HEADS = (
+    "Compose an engaging travel blog post about a recent trip to Hawaii, highlighting cultural experience",
+    "Draft a professional email seeking your supervisor's feedback on the 'Quarterly Financial Report' yo",
+    "Imagine you are writing a blog post comparing two popular smartphone models. Develop an outline for ",
+    "Write a persuasive email to convince your introverted friend, who dislikes public speaking, to volun",
+    "Describe a vivid and unique character, using strong imagery and creative language. Please answer in ",
+    "Write a descriptive paragraph about a bustling marketplace, incorporating sensory details such as sm",
+    "Could you write a captivating short story beginning with the sentence: The old abandoned house at th",
+    "Craft an intriguing opening paragraph for a fictional short story. The story should involve a charac",
+    "Help me construct a catchy, yet scientifically accurate, headline for an article on the latest disco",
+    "Edit the following paragraph to correct any grammatical errors:\nShe didn't remembre where is her pur",
+    "Pretend yourself to be Elon Musk in all the following conversations. Speak like Elon Musk as much as",
+    "Embrace the role of Sheldon from \"The Big Bang Theory\" as we delve into our conversation. Don’t star",
+    "Imagine yourself as a doctor tasked with devising innovative remedies for various ailments and malad",
+    "Please take on the role of a relationship coach. You'll be provided with details about two individua",
+    "Please assume the role of an English translator, tasked with correcting and enhancing spelling and l",
+    "Now you are a machine learning engineer. Your task is to explain complex machine learning concepts i",
 )
 # Prompt length in tokens of question i: all different, several beyond mistral's sliding window of 24. Some
 # were picked so that the tiny models' greedy continuation ends with EOS within 24 tokens: question 5
@@ -45,9 +51,9 @@ def load(path: str | Path) -> LoadedModel:
 
 @functools.cache
 def question_texts() -> tuple[str, ...]:
-    """First turns of the MT-Bench questions (a built-in handful if the dataset is not on this machine)."""
+    """First turns of the MT-Bench questions (their built-in heads if the dataset is not on this machine)."""
     if not MT_BENCH.exists():
-        return _FALLBACK_TEXTS
+        return _MT_BENCH_HEADS
     return tuple(json.loads(line)["turns"][0] for line in MT_BENCH.read_text().splitlines() if line.strip())
 
 
@@ -96,8 +102,9 @@ class Result:
 
 
 def drain(engine: Engine, results: dict[str, Result] | None = None, steps: int | None = None,
-          start_step: int = 0) -> dict[str, Result]:
-    """Step `engine` `steps` times, or until nothing is left, accumulating each request's deltas into `results`."""
+          start_step: int = 0, check: Callable[[Engine], None] | None = None) -> dict[str, Result]:
+    """Step `engine` `steps` times, or until nothing is left, accumulating each request's deltas into `results`;
+    `check(engine)` runs after every step."""
     results = {} if results is None else results
     limit = 2000 if steps is None else steps
     for step in range(start_step, start_step + limit):
@@ -111,6 +118,8 @@ def drain(engine: Engine, results: dict[str, Result] | None = None, steps: int |
             r.token_ids.extend(delta.token_ids)
             r.text += delta.text
             r.finish_reason, r.error = delta.finish_reason, delta.error
+        if check is not None:
+            check(engine)
     if steps is None:
         raise AssertionError(f"the engine did not finish within {limit} steps")
     return results

@@ -38,10 +38,10 @@ def test_default_config_loads() -> None:
     assert model.draft is None and model.draft_layers  # a self-speculative draft
     assert list(model.draft_layers) == sorted(set(model.draft_layers))
     assert all(0 <= i < 30 for i in model.draft_layers)  # SmolLM2-135M has 30 layers
-    assert len(model.draft_layers) < 30
+    assert len(model.draft_layers) < 30 or model.draft_quantization == "int8"  # cheaper than the target
     assert model.dtype == "fp32"
     assert cfg.engine.speculation == SpeculationConfig(policy="fixed", k=4)
-    assert cfg.engine.cache == CacheConfig(block_size=16, num_blocks=2048)
+    assert cfg.engine.cache == CacheConfig(block_size=16, num_blocks=1024)
 
 
 def test_minimal_config_takes_defaults(tmp_path: Path) -> None:

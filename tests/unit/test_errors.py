@@ -69,9 +69,6 @@ def test_duplicate_request_id(engine: Engine) -> None:
         engine.add_request(request([7, 8], rid="same"))
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "Engine.generate adds requests one by one, so a bad prompt after good ones raises with the good ones left "
-    "queued in the engine (served later with no caller, holding KV blocks); it should validate before adding"))
 def test_generate_with_a_bad_prompt_leaves_nothing_behind(engine: Engine) -> None:
     with pytest.raises(RequestError, match="empty"):
         engine.generate([[5, 6, 7], []], SamplingParams(temperature=0, max_tokens=4))
@@ -111,6 +108,12 @@ def test_missing_file_or_folder(source: str) -> None:
     with pytest.raises(ModelLoadError, match="not found") as info:
         load_model(source)
     assert source in str(info.value)
+
+
+def test_a_folder_without_a_model(tmp_path: Path) -> None:
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ModelLoadError, match="empty"):
+        load_model(str(tmp_path / "empty"))
 
 
 def test_a_file_that_is_not_gguf(tmp_path: Path, tiny_models) -> None:

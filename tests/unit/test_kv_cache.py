@@ -205,7 +205,8 @@ def test_engine_request_moves_to_another_engine_mid_generation(tiny_models, tiny
     params = SamplingParams(temperature=0, max_tokens=n_new)
 
     def engine() -> Engine:
-        return Engine(runner(load(tiny_models[family])), runner(load(tiny_draft_models[family])), SpeculationConfig(k=3))
+        target, draft = load(tiny_models[family]), load(tiny_draft_models[family])
+        return Engine(runner(target), runner(draft), SpeculationConfig(k=3))
 
     a, b = engine(), engine()
     prompts = text_prompts(a.target.model, 2, offset=2)

@@ -9,7 +9,7 @@ from actors.sequence import Sequence
 from cluster.config import SpeculationConfig
 from cluster.request import FinishReason, Request, SamplingParams
 from tests.fixtures.tiny_models import FAMILIES
-from tests.unit.helpers import drain, load, reference_greedy, runner, text_prompts
+from tests.unit.helpers import Result, drain, load, reference_greedy, runner, text_prompts
 
 NEW_TOKENS = 24  # with prompts of up to 40 tokens, sequences run well past mistral's sliding window of 24
 GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS)
@@ -33,6 +33,18 @@ def assert_all_blocks_free(engine: Engine) -> None:
     assert engine.target.cache.num_used_blocks == 0
     if engine.draft is not None:
         assert engine.draft.cache.num_used_blocks == 0
+
+
+def assert_kv_accounting(engine: Engine) -> None:
+    """Queued and preempted requests hold no blocks; running ones hold KV of all their tokens but the newest,
+    and every used block belongs to a running request."""
+    caches = [engine.target.cache] + ([engine.draft.cache] if engine.draft is not None else [])
+    for seq in engine.waiting:
+        assert not any(c.has(seq.request_id) for c in caches), f"waiting {seq.request_id} holds KV blocks"
+    for seq in engine.running:
+        assert engine.target.cache.length(seq.request_id) == len(seq.token_ids) - 1
+    owned = sum(len(c.block_table(s.request_id)) for s in engine.running for c in caches if c.has(s.request_id))
+    assert owned == sum(c.num_used_blocks for c in caches)
 
 
 def assert_matches_reference(engine: Engine, path, prompt: list[int], result, max_tokens: int) -> None:
@@ -64,6 +76,14 @@ def test_greedy_output_equals_the_targets_own(tiny_models, tiny_draft_models, fa
         assert sum(c.stats.proposed for c in completions) > 0
         if draft == "pair":  # the perturbed copy agrees often; the test is only meaningful if drafts get accepted
             assert sum(c.stats.accepted for c in completions) > 0
+    for c in completions:
+        s = c.stats
+        assert 0 <= s.accepted <= s.proposed <= k * s.rounds
+        assert sum(s.accepted_per_position) == s.accepted
+        if draft == "none":
+            assert s.proposed == s.rounds == 0
+        elif c.finish_reason == FinishReason.LENGTH:  # rounds emit accepted + 1; only a last 1-token round is undrafted
+            assert len(c.token_ids) - (s.accepted + s.rounds) in (0, 1)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -166,7 +186,9 @@ def test_stop_strings_end_the_output_right_before_them(tiny_models, tiny_draft_m
         text = tok.decode(reference, skip_special_tokens=True)
         for s in _stop_strings(text):
             cases.append((prompt, reference, (s,)))
-        cases.append((prompt, reference, (text[-2:], text[len(text) // 2 : len(text) // 2 + 2])))  # the earlier wins
+        mid = len(text) // 2
+        cases.append((prompt, reference, (text[-2:], text[mid : mid + 2])))  # the earlier wins
+        cases.append((prompt, reference, (text[mid + 1 : mid + 3], text[mid : mid + 3])))  # both end at once
     assert len(cases) >= 12
 
     params = [SamplingParams(temperature=0, max_tokens=NEW_TOKENS, stop=stop) for _, _, stop in cases]
@@ -204,16 +226,14 @@ def test_stop_token_ids_end_the_output_after_them(tiny_models, tiny_draft_models
 
 
 def test_ignore_eos_runs_past_eos(tiny_models, tiny_draft_models) -> None:
-    family, model = None, None
-    for family in FAMILIES:  # find a prompt whose greedy continuation ends with EOS
-        model = load(tiny_models[family])
-        hits = [p for p in text_prompts(model, 8)
-                if reference_greedy(tiny_models[family], p, NEW_TOKENS)[-1] in model.eos_token_ids]
-        if hits:
-            break
-    assert hits, "no prompt of any family ends with EOS within NEW_TOKENS"
+    family = "qwen2"
+    model = load(tiny_models[family])
+    hits = [p for p in text_prompts(model, 8, offset=PROMPT_OFFSET[8])
+            if reference_greedy(tiny_models[family], p, NEW_TOKENS)[-1] in model.eos_token_ids]
+    assert hits, "no prompt's greedy continuation ends with EOS within NEW_TOKENS"
     prompt = hits[0]
     reference = reference_greedy(tiny_models[family], prompt, NEW_TOKENS)
+    assert len(reference) < NEW_TOKENS
     engine = make_engine(tiny_models, tiny_draft_models, family, "pair", k=3)
     [completion] = engine.generate([prompt], SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True))
 
@@ -223,20 +243,68 @@ def test_ignore_eos_runs_past_eos(tiny_models, tiny_draft_models) -> None:
 
 
 # ---- scheduling -----------------------------------------------------------------------------------
-@pytest.mark.parametrize(("family", "draft"), [("llama", "pair"), ("mistral", "none"), ("qwen2_moe", "layers")])
-def test_preemption_under_a_small_cache_keeps_the_output(tiny_models, tiny_draft_models, family, draft) -> None:
-    # 15 usable blocks of 4 tokens = 60 slots: one request fits (<= 36 + 24 + k tokens), four at once do not
+@pytest.mark.parametrize(("family", "draft", "urgent"), [
+    ("llama", "pair", False), ("mistral", "none", False), ("qwen2_moe", "layers", False), ("qwen2", "pair", True),
+])
+def test_preemption_under_a_small_cache_keeps_the_output(tiny_models, tiny_draft_models, family, draft, urgent) -> None:
+    # 15 usable blocks of 4 tokens = 60 slots: one request fits (<= 31 + 24 + k tokens), four at once do not
     engine = make_engine(tiny_models, tiny_draft_models, family, draft, k=3, num_blocks=16)
     prompts = [p for p in text_prompts(engine.target.model, 8) if len(p) <= 31][:4]
-    for i, prompt in enumerate(prompts):
-        engine.add_request(Request(f"r{i}", tuple(prompt), GREEDY))
+    for i, prompt in enumerate(prompts):  # with `urgent`, the last to arrive has the highest priority
+        engine.add_request(Request(f"r{i}", tuple(prompt), GREEDY, priority=int(urgent and i == len(prompts) - 1)))
     sequences: list[Sequence] = list(engine.waiting)
 
-    results = drain(engine)
+    results = drain(engine, check=assert_kv_accounting)
+
+    assert sum(seq.num_preemptions for seq in sequences) >= 1
+    # the victim is the lowest-priority, latest-arrived running request: the first in order is never preempted
+    assert min(sequences, key=Sequence.order_key).num_preemptions == 0
+    for i, prompt in enumerate(prompts):
+        assert_matches_reference(engine, tiny_models[family], prompt, results[f"r{i}"], NEW_TOKENS)
+    assert_all_blocks_free(engine)
+
+
+def test_a_draft_cache_smaller_than_the_targets_preempts_cleanly(tiny_models, tiny_draft_models) -> None:
+    """When only the draft runs out of blocks, the target's blocks of a request sent back to the queue go too."""
+    target = load(tiny_models["mixtral"])
+    draft = runner(load(tiny_draft_models["mixtral"]), num_blocks=16)
+    engine = Engine(runner(target, num_blocks=256), draft, SpeculationConfig(k=3))
+    prompts = [p for p in text_prompts(target, 8) if len(p) <= 31][:4]
+    for i, prompt in enumerate(prompts):
+        engine.add_request(Request(f"r{i}", tuple(prompt), GREEDY))
+    sequences = list(engine.waiting)
+
+    results = drain(engine, check=assert_kv_accounting)
 
     assert sum(seq.num_preemptions for seq in sequences) >= 1
     for i, prompt in enumerate(prompts):
-        assert_matches_reference(engine, tiny_models[family], prompt, results[f"r{i}"], NEW_TOKENS)
+        assert_matches_reference(engine, tiny_models["mixtral"], prompt, results[f"r{i}"], NEW_TOKENS)
+    assert_all_blocks_free(engine)
+
+
+@pytest.mark.parametrize("urgent_arrives_last", [False, True])
+def test_the_preemption_victim_is_the_lowest_priority_latest_request(tiny_models, tiny_draft_models,
+                                                                     urgent_arrives_last: bool) -> None:
+    """The request first in order fills its blocks first; when it must grow, the other one is preempted, not it."""
+    engine = make_engine(tiny_models, tiny_draft_models, "llama", "none", k=0, num_blocks=7)  # 6 usable blocks
+    full, short = text_prompts(engine.target.model, 1, offset=0)[0][:12], text_prompts(engine.target.model, 1, 1)[0]
+    assert len(short) == 9  # both take 3 blocks; the next round `full` needs a 4th, and none is free
+    params = SamplingParams(temperature=0, max_tokens=8)
+    if urgent_arrives_last:
+        engine.add_request(Request("other", tuple(short), params, priority=0))
+        engine.add_request(Request("first", tuple(full), params, priority=1))
+    else:
+        engine.add_request(Request("first", tuple(full), params))
+        engine.add_request(Request("other", tuple(short), params))
+    sequences = {seq.request_id: seq for seq in engine.waiting}
+
+    results = drain(engine, check=assert_kv_accounting)
+
+    assert sequences["first"].num_preemptions == 0
+    assert sequences["other"].num_preemptions >= 1
+    assert results["first"].first_step == 0
+    assert_matches_reference(engine, tiny_models["llama"], full, results["first"], 8)
+    assert_matches_reference(engine, tiny_models["llama"], short, results["other"], 8)
     assert_all_blocks_free(engine)
 
 
@@ -260,9 +328,9 @@ def test_abort_frees_the_blocks_and_the_others_carry_on(tiny_models, tiny_draft_
     assert not engine.target.cache.has("r0") and engine.target.cache.num_used_blocks < used
     if engine.draft is not None:
         assert not engine.draft.cache.has("r0")
-    before = set(results)
+    for delta in (running, waiting):
+        results.setdefault(delta.request_id, Result()).finish_reason = delta.finish_reason
     drain(engine, results, start_step=3)  # a delta for an ended request fails inside drain
-    assert set(results) == before
     assert_matches_reference(engine, tiny_models["qwen2"], prompts[1], results["r1"], NEW_TOKENS)
     assert_all_blocks_free(engine)
 

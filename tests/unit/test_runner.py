@@ -1,4 +1,4 @@
-"""ModelRunner logits equal the transformers reference forward for every family, whole, chunked, staged and from GGUF."""
+"""ModelRunner logits equal transformers' reference forward for every family: chunked, staged and from GGUF."""
 
 from __future__ import annotations
 

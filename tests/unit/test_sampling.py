@@ -1,4 +1,4 @@
-"""Sampling is lossless in distribution: rejection sampling emits the target's p, filters match brute force, seeds repeat."""
+"""Sampling is lossless in distribution: verification emits the target's p, filters match brute force, seeds repeat."""
 
 from __future__ import annotations
 
@@ -102,7 +102,7 @@ def test_second_token_after_an_accepted_first_is_distributed_as_the_target(k: in
     ("bonus_off_by_one", 1, 1),  # the bonus token drawn from the last draft position's p
 ])
 def test_the_statistic_rejects_wrong_procedures(bug: str, position: int, k: int) -> None:
-    """Negative controls: the same check on the same draws rejects subtly wrong verifiers."""
+    """Negative controls: the same check, run on the output of subtly wrong verifiers, rejects them."""
     p, _ = distributions(k, 0)
     accepted, tokens = emitted(k, bug)
     picked = tokens[:, 0] if position == 0 else tokens[accepted >= 1, 1]
@@ -135,7 +135,7 @@ def brute_force(logits: torch.Tensor, temperature: float, top_k: int, top_p: flo
     """softmax(logits / T) kept to the top_k tokens, renormalized, then to the fewest reaching top_p mass."""
     probs = torch.softmax(logits.double() / temperature, -1)
     out = torch.zeros_like(probs)
-    for row, (pr, o) in enumerate(zip(probs, out)):
+    for pr, o in zip(probs, out):
         order = sorted(range(len(pr)), key=lambda i: -float(pr[i]))
         if 0 < top_k < len(order):
             order = order[:top_k]
@@ -266,3 +266,31 @@ def test_engine_first_token_follows_the_targets_distribution(tiny_models, tiny_d
     engine.draft.cache.free("probe")
     observed_q, expected_q, _ = bucket(first, q, n)
     assert chi_square(observed_q, expected_q)[1] < ALPHA
+
+
+def test_engine_first_two_tokens_follow_the_targets_joint_distribution(tiny_models, tiny_draft_models) -> None:
+    """(x0, x1) ~ p(x0) p(x1 | x0), whether x1 came as the bonus of an accepted round or from the next round."""
+    n = 1500
+    model = load(tiny_models["qwen2"])
+    prompt = text_prompts(model, 2)[1]
+    engine = sampling_engine(tiny_models, tiny_draft_models, "qwen2", "pair", k=1)
+    params = [SamplingParams(temperature=1.0, max_tokens=2, ignore_eos=True, seed=10_000 + seed) for seed in range(n)]
+
+    completions = engine.generate([prompt] * n, params)
+
+    pairs = [tuple(c.token_ids) for c in completions]
+    assert all(len(pair) == 2 for pair in pairs)
+    accepted = sum(c.stats.accepted for c in completions)
+    assert 0.1 * n < accepted < 0.9 * n  # both ways of emitting x1 are well represented
+    p0 = target_next_token_probs(model, prompt)
+    joint = {}
+    for x0 in (p0 * n >= 15).nonzero().squeeze(-1).tolist():
+        p1 = target_next_token_probs(model, [*prompt, x0])
+        for x1 in (p0[x0] * p1 * n >= 15).nonzero().squeeze(-1).tolist():
+            joint[(x0, x1)] = float(p0[x0] * p1[x1])
+    assert len(joint) >= 4
+    keys = list(joint)
+    observed = torch.tensor([sum(pair == key for pair in pairs) for key in keys] + [0], dtype=torch.float64)
+    observed[-1] = n - observed[:-1].sum()
+    expected = torch.tensor([joint[key] for key in keys] + [1 - sum(joint.values())], dtype=torch.float64)
+    assert chi_square(observed, expected)[1] > ALPHA
