@@ -109,10 +109,16 @@ class Engine:
     def add_request(self, request: Request) -> None:
         """Queue a request; raises RequestError if it can never be served."""
         self.check_request(request)
+        self._enqueue(request)
+
+    def _enqueue(self, request: Request) -> Sequence:
+        """Queue an already checked request."""
         params = request.params
         out = RequestOutput(self.tokenizer, params, self.eos_token_ids, params.max_tokens)
         gen = None if params.greedy else make_generator(params)
-        self.waiting.append(Sequence(request, list(request.prompt_token_ids), out, gen, seqno=next(self._ids)))
+        seq = Sequence(request, list(request.prompt_token_ids), out, gen, seqno=next(self._ids))
+        self.waiting.append(seq)
+        return seq
 
     def check_request(self, request: Request) -> None:
         """Raise RequestError if the request can never be served; changes nothing."""
@@ -154,8 +160,8 @@ class Engine:
             self.check_request(r)
         done: dict[str, Completion] = {}
         for r in requests:
-            self.add_request(r)
-            done[r.request_id] = Completion(r.request_id, list(r.prompt_token_ids), [], "", None, self.waiting[-1].stats)
+            seq = self._enqueue(r)
+            done[r.request_id] = Completion(r.request_id, list(r.prompt_token_ids), [], "", None, seq.stats)
         while any(c.finish_reason is None for c in done.values()) and self.has_unfinished():
             for delta in self.step():
                 c = done.get(delta.request_id)
