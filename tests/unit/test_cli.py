@@ -73,3 +73,21 @@ def test_bad_input_gives_a_clear_message_and_exit_2(pair, args, message):
 def test_empty_prompt_is_refused(pair):
     res = specfleet("generate", "--target", str(pair[0]), "--prompt", "", "--no-chat")
     assert res.returncode == 2 and "prompt is empty" in res.stderr
+
+
+def test_bench_spec_runs_all_modes_and_is_lossless_in_fp32(pair, tmp_path):
+    target, draft = pair
+    out, prompts = tmp_path / "bench.json", tmp_path / "prompts.jsonl"
+    prompts.write_text('{"turns": ["Name three colours."]}\n{"turns": ["Write a haiku about rain."]}\n')
+    res = specfleet("bench", "spec", "--target", str(target), "--draft", str(draft), "--prompts", str(prompts),
+                    "--num-prompts", "2",
+                    "--max-tokens", "8", "--k", "3", "--dtype", "fp32", "--json", str(out), "--plot", str(tmp_path / "b.png"))
+    assert res.returncode == 0, res.stderr
+    report = json.loads(out.read_text())
+    modes = report["modes"]
+    assert set(modes) == {"a_plain", "b_spec", "b_spec_draft_fp32", "c_hf_assisted"}
+    for name, m in modes.items():
+        assert m["tokens"] > 0 and m["tok_s"] > 0
+        assert m["identical_to_plain"] == 1.0, name  # fp32: every mode gives the target's greedy output
+    assert modes["b_spec"]["spec"]["proposed"] > 0
+    assert report["ratios"]["b_spec/a_plain"] > 0 and (tmp_path / "b.png").stat().st_size > 0
