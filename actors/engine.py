@@ -1,40 +1,43 @@
 """The instance engine: continuous batching with lossless speculative decoding; `step()` maps the data plane.
 
-Each step runs one speculative round for every running request: the draft proposes k tokens
-autoregressively (its first forward also catches up on tokens it has not seen yet: the prompt, the
-previous round's last accepted draft and the target's bonus token), the target scores all k+1
-positions of every request in one forward, greedy matching or rejection sampling accepts a prefix,
-and rejected KV is cropped in both caches. The same path serves prefill: a request's first round
-feeds its whole prompt. See actors/spec/verify.py for the vocabulary (accepted, recovered, bonus).
+Each step: the scheduler (actors/scheduler.py) admits and chunks work under the KV block and token
+budgets; the policy (actors/spec/policy.py) picks each emitting request's k; the draft proposes k
+tokens autoregressively (its first forward also catches up on tokens it has not seen: prefill chunks,
+the previous round's last accepted draft and the target's bonus token); the target scores every
+prefill chunk and all k+1 positions of every decode in one forward; greedy matching or rejection
+sampling accepts a prefix; rejected KV is cropped in both caches. See actors/spec/verify.py for the
+vocabulary (accepted, recovered, bonus).
 
-KV invariants after every round, per running request with n = len(token_ids):
-  target cache holds exactly tokens [0, n-1) (the newest token is fed next round);
-  draft cache holds a prefix [0, m), m <= n-1.
-Out of KV blocks: waiting requests wait; a running request that cannot grow preempts the
-lowest-priority, latest-arrived running request, whose KV is freed and recomputed on resumption
-(recompute rather than swap: on CPU a swap is a copy to the same memory, and recompute keeps the
-output identical at temperature 0).
+KV invariants after every step, per running request with n = len(token_ids):
+  target cache holds tokens [0, m), m <= n-1, with m = n-1 once its prompt is processed;
+  draft cache holds a prefix [0, d), d <= n-1 (it may lag; it catches up when it next drafts).
+The draft's KV is optional: when its cache is out of blocks a request simply drafts nothing that step.
 """
 
 from __future__ import annotations
 
 import itertools
+import time
 from collections.abc import Callable, Sequence as Seq
 from dataclasses import dataclass
 
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from actors.model.loader import LoadedModel, load_model
+from actors.model.loader import load_model
 from actors.model.metadata import SeqChunk
 from actors.model.quant import quantize_runner_int8
 from actors.model.runner import ModelRunner
 from actors.output import RequestOutput
+from actors.scheduler import Schedule, Scheduler, Work
 from actors.sequence import Sequence, SeqStatus
+from actors.spec.cost_model import ATTENTION_UNIT, ForwardShape, StepCostModel
+from actors.spec.policy import Acceptance, BatchBase, Candidate, make_policy
 from actors.spec.sampling import make_generator, probs_from_logits, sample
 from actors.spec.verify import verify_greedy, verify_sampled
-from cluster.config import ConfigError, EngineConfig, SpeculationConfig
+from cluster.config import ConfigError, EngineConfig, SchedulerConfig, SpeculationConfig
 from cluster.request import FinishReason, Request, SamplingParams, SpecStats, TokenDelta
+from cluster.stats import EngineStats
 
 
 class RequestError(ValueError):
@@ -62,8 +65,9 @@ class Engine:
         target: ModelRunner,
         draft: ModelRunner | None,
         speculation: SpeculationConfig,
-        max_batch_size: int = 8,
+        scheduler: SchedulerConfig = SchedulerConfig(),
         max_model_len: int | None = None,
+        cost_model: StepCostModel | None = None,
     ) -> None:
         if draft is not None and draft.model.config.vocab_size != target.model.config.vocab_size:
             raise ValueError(
@@ -71,15 +75,19 @@ class Engine:
                 f"({target.model.config.vocab_size}): they must share a tokenizer"
             )
         self.target, self.draft = target, draft
-        self.k = speculation.k if (draft is not None and speculation.policy != "off") else 0
-        self.max_batch_size = max_batch_size
+        self.cost_model = cost_model or StepCostModel()
+        self.policy = make_policy(speculation, draft is not None, self.cost_model)
+        self.k = speculation.k if self.policy.name != "off" else 0  # the most drafts a request gets
+        self.acceptance = Acceptance.prior(speculation.prior_acceptance, decay=speculation.acceptance_decay)
+        self.scheduler = Scheduler(scheduler, target.cache, self.k, self._free, self._fail)
         self.max_model_len = min(max_model_len or target.model.max_model_len, target.model.max_model_len)
         self.tokenizer: PreTrainedTokenizerBase = target.model.tokenizer
         self.eos_token_ids = target.model.eos_token_ids
-        self.waiting: list[Sequence] = []
-        self.running: list[Sequence] = []
-        self._finished: list[TokenDelta] = []  # ended outside a round (errors), reported at the next step
+        self._finished: list[TokenDelta] = []  # ended outside a step's verification (errors), reported next step
         self._ids = itertools.count()
+        self._stats = _Counters()
+        if self.policy.name == "goodput" and not self.cost_model.fitted:
+            self.calibrate()
 
     @classmethod
     def from_config(cls, cfg: EngineConfig, resolve: Callable[[str], str] = lambda s: s) -> "Engine":
@@ -99,7 +107,15 @@ class Engine:
                 draft = ModelRunner(target_model, m.draft_layers, cfg.cache)
             if draft is not None and m.draft_quantization == "int8":
                 quantize_runner_int8(draft)
-        return cls(target, draft, cfg.speculation, cfg.max_batch_size, m.max_model_len)
+        return cls(target, draft, cfg.speculation, cfg.scheduler, m.max_model_len)
+
+    @property
+    def waiting(self) -> list[Sequence]:
+        return self.scheduler.waiting
+
+    @property
+    def running(self) -> list[Sequence]:
+        return self.scheduler.running
 
     # ---- requests ---------------------------------------------------------------------------
     def encode(self, prompt: str, chat: bool = False) -> list[int]:
@@ -116,8 +132,9 @@ class Engine:
         params = request.params
         out = RequestOutput(self.tokenizer, params, self.eos_token_ids, params.max_tokens)
         gen = None if params.greedy else make_generator(params)
-        seq = Sequence(request, list(request.prompt_token_ids), out, gen, seqno=next(self._ids))
-        self.waiting.append(seq)
+        seq = Sequence(request, list(request.prompt_token_ids), out, gen, seqno=next(self._ids),
+                       acceptance=self.acceptance.copy())
+        self.scheduler.add(seq)
         return seq
 
     def check_request(self, request: Request) -> None:
@@ -140,14 +157,13 @@ class Engine:
 
     def abort(self, request_id: str) -> TokenDelta | None:
         """Cancel a request and free its KV; returns its final delta, or None if it is unknown."""
-        for queue in (self.waiting, self.running):
-            for seq in queue:
-                if seq.request_id == request_id:
-                    queue.remove(seq)
-                    self._free(seq)
-                    seq.output.finish_reason = FinishReason.ABORT
-                    return TokenDelta(request_id, (), seq.output.text_delta(), FinishReason.ABORT)
-        return None
+        seq = self.scheduler.remove(request_id)
+        if seq is None:
+            return None
+        self._free(seq)
+        seq.status = SeqStatus.FINISHED
+        seq.output.finish_reason = FinishReason.ABORT
+        return TokenDelta(request_id, (), seq.output.text_delta(), FinishReason.ABORT)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running or self._finished)
@@ -173,58 +189,141 @@ class Engine:
 
     # ---- the step ---------------------------------------------------------------------------
     def step(self) -> list[TokenDelta]:
-        """One round: schedule, draft, verify, accept, emit."""
-        batch = self._schedule()
+        """One step: schedule, choose k, draft, verify in one target forward, accept, emit."""
+        t0 = time.perf_counter()
+        plan = self.scheduler.schedule()
         deltas, self._finished = self._finished, []
-        if not batch:
+        if not plan.works:
             return deltas
-        ks = [self._num_draft_tokens(seq) for seq in batch]
-        drafts, draft_probs = self._propose(batch, ks)
-        target_logits = self._score(batch, drafts)
-        for seq, d, q, logits in zip(batch, drafts, draft_probs, target_logits):
-            deltas.append(self._accept(seq, d, q, logits))
+        follow = self._choose_k(plan)
+        t1 = time.perf_counter()
+        drafts, draft_probs, draft_shape = self._propose(plan.works, follow)
+        t2 = time.perf_counter()
+        target_logits, target_shape = self._score(plan.works, drafts)
+        t3 = time.perf_counter()
+        for w, d, q, logits in zip(plan.works, drafts, draft_probs, target_logits):
+            if w.emits:
+                deltas.append(self._accept(w, d, q, logits))
+        self.cost_model.observe(target_shape, t3 - t2, draft_shape, t2 - t1)
+        self._stats.record(plan, deltas, time.perf_counter() - t0)
         return deltas
 
-    def _num_draft_tokens(self, seq: Sequence) -> int:
-        """k for this round: the configured K, never more than the tokens still allowed minus the bonus."""
-        return max(0, min(self.k, seq.remaining - 1))
+    def _choose_k(self, plan: Schedule) -> bool:
+        """Set each emitting work's k from the policy and reserve KV for its drafts; returns whether the
+        draft follows this step's prefill chunks."""
+        follow = self.draft is not None and self.policy.draft_in_use(self.acceptance.rate)
+        emitting = [w for w in plan.works if w.emits]
+        if self.k == 0 or not emitting:
+            return follow
+        chunks = [w for w in plan.works if not w.emits]
+        tokens = sum(w.num_new for w in chunks)
+        attention = sum(w.num_new * (w.start + w.num_new) for w in chunks) / ATTENTION_UNIT
+        base = BatchBase(ForwardShape(1, tokens, attention), tokens if follow else 0, attention if follow else 0.0)
+        cands = [
+            Candidate(w.seq.acceptance.rate, max(0, min(self.k, w.seq.remaining - 1)), w.num_new, w.start + w.num_new)
+            for w in emitting
+        ]
+        for w, k in zip(emitting, self.policy.choose(cands, base, plan.draft_budget)):
+            w.k = self._reserve_drafts(w, k)
+        return follow
 
-    def _schedule(self) -> list[Sequence]:
-        """Make room for this round of every running request (preempting if needed), then admit waiting ones."""
-        for seq in sorted(self.running, key=Sequence.order_key):
-            while seq.status is SeqStatus.RUNNING and not self._reserve(seq):
-                victim = max(self.running, key=Sequence.order_key)
-                self._preempt(victim)
-        for seq in sorted(self.waiting, key=Sequence.order_key):
-            if len(self.running) >= self.max_batch_size:
-                break
-            if not self._reserve(seq):
-                self._free(seq)
-                if not self.running:  # alone in an empty cache and still no room: it never fits
-                    self.waiting.remove(seq)
-                    self._fail(seq, "the request does not fit in the KV cache")
-                    continue
-                break
-            self.waiting.remove(seq)
-            seq.status = SeqStatus.RUNNING
-            self.running.append(seq)
-        return sorted(self.running, key=Sequence.order_key)
+    def _reserve_drafts(self, w: Work, k: int) -> int:
+        """Reserve KV for k drafts (target: n + k tokens, draft: n + k - 1); the k that fits."""
+        rid, n = w.seq.request_id, w.start + w.num_new
+        while k > 0 and not self.target.reserve(rid, n + k):
+            k -= 1
+        if k > 0 and not self.draft.reserve(rid, n + k - 1):
+            self.draft.cache.free(rid)  # draft KV is optional: drop it, catch up later
+            k = 0
+        return k
 
-    def _reserve(self, seq: Sequence) -> bool:
-        """Reserve KV for the next round: the target gets n + k tokens, the draft n + k - 1."""
-        n, k = len(seq.token_ids), self._num_draft_tokens(seq)
-        ok = self.target.reserve(seq.request_id, n + k)
-        if ok and self.draft is not None and k > 0:
-            ok = self.draft.reserve(seq.request_id, n + k - 1)
-        return ok
+    def _propose(self, works: list[Work], follow: bool) -> tuple[list[list[int]], list[list[torch.Tensor]], ForwardShape]:
+        """Draft k tokens for each work, batched position by position; the first forward also feeds the
+        draft its backlog and, when it `follow`s, this step's prefill chunks.
 
-    def _preempt(self, seq: Sequence) -> None:
-        self.running.remove(seq)
-        self._free(seq)
-        seq.status = SeqStatus.WAITING
-        seq.num_preemptions += 1
-        self.waiting.append(seq)
+        Returns per work the draft tokens and, for sampled requests, the draft distributions q (V,), and
+        the shape of the draft's work for the cost model.
+        """
+        drafts: list[list[int]] = [[] for _ in works]
+        probs: list[list[torch.Tensor]] = [[] for _ in works]
+        forwards = rows = 0
+        attention = 0.0
+        if self.draft is None:
+            return drafts, probs, ForwardShape()
+        for j in range(max([w.k for w in works] + [1 if follow else 0])):
+            rows_j, chunks = [], []
+            for i, w in enumerate(works):
+                rid, end = w.seq.request_id, w.start + w.num_new
+                if j == 0 and (w.k > 0 or (follow and w.is_prefill)):
+                    have = self.draft.cache.length(rid)
+                    if w.k == 0 and not self.draft.reserve(rid, end):
+                        self.draft.cache.free(rid)
+                        continue
+                    if have < end:
+                        chunks.append(SeqChunk(rid, tuple(w.seq.token_ids[have:end]), 1 if w.k > 0 else 0))
+                        rows_j.append(i)
+                elif 0 < j < w.k:
+                    chunks.append(SeqChunk(rid, (drafts[i][-1],)))
+                    rows_j.append(i)
+            if not chunks:
+                continue
+            logits = self.draft.forward(chunks)  # (number of works drafting at position j, V)
+            forwards += 1
+            rows += sum(len(c.token_ids) for c in chunks)
+            attention += sum(len(c.token_ids) * self.draft.cache.length(c.request_id) for c in chunks) / ATTENTION_UNIT
+            drafting = [i for i, c in zip(rows_j, chunks) if c.num_logits]
+            for i, row in zip(drafting, logits):
+                seq = works[i].seq
+                if seq.greedy:
+                    drafts[i].append(int(row.argmax()))
+                else:
+                    q = probs_from_logits(row[None], seq.request.params)  # (1, V)
+                    drafts[i].append(int(sample(q, seq.generator)))
+                    probs[i].append(q[0])
+        return drafts, probs, ForwardShape(forwards, rows, attention)
 
+    def _score(self, works: list[Work], drafts: list[list[int]]) -> tuple[list[torch.Tensor], ForwardShape]:
+        """One target forward over every work's chunk plus its drafts; logits (k+1, V) for emitting works."""
+        chunks = [
+            SeqChunk(w.seq.request_id, tuple(w.seq.token_ids[w.start:w.start + w.num_new] + d),
+                     len(d) + 1 if w.emits else 0)
+            for w, d in zip(works, drafts)
+        ]
+        logits = self.target.forward(chunks)  # (sum over emitting works of k+1, V)
+        tokens = sum(len(c.token_ids) for c in chunks)
+        attention = sum(len(c.token_ids) * self.target.cache.length(c.request_id) for c in chunks) / ATTENTION_UNIT
+        return list(logits.split([c.num_logits for c in chunks])), ForwardShape(1, tokens, attention)
+
+    def _accept(self, w: Work, draft: list[int], q: list[torch.Tensor], logits: torch.Tensor) -> TokenDelta:
+        """Verify one request's drafts, emit the accepted tokens plus one, and crop rejected KV."""
+        seq = w.seq
+        n_before = len(seq.token_ids)
+        d = torch.tensor(draft, dtype=torch.long)
+        if seq.greedy:
+            accepted, extra = verify_greedy(d, logits)
+        else:
+            p = probs_from_logits(logits, seq.request.params)  # (k+1, V)
+            q_ = torch.stack(q) if q else p[:0]
+            accepted, extra = verify_sampled(d, q_, p, seq.generator)
+        seq.stats.k_history.append(len(draft))
+        if draft:
+            seq.stats.record(len(draft), accepted)
+            seq.acceptance.update(len(draft), accepted)
+            self.acceptance.update(len(draft), accepted)
+        taken = seq.output.append(draft[:accepted] + [extra])
+        seq.token_ids.extend(taken)
+        rid = seq.request_id
+        if seq.output.finish_reason is not None:
+            self.scheduler.remove(rid)
+            self._free(seq)
+            seq.status = SeqStatus.FINISHED
+        else:
+            self.target.cache.crop(rid, n_before + accepted)
+            if self.draft is not None and self.draft.cache.has(rid):
+                self.draft.cache.crop(rid, min(self.draft.cache.length(rid), n_before + accepted))
+        return TokenDelta(rid, tuple(taken), seq.output.text_delta(), seq.output.finish_reason)
+
+    # ---- KV and errors ----------------------------------------------------------------------
     def _free(self, seq: Sequence) -> None:
         self.target.cache.free(seq.request_id)
         if self.draft is not None:
@@ -235,61 +334,61 @@ class Engine:
         seq.output.finish_reason = FinishReason.ERROR
         self._finished.append(TokenDelta(seq.request_id, (), "", FinishReason.ERROR, error=message))
 
-    def _propose(self, batch: list[Sequence], ks: list[int]) -> tuple[list[list[int]], list[list[torch.Tensor]]]:
-        """Draft k_i tokens for each request, batched position by position.
+    # ---- cost model and stats ---------------------------------------------------------------
+    def calibrate(self, repeats: int = 2) -> None:
+        """Seed the step-time model with timed forwards of a throwaway request at a few sizes (pinned points)."""
+        sizes = [(48, 0), (1, 48), (4, 49), (16, 53)]  # (new tokens, context before them)
+        runners = [(self.target, self.cost_model.target)]
+        if self.draft is not None:
+            runners.append((self.draft, self.cost_model.draft))
+        for runner, model in runners:
+            for _ in range(repeats):
+                rid = "__calibration__"
+                for new, ctx in sizes:
+                    if not runner.reserve(rid, ctx + new):
+                        break
+                    chunk = SeqChunk(rid, tuple(range(1, new + 1)))
+                    t0 = time.perf_counter()
+                    runner.forward([chunk])
+                    seconds = time.perf_counter() - t0
+                    model.observe(ForwardShape(1, new, new * (ctx + new) / ATTENTION_UNIT), seconds, pinned=True)
+                runner.cache.free(rid)
 
-        Returns per request the draft tokens and, for sampled requests, the draft distributions q (V,).
-        """
-        drafts: list[list[int]] = [[] for _ in batch]
-        probs: list[list[torch.Tensor]] = [[] for _ in batch]
-        for j in range(max(ks, default=0)):
-            rows = [i for i, k in enumerate(ks) if k > j]
-            chunks = []
-            for i in rows:
-                seq = batch[i]
-                new = seq.token_ids[self.draft.cache.length(seq.request_id):] if j == 0 else drafts[i][-1:]
-                chunks.append(SeqChunk(seq.request_id, tuple(new)))
-            logits = self.draft.forward(chunks)  # (len(rows), V)
-            for i, row in zip(rows, logits):
-                seq = batch[i]
-                if seq.greedy:
-                    drafts[i].append(int(row.argmax()))
-                else:
-                    q = probs_from_logits(row[None], seq.request.params)  # (1, V)
-                    drafts[i].append(int(sample(q, seq.generator)))
-                    probs[i].append(q[0])
-        return drafts, probs
+    def stats(self) -> EngineStats:
+        """Load and speed figures after the last step (what the router reads)."""
+        c, tc = self._stats, self.target.cache
+        dc = self.draft.cache if self.draft is not None else None
+        return EngineStats(
+            running=len(self.running), waiting=len(self.waiting),
+            kv_blocks_used=tc.num_used_blocks, kv_blocks_free=tc.num_free_blocks,
+            draft_kv_blocks_used=dc.num_used_blocks if dc else 0, draft_kv_blocks_free=dc.num_free_blocks if dc else 0,
+            num_steps=c.steps, step_time_s=c.step_s, step_time_ema_s=c.step_ema_s,
+            batch_size=c.batch_size, batch_tokens=c.batch_tokens, prefill_tokens=c.prefill_tokens,
+            mean_k=c.mean_k, acceptance=self.acceptance.rate, tokens_emitted=c.tokens_emitted,
+            num_preemptions=self.scheduler.num_preemptions, policy=self.policy.name,
+        )
 
-    def _score(self, batch: list[Sequence], drafts: list[list[int]]) -> list[torch.Tensor]:
-        """One target forward over every request's unseen tokens plus its drafts; logits (k+1, V) each."""
-        chunks = [
-            SeqChunk(seq.request_id, tuple(seq.token_ids[self.target.cache.length(seq.request_id):] + d), len(d) + 1)
-            for seq, d in zip(batch, drafts)
-        ]
-        logits = self.target.forward(chunks)  # (sum(k_i + 1), V)
-        return list(logits.split([len(d) + 1 for d in drafts]))
 
-    def _accept(self, seq: Sequence, draft: list[int], q: list[torch.Tensor], logits: torch.Tensor) -> TokenDelta:
-        """Verify one request's drafts, emit the accepted tokens plus one, and crop rejected KV."""
-        n_before = len(seq.token_ids)
-        d = torch.tensor(draft, dtype=torch.long)
-        if seq.greedy:
-            accepted, extra = verify_greedy(d, logits)
-        else:
-            p = probs_from_logits(logits, seq.request.params)  # (k+1, V)
-            q_ = torch.stack(q) if q else p[:0]
-            accepted, extra = verify_sampled(d, q_, p, seq.generator)
-        if draft:
-            seq.stats.record(len(draft), accepted)
-        taken = seq.output.append(draft[:accepted] + [extra])
-        seq.token_ids.extend(taken)
-        rid = seq.request_id
-        if seq.output.finish_reason is not None:
-            self.running.remove(seq)
-            self._free(seq)
-            seq.status = SeqStatus.FINISHED
-        else:
-            self.target.cache.crop(rid, n_before + accepted)
-            if self.draft is not None and self.draft.cache.has(rid):
-                self.draft.cache.crop(rid, min(self.draft.cache.length(rid), n_before + accepted))
-        return TokenDelta(rid, tuple(taken), seq.output.text_delta(), seq.output.finish_reason)
+@dataclass
+class _Counters:
+    """Running figures behind Engine.stats()."""
+
+    steps: int = 0
+    step_s: float = 0.0
+    step_ema_s: float = 0.0
+    batch_size: int = 0
+    batch_tokens: int = 0
+    prefill_tokens: int = 0
+    mean_k: float = 0.0
+    tokens_emitted: int = 0
+
+    def record(self, plan: Schedule, deltas: list[TokenDelta], seconds: float) -> None:
+        self.steps += 1
+        self.step_s = seconds
+        self.step_ema_s = seconds if self.steps == 1 else 0.9 * self.step_ema_s + 0.1 * seconds
+        self.batch_size = len(plan.works)
+        self.batch_tokens = sum(w.num_new + w.k for w in plan.works)
+        self.prefill_tokens = plan.num_prefill_tokens
+        ks = [w.k for w in plan.works if w.emits]
+        self.mean_k = sum(ks) / len(ks) if ks else 0.0
+        self.tokens_emitted += sum(len(d.token_ids) for d in deltas)

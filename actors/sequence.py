@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 import torch
 
 from actors.output import RequestOutput
+from actors.spec.policy import Acceptance
 from cluster.request import Request, SpecStats
 
 
@@ -29,6 +30,7 @@ class Sequence:
     status: SeqStatus = SeqStatus.WAITING
     num_preemptions: int = 0
     seqno: int = 0  # order of arrival at this engine, the tie-break after arrival_time
+    acceptance: Acceptance = field(default_factory=lambda: Acceptance.prior(0.7))  # per-token acceptance estimate
 
     @property
     def request_id(self) -> str:

@@ -53,10 +53,17 @@ class ModelConfig(_Frozen):
 
 
 class SpeculationConfig(_Frozen):
-    """How many tokens the draft proposes per round. `fixed`: k tokens; `off`: plain decoding."""
+    """How many tokens the draft proposes per round (actors/spec/policy.py).
 
-    policy: Literal["fixed", "off"] = "fixed"
+    `fixed`: k tokens for every request; `off`: plain decoding; `goodput`: per request 0..k, chosen each
+    step for the most expected tokens per second (SmartSpec), from each request's acceptance estimate
+    (starting at `prior_acceptance`, decayed by `acceptance_decay` per round) and the fitted step-time model.
+    """
+
+    policy: Literal["fixed", "off", "goodput"] = "fixed"
     k: int = Field(default=4, ge=0, le=16)
+    prior_acceptance: float = Field(default=0.7, ge=0.0, le=1.0)
+    acceptance_decay: float = Field(default=0.9, gt=0.0, le=1.0)
 
 
 class CacheConfig(_Frozen):
@@ -66,13 +73,27 @@ class CacheConfig(_Frozen):
     num_blocks: int = Field(default=2048, ge=2)
 
 
+class SchedulerConfig(_Frozen):
+    """Continuous batching limits per step: running requests, and target tokens (chunked prefill, Sarathi)."""
+
+    max_batch_size: int = Field(default=8, ge=1)
+    # decodes' tokens (1 + k each) come first; prefill chunks fill the rest of the budget
+    max_num_batched_tokens: int = Field(default=256, ge=1)
+
+    @model_validator(mode="after")
+    def _room_for_decodes(self) -> "SchedulerConfig":
+        if self.max_num_batched_tokens < self.max_batch_size:
+            raise ValueError("max_num_batched_tokens must be at least max_batch_size (one token per running request)")
+        return self
+
+
 class EngineConfig(_Frozen):
-    """One instance's engine: its model pair, speculation and cache."""
+    """One instance's engine: its model pair, speculation, scheduler and cache."""
 
     model: ModelConfig
     speculation: SpeculationConfig = SpeculationConfig()
+    scheduler: SchedulerConfig = SchedulerConfig()
     cache: CacheConfig = CacheConfig()
-    max_batch_size: int = Field(default=8, ge=1)
 
 
 class SpecfleetConfig(_Frozen):

@@ -71,8 +71,9 @@ class SpecStats:
 
     proposed: int = 0  # draft tokens proposed
     accepted: int = 0  # draft tokens the target accepted
-    rounds: int = 0  # verification rounds (each emits accepted + 1 tokens)
+    rounds: int = 0  # verification rounds with drafts (each emits accepted + 1 tokens)
     accepted_per_position: list[int] = field(default_factory=list)  # [j] = accepted at draft position j
+    k_history: list[int] = field(default_factory=list)  # k chosen at each step that emitted tokens, 0 included
 
     def record(self, proposed: int, accepted: int) -> None:
         self.proposed += proposed
@@ -91,6 +92,7 @@ class SpecStats:
         a = self.accepted_per_position + [0] * (n - len(self.accepted_per_position))
         b = other.accepted_per_position + [0] * (n - len(other.accepted_per_position))
         self.accepted_per_position = [x + y for x, y in zip(a, b)]
+        self.k_history = self.k_history + other.k_history
 
     @property
     def acceptance_rate(self) -> float:
@@ -101,6 +103,10 @@ class SpecStats:
         """Tokens emitted per verification round (accepted drafts + the target's own token)."""
         return (self.accepted + self.rounds) / self.rounds if self.rounds else 0.0
 
+    @property
+    def mean_k(self) -> float:
+        return sum(self.k_history) / len(self.k_history) if self.k_history else 0.0
+
     def as_dict(self) -> dict:
         return {
             "proposed": self.proposed,
@@ -109,6 +115,8 @@ class SpecStats:
             "acceptance_rate": round(self.acceptance_rate, 4),
             "mean_accepted_length": round(self.mean_accepted_length, 4),
             "accepted_per_position": list(self.accepted_per_position),
+            "mean_k": round(self.mean_k, 4),
+            "k_history": list(self.k_history),
         }
 
 

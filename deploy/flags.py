@@ -31,8 +31,10 @@ def add_engine_flags(p: argparse.ArgumentParser, *, default_dtype: str | None = 
     g.add_argument("--draft-layers", type=parse_layers, help="self-speculative draft from these target layers")
     g.add_argument("--draft-quantization", choices=["none", "int8"], help="int8: weight-only int8 draft")
     g.add_argument("--dtype", choices=["fp32", "bf16"], default=default_dtype)
-    g.add_argument("--k", type=int, help="draft tokens per round (0 = no speculation)")
+    g.add_argument("--k", type=int, help="draft tokens per round, the most with --policy goodput (0 = none)")
+    g.add_argument("--policy", choices=["fixed", "off", "goodput"], help="speculation length policy")
     g.add_argument("--max-batch-size", type=int)
+    g.add_argument("--max-num-batched-tokens", type=int, help="target tokens per step (chunked prefill budget)")
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
@@ -53,8 +55,11 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
             model[key] = getattr(args, key)
     if args.k is not None:
         raw.setdefault("speculation", {})["k"] = args.k
-    if args.max_batch_size is not None:
-        raw["max_batch_size"] = args.max_batch_size
+    if args.policy is not None:
+        raw.setdefault("speculation", {})["policy"] = args.policy
+    for key in ("max_batch_size", "max_num_batched_tokens"):
+        if getattr(args, key) is not None:
+            raw.setdefault("scheduler", {})[key] = getattr(args, key)
     if "target" not in model:
         raise ConfigError("no target model: pass --target or --config")
     return parse_config({"engine": raw}, source=args.config or "command line").engine

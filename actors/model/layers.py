@@ -2,8 +2,9 @@
 
 Weights come from the transformers model (shared, never copied); the computation is ours so that
 layer ranges, layer-parallel drafting and expert parallelism can wrap it. Shape legend:
-B batch, T new tokens per sequence (padded), S cached slots per sequence (padded), H hidden size,
-nh query heads, kvh KV heads, hd head dim, N tokens (flattened), E experts, I expert width.
+N new tokens of the batch (packed), B sequences, T new tokens per sequence (padded, attention only),
+S cached slots per sequence (padded), H hidden size, nh query heads, kvh KV heads, hd head dim,
+E experts, I expert width.
 """
 
 from __future__ import annotations
@@ -29,9 +30,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotary position embedding (Su et al. 2021, arXiv 2104.09864), half-rotation layout.
 
-    x: (B, heads, T, hd); cos, sin: (B, T, hd).
+    x: (N, heads, hd); cos, sin: (N, hd).
     """
-    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # (B, 1, T, hd)
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # (N, 1, hd)
     x1, x2 = x.chunk(2, dim=-1)
     return x * cos + torch.cat((-x2, x1), dim=-1) * sin
 
@@ -52,13 +53,11 @@ class Attention:
     def qkv(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """x: (B, T, H) -> q (B, nh, T, hd), k and v (B, T, kvh, hd), RoPE applied to q and k."""
-        b, t, _ = x.shape
-        q = self.q_proj(x).view(b, t, self.num_heads, self.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        v = self.v_proj(x).view(b, t, self.num_kv_heads, self.head_dim)
-        q = apply_rope(q, cos, sin)
-        k = apply_rope(k, cos, sin).transpose(1, 2)  # (B, T, kvh, hd)
+        """x: (N, H) -> q (N, nh, hd), k and v (N, kvh, hd), RoPE applied to q and k."""
+        n = x.shape[0]
+        q = apply_rope(self.q_proj(x).view(n, self.num_heads, self.head_dim), cos, sin)
+        k = apply_rope(self.k_proj(x).view(n, self.num_kv_heads, self.head_dim), cos, sin)
+        v = self.v_proj(x).view(n, self.num_kv_heads, self.head_dim)
         return q, k, v
 
     def __call__(
@@ -70,20 +69,22 @@ class Attention:
         cache: KVCache,
         layer: int,
     ) -> torch.Tensor:
-        """x: (B, T, H) -> (B, T, H). Writes this layer's K, V for the new tokens into the cache."""
-        b, t, _ = x.shape
+        """x: (N, H) -> (N, H). Writes this layer's K, V for the new tokens into the cache."""
         q, k, v = self.qkv(x, cos, sin)
-        cache.write(layer, meta.slots, k.reshape(b * t, self.num_kv_heads, self.head_dim),
-                    v.reshape(b * t, self.num_kv_heads, self.head_dim))
+        cache.write(layer, meta.slots, k, v)
         keys, values = cache.gather(layer, meta.block_tables)  # (B, S, kvh, hd) each
+        b, t = meta.padded_shape
+        q_pad = q.new_zeros(b * t, self.num_heads, self.head_dim)
+        q_pad[meta.pad_index] = q
         out = F.scaled_dot_product_attention(
-            q,
+            q_pad.view(b, t, self.num_heads, self.head_dim).transpose(1, 2),  # (B, nh, T, hd)
             keys.transpose(1, 2),
             values.transpose(1, 2),
             attn_mask=meta.mask(self.sliding_window),  # (B, 1, T, S)
             enable_gqa=self.num_heads != self.num_kv_heads,
         )  # (B, nh, T, hd)
-        return self.o_proj(out.transpose(1, 2).reshape(b, t, self.num_heads * self.head_dim))
+        out = out.transpose(1, 2).reshape(b * t, self.num_heads * self.head_dim)[meta.pad_index]  # (N, nh*hd)
+        return self.o_proj(out)
 
 
 @dataclass

@@ -1,8 +1,9 @@
 """Per-forward batch layout: which new tokens each sequence runs, at which positions, into which KV slots.
 
-Sequences in one forward are ragged (a prefill chunk, k+1 verification tokens, one decode token):
-they are padded to T new tokens. Padded positions write to the cache's scratch block and attend to
-slot 0 only, so they never touch real data and never produce NaN; their outputs are discarded.
+Tokens of all sequences in one forward are packed into one row of N tokens (a prefill chunk, k+1
+verification tokens and single decode tokens side by side), so projections and MLPs cost exactly the
+real tokens, as in Sarathi-Serve's hybrid batches (arXiv 2403.02310). Only attention uses a padded
+(B, T) view: padded query rows attend to slot 0 only, so they never produce NaN, and are dropped.
 """
 
 from __future__ import annotations
@@ -27,52 +28,65 @@ class SeqChunk:
 class AttentionMetadata:
     """Tensors shared by every layer of one forward over one shard's cache."""
 
-    token_ids: torch.Tensor  # (B, T) new tokens, 0 where padded
-    positions: torch.Tensor  # (B, T) absolute positions
+    token_ids: torch.Tensor  # (N,) new tokens, packed
+    positions: torch.Tensor  # (N,) absolute positions
+    slots: torch.Tensor  # (N,) flat cache slots to write
+    pad_index: torch.Tensor  # (N,) where each packed token sits in the padded (B*T) attention layout
+    q_positions: torch.Tensor  # (B, T) absolute positions in the padded layout
     valid: torch.Tensor  # (B, T) True for real tokens
-    slots: torch.Tensor  # (B*T,) flat cache slots to write, scratch slot where padded
     block_tables: torch.Tensor  # (B, nb) blocks to read, scratch block where padded
-    logits_index: torch.Tensor  # (sum num_logits,) flat indices into B*T whose logits are wanted
+    logits_index: torch.Tensor  # (sum num_logits,) indices into N whose logits are wanted
     block_size: int
     _masks: dict[int | None, torch.Tensor] = field(default_factory=dict)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.token_ids.shape[0]
+
+    @property
+    def padded_shape(self) -> tuple[int, int]:
+        return tuple(self.valid.shape)  # type: ignore[return-value]
 
     @classmethod
     def build(cls, chunks: list[SeqChunk], cache: KVCache) -> "AttentionMetadata":
         """Lay out `chunks` against `cache`, whose blocks for the new tokens must already be reserved."""
         b, t = len(chunks), max(len(c.token_ids) for c in chunks)
-        bs = cache.block_size
-        scratch_slot = cache.scratch_block * bs
-        token_ids = torch.zeros(b, t, dtype=torch.long)
-        positions = torch.zeros(b, t, dtype=torch.long)
-        valid = torch.zeros(b, t, dtype=torch.bool)
-        slots = torch.full((b, t), scratch_slot, dtype=torch.long)
         tables = [cache.block_table(c.request_id) for c in chunks]
         nb = max(len(tab) for tab in tables)
         block_tables = torch.full((b, nb), cache.scratch_block, dtype=torch.long)
-        logits_index = []
+        q_positions = torch.zeros(b, t, dtype=torch.long)
+        valid = torch.zeros(b, t, dtype=torch.bool)
+        token_ids, positions, slots, pad_index, logits_index = [], [], [], [], []
+        offset = 0
         for i, (c, tab) in enumerate(zip(chunks, tables)):
             n, start = len(c.token_ids), cache.length(c.request_id)
-            token_ids[i, :n] = torch.tensor(c.token_ids, dtype=torch.long)
-            positions[i, :n] = torch.arange(start, start + n)
+            token_ids.extend(c.token_ids)
+            pos = torch.arange(start, start + n)  # (n,)
+            positions.append(pos)
+            slots.append(cache.slots(c.request_id, start, start + n))
+            pad_index.append(torch.arange(i * t, i * t + n))
+            q_positions[i, :n] = pos
             valid[i, :n] = True
-            slots[i, :n] = cache.slots(c.request_id, start, start + n)
             block_tables[i, : len(tab)] = torch.tensor(tab, dtype=torch.long)
-            logits_index.extend(range(i * t + n - c.num_logits, i * t + n))
+            logits_index.extend(range(offset + n - c.num_logits, offset + n))
+            offset += n
         return cls(
-            token_ids=token_ids,
-            positions=positions,
+            token_ids=torch.tensor(token_ids, dtype=torch.long),
+            positions=torch.cat(positions),
+            slots=torch.cat(slots),
+            pad_index=torch.cat(pad_index),
+            q_positions=q_positions,
             valid=valid,
-            slots=slots.view(-1),
             block_tables=block_tables,
             logits_index=torch.tensor(logits_index, dtype=torch.long),
-            block_size=bs,
+            block_size=cache.block_size,
         )
 
     def mask(self, sliding_window: int | None = None) -> torch.Tensor:
         """Boolean attention mask (B, 1, T, S): causal per sequence, within the window if one is set."""
         if sliding_window not in self._masks:
             key_pos = torch.arange(self.block_tables.shape[1] * self.block_size)  # (S,)
-            q_pos = self.positions.unsqueeze(-1)  # (B, T, 1)
+            q_pos = self.q_positions.unsqueeze(-1)  # (B, T, 1)
             allowed = key_pos <= q_pos  # (B, T, S)
             if sliding_window is not None:
                 allowed &= key_pos > q_pos - sliding_window

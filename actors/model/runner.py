@@ -111,20 +111,22 @@ class ModelRunner:
     def forward(self, chunks: list[SeqChunk], hidden: torch.Tensor | None = None) -> torch.Tensor:
         """Run the new tokens of each chunk through this runner's layers, appending their KV.
 
-        First runner: `hidden` is None and tokens are embedded. Others: hidden (B, T, H) from the
-        previous stage. Returns logits (sum num_logits, V) in fp32 if last, else hidden (B, T, H).
+        First runner: `hidden` is None and tokens are embedded. Others: hidden (N, H) from the previous
+        stage, tokens packed in chunk order. Returns logits (sum num_logits, V) in fp32 if last, else
+        hidden (N, H).
         """
         for c in chunks:
             if not self.cache.reserve(c.request_id, self.cache.length(c.request_id) + len(c.token_ids)):
                 raise CacheFull(f"no KV blocks for {c.request_id}")
         meta = AttentionMetadata.build(chunks, self.cache)
-        x = self.embed(meta.token_ids) if self.first else hidden  # (B, T, H)
-        cos, sin = self.rotary(x, meta.positions)  # (B, T, hd) each
+        x = self.embed(meta.token_ids) if self.first else hidden  # (N, H)
+        cos, sin = self.rotary(x, meta.positions[None])  # (1, N, hd) each
+        cos, sin = cos[0], sin[0]  # (N, hd)
         for layer in self.layers:
             x = layer(x, cos, sin, meta, self.cache)
         for c in chunks:
             self.cache.set_length(c.request_id, self.cache.length(c.request_id) + len(c.token_ids))
         if not self.last:
             return x
-        h = x.reshape(-1, x.shape[-1])[meta.logits_index]  # (sum num_logits, H)
+        h = x[meta.logits_index]  # (sum num_logits, H)
         return self.lm_head(rms_norm(h, self.norm, self.model.config.rms_norm_eps)).float()  # (N, V)

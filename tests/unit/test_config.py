@@ -13,6 +13,7 @@ from cluster.config import (
     ConfigError,
     EngineConfig,
     ModelConfig,
+    SchedulerConfig,
     SpecfleetConfig,
     SpeculationConfig,
     load_config,
@@ -117,6 +118,17 @@ def test_empty_draft_layers_is_an_error() -> None:
         parse_config({"engine": {"model": {"target": "t", "draft_layers": []}}})
 
 
+def test_a_token_budget_below_the_batch_size_is_an_error() -> None:
+    with pytest.raises(ConfigError, match=r"engine.scheduler: .*at least max_batch_size"):
+        parse_config({"engine": {"model": {"target": "t"},
+                                 "scheduler": {"max_batch_size": 8, "max_num_batched_tokens": 4}}})
+
+
+def test_an_unknown_speculation_policy_is_an_error() -> None:
+    with pytest.raises(ConfigError, match=r"engine.speculation.policy: .*'fixed', 'off' or 'goodput'"):
+        parse_config({"engine": {"model": {"target": "t"}, "speculation": {"policy": "smart"}}})
+
+
 def test_parse_config_names_its_source() -> None:
     with pytest.raises(ConfigError, match=r"^inline: engine: Field required"):
         parse_config({}, source="inline")
@@ -128,7 +140,8 @@ def test_parse_config_names_its_source() -> None:
         (ModelConfig(target="t"), "target", "u"),
         (SpeculationConfig(), "k", 2),
         (CacheConfig(), "num_blocks", 4),
-        (EngineConfig(model=ModelConfig(target="t")), "max_batch_size", 1),
+        (EngineConfig(model=ModelConfig(target="t")), "scheduler", None),
+        (SchedulerConfig(), "max_batch_size", 1),
         (SpecfleetConfig(engine=EngineConfig(model=ModelConfig(target="t"))), "engine", None),
     ],
 )

@@ -6,7 +6,7 @@ import pytest
 
 from actors.engine import Engine
 from actors.sequence import Sequence
-from cluster.config import SpeculationConfig
+from cluster.config import SchedulerConfig, SpeculationConfig
 from cluster.request import FinishReason, Request, SamplingParams
 from tests.fixtures.tiny_models import FAMILIES
 from tests.unit.helpers import Result, drain, load, reference_greedy, runner, text_prompts
@@ -18,7 +18,7 @@ PROMPT_OFFSET = {1: 13, 4: 10, 8: 2}
 
 
 def make_engine(tiny_models, tiny_draft_models, family: str, draft: str, k: int, num_blocks: int = 256,
-                max_batch_size: int = 8) -> Engine:
+                max_batch_size: int = 8, max_num_batched_tokens: int = 256, policy: str = "fixed") -> Engine:
     """The target alone, with its perturbed copy as draft, or with its layers [0, 3] as a self-speculative draft."""
     target = load(tiny_models[family])
     draft_runner = {
@@ -26,7 +26,8 @@ def make_engine(tiny_models, tiny_draft_models, family: str, draft: str, k: int,
         "layers": lambda: runner(target, [0, 3], num_blocks=num_blocks),
         "none": lambda: None,
     }[draft]()
-    return Engine(runner(target, num_blocks=num_blocks), draft_runner, SpeculationConfig(k=k), max_batch_size)
+    return Engine(runner(target, num_blocks=num_blocks), draft_runner, SpeculationConfig(policy=policy, k=k),
+                  SchedulerConfig(max_batch_size=max_batch_size, max_num_batched_tokens=max_num_batched_tokens))
 
 
 def assert_all_blocks_free(engine: Engine) -> None:
@@ -41,8 +42,10 @@ def assert_kv_accounting(engine: Engine) -> None:
     caches = [engine.target.cache] + ([engine.draft.cache] if engine.draft is not None else [])
     for seq in engine.waiting:
         assert not any(c.has(seq.request_id) for c in caches), f"waiting {seq.request_id} holds KV blocks"
-    for seq in engine.running:
-        assert engine.target.cache.length(seq.request_id) == len(seq.token_ids) - 1
+    for seq in engine.running:  # n-1 once the prompt is processed; less while it is prefilled in chunks
+        assert engine.target.cache.length(seq.request_id) <= len(seq.token_ids) - 1
+        if seq.output.token_ids:
+            assert engine.target.cache.length(seq.request_id) == len(seq.token_ids) - 1
     owned = sum(len(c.block_table(s.request_id)) for s in engine.running for c in caches if c.has(s.request_id))
     assert owned == sum(c.num_used_blocks for c in caches)
 
@@ -264,8 +267,8 @@ def test_preemption_under_a_small_cache_keeps_the_output(tiny_models, tiny_draft
     assert_all_blocks_free(engine)
 
 
-def test_a_draft_cache_smaller_than_the_targets_preempts_cleanly(tiny_models, tiny_draft_models) -> None:
-    """When only the draft runs out of blocks, the target's blocks of a request sent back to the queue go too."""
+def test_a_draft_cache_smaller_than_the_targets_only_turns_drafting_off(tiny_models, tiny_draft_models) -> None:
+    """Draft KV is optional: when only the draft runs out of blocks, requests go on with k=0 (never preempted)."""
     target = load(tiny_models["mixtral"])
     draft = runner(load(tiny_draft_models["mixtral"]), num_blocks=16)
     engine = Engine(runner(target, num_blocks=256), draft, SpeculationConfig(k=3))
@@ -276,7 +279,10 @@ def test_a_draft_cache_smaller_than_the_targets_preempts_cleanly(tiny_models, ti
 
     results = drain(engine, check=assert_kv_accounting)
 
-    assert sum(seq.num_preemptions for seq in sequences) >= 1
+    assert sum(seq.num_preemptions for seq in sequences) == 0
+    # some rounds drafted, and some went without for want of draft blocks (not only the capped last ones)
+    assert any(seq.stats.proposed for seq in sequences)
+    assert any(0 in seq.stats.k_history[:-3] for seq in sequences)
     for i, prompt in enumerate(prompts):
         assert_matches_reference(engine, tiny_models["mixtral"], prompt, results[f"r{i}"], NEW_TOKENS)
     assert_all_blocks_free(engine)

@@ -75,7 +75,7 @@ def test_first_stage_returns_hidden_states(tiny_models) -> None:
     stage = runner(model, [0, 1], last=False)
     hidden = stage.forward([SeqChunk("a", (5, 6, 7)), SeqChunk("b", (8,))])
 
-    assert hidden.shape == (2, 3, model.config.hidden_size)  # (B, T, H), padded to the longest chunk
+    assert hidden.shape == (4, model.config.hidden_size)  # (N, H): the chunks' tokens packed, no padding
 
 
 def test_runner_rejects_layers_outside_the_model(tiny_models) -> None:

@@ -1,0 +1,176 @@
+"""Speculation-length policies: how many draft tokens k (0..K) each request gets this step.
+
+`fixed` gives every request K, `off` gives 0, and `goodput` follows SmartSpec (Liu et al., arXiv
+2406.14066): pick the ks that maximise the batch's expected emitted tokens per second,
+
+    goodput(k_1..k_n) = sum_i E(alpha_i, k_i) / step_seconds(k_1..k_n),
+    E(alpha, k) = 1 + alpha + ... + alpha^k        (accepted drafts + the target's own token),
+
+with alpha_i the request's estimated per-token acceptance and step_seconds from the fitted cost model
+(actors/spec/cost_model.py). k = 0 is a candidate, so under heavy load or with a poor draft the
+policy turns speculation off by itself, per request. The search tries each cap c = 1..K (the cap fixes
+how many draft forwards run), starts every request at min(c, its own limit), then lowers single
+requests' k while that raises goodput (requests with poor acceptance drop first).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from actors.spec.cost_model import ATTENTION_UNIT, ForwardShape, StepCostModel
+from cluster.config import SpeculationConfig
+
+
+def expected_tokens(alpha: float, k: int) -> float:
+    """Tokens one round emits on average when each draft token is accepted with probability alpha."""
+    if alpha >= 1.0:
+        return float(k + 1)
+    return (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
+
+
+@dataclass
+class Acceptance:
+    """Exponentially weighted estimate of the per-token acceptance rate alpha.
+
+    A round that proposes k and accepts a is a + [a < k] Bernoulli trials with a successes (drafts
+    after the first rejection are never tried), so alpha = successes / trials, both decayed per round.
+    """
+
+    successes: float
+    trials: float
+    decay: float = 0.9
+
+    @classmethod
+    def prior(cls, rate: float, weight: float = 2.0, decay: float = 0.9) -> "Acceptance":
+        return cls(rate * weight, weight, decay)
+
+    @property
+    def rate(self) -> float:
+        return self.successes / self.trials if self.trials > 0 else 0.0
+
+    def update(self, proposed: int, accepted: int) -> None:
+        if proposed <= 0:
+            return
+        self.successes = self.decay * self.successes + accepted
+        self.trials = self.decay * self.trials + accepted + (1 if accepted < proposed else 0)
+
+    def copy(self, weight: float = 2.0) -> "Acceptance":
+        """A fresh estimate with this one's rate and a small weight (a new request's starting point)."""
+        return Acceptance.prior(self.rate, weight, self.decay)
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One request that emits tokens this step and so may speculate."""
+
+    acceptance: float  # estimated alpha
+    max_k: int  # K, capped by the tokens it may still emit and the step's token budget
+    new_tokens: int  # target tokens it feeds without drafts (1 for a decode, more for a final prefill chunk)
+    context: int  # its context length after this step
+
+
+@dataclass(frozen=True)
+class BatchBase:
+    """The rest of the step, whatever the ks: prefill chunks in the target, prefill rows in the draft."""
+
+    target: ForwardShape = ForwardShape()
+    draft_rows: int = 0
+    draft_attention: float = 0.0
+
+
+class FixedPolicy:
+    """k = K for every request (capped by its own limit)."""
+
+    name = "fixed"
+
+    def __init__(self, k: int) -> None:
+        self.k = k
+
+    def choose(self, cands: list[Candidate], base: BatchBase, budget: int) -> list[int]:
+        ks = []
+        for c in cands:
+            ks.append(min(self.k, c.max_k, budget))
+            budget -= ks[-1]
+        return ks
+
+    def draft_in_use(self, acceptance: float) -> bool:
+        return self.k > 0
+
+
+class OffPolicy:
+    """k = 0: plain decoding."""
+
+    name = "off"
+
+    def choose(self, cands: list[Candidate], base: BatchBase, budget: int) -> list[int]:
+        return [0] * len(cands)
+
+    def draft_in_use(self, acceptance: float) -> bool:
+        return False
+
+
+class GoodputPolicy:
+    """Per request k in 0..K maximising expected emitted tokens per second of the whole batch (SmartSpec)."""
+
+    name = "goodput"
+
+    def __init__(self, k: int, cost: StepCostModel) -> None:
+        self.k = k
+        self.cost = cost
+
+    def goodput(self, cands: list[Candidate], base: BatchBase, ks: list[int]) -> float:
+        """Expected tokens per second of a step with these ks."""
+        tokens, attention = base.target.tokens, base.target.attention
+        rows, d_attention = base.draft_rows, base.draft_attention
+        emitted = 0.0
+        for c, k in zip(cands, ks):
+            tokens += c.new_tokens + k
+            attention += (c.new_tokens + k) * c.context / ATTENTION_UNIT
+            rows += k  # the draft's catch-up (usually 1-2 tokens) is amortised, not charged to this step
+            d_attention += k * c.context / ATTENTION_UNIT
+            emitted += expected_tokens(c.acceptance, k)
+        forwards = max(ks, default=0) or (1 if base.draft_rows else 0)
+        seconds = self.cost.predict(ForwardShape(1, tokens, attention), ForwardShape(forwards, rows, d_attention))
+        return emitted / max(seconds, 1e-9)
+
+    def choose(self, cands: list[Candidate], base: BatchBase, budget: int) -> list[int]:
+        best_ks, best = [0] * len(cands), self.goodput(cands, base, [0] * len(cands))
+        if not self.cost.fitted:
+            return best_ks
+        for cap in range(1, self.k + 1):
+            ks = [min(cap, c.max_k) for c in cands]
+            while sum(ks) > budget:  # trim the requests with the lowest acceptance first
+                i = min((i for i, k in enumerate(ks) if k > 0), key=lambda i: (cands[i].acceptance, -ks[i]))
+                ks[i] -= 1
+            value = self.goodput(cands, base, ks)
+            improved = True
+            while improved:
+                improved = False
+                for i in sorted(range(len(ks)), key=lambda i: cands[i].acceptance):
+                    if ks[i] == 0:
+                        continue
+                    ks[i] -= 1
+                    v = self.goodput(cands, base, ks)
+                    if v > value:
+                        value, improved = v, True
+                    else:
+                        ks[i] += 1
+            if value > best:
+                best_ks, best = list(ks), value
+        return best_ks
+
+    def draft_in_use(self, acceptance: float) -> bool:
+        """Whether the draft should follow prefill chunks: a lone decode at this acceptance would speculate."""
+        return self.k > 0 and any(self.choose([Candidate(acceptance, self.k, 1, 512)], BatchBase(), self.k))
+
+
+SpecPolicy = FixedPolicy | OffPolicy | GoodputPolicy
+
+
+def make_policy(cfg: SpeculationConfig, has_draft: bool, cost: StepCostModel) -> SpecPolicy:
+    """The policy the config names; without a draft every policy is `off`."""
+    if not has_draft or cfg.policy == "off" or cfg.k == 0:
+        return OffPolicy()
+    if cfg.policy == "fixed":
+        return FixedPolicy(cfg.k)
+    return GoodputPolicy(cfg.k, cost)
