@@ -14,7 +14,7 @@ the same memory, and recompute gives the same tokens at temperature 0.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from actors.sequence import Sequence, SeqStatus
@@ -36,11 +36,10 @@ class Work:
     start: int  # the target's cache length before the step: position of the first new token
     num_new: int
     k: int = 0
+    emits: bool = field(init=False)  # the chunk reaches the newest token: the step verifies and emits
 
-    @property
-    def emits(self) -> bool:
-        """Whether the chunk reaches the newest token, so the step verifies drafts and emits tokens."""
-        return self.start + self.num_new == len(self.seq.token_ids)
+    def __post_init__(self) -> None:
+        self.emits = self.start + self.num_new == len(self.seq.token_ids)
 
     @property
     def is_prefill(self) -> bool:

@@ -11,6 +11,7 @@ from actors.engine import RequestError
 from actors.model.loader import ModelLoadError
 from cluster.config import ConfigError
 from deploy import generate
+from deploy.bench import load as bench_load
 from deploy.bench import spec as bench_spec
 from deploy.flags import UsageError
 from deploy.model_store import ModelFetchError
@@ -31,6 +32,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = bench.add_parser("spec", help="speculative decoding vs plain decoding vs transformers' assisted generation")
     bench_spec.add_arguments(p)
     p.set_defaults(run=bench_spec.run)
+    p = bench.add_parser("load", help="Poisson load at several rates for each speculation policy (off, fixed, goodput)")
+    bench_load.add_arguments(p)
+    p.set_defaults(run=bench_load.run)
     return parser
 
 

@@ -92,23 +92,27 @@ class LinearCost:
 class StepCostModel:
     """Predicted seconds of one engine step = target forward + draft forwards."""
 
-    def __init__(self, window: int = 256, refit_every: int = 16) -> None:
+    def __init__(self, window: int = 256, refit_every: int = 16, online: bool = True) -> None:
         self.target = LinearCost(intercept=True, window=window, refit_every=refit_every)
         self.draft = LinearCost(intercept=False, window=window, refit_every=refit_every)
+        self.online = online  # False: observations are ignored, the coefficients stay as given
 
     @classmethod
-    def from_weights(cls, target: Sequence[float], draft: Sequence[float]) -> "StepCostModel":
-        """A model with given coefficients (synthetic costs in tests; a saved fit)."""
-        model = cls()
+    def from_weights(cls, target: Sequence[float], draft: Sequence[float], online: bool = False) -> "StepCostModel":
+        """A model with given coefficients (synthetic costs in tests, a saved fit), frozen unless `online`."""
+        model = cls(online=online)
         model.target.weights, model.draft.weights = np.array(target, float), np.array(draft, float)
         return model
 
     @property
     def fitted(self) -> bool:
-        return self.target.num_observations >= 2
+        """Whether it can predict: calibrated, observed, or given weights."""
+        return bool(self.target.weights.any())
 
     def observe(self, target: ForwardShape, target_s: float, draft: ForwardShape | None = None,
                 draft_s: float = 0.0, pinned: bool = False) -> None:
+        if not self.online:
+            return
         self.target.observe(target, target_s, pinned)
         if draft is not None and draft.forwards:
             self.draft.observe(draft, draft_s, pinned)

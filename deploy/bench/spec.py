@@ -23,6 +23,7 @@ from actors.model.quant import quantize_runner_int8
 from actors.model.runner import ModelRunner
 from cluster.config import CacheConfig, SpeculationConfig
 from cluster.request import SamplingParams, SpecStats
+from deploy.flags import UsageError
 from deploy.model_store import resolve_model
 
 DATASETS = Path(__file__).resolve().parents[2].parent / "shared" / "datasets"
@@ -45,8 +46,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--plot", type=Path, help="write a bar chart here (PNG)")
 
 
-def load_prompts(files: list[Path], n: int) -> list[str]:
-    """n prompts taken in turn from the files: an MT-Bench first turn, or a HumanEval completion task."""
+def load_prompts(files: list[Path], n: int | None = None) -> list[str]:
+    """Prompts taken in turn from the files (an MT-Bench first turn, or a HumanEval completion task): the
+    first n, or all of them."""
     per_file = []
     for f in files:
         opener = gzip.open if f.suffix == ".gz" else open
@@ -56,7 +58,11 @@ def load_prompts(files: list[Path], n: int) -> list[str]:
             r["turns"][0] if "turns" in r else f"Complete this Python function:\n```python\n{r['prompt']}```"
             for r in rows
         ])
-    return [per_file[i % len(files)][i // len(files)] for i in range(n)]
+    longest = max((len(p) for p in per_file), default=0)
+    prompts = [p[i] for i in range(longest) for p in per_file if i < len(p)]
+    if n is not None and n > len(prompts):
+        raise UsageError(f"asked for {n} prompts; the prompt files hold {len(prompts)}")
+    return prompts[:n]
 
 
 @dataclass

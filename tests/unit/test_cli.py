@@ -91,3 +91,30 @@ def test_bench_spec_runs_all_modes_and_is_lossless_in_fp32(pair, tmp_path):
         assert m["identical_to_plain"] == 1.0, name  # fp32: every mode gives the target's greedy output
     assert modes["b_spec"]["spec"]["proposed"] > 0
     assert report["ratios"]["b_spec/a_plain"] > 0 and (tmp_path / "b.png").stat().st_size > 0
+
+
+def test_bench_load_runs_every_policy_at_every_rate_and_is_lossless_in_fp32(pair, tmp_path):
+    target, draft = pair
+    out, prompts = tmp_path / "load.json", tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(f'{{"turns": ["Question {i}: name {i} colours."]}}\n' for i in range(6)))
+    res = specfleet("bench", "load", "--target", str(target), "--draft", str(draft), "--prompts", str(prompts),
+                    "--rates", "4,16", "--duration", "1", "--max-tokens", "6", "--k", "3", "--dtype", "fp32",
+                    "--concurrency", "3", "--json", str(out), "--plot", str(tmp_path / "l.png"))
+    assert res.returncode == 0, res.stderr
+    report = json.loads(out.read_text())
+    assert [(r["rate"], r["policy"]) for r in report["runs"]] == [
+        (rate, p) for rate in (4.0, 16.0) for p in ("off", "fixed", "goodput")]
+    for r in report["runs"]:
+        assert r["requests"] > 0 and r["tokens"] == 6 * r["requests"] and r["throughput_tok_s"] > 0
+        assert r["p99_latency_s"] >= r["mean_latency_s"] * 0.999 and r["mean_ttft_s"] <= r["mean_latency_s"]
+        assert r["identical_to_off"] == 1.0  # fp32: every policy gives the target's greedy output
+    assert {r["policy"]: r["mean_k"] for r in report["runs"] if r["rate"] == 4.0}["off"] == 0
+    assert {r["policy"]: r["mean_k"] for r in report["runs"] if r["rate"] == 4.0}["fixed"] > 0
+    assert len(report["saturation"]) == 6 and "goodput: 3 concurrent / 1, tokens/s" in report["ratios"]
+    assert (tmp_path / "l.png").stat().st_size > 0
+
+
+def test_bench_load_rejects_bad_rates(pair):
+    target, draft = pair
+    res = specfleet("bench", "load", "--target", str(target), "--draft", str(draft), "--rates", "fast")
+    assert res.returncode == 2 and "--rates" in res.stderr

@@ -1,0 +1,111 @@
+"""Speculation-length policies on plain data: fixed, off, and goodput's choices under acceptance and load."""
+
+from __future__ import annotations
+
+import pytest
+
+from actors.spec.cost_model import ForwardShape, StepCostModel
+from actors.spec.policy import (
+    Acceptance, BatchBase, Candidate, FixedPolicy, GoodputPolicy, OffPolicy, expected_tokens, make_policy,
+)
+from cluster.config import SpeculationConfig
+
+# A memory-bound accelerator: a forward costs mostly its fixed part, so extra tokens are nearly free,
+# and a draft forward costs a tenth of the target's.
+MEMORY_BOUND = StepCostModel.from_weights(target=[0.020, 0.00005, 0.0], draft=[0.002, 0.00001, 0.0])
+# A compute-bound one: every token costs as much as the fixed part of the forward.
+COMPUTE_BOUND = StepCostModel.from_weights(target=[0.020, 0.004, 0.0], draft=[0.002, 0.0008, 0.0])
+
+
+def cands(alphas: list[float], max_k: int = 4) -> list[Candidate]:
+    return [Candidate(a, max_k, 1, 200) for a in alphas]
+
+
+def test_expected_tokens_is_the_geometric_sum() -> None:
+    assert expected_tokens(0.0, 4) == 1.0
+    assert expected_tokens(1.0, 4) == 5.0
+    assert expected_tokens(0.5, 2) == pytest.approx(1 + 0.5 + 0.25)
+
+
+def test_acceptance_counts_trials_up_to_the_first_rejection() -> None:
+    est = Acceptance(0.0, 0.0, decay=1.0)
+    est.update(4, 4)  # four successes, no failure
+    est.update(4, 1)  # one success, then a failure; the last two drafts were never tried
+    assert est.rate == pytest.approx(5 / 6)
+    est.update(0, 0)  # a round without drafts says nothing
+    assert est.rate == pytest.approx(5 / 6)
+
+
+def test_acceptance_forgets_old_rounds() -> None:
+    est = Acceptance.prior(0.9, weight=2.0, decay=0.5)
+    for _ in range(10):
+        est.update(4, 0)
+    assert est.rate < 0.01
+    assert est.copy().rate == pytest.approx(est.rate)
+
+
+def test_fixed_and_off() -> None:
+    c = [Candidate(0.1, 4, 1, 10), Candidate(0.9, 2, 1, 10), Candidate(0.9, 0, 1, 10)]
+    assert FixedPolicy(4).choose(c, BatchBase(), 100) == [4, 2, 0]
+    assert FixedPolicy(4).choose(c, BatchBase(), 5) == [4, 1, 0]  # the budget caps the total
+    assert OffPolicy().choose(c, BatchBase(), 100) == [0, 0, 0]
+
+
+def test_goodput_picks_zero_for_a_useless_draft_and_the_most_for_a_perfect_one() -> None:
+    policy = GoodputPolicy(4, MEMORY_BOUND)
+    assert policy.choose(cands([0.0]), BatchBase(), 100) == [0]
+    assert policy.choose(cands([1.0]), BatchBase(), 100) == [4]
+    assert policy.choose(cands([0.0] * 8), BatchBase(), 100) == [0] * 8
+    assert not policy.draft_in_use(0.0) and policy.draft_in_use(0.9)
+
+
+def test_goodput_speculates_less_under_load_on_a_compute_bound_device() -> None:
+    policy = GoodputPolicy(4, COMPUTE_BOUND)
+    light = policy.choose(cands([0.8]), BatchBase(), 100)
+    heavy = policy.choose(cands([0.8] * 16), BatchBase(), 100)
+    assert light[0] > 0
+    assert sum(heavy) / len(heavy) < light[0]
+
+
+def test_goodput_gives_more_drafts_to_the_requests_that_accept_more() -> None:
+    policy = GoodputPolicy(4, COMPUTE_BOUND)
+    ks = policy.choose(cands([0.95, 0.3, 0.95, 0.3]), BatchBase(), 100)
+    assert ks[0] == ks[2] > ks[1] == ks[3]
+
+
+def test_goodput_is_at_least_as_good_as_every_uniform_k() -> None:
+    for model in (MEMORY_BOUND, COMPUTE_BOUND):
+        policy = GoodputPolicy(6, model)
+        for alphas in ([0.6] * 4, [0.9, 0.2, 0.7], [0.5] * 12):
+            c = cands(alphas, max_k=6)
+            chosen = policy.goodput(c, BatchBase(), policy.choose(c, BatchBase(), 1000))
+            for k in range(7):
+                assert chosen >= policy.goodput(c, BatchBase(), [k] * len(c)) - 1e-9
+
+
+def test_goodput_respects_each_request_cap_and_the_budget() -> None:
+    policy = GoodputPolicy(4, MEMORY_BOUND)
+    c = [Candidate(1.0, 1, 1, 10), Candidate(1.0, 4, 1, 10), Candidate(1.0, 4, 1, 10)]
+    ks = policy.choose(c, BatchBase(), 5)
+    assert ks[0] <= 1 and sum(ks) <= 5
+
+
+def test_a_long_prefill_in_the_step_makes_drafts_relatively_cheaper() -> None:
+    """With a big prefill chunk riding along, the step is long anyway, so more k pays on a compute-bound device."""
+    policy = GoodputPolicy(4, COMPUTE_BOUND)
+    c = cands([0.7] * 8)
+    alone = sum(policy.choose(c, BatchBase(), 100))
+    with_prefill = sum(policy.choose(c, BatchBase(ForwardShape(1, 256, 0.0)), 100))
+    assert with_prefill >= alone
+
+
+def test_an_unfitted_cost_model_does_not_speculate() -> None:
+    assert GoodputPolicy(4, StepCostModel()).choose(cands([1.0]), BatchBase(), 100) == [0]
+
+
+def test_make_policy_by_name() -> None:
+    cost = StepCostModel()
+    assert make_policy(SpeculationConfig(policy="goodput", k=3), True, cost).name == "goodput"
+    assert make_policy(SpeculationConfig(policy="fixed", k=3), True, cost).name == "fixed"
+    assert make_policy(SpeculationConfig(policy="fixed", k=3), False, cost).name == "off"  # no draft
+    assert make_policy(SpeculationConfig(policy="goodput", k=0), True, cost).name == "off"
