@@ -129,4 +129,6 @@ class ModelRunner:
         if not self.last:
             return x
         h = x[meta.logits_index]  # (sum num_logits, H)
+        if h.shape[0] == 0:  # prefill chunks only: no logits wanted
+            return torch.empty(0, self.model.config.vocab_size)
         return self.lm_head(rms_norm(h, self.norm, self.model.config.rms_norm_eps)).float()  # (N, V)
