@@ -10,7 +10,7 @@ from pydantic import ValidationError
 from actors.engine import RequestError
 from actors.model.loader import ModelLoadError
 from cluster.config import ConfigError
-from deploy import generate
+from deploy import cluster_cmd, generate
 from deploy.bench import load as bench_load
 from deploy.bench import spec as bench_spec
 from deploy.flags import UsageError
@@ -35,6 +35,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = bench.add_parser("load", help="Poisson load at several rates for each speculation policy (off, fixed, goodput)")
     bench_load.add_arguments(p)
     p.set_defaults(run=bench_load.run)
+
+    p = commands.add_parser("cluster", help="a local multi-node Ray cluster on this machine: up, status, down")
+    cluster_cmd.add_arguments(p)  # each action sets its own `run`
     return parser
 
 

@@ -1,0 +1,129 @@
+"""`specfleet cluster`: real raylets with the inventory's labels and resources, pinned tasks, exact teardown."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import psutil
+import pytest
+import ray
+
+from deploy import local_cluster
+from deploy.cli import main
+from deploy.local_cluster import ClusterError, ClusterState, read_state, running_processes
+from placement.inventory import NODE_RESOURCE, load_inventory, ray_labels, ray_resources
+
+
+def specfleet(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "deploy.cli", *args], capture_output=True, text=True, timeout=240)
+
+
+def live_nodes() -> dict[str, dict]:
+    """Alive nodes of the connected cluster by their specfleet/node label."""
+    return {n["Labels"]["specfleet/node"]: n for n in ray.nodes() if n["Alive"]}
+
+
+def test_every_node_is_its_own_raylet_with_the_inventorys_labels_and_resources(ray_driver) -> None:
+    nodes = live_nodes()
+    assert sorted(nodes) == sorted(spec.name for spec in ray_driver.inventory.nodes)
+    for spec in ray_driver.inventory.nodes:
+        node = nodes[spec.name]
+        assert node["NodeName"] == spec.name
+        assert ray_labels(spec).items() <= node["Labels"].items()
+        for key, value in ray_resources(spec).items():
+            assert node["Resources"][key] == pytest.approx(value)
+        assert node["Resources"]["CPU"] == 4
+    assert len({n["NodeManagerPort"] for n in nodes.values()}) == len(nodes)  # one raylet each
+    assert len({n["ObjectStoreSocketName"] for n in nodes.values()}) == len(nodes)  # with its own temp folder
+    recorded = ray_driver.state.nodes
+    assert [n.head for n in recorded] == [True, False, False]
+    running = {p.pid for p in running_processes(ray_driver.state)}
+    assert {n.pid for n in recorded} <= running
+
+
+def test_tasks_pinned_by_resource_or_label_run_on_the_named_node(ray_driver) -> None:
+    node_ids = {name: node["NodeID"] for name, node in live_nodes().items()}
+
+    @ray.remote(num_cpus=0)
+    def where() -> str:
+        return ray.get_runtime_context().get_node_id()
+
+    by_resource = {name: where.options(resources={NODE_RESOURCE.format(name=name): 1}).remote() for name in node_ids}
+    by_label = {name: where.options(label_selector={"specfleet/node": name}).remote() for name in node_ids}
+    on_l4 = [where.options(resources={"accelerator_l4-24g": 1}).remote() for _ in range(4)]
+    assert {name: ray.get(ref, timeout=60) for name, ref in by_resource.items()} == node_ids
+    assert {name: ray.get(ref, timeout=60) for name, ref in by_label.items()} == node_ids
+    assert set(ray.get(on_l4, timeout=60)) <= {node_ids["l4-0"], node_ids["l4-1"]}
+
+
+def test_cli_up_status_down_stops_exactly_its_own_cluster(ray_driver, tmp_path: Path) -> None:
+    state_path = tmp_path / "second.json"
+    res = specfleet("cluster", "up", "--nodes", "1", "--num-cpus", "1", "--state", str(state_path))
+    assert res.returncode == 0, res.stderr
+    try:
+        second = read_state(state_path)
+        pids = {p.pid for p in running_processes(second)}
+        assert second.address != ray_driver.address and pids
+        assert pids.isdisjoint(p.pid for p in running_processes(ray_driver.state))
+
+        res = specfleet("cluster", "status", "--json", "--state", str(state_path))
+        assert res.returncode == 0, res.stderr
+        [node] = json.loads(res.stdout)["nodes"]
+        assert node["name"] == "a100" and node["head"] and node["alive"]
+        assert node["labels"]["specfleet/accelerator"] == "a100-80g" and node["resources"]["CPU"] == 1
+
+        res = specfleet("cluster", "down", "--state", str(state_path))
+        assert res.returncode == 0, res.stderr
+    finally:
+        if state_path.exists():  # the CLI failed part-way: stop what it started
+            local_cluster.down(state_path)
+    left = [pid for pid in pids if psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE]
+    assert left == [] and running_processes(second) == []
+    assert not Path(second.temp_dir).exists() and not state_path.exists()
+    assert len(live_nodes()) == len(ray_driver.inventory.nodes)  # the session's cluster is untouched
+    assert all(psutil.pid_exists(n.pid) for n in ray_driver.state.nodes)
+
+
+def test_a_failed_start_leaves_nothing_behind(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    started: list[local_cluster.NodeProcess] = []
+    start_node = local_cluster._start_node
+
+    def recording_start_node(*args: object) -> local_cluster.NodeProcess:
+        started.append(start_node(*args))
+        return started[-1]
+
+    monkeypatch.setattr(local_cluster, "_start_node", recording_start_node)
+    inventory = load_inventory(local_cluster.DEFAULT_INVENTORY).first(2)
+    with pytest.raises(ClusterError, match="did not listen"):  # the head cannot be up within 0.2 s
+        local_cluster.up(inventory, tmp_path / "state.json", timeout_s=0.2)
+    [head] = started
+    stopped = ClusterState(cluster_id="-", address="-", temp_dir=str(Path(head.temp_dir).parent), nodes=started)
+    assert running_processes(stopped) == []  # nothing left in the head's session
+    assert not Path(stopped.temp_dir).exists() and not (tmp_path / "state.json").exists()
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["up", "--nodes", "4"], "lists only 3 nodes"),
+        (["up", "--nodes", "0"], "--nodes must be at least 1"),
+        (["up", "--node-labels", "{bad_yaml}"], "not valid YAML"),
+        (["up", "--node-labels", "{unknown_key}"], "nodes.0.gpus: unknown key"),
+        (["up", "--node-labels", "/nonexistent/fleet.yaml"], "no such inventory file"),
+        (["down"], "no cluster state"),
+        (["status"], "no cluster state"),
+    ],
+)
+def test_bad_input_is_a_clear_error_with_status_2(args: list[str], message: str, tmp_path: Path,
+                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    (tmp_path / "bad.yaml").write_text("nodes: [\n")
+    (tmp_path / "unknown.yaml").write_text("nodes:\n  - {name: a, accelerator: t4-16g, gpus: 2}\n")
+    files = {"bad_yaml": tmp_path / "bad.yaml", "unknown_key": tmp_path / "unknown.yaml"}
+    argv = ["cluster", *(a.format(**files) for a in args), "--state", str(tmp_path / "none.json")]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("specfleet: error:") and message in err
+    assert not (tmp_path / "none.json").exists()
