@@ -246,7 +246,7 @@ class Engine:
         """
         drafts: list[list[int]] = [[] for _ in works]
         probs: list[list[torch.Tensor]] = [[] for _ in works]
-        forwards = rows = 0
+        sizes: list[int] = []  # tokens fed by each draft forward
         attention = 0.0
         if self.draft is None:
             return drafts, probs, ForwardShape()
@@ -268,8 +268,7 @@ class Engine:
             if not chunks:
                 continue
             logits = self.draft.forward(chunks)  # (number of works drafting at position j, V)
-            forwards += 1
-            rows += sum(len(c.token_ids) for c in chunks)
+            sizes.append(sum(len(c.token_ids) for c in chunks))
             attention += sum(len(c.token_ids) * self.draft.cache.length(c.request_id) for c in chunks) / ATTENTION_UNIT
             drafting = [i for i, c in zip(rows_j, chunks) if c.num_logits]
             for i, row in zip(drafting, logits):
@@ -280,7 +279,7 @@ class Engine:
                     q = probs_from_logits(row[None], seq.request.params)  # (1, V)
                     drafts[i].append(int(sample(q, seq.generator)))
                     probs[i].append(q[0])
-        return drafts, probs, ForwardShape(forwards, rows, attention)
+        return drafts, probs, ForwardShape(len(sizes), sum(sizes), attention, tuple(sizes))
 
     def _score(self, works: list[Work], drafts: list[list[int]]) -> tuple[list[torch.Tensor], ForwardShape]:
         """One target forward over every work's chunk plus its drafts; logits (k+1, V) for emitting works."""
@@ -337,22 +336,27 @@ class Engine:
     # ---- cost model and stats ---------------------------------------------------------------
     def calibrate(self, repeats: int = 2) -> None:
         """Seed the step-time model with timed forwards of a throwaway request at a few sizes (pinned points)."""
-        sizes = [(48, 0), (1, 48), (4, 49), (16, 53)]  # (new tokens, context before them)
+        # (new tokens, context before them): every knot of the cost model's basis, and long contexts for attention
+        sizes = [(1, 32), (2, 32), (4, 32), (8, 32), (16, 32), (32, 32), (64, 0), (128, 0), (8, 128), (1, 256)]
         runners = [(self.target, self.cost_model.target)]
         if self.draft is not None:
             runners.append((self.draft, self.cost_model.draft))
         for runner, model in runners:
-            for _ in range(repeats):
-                rid = "__calibration__"
-                for new, ctx in sizes:
-                    if not runner.reserve(rid, ctx + new):
-                        break
-                    chunk = SeqChunk(rid, tuple(range(1, new + 1)))
-                    t0 = time.perf_counter()
-                    runner.forward([chunk])
-                    seconds = time.perf_counter() - t0
-                    model.observe(ForwardShape(1, new, new * (ctx + new) / ATTENTION_UNIT), seconds, pinned=True)
-                runner.cache.free(rid)
+            rid = "__calibration__"
+            for new, ctx in sizes * repeats:
+                if ctx + new > self.max_model_len or not runner.reserve(rid, ctx + new):
+                    continue
+                have = runner.cache.length(rid)
+                if have > ctx:
+                    runner.cache.crop(rid, ctx)
+                elif have < ctx:  # context to attend to (not timed)
+                    runner.forward([SeqChunk(rid, tuple(range(have + 1, ctx + 1)), 0)])
+                chunk = SeqChunk(rid, tuple(range(1, new + 1)))
+                t0 = time.perf_counter()
+                runner.forward([chunk])
+                seconds = time.perf_counter() - t0
+                model.observe(ForwardShape(1, new, new * (ctx + new) / ATTENTION_UNIT), seconds, pinned=True)
+            runner.cache.free(rid)
 
     def stats(self) -> EngineStats:
         """Load and speed figures after the last step (what the router reads)."""

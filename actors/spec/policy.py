@@ -121,16 +121,20 @@ class GoodputPolicy:
     def goodput(self, cands: list[Candidate], base: BatchBase, ks: list[int]) -> float:
         """Expected tokens per second of a step with these ks."""
         tokens, attention = base.target.tokens, base.target.attention
-        rows, d_attention = base.draft_rows, base.draft_attention
+        d_attention = base.draft_attention
         emitted = 0.0
         for c, k in zip(cands, ks):
             tokens += c.new_tokens + k
             attention += (c.new_tokens + k) * c.context / ATTENTION_UNIT
-            rows += k  # the draft's catch-up (usually 1-2 tokens) is amortised, not charged to this step
             d_attention += k * c.context / ATTENTION_UNIT
             emitted += expected_tokens(c.acceptance, k)
-        forwards = max(ks, default=0) or (1 if base.draft_rows else 0)
-        seconds = self.cost.predict(ForwardShape(1, tokens, attention), ForwardShape(forwards, rows, d_attention))
+        # draft forward j feeds one token of each request still drafting at position j; the first also
+        # takes the prefill rows it follows. Its catch-up (usually 1-2 tokens) is amortised, not charged here.
+        sizes = [sum(k > j for k in ks) for j in range(max(ks, default=0))] or ([0] if base.draft_rows else [])
+        if sizes:
+            sizes[0] += base.draft_rows
+        draft = ForwardShape(len(sizes), sum(sizes), d_attention, tuple(sizes))
+        seconds = self.cost.predict(ForwardShape(1, tokens, attention), draft)
         return emitted / max(seconds, 1e-9)
 
     def choose(self, cands: list[Candidate], base: BatchBase, budget: int) -> list[int]:

@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from actors.engine import Engine
+from actors.spec.cost_model import ForwardShape, StepCostModel
 from actors.model.loader import load_model
 from actors.model.quant import quantize_runner_int8
 from actors.model.runner import ModelRunner
@@ -40,6 +41,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompts", type=Path, nargs="+",
                    default=[DATASETS / "mt_bench_questions.jsonl", DATASETS / "HumanEval.jsonl.gz"])
     p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--max-prompt-tokens", type=int, default=1024, help="prompts are cut to their first N tokens")
     p.add_argument("--k", type=int, default=4, help="K: drafts per request for fixed, the most for goodput")
     p.add_argument("--dtype", choices=["fp32", "bf16"], default="bf16")
     p.add_argument("--draft-quantization", choices=["none", "int8"], default="int8")
@@ -131,6 +133,8 @@ def run(args: argparse.Namespace) -> int:
     policies = args.policies.split(",")
     if bad := [p for p in policies if p not in POLICIES] or [r for r in rates if r <= 0]:
         raise UsageError(f"bad --policies or --rates: {bad}")
+    if args.max_prompt_tokens < 1:
+        raise UsageError("--max-prompt-tokens must be at least 1")
     torch.manual_seed(args.seed)
     t0 = time.perf_counter()
     target = load_model(resolve_model(args.target), args.dtype)
@@ -143,12 +147,14 @@ def run(args: argparse.Namespace) -> int:
         quantize_runner_int8(draft_runner)
     sched = SchedulerConfig(max_batch_size=args.max_batch_size, max_num_batched_tokens=args.max_num_batched_tokens)
 
+    cost = StepCostModel()  # one step-time model for every goodput engine: calibrated once, then fitted online
+
     def engine(policy: str) -> Engine:
         return Engine(target_runner, None if policy == "off" else draft_runner,
-                      SpeculationConfig(policy=policy, k=args.k), sched)
+                      SpeculationConfig(policy=policy, k=args.k), sched, cost_model=cost)
 
     texts = load_prompts(args.prompts)
-    encoded = [target.encode(t, chat=True)[:1024] for t in texts]
+    encoded = [target.encode(t, chat=True)[:args.max_prompt_tokens] for t in texts]
     for p in policies:  # warm-up
         engine(p).generate([encoded[0]], SamplingParams(temperature=0, max_tokens=8))
 
@@ -187,6 +193,11 @@ def run(args: argparse.Namespace) -> int:
                   f"TPOT {s['mean_tpot_s']}s, mean k {s['mean_k']:.2f}", flush=True)
 
     report = _report(args, rates, policies, runs, saturation)
+    if cost.fitted:  # what the goodput policy believed a forward costs, by tokens fed, at the end of the run
+        report["cost_model"] = {
+            name: {n: round(model.predict(ForwardShape(1, n)), 4) for n in (1, 2, 3, 4, 5, 8, 16, 32, 64, 128)}
+            for name, model in (("target_forward_s", cost.target), ("draft_forward_s", cost.draft))
+        }
     _print_table(report)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
@@ -211,7 +222,7 @@ def _report(args, rates, policies, runs, saturation) -> dict:
     return {
         "command": "specfleet bench load", "target": args.target, "draft": args.draft, "k": args.k,
         "dtype": args.dtype, "draft_quantization": args.draft_quantization, "duration_s": args.duration,
-        "max_tokens": args.max_tokens, "max_batch_size": args.max_batch_size,
+        "max_tokens": args.max_tokens, "max_prompt_tokens": args.max_prompt_tokens, "max_batch_size": args.max_batch_size,
         "max_num_batched_tokens": args.max_num_batched_tokens, "threads": torch.get_num_threads(),
         "runs": runs, "saturation": saturation, "ratios": ratios,
     }
