@@ -201,11 +201,15 @@ class Engine:
         t2 = time.perf_counter()
         target_logits, target_shape = self._score(plan.works, drafts)
         t3 = time.perf_counter()
+        emitting = 0
         for w, d, q, logits in zip(plan.works, drafts, draft_probs, target_logits):
             if w.emits:
                 deltas.append(self._accept(w, d, q, logits))
-        self.cost_model.observe(target_shape, t3 - t2, draft_shape, t2 - t1)
-        self._stats.record(plan, deltas, time.perf_counter() - t0)
+                emitting += 1
+        t4 = time.perf_counter()
+        self.cost_model.observe(target_shape, t3 - t2, draft_shape, t2 - t1,
+                                requests=emitting, overhead_s=(t1 - t0) + (t4 - t3))
+        self._stats.record(plan, deltas, t4 - t0)
         return deltas
 
     def _choose_k(self, plan: Schedule) -> bool:

@@ -35,29 +35,19 @@ class _Seq:
     length: int = 0  # tokens whose KV is written
 
 
-class KVCache:
-    """Paged KV storage for the layers `layer_ids` of one model shard."""
+class BlockPool:
+    """Block accounting of a paged cache, without storage: free blocks, per-request block tables and lengths.
 
-    def __init__(
-        self,
-        layer_ids: list[int],
-        num_blocks: int,
-        block_size: int,
-        num_kv_heads: int,
-        head_dim: int,
-        dtype: torch.dtype = torch.float32,
-        device: torch.device | str = "cpu",
-    ) -> None:
+    Replaying the same calls on two pools of the same size gives the same block tables, which is what lets a
+    driver keep a storage-free mirror of its shards' caches (actors/kv_ledger.py).
+    """
+
+    def __init__(self, num_blocks: int, block_size: int) -> None:
         if num_blocks < 2:
             raise ValueError("the KV cache needs at least 2 blocks (one is the scratch block)")
-        self.layer_ids = list(layer_ids)
         self.block_size = block_size
         self.num_blocks = num_blocks - 1  # usable; the last is scratch
         self.scratch_block = num_blocks - 1
-        shape = (len(layer_ids), num_blocks, block_size, num_kv_heads, head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)  # (L, NB, BS, kvh, hd)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)  # (L, NB, BS, kvh, hd)
-        self._index = {layer: i for i, layer in enumerate(self.layer_ids)}
         self._free: list[int] = list(range(self.num_blocks - 1, -1, -1))  # pop() gives low ids first
         self._seqs: dict[str, _Seq] = {}
 
@@ -114,6 +104,34 @@ class KVCache:
         if seq is not None:
             self._free.extend(reversed(seq.blocks))
 
+    def set_length(self, request_id: str, length: int) -> None:
+        """Record that KV up to `length` tokens is written (after a forward wrote it)."""
+        seq = self._seqs[request_id]
+        if self.blocks_for(length) > len(seq.blocks):
+            raise ValueError(f"{request_id}: length {length} exceeds its reserved blocks")
+        seq.length = length
+
+
+class KVCache(BlockPool):
+    """Paged KV storage for the layers `layer_ids` of one model shard."""
+
+    def __init__(
+        self,
+        layer_ids: list[int],
+        num_blocks: int,
+        block_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        super().__init__(num_blocks, block_size)
+        self.layer_ids = list(layer_ids)
+        shape = (len(layer_ids), num_blocks, block_size, num_kv_heads, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)  # (L, NB, BS, kvh, hd)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)  # (L, NB, BS, kvh, hd)
+        self._index = {layer: i for i, layer in enumerate(self.layer_ids)}
+
     # ---- data -------------------------------------------------------------------------------
     def slots(self, request_id: str, start: int, end: int) -> torch.Tensor:
         """Flat slot indices of token positions [start, end) of a request."""
@@ -134,13 +152,6 @@ class KVCache:
         k = self.k[i][block_tables].view(b, nb * self.block_size, *self.k.shape[-2:])
         v = self.v[i][block_tables].view(b, nb * self.block_size, *self.v.shape[-2:])
         return k, v
-
-    def set_length(self, request_id: str, length: int) -> None:
-        """Record that KV up to `length` tokens is written (after a forward wrote it)."""
-        seq = self._seqs[request_id]
-        if self.blocks_for(length) > len(seq.blocks):
-            raise ValueError(f"{request_id}: length {length} exceeds its reserved blocks")
-        seq.length = length
 
     def export(self, request_id: str, start: int = 0, end: int | None = None) -> KVExport:
         """Copy out the KV of tokens [start, end) of a request for every layer of this shard."""

@@ -10,6 +10,7 @@ from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
     AutoTokenizer,
+    GenerationConfig,
     PretrainedConfig,
     PreTrainedModel,
     PreTrainedTokenizerBase,
@@ -31,13 +32,17 @@ class UnsupportedArchitecture(ModelLoadError):
 
 @dataclass
 class LoadedModel:
-    """A checkpoint in memory: the transformers model (weights and reference forward) and its tokenizer."""
+    """A checkpoint in memory: the transformers model (weights and reference forward) and its tokenizer.
+
+    `hf_model` is None when only the metadata was loaded (load_metadata): a driver of remote shards.
+    """
 
     source: str
     config: PretrainedConfig
-    hf_model: PreTrainedModel
+    hf_model: PreTrainedModel | None
     tokenizer: PreTrainedTokenizerBase
     dtype: torch.dtype
+    generation_config: GenerationConfig | None = None  # set by load_metadata; else the hf_model's
 
     @property
     def num_layers(self) -> int:
@@ -59,7 +64,7 @@ class LoadedModel:
     def eos_token_ids(self) -> frozenset[int]:
         """EOS ids from the generation config and the tokenizer."""
         ids: set[int] = set()
-        gen = getattr(self.hf_model, "generation_config", None)
+        gen = self.generation_config or getattr(self.hf_model, "generation_config", None)
         for value in (getattr(gen, "eos_token_id", None), self.tokenizer.eos_token_id):
             if isinstance(value, int):
                 ids.add(value)
@@ -113,3 +118,21 @@ def load_model(source: str, dtype: str = "fp32") -> LoadedModel:
         raise ModelLoadError(f"cannot load {source}: {e}") from None
     model.eval().requires_grad_(False)
     return LoadedModel(source=source, config=config, hf_model=model, tokenizer=tokenizer, dtype=DTYPES[dtype])
+
+
+def load_metadata(source: str, dtype: str = "fp32") -> LoadedModel:
+    """Config, tokenizer and generation config of `source`, no weights (`hf_model` None): what a driver needs."""
+    if dtype not in DTYPES:
+        raise ModelLoadError(f"unsupported dtype {dtype!r}; supported: {', '.join(DTYPES)}")
+    config = load_config(source)
+    where, kwargs = _location(source)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(where, **kwargs)
+    except (OSError, ValueError) as e:
+        raise ModelLoadError(f"cannot load the tokenizer of {source}: {e}") from None
+    try:
+        generation = GenerationConfig.from_pretrained(where, **kwargs)
+    except OSError:  # no generation_config.json: the model config's token ids stand in, as transformers does
+        generation = GenerationConfig.from_model_config(config)
+    return LoadedModel(source=source, config=config, hf_model=None, tokenizer=tokenizer, dtype=DTYPES[dtype],
+                       generation_config=generation)

@@ -126,23 +126,30 @@ class LinearCost:
 
 
 class StepCostModel:
-    """Predicted seconds of one engine step = target forward + draft forwards."""
+    """Predicted seconds of one engine step = target forward + draft forwards + the step's own overhead.
+
+    The overhead (scheduling, verification, detokenizing: everything outside the forwards) is
+    c0 + c1 x emitting requests, fitted like the rest. It does not depend on k, but it is what makes
+    a step that emits several tokens per request cheaper per token than several plain steps.
+    """
 
     def __init__(self, window: int = 256, refit_every: int = 16, online: bool = True,
                  knots: Sequence[int] = KNOTS) -> None:
         self.target = LinearCost(knots, window=window, refit_every=refit_every)
         self.draft = LinearCost(knots, window=window, refit_every=refit_every)
+        self.overhead = LinearCost((), window=window, refit_every=refit_every)  # ForwardShape(1, requests)
         self.online = online  # False: observations are ignored, the coefficients stay as given
 
     @classmethod
-    def from_weights(cls, target: Sequence[float], draft: Sequence[float], online: bool = False) -> "StepCostModel":
+    def from_weights(cls, target: Sequence[float], draft: Sequence[float], online: bool = False,
+                     overhead: Sequence[float] = ()) -> "StepCostModel":
         """A model with given coefficients (synthetic costs in tests, a saved fit), frozen unless `online`.
 
         Weights are in feature order (ForwardShape.features); missing trailing ones are zero, so
         [w0, w1, w2] gives a plain linear model.
         """
         model = cls(online=online)
-        for cost, weights in ((model.target, target), (model.draft, draft)):
+        for cost, weights in ((model.target, target), (model.draft, draft), (model.overhead, overhead)):
             cost.weights[:len(weights)] = np.array(weights, float)
         return model
 
@@ -152,16 +159,21 @@ class StepCostModel:
         return bool(self.target.weights.any())
 
     def observe(self, target: ForwardShape, target_s: float, draft: ForwardShape | None = None,
-                draft_s: float = 0.0, pinned: bool = False) -> None:
+                draft_s: float = 0.0, pinned: bool = False, requests: int = 0, overhead_s: float | None = None) -> None:
+        """Record a step's measured phases; `overhead_s` is the rest of a step that emitted for `requests`."""
         if not self.online:
             return
         self.target.observe(target, target_s, pinned)
         if draft is not None and draft.forwards:
             self.draft.observe(draft, draft_s, pinned)
+        if overhead_s is not None and requests:
+            self.overhead.observe(ForwardShape(1, requests), overhead_s, pinned)
 
-    def predict(self, target: ForwardShape, draft: ForwardShape) -> float:
-        return self.target.predict(target) + (self.draft.predict(draft) if draft.forwards else 0.0)
+    def predict(self, target: ForwardShape, draft: ForwardShape, requests: int = 0) -> float:
+        """Seconds of a step with these forwards, emitting for `requests` requests."""
+        seconds = self.target.predict(target) + (self.draft.predict(draft) if draft.forwards else 0.0)
+        return seconds + (self.overhead.predict(ForwardShape(1, requests)) if requests else 0.0)
 
     def as_dict(self) -> dict:
-        return {"target": [round(float(w), 8) for w in self.target.weights],
-                "draft": [round(float(w), 8) for w in self.draft.weights]}
+        return {name: [round(float(w), 8) for w in cost.weights]
+                for name, cost in (("target", self.target), ("draft", self.draft), ("overhead", self.overhead))}

@@ -134,7 +134,7 @@ class GoodputPolicy:
         if sizes:
             sizes[0] += base.draft_rows
         draft = ForwardShape(len(sizes), sum(sizes), d_attention, tuple(sizes))
-        seconds = self.cost.predict(ForwardShape(1, tokens, attention), draft)
+        seconds = self.cost.predict(ForwardShape(1, tokens, attention), draft, requests=len(cands))
         return emitted / max(seconds, 1e-9)
 
     def choose(self, cands: list[Candidate], base: BatchBase, budget: int) -> list[int]:

@@ -137,3 +137,15 @@ def _solve_on(x: np.ndarray, y: np.ndarray, mask: int) -> np.ndarray:
     if cols:
         v[cols] = np.linalg.lstsq(x[:, cols], y, rcond=None)[0]
     return v
+
+
+def test_the_step_overhead_is_fitted_per_request_and_added_to_every_prediction() -> None:
+    model = StepCostModel(refit_every=1)
+    rng = np.random.default_rng(4)
+    for _ in range(40):
+        requests = int(rng.integers(1, 9))
+        model.observe(ForwardShape(1, requests), 0.1 * requests, requests=requests,
+                      overhead_s=0.02 + 0.005 * requests)
+    target = ForwardShape(1, 4)
+    assert model.predict(target, ForwardShape(), requests=4) == pytest.approx(0.4 + 0.02 + 0.02, rel=0.02)
+    assert model.predict(target, ForwardShape()) == pytest.approx(0.4, rel=0.02)  # no emitting request, no overhead

@@ -1,0 +1,139 @@
+"""Build a distributed instance: placement group, shard actors, the stages' process group, the engine actor.
+
+    handle = build_instance(engine_cfg, ShardLayout.from_plan(plan(...).instances[0]))
+    completions = ray.get(handle.actor.generate.remote(prompts, params))
+    handle.shutdown()
+
+Every step is bounded by a timeout; if one fails, everything started so far is stopped and the placement
+group removed before the error propagates.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import ray
+from ray.actor import ActorHandle
+from ray.util.placement_group import PlacementGroup
+
+from actors.instance import Instance, StageGroup
+from actors.model.loader import load_config
+from actors.ray_stages import gather
+from actors.shard import ShardSpec
+from actors.shard_actor import ShardActor
+from cluster.config import EngineConfig
+from placement import realize
+from placement.layout import ShardLayout
+from placement.planner import PlacementError
+
+
+@dataclass(frozen=True)
+class Shards:
+    """An instance's shard actors, the placement group holding them, and its target process group's backend."""
+
+    target: StageGroup
+    draft: StageGroup | None
+    layout: ShardLayout
+    placement_group: PlacementGroup
+    backend: str | None  # "gloo" or "nccl"; None for a single stage (no activations to move)
+
+    def kill(self) -> None:
+        for group in (self.target, self.draft):
+            for actor in group.actors if group else ():
+                ray.kill(actor, no_restart=True)
+        realize.release(self.placement_group)
+
+
+@dataclass(frozen=True)
+class InstanceHandle:
+    """A running instance: the engine actor (actors/instance.py, Instance) and its shards."""
+
+    actor: ActorHandle
+    shards: Shards
+
+    def shutdown(self) -> None:
+        ray.kill(self.actor, no_restart=True)
+        self.shards.kill()
+
+
+def resolved(cfg: EngineConfig, resolve: Callable[[str], str]) -> EngineConfig:
+    """`cfg` with its model names mapped to files by `resolve` (catalog names, see deploy/model_store.py)."""
+    m = cfg.model
+    model = m.model_copy(update={"target": resolve(m.target), "draft": resolve(m.draft) if m.draft else None})
+    return cfg.model_copy(update={"model": model})
+
+
+def shard_specs(cfg: EngineConfig, layout: ShardLayout) -> tuple[list[ShardSpec], ShardSpec | None]:
+    """What each target stage and the draft load; PlacementError if the layout does not fit the config."""
+    m = cfg.model
+    layout.check(load_config(m.target).num_hidden_layers)
+    last = len(layout.stages) - 1
+    stages = [ShardSpec(m.target, m.dtype, s.layer_ids, first=i == 0, last=i == last, cache=cfg.cache)
+              for i, s in enumerate(layout.stages)]
+    if cfg.speculation.policy == "off" or (m.draft is None and m.draft_layers is None):
+        return stages, None
+    if layout.draft_node is None:
+        raise PlacementError("the engine config names a draft, but the layout places none (draft_node)")
+    if m.draft is not None:
+        source, layer_ids = m.draft, tuple(range(load_config(m.draft).num_hidden_layers))
+    else:
+        source, layer_ids = m.target, tuple(m.draft_layers or ())
+    return stages, ShardSpec(source, m.dtype, layer_ids, first=True, last=True, cache=cfg.cache,
+                             quantization=m.draft_quantization)
+
+
+def build_shards(cfg: EngineConfig, layout: ShardLayout, *, num_cpus: float = 1.0, num_gpus: float = 0.0,
+                 ready_timeout_s: float = 300.0, group_timeout_s: float = 60.0, name: str = "") -> Shards:
+    """Reserve the layout's bundles, start and load every shard, and join the target stages' process group."""
+    stage_specs, draft_spec = shard_specs(cfg, layout)
+    if draft_spec is None:
+        layout = layout.model_copy(update={"draft_node": None})
+    pg = realize.reserve(layout.bundles(num_cpus, num_gpus), name=name, timeout_s=ready_timeout_s)
+    actors: list[ActorHandle] = []
+    try:
+        names = [f"stage {i} on {s.node} (layers {s.layers[0]}-{s.layers[1] - 1})" for i, s in enumerate(layout.stages)]
+        for i, spec in enumerate(stage_specs):
+            actors.append(ShardActor.spawn(spec, pg, i, num_cpus=num_cpus, num_gpus=num_gpus))
+        draft = None
+        if draft_spec is not None:
+            actors.append(ShardActor.spawn(draft_spec, pg, layout.draft_bundle, num_cpus=num_cpus, num_gpus=num_gpus))
+            draft = StageGroup((actors[-1],), (f"draft on {layout.draft_node}",), (draft_spec.layer_ids,))
+        all_names = names + ([draft.names[0]] if draft else [])
+        gather([a.ready.remote() for a in actors], all_names, "load", ready_timeout_s)
+        stages = actors[:len(stage_specs)]
+        backend = None
+        if len(stages) > 1:
+            [address] = gather([stages[0].rendezvous_address.remote()], names[:1], "rendezvous", ready_timeout_s)
+            joins = [a.join.remote(address, rank, len(stages), group_timeout_s) for rank, a in enumerate(stages)]
+            backend = gather(joins, names, "process group", group_timeout_s + 30)[0]
+        target = StageGroup(tuple(stages), tuple(names), tuple(s.layer_ids for s in stage_specs))
+        return Shards(target, draft, layout, pg, backend)
+    except BaseException:
+        for actor in actors:
+            ray.kill(actor, no_restart=True)
+        realize.release(pg)
+        raise
+
+
+def build_instance(cfg: EngineConfig, layout: ShardLayout, *, resolve: Callable[[str], str] = lambda s: s,
+                   num_cpus: float = 1.0, num_gpus: float = 0.0, ready_timeout_s: float = 300.0,
+                   group_timeout_s: float = 60.0, step_timeout_s: float = 60.0, name: str = "") -> InstanceHandle:
+    """Start an instance of `cfg`'s model pair laid out as `layout` and return once its engine answers.
+
+    Shards get `num_cpus` CPUs (and `num_gpus` GPUs) each, the engine actor `num_cpus` CPUs beside stage 0.
+    A shard that does not answer a step within `step_timeout_s` counts as failed; a transfer between stages
+    gives up after `group_timeout_s`.
+    """
+    cfg = resolved(cfg, resolve)
+    shards = build_shards(cfg, layout, num_cpus=num_cpus, num_gpus=num_gpus, ready_timeout_s=ready_timeout_s,
+                          group_timeout_s=group_timeout_s, name=name)
+    try:
+        actor = Instance.spawn(cfg, shards.target, shards.draft, step_timeout_s=step_timeout_s,
+                               placement_group=shards.placement_group, bundle_index=shards.layout.engine_bundle,
+                               num_cpus=num_cpus)
+        gather([actor.health.remote()], ["the instance engine"], "start", ready_timeout_s)
+    except BaseException:
+        shards.kill()
+        raise
+    return InstanceHandle(actor, shards)

@@ -1,0 +1,125 @@
+"""PipelineRunner: the ModelRunner interface on the driver, for a model whose layers run as stages elsewhere.
+
+The engine (actors/engine.py) drives a PipelineRunner exactly like a ModelRunner: `forward(chunks)` gives
+logits (sum num_logits, V), `reserve` and `cache` account KV in blocks, `model` has the tokenizer and config.
+The cache is a KVLedger (actors/kv_ledger.py): block accounting only, recording every reserve, crop and
+free; `forward` ships the recorded ops with the chunks in the executor's one call per stage, and the
+stages replay them on their own caches before they run. Activations between stages never pass through the
+driver (actors/shard.py sends them point-to-point); only the last stage's logits come back.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+import torch
+
+from actors.kv_cache import KVExport
+from actors.kv_ledger import CacheOp, KVLedger
+from actors.model.loader import LoadedModel
+from actors.model.metadata import SeqChunk
+from actors.model.runner import CacheFull
+from cluster.config import CacheConfig
+
+
+class ShardFailure(RuntimeError):
+    """A shard died, failed, or did not answer in time: the instance cannot go on."""
+
+
+class StageExecutor(Protocol):
+    """Runs a model's stages, wherever they are; each call replays `ops` on every stage's cache first."""
+
+    layer_ids: list[tuple[int, ...]]  # per stage, in pipeline order
+
+    def run(self, ops: list[CacheOp], chunks: list[SeqChunk]) -> torch.Tensor | None:
+        """One forward through every stage: the last stage's logits (sum num_logits, V); None if no chunks."""
+        ...
+
+    def export(self, ops: list[CacheOp], request_id: str, start: int, end: int) -> list[KVExport]:
+        """Each stage's KV of tokens [start, end) of a request, in stage order."""
+        ...
+
+    def import_(self, ops: list[CacheOp], exports: list[KVExport]) -> bool:
+        """Write exports[i] into stage i's cache; False if any stage lacks room."""
+        ...
+
+
+class PipelineRunner:
+    """A model split into stages run by `executor`, seen as one runner: a KV ledger here, the tensors there."""
+
+    def __init__(self, model: LoadedModel, cache: CacheConfig, executor: StageExecutor) -> None:
+        self.model = model
+        self.executor = executor
+        self.cache = KVLedger(cache.num_blocks, cache.block_size)
+        covered = sorted(i for ids in executor.layer_ids for i in ids)
+        if len(covered) != len(set(covered)):
+            raise ValueError(f"stages overlap: {executor.layer_ids}")
+
+    @property
+    def layer_ids(self) -> list[int]:
+        return [i for ids in self.executor.layer_ids for i in ids]
+
+    def reserve(self, request_id: str, total_tokens: int) -> bool:
+        """Make room for `total_tokens` tokens of a request (in every stage, from the next call on)."""
+        return self.cache.reserve(request_id, total_tokens)
+
+    def forward(self, chunks: list[SeqChunk]) -> torch.Tensor:
+        """Run the new tokens of each chunk through all stages; logits (sum num_logits, V) in fp32."""
+        for c in chunks:
+            if not self.cache.reserve(c.request_id, self.cache.length(c.request_id) + len(c.token_ids)):
+                raise CacheFull(f"no KV blocks for {c.request_id}")
+        logits = self.executor.run(self.cache.drain(), chunks)  # (sum num_logits, V)
+        assert logits is not None
+        for c in chunks:
+            self.cache.set_length(c.request_id, self.cache.length(c.request_id) + len(c.token_ids))
+        return logits
+
+    def flush(self) -> None:
+        """Ship the ops recorded since the last call (frees after the last step) to every stage now."""
+        if self.cache.pending:
+            self.executor.run(self.cache.drain(), [])
+
+    # ---- KV migration -----------------------------------------------------------------------
+    def export_kv(self, request_id: str, start: int = 0, end: int | None = None) -> list[KVExport]:
+        """KV of tokens [start, end) of a request, one export per stage."""
+        end = self.cache.length(request_id) if end is None else end
+        if not 0 <= start <= end <= self.cache.length(request_id):
+            raise ValueError(f"{request_id}: range [{start}, {end}) outside its {self.cache.length(request_id)} tokens")
+        return self.executor.export(self.cache.drain(), request_id, start, end)
+
+    def import_kv(self, exports: Sequence[KVExport]) -> bool:
+        """Append exported KV (from any split of the same model's layers) after the request's KV here.
+
+        The exports must cover every layer of this runner for one token range starting at the request's
+        current length. Returns False, changing nothing, if the cache lacks room.
+        """
+        parts = reshard(exports, self.executor.layer_ids)
+        rid, start, end = parts[0].request_id, parts[0].start, parts[0].end
+        if start != self.cache.length(rid):
+            raise ValueError(f"{rid}: export starts at {start}, the cache holds {self.cache.length(rid)} tokens")
+        if not self.cache.reserve(rid, end):
+            return False
+        if not self.executor.import_(self.cache.drain(), parts):
+            raise ShardFailure(f"{rid}: a stage had no room for imported KV its ledger had reserved")
+        self.cache.set_length(rid, end)
+        return True
+
+
+def reshard(exports: Sequence[KVExport], layer_ids: Sequence[Sequence[int]]) -> list[KVExport]:
+    """Regroup exports of one request's token range by layer into the stages `layer_ids` (any split to any split)."""
+    if not exports:
+        raise ValueError("nothing to import")
+    first = exports[0]
+    if any((e.request_id, e.start, e.end) != (first.request_id, first.start, first.end) for e in exports):
+        raise ValueError("exports of different requests or token ranges cannot be merged")
+    k = {layer: e.k[i] for e in exports for i, layer in enumerate(e.layer_ids)}  # layer -> (T, kvh, hd)
+    v = {layer: e.v[i] for e in exports for i, layer in enumerate(e.layer_ids)}
+    missing = sorted({i for ids in layer_ids for i in ids} - k.keys())
+    if missing:
+        raise ValueError(f"{first.request_id}: the exports lack layers {missing}")
+    return [
+        KVExport(first.request_id, tuple(ids), first.start, first.end,
+                 torch.stack([k[i] for i in ids]), torch.stack([v[i] for i in ids]))  # each (L, T, kvh, hd)
+        for ids in layer_ids
+    ]

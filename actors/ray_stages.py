@@ -1,0 +1,86 @@
+"""The Ray executor of a pipeline: one call per stage per step, all in flight at once, waited on with a deadline.
+
+Stage i's call receives its activations from stage i-1 over torch.distributed, so the calls run together
+and the step's time is the pipeline's, not the sum of round trips. Any stage that dies (RayActorError),
+raises, or does not answer within `timeout_s` ends the wait at once with a ShardFailure naming it: the
+pipeline is then out of step and the instance stops using it.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+import ray
+import torch
+from ray.actor import ActorHandle
+from ray.exceptions import GetTimeoutError, RayActorError, RayError
+
+from actors.kv_cache import KVExport
+from actors.kv_ledger import CacheOp
+from actors.model.metadata import SeqChunk
+from actors.pipeline import ShardFailure
+
+
+class RayStages:
+    """StageExecutor over shard actors (actors/shard_actor.py), named for error messages (e.g. "stage 1 on l4-0")."""
+
+    def __init__(self, actors: Sequence[ActorHandle], names: Sequence[str], layer_ids: Sequence[Sequence[int]],
+                 timeout_s: float) -> None:
+        if not len(actors) == len(names) == len(layer_ids):
+            raise ValueError("one name and one layer list per stage actor")
+        self.actors, self.names = list(actors), list(names)
+        self.layer_ids = [tuple(ids) for ids in layer_ids]
+        self.timeout_s = timeout_s
+
+    def run(self, ops: list[CacheOp], chunks: list[SeqChunk]) -> torch.Tensor | None:
+        return self._gather([a.step.remote(ops, chunks) for a in self.actors], "step")[-1]
+
+    def export(self, ops: list[CacheOp], request_id: str, start: int, end: int) -> list[KVExport]:
+        return self._gather([a.export.remote(ops, request_id, start, end) for a in self.actors], "KV export")
+
+    def import_(self, ops: list[CacheOp], exports: list[KVExport]) -> bool:
+        refs = [a.import_.remote(ops, e) for a, e in zip(self.actors, exports, strict=True)]
+        return all(self._gather(refs, "KV import"))
+
+    def cache_usage(self, ops: list[CacheOp]) -> list[tuple[int, int]]:
+        """(used, free) blocks of each stage's own cache, after replaying `ops`."""
+        return self._gather([a.cache_usage.remote(ops) for a in self.actors], "cache usage")
+
+    def kill(self) -> None:
+        """Stop every stage actor (after a failure the survivors may be blocked on a dead peer)."""
+        for actor in self.actors:
+            ray.kill(actor, no_restart=True)
+
+    def _gather(self, refs: list[ray.ObjectRef], what: str) -> list:
+        return gather(refs, self.names, what, self.timeout_s)
+
+
+def gather(refs: list[ray.ObjectRef], names: Sequence[str], what: str, timeout_s: float) -> list:
+    """Every call's result, in order; ShardFailure naming the actor as soon as one fails, or at the deadline."""
+    index = {ref: i for i, ref in enumerate(refs)}
+    results: list = [None] * len(refs)
+    pending = list(refs)
+    deadline = time.monotonic() + timeout_s
+    while pending:
+        ready, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
+        if not ready:
+            late = ", ".join(names[index[r]] for r in pending)
+            raise ShardFailure(f"{what}: no answer from {late} within {timeout_s:g} s")
+        for ref in ready:
+            try:
+                results[index[ref]] = ray.get(ref, timeout=0)
+            except RayActorError as e:
+                raise ShardFailure(f"{what}: {names[index[ref]]} died: {_reason(e)}") from None
+            except (RayError, GetTimeoutError) as e:
+                raise ShardFailure(f"{what}: {names[index[ref]]} failed: {_reason(e)}") from None
+    return results
+
+
+def _reason(e: Exception) -> str:
+    """The original error of a failed remote call, in one line."""
+    cause = getattr(e, "cause", None)
+    if isinstance(cause, Exception) and not isinstance(cause, RayError):
+        return f"{type(cause).__name__}: {cause}".splitlines()[0]
+    lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+    return lines[0] if lines else type(e).__name__

@@ -1,0 +1,132 @@
+"""One shard of a distributed instance: a ModelRunner over its layers only, its KV cache, and its p2p links.
+
+A target pipeline stage holds a contiguous layer range (the first also embeds tokens, the last also has the
+final norm and LM head); the draft shard holds the whole draft. Each step the shard replays the cache ops
+its driver recorded (actors/kv_ledger.py), receives the previous stage's activations (unless first), runs
+its layers, and sends the activations on (unless last) or returns the logits. The runner is the one the
+single-process engine uses: parallelism is applied from outside it.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+import torch
+
+from actors.kv_cache import KVExport
+from actors.kv_ledger import CacheOp, replay
+from actors.model.loader import load_model
+from actors.model.metadata import SeqChunk
+from actors.model.quant import quantize_runner_int8
+from actors.model.runner import ModelRunner
+from actors.p2p import P2P, Transfer
+from cluster.config import CacheConfig
+
+MAX_TRANSFERS = 10_000  # transfer records a shard keeps for benchmarks
+
+
+@dataclass(frozen=True)
+class ShardSpec:
+    """What one shard loads: layers `layer_ids` of checkpoint `source`; it embeds if `first`, has the head if `last`."""
+
+    source: str
+    dtype: str
+    layer_ids: tuple[int, ...]
+    first: bool
+    last: bool
+    cache: CacheConfig
+    quantization: str = "none"  # "int8": int8 weight-only (drafts only, see actors/model/quant.py)
+
+
+def load_shard(spec: ShardSpec) -> ModelRunner:
+    """Load the checkpoint, build the shard's runner, and drop every weight the shard does not run."""
+    model = load_model(spec.source, spec.dtype)
+    runner = ModelRunner(model, spec.layer_ids, spec.cache, first=spec.first, last=spec.last)
+    hf = model.hf_model.model
+    for i in range(model.num_layers):
+        if i not in spec.layer_ids:
+            hf.layers[i] = torch.nn.Identity()
+    if not spec.first:
+        hf.embed_tokens = None
+    if not spec.last:
+        hf.norm = None
+        model.hf_model.lm_head = None  # a tied head shares the embedding's tensor: it stays if this shard is first
+    if spec.quantization == "int8":
+        quantize_runner_int8(runner)
+    return runner
+
+
+class ShardWorker:
+    """A shard's data plane: replays cache ops, receives activations, runs its layers, sends them on or returns logits."""
+
+    def __init__(self, spec: ShardSpec, threads: int = 1) -> None:
+        torch.set_num_threads(threads)
+        self.spec = spec
+        self.runner = load_shard(spec)
+        self.p2p: P2P | None = None
+        self.transfers: deque[Transfer] = deque(maxlen=MAX_TRANSFERS)
+
+    # ---- setup ------------------------------------------------------------------------------
+    def join(self, init_method: str, rank: int, world_size: int, timeout_s: float) -> str:
+        """Join the instance's process group as `rank` (the stage index); returns the backend."""
+        self.p2p = P2P(init_method, rank, world_size, timeout_s)
+        return self.p2p.backend
+
+    def num_parameters(self) -> int:
+        """Parameters this shard holds (each shared tensor once)."""
+        hf = self.runner.model.hf_model
+        return sum(p.numel() for p in hf.parameters())
+
+    def cache_usage(self, ops: list[CacheOp]) -> tuple[int, int]:
+        """Replay `ops`, then (used, free) blocks of this shard's cache."""
+        replay(ops, self.runner.cache)
+        return self.runner.cache.num_used_blocks, self.runner.cache.num_free_blocks
+
+    # ---- the step ---------------------------------------------------------------------------
+    @torch.inference_mode()
+    def step(self, ops: list[CacheOp], chunks: list[SeqChunk]) -> torch.Tensor | None:
+        """Replay `ops`, then run `chunks` through this stage: logits (sum num_logits, V) if last, else None."""
+        replay(ops, self.runner.cache)
+        if not chunks:
+            return None
+        runner, hidden = self.runner, None
+        if not runner.first:
+            n = sum(len(c.token_ids) for c in chunks)
+            hidden, t = self._p2p.recv((n, runner.model.config.hidden_size), runner.model.dtype, self._p2p.rank - 1)
+            hidden = hidden.to(runner.model.dtype).cpu()  # (N, H); the runner computes on the CPU
+            self.transfers.append(t)
+        out = runner.forward(chunks, hidden)  # logits (sum num_logits, V) if last, else hidden (N, H)
+        if runner.last:
+            return out
+        self.transfers.append(self._p2p.send(out, self._p2p.rank + 1))
+        return None
+
+    @property
+    def _p2p(self) -> P2P:
+        if self.p2p is None:
+            raise RuntimeError("this stage has not joined its instance's process group")
+        return self.p2p
+
+    # ---- KV migration -----------------------------------------------------------------------
+    def export(self, ops: list[CacheOp], request_id: str, start: int, end: int) -> KVExport:
+        """Replay `ops`, then copy out KV of tokens [start, end) of a request for this shard's layers."""
+        replay(ops, self.runner.cache)
+        return self.runner.cache.export(request_id, start, end)
+
+    def import_(self, ops: list[CacheOp], export: KVExport) -> bool:
+        """Replay `ops` (they reserve the room), then write `export` (this shard's layers) after the request's KV."""
+        replay(ops, self.runner.cache)
+        return self.runner.cache.import_(export)
+
+    # ---- benchmarks and teardown ------------------------------------------------------------
+    def take_transfers(self) -> list[Transfer]:
+        """The sends and receives timed since the last call, oldest first."""
+        out = list(self.transfers)
+        self.transfers.clear()
+        return out
+
+    def close(self) -> None:
+        if self.p2p is not None:
+            self.p2p.close()
+            self.p2p = None

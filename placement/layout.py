@@ -1,0 +1,92 @@
+"""Where one instance's actors run: target stages (node, layer range), the draft's node, and their Ray bundles.
+
+A ShardLayout comes from the planner (`ShardLayout.from_plan`) or is written out by hand (tests, operators).
+`bundles` turns it into Ray placement-group bundles pinned to nodes by the custom resource each node of the
+inventory carries (placement/inventory.py, NODE_RESOURCE); placement/realize.py reserves them.
+"""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, model_validator
+
+from placement.inventory import NODE_RESOURCE
+from placement.planner import InstancePlan, PlacementError
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class StageSlot(_Frozen):
+    """Target layers [start, end) on node `node`."""
+
+    node: str
+    layers: tuple[int, int]
+
+    @property
+    def layer_ids(self) -> tuple[int, ...]:
+        return tuple(range(*self.layers))
+
+
+class ShardLayout(_Frozen):
+    """An instance's target stages in pipeline order (contiguous layers from 0), and the draft's node (None: none)."""
+
+    stages: tuple[StageSlot, ...]
+    draft_node: str | None = None
+
+    @model_validator(mode="after")
+    def _contiguous(self) -> "ShardLayout":
+        if not self.stages:
+            raise ValueError("a layout needs at least one stage")
+        start = 0
+        for i, s in enumerate(self.stages):
+            if s.layers[0] != start or s.layers[1] <= s.layers[0]:
+                raise ValueError(f"stage {i} holds layers {s.layers}; expected [{start}, n) with n > {start}")
+            start = s.layers[1]
+        return self
+
+    @property
+    def num_layers(self) -> int:
+        return self.stages[-1].layers[1]
+
+    @classmethod
+    def from_plan(cls, plan: InstancePlan) -> "ShardLayout":
+        """The layout of a planned instance; an EasySpec draft group (more than one member) is not supported yet."""
+        if plan.draft is not None and len(plan.draft.nodes) > 1:
+            raise PlacementError(f"a draft group of {len(plan.draft.nodes)} members needs EasySpec actors, "
+                                 "which this layout does not place yet")
+        return cls(stages=tuple(StageSlot(node=s.node, layers=s.layers) for s in plan.stages),
+                   draft_node=plan.draft.nodes[0] if plan.draft else None)
+
+    def check(self, num_layers: int) -> None:
+        """PlacementError unless the stages cover exactly the target's `num_layers` layers."""
+        if self.num_layers != num_layers:
+            raise PlacementError(f"the layout's stages cover layers [0, {self.num_layers}); "
+                                 f"the target has {num_layers}")
+
+    def bundles(self, num_cpus: float, num_gpus: float = 0.0) -> list[dict[str, float]]:
+        """Bundles in order: one per stage, the draft's (if any), then the instance engine's (on stage 0's node).
+
+        Each asks for `num_cpus` CPUs (and `num_gpus` GPUs for shards) and 1 unit of its node's pin resource.
+
+        >>> layout = ShardLayout(stages=(StageSlot(node="a100", layers=(0, 3)), StageSlot(node="l4-0", layers=(3, 4))),
+        ...                      draft_node="l4-1")
+        >>> layout.bundles(num_cpus=0.5)  # doctest: +NORMALIZE_WHITESPACE
+        [{'CPU': 0.5, 'specfleet_node_a100': 1.0}, {'CPU': 0.5, 'specfleet_node_l4-0': 1.0},
+         {'CPU': 0.5, 'specfleet_node_l4-1': 1.0}, {'CPU': 0.5, 'specfleet_node_a100': 1.0}]
+        """
+        def bundle(node: str, gpus: float) -> dict[str, float]:
+            return {"CPU": num_cpus, **({"GPU": gpus} if gpus else {}), NODE_RESOURCE.format(name=node): 1.0}
+
+        shards = [bundle(s.node, num_gpus) for s in self.stages]
+        if self.draft_node is not None:
+            shards.append(bundle(self.draft_node, num_gpus))
+        return shards + [bundle(self.stages[0].node, 0.0)]
+
+    @property
+    def draft_bundle(self) -> int | None:
+        return len(self.stages) if self.draft_node is not None else None
+
+    @property
+    def engine_bundle(self) -> int:
+        return len(self.stages) + (self.draft_node is not None)

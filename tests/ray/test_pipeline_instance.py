@@ -1,0 +1,161 @@
+"""A distributed instance on the real local cluster: pipeline stages and the draft as actors on their planned nodes."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+import pytest
+import ray
+from ray.util.state import list_actors
+
+from actors.build import InstanceHandle, build_instance, build_shards
+from actors.instance import InstanceUnhealthy
+from actors.model.loader import load_config, load_metadata
+from actors.model.metadata import SeqChunk
+from actors.pipeline import PipelineRunner
+from actors.ray_stages import RayStages
+from cluster.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, SpeculationConfig
+from cluster.request import FinishReason, Request, SamplingParams
+from placement.layout import ShardLayout, StageSlot
+from placement.model_size import model_size_from_config
+from placement.planner import plan
+from tests.unit.helpers import load, reference_greedy, text_prompts
+
+NEW_TOKENS = 16
+CACHE = CacheConfig(block_size=4, num_blocks=256)
+CPUS = 0.5  # per actor: the tiny models need little, and several instances share the three 4-CPU nodes
+TWO_STAGES = ShardLayout(stages=(StageSlot(node="a100", layers=(0, 2)), StageSlot(node="l4-0", layers=(2, 4))),
+                         draft_node="l4-1")
+
+
+def engine_config(target, draft=None, k: int = 3) -> EngineConfig:
+    policy = "fixed" if draft is not None else "off"
+    return EngineConfig(model=ModelConfig(target=str(target), draft=str(draft) if draft else None),
+                        speculation=SpeculationConfig(policy=policy, k=k), scheduler=SchedulerConfig(max_batch_size=4),
+                        cache=CACHE)
+
+
+def planned_three_stages(ray_cluster, target, draft) -> ShardLayout:
+    """The planner's layout for three stages over the cluster's inventory (the draft goes to the fastest node)."""
+    sizes = [model_size_from_config(load_config(str(p)), dtype_bytes=4) for p in (target, draft)]
+    p = plan(ray_cluster.inventory, sizes[0], sizes[1], kv_tokens=CACHE.num_blocks * CACHE.block_size, num_stages=3)
+    return ShardLayout.from_plan(p.instances[0])
+
+
+@pytest.fixture(scope="module", params=["2 stages", "3 stages, planned"])
+def instance(request, ray_driver, tiny_models, tiny_draft_models) -> Iterator[tuple[InstanceHandle, ShardLayout]]:
+    target, draft = tiny_models["llama"], tiny_draft_models["llama"]
+    layout = TWO_STAGES if request.param == "2 stages" else planned_three_stages(ray_driver, target, draft)
+    handle = build_instance(engine_config(target, draft), layout, num_cpus=CPUS, ready_timeout_s=180)
+    try:
+        yield handle, layout
+    finally:
+        handle.shutdown()
+
+
+def test_greedy_output_equals_the_targets_own(instance, tiny_models) -> None:
+    handle, layout = instance
+    prompts = text_prompts(load(tiny_models["llama"]), 4, offset=10)
+
+    completions = ray.get(handle.actor.generate.remote(prompts, SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS)),
+                          timeout=300)
+
+    for prompt, c in zip(prompts, completions):
+        assert c.error is None
+        assert c.token_ids == reference_greedy(tiny_models["llama"], prompt, NEW_TOKENS)
+    proposed, accepted = sum(c.stats.proposed for c in completions), sum(c.stats.accepted for c in completions)
+    assert proposed > accepted > 0  # drafts were accepted, and rejected ones were cropped in every stage
+    usage = ray.get(handle.actor.shard_cache_usage.remote(), timeout=60)
+    assert [used for used, _ in usage["target"] + usage["draft"]] == [0] * (len(layout.stages) + 1)
+    assert ray.get(handle.actor.health.remote()).healthy
+
+
+def test_each_actor_runs_on_its_planned_node_and_holds_only_its_layers(instance, tiny_models, tiny_draft_models) -> None:
+    handle, layout = instance
+    node_ids = {n["NodeName"]: n["NodeID"] for n in ray.nodes() if n["Alive"]}
+    where = {a.actor_id: a.node_id for a in list_actors(filters=[("state", "=", "ALIVE")], limit=1000)}
+    shards = handle.shards
+    planned = [s.node for s in layout.stages] + [layout.draft_node, layout.stages[0].node]
+    actors = [*shards.target.actors, *shards.draft.actors, handle.actor]
+    assert [where[a._actor_id.hex()] for a in actors] == [node_ids[n] for n in planned]
+    assert ray.get([a.node_id.remote() for a in actors[:-1]]) == [node_ids[n] for n in planned[:-1]]
+
+    full = load(tiny_models["llama"]).hf_model
+    layer = [sum(p.numel() for p in full.model.layers[i].parameters()) for i in range(4)]
+    embed, norm, head = (full.model.embed_tokens.weight.numel(), full.model.norm.weight.numel(),
+                         full.lm_head.weight.numel())
+    last = len(layout.stages) - 1
+    expected = [sum(layer[slice(*s.layers)]) + (embed if i == 0 else 0) + (norm + head if i == last else 0)
+                for i, s in enumerate(layout.stages)]
+    expected.append(sum(p.numel() for p in load(tiny_draft_models["llama"]).hf_model.parameters()))
+    assert ray.get([a.num_parameters.remote() for a in actors[:-1]]) == expected
+    assert sum(expected[:-1]) == sum(p.numel() for p in full.parameters())
+    assert shards.backend == "gloo"
+
+
+def test_a_killed_stage_ends_requests_in_flight_with_an_error(ray_driver, tiny_models, tiny_draft_models) -> None:
+    handle = build_instance(engine_config(tiny_models["llama"], tiny_draft_models["llama"]), TWO_STAGES,
+                            num_cpus=CPUS, ready_timeout_s=180, step_timeout_s=20, group_timeout_s=20)
+    try:
+        actor = handle.actor
+        prompts = text_prompts(load(tiny_models["llama"]), 3, offset=0)
+        ids = [f"r{i}" for i in range(len(prompts))]
+        for rid, prompt in zip(ids, prompts):
+            ray.get(actor.add_request.remote(Request(rid, tuple(prompt), SamplingParams(temperature=0.0,
+                                                                                       max_tokens=64))))
+        finished = {d.request_id for _ in range(2) for d in ray.get(actor.step.remote(), timeout=60)
+                    if d.finish_reason is not None}
+        assert set(ids) - finished, "every request finished before the kill"
+
+        ray.kill(handle.shards.target.actors[1])
+        start = time.monotonic()
+        deltas = ray.get(actor.step.remote(), timeout=30)
+        elapsed = time.monotonic() - start
+
+        assert elapsed < 30
+        errors = {d.request_id: d.error for d in deltas if d.finish_reason == FinishReason.ERROR}
+        assert set(errors) == set(ids) - finished
+        assert all("stage 1 on l4-0" in e for e in errors.values()), errors
+        health = ray.get(actor.health.remote(), timeout=10)
+        assert not health.healthy and "stage 1 on l4-0" in health.error
+        with pytest.raises(InstanceUnhealthy):
+            ray.get(actor.add_request.remote(Request("late", tuple(prompts[0]), SamplingParams())), timeout=10)
+        assert ray.get(actor.step.remote(), timeout=10) == []
+    finally:
+        handle.shutdown()
+
+
+def test_kv_exported_from_two_stages_continues_identically_in_three(ray_driver, tiny_models) -> None:
+    path = tiny_models["llama"]
+    cfg = engine_config(path)
+    three = ShardLayout(stages=(StageSlot(node="l4-1", layers=(0, 1)), StageSlot(node="a100", layers=(1, 3)),
+                                StageSlot(node="l4-0", layers=(3, 4))))
+    shards = [build_shards(cfg, layout, num_cpus=CPUS, ready_timeout_s=180) for layout in (TWO_STAGES, three)]
+    try:
+        src, dst = (PipelineRunner(load_metadata(str(path)), CACHE,
+                                   RayStages(s.target.actors, s.target.names, s.target.layer_ids, timeout_s=60))
+                    for s in shards)
+        prompt = text_prompts(load(path), 1, offset=3)[0]
+        tokens = decode(src, "r", prompt, 4)  # src now holds the prompt and the first 3 tokens
+
+        assert dst.import_kv(src.export_kv("r"))
+
+        assert dst.cache.length("r") == len(prompt) + 3
+        rest = decode(dst, "r", tokens[-1:], 8)
+        assert decode(src, "r", tokens[-1:], 8) == rest
+        reference = reference_greedy(path, prompt, 12)  # ends early at EOS, where decode goes on
+        assert (tokens + rest)[:len(reference)] == reference
+    finally:
+        for s in shards:
+            s.kill()
+
+
+def decode(runner: PipelineRunner, rid: str, feed: list[int], steps: int) -> list[int]:
+    """Feed `feed`, then `steps` greedy tokens, each fed back but the last (no stop at EOS)."""
+    out: list[int] = []
+    for _ in range(steps):
+        logits = runner.forward([SeqChunk(rid, tuple(feed))])  # (1, V)
+        out.append(int(logits[-1].argmax()))
+        feed = out[-1:]
+    return out
