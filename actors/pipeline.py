@@ -66,6 +66,8 @@ class PipelineRunner:
 
     def forward(self, chunks: list[SeqChunk]) -> torch.Tensor:
         """Run the new tokens of each chunk through all stages; logits (sum num_logits, V) in fp32."""
+        if not chunks:
+            return torch.empty(0, self.model.config.vocab_size)
         for c in chunks:
             if not self.cache.reserve(c.request_id, self.cache.length(c.request_id) + len(c.token_ids)):
                 raise CacheFull(f"no KV blocks for {c.request_id}")

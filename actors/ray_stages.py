@@ -56,24 +56,38 @@ class RayStages:
         return gather(refs, self.names, what, self.timeout_s)
 
 
-def gather(refs: list[ray.ObjectRef], names: Sequence[str], what: str, timeout_s: float) -> list:
-    """Every call's result, in order; ShardFailure naming the actor as soon as one fails, or at the deadline."""
+def gather(refs: list[ray.ObjectRef], names: Sequence[str], what: str, timeout_s: float,
+           grace_s: float = 2.0) -> list:
+    """Every call's result, in order; ShardFailure naming the actor as soon as one fails, or at the deadline.
+
+    After a first failure the other calls get `grace_s` more to report theirs, so that the message names the
+    actor that died (the root cause) rather than a neighbour whose transfer to it failed.
+    """
     index = {ref: i for i, ref in enumerate(refs)}
     results: list = [None] * len(refs)
+    failures: list[tuple[bool, str]] = []  # (died, message)
     pending = list(refs)
     deadline = time.monotonic() + timeout_s
     while pending:
         ready, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
         if not ready:
+            if failures:
+                break
             late = ", ".join(names[index[r]] for r in pending)
             raise ShardFailure(f"{what}: no answer from {late} within {timeout_s:g} s")
         for ref in ready:
             try:
                 results[index[ref]] = ray.get(ref, timeout=0)
             except RayActorError as e:
-                raise ShardFailure(f"{what}: {names[index[ref]]} died: {_reason(e)}") from None
+                failures.append((True, f"{what}: {names[index[ref]]} died: {_reason(e)}"))
             except (RayError, GetTimeoutError) as e:
-                raise ShardFailure(f"{what}: {names[index[ref]]} failed: {_reason(e)}") from None
+                failures.append((False, f"{what}: {names[index[ref]]} failed: {_reason(e)}"))
+        if failures and not any(died for died, _ in failures):
+            deadline = min(deadline, time.monotonic() + grace_s)
+        elif failures:
+            break
+    if failures:
+        raise ShardFailure(next((m for died, m in failures if died), failures[0][1]))
     return results
 
 

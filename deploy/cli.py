@@ -12,6 +12,7 @@ from actors.model.loader import ModelLoadError
 from cluster.config import ConfigError
 from deploy import cluster_cmd, generate
 from deploy.bench import load as bench_load
+from deploy.bench import pipeline as bench_pipeline
 from deploy.bench import spec as bench_spec
 from deploy.flags import UsageError
 from deploy.model_store import ModelFetchError
@@ -35,6 +36,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = bench.add_parser("load", help="Poisson load at several rates for each speculation policy (off, fixed, goodput)")
     bench_load.add_arguments(p)
     p.set_defaults(run=bench_load.run)
+    p = bench.add_parser("pipeline", help="one process vs the target split over 2, 3... stages on the local cluster")
+    bench_pipeline.add_arguments(p)
+    p.set_defaults(run=bench_pipeline.run)
 
     p = commands.add_parser("cluster", help="a local multi-node Ray cluster on this machine: up, status, down")
     cluster_cmd.add_arguments(p)  # each action sets its own `run`

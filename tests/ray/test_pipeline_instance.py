@@ -7,7 +7,7 @@ from collections.abc import Iterator
 
 import pytest
 import ray
-from ray.util.state import list_actors
+from ray._private import state as ray_state
 
 from actors.build import InstanceHandle, build_instance, build_shards
 from actors.instance import InstanceUnhealthy
@@ -74,7 +74,9 @@ def test_greedy_output_equals_the_targets_own(instance, tiny_models) -> None:
 def test_each_actor_runs_on_its_planned_node_and_holds_only_its_layers(instance, tiny_models, tiny_draft_models) -> None:
     handle, layout = instance
     node_ids = {n["NodeName"]: n["NodeID"] for n in ray.nodes() if n["Alive"]}
-    where = {a.actor_id: a.node_id for a in list_actors(filters=[("state", "=", "ALIVE")], limit=1000)}
+    # The GCS's actor table (what ray.util.state.list_actors serves through the dashboard, which the local
+    # cluster does not start): the node each actor was placed on
+    where = {a: info["Address"]["NodeID"] for a, info in ray_state.actors(actor_state_name="ALIVE").items()}
     shards = handle.shards
     planned = [s.node for s in layout.stages] + [layout.draft_node, layout.stages[0].node]
     actors = [*shards.target.actors, *shards.draft.actors, handle.actor]

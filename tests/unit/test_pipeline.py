@@ -59,30 +59,30 @@ def pipeline(path, groups: list[list[int]]) -> PipelineRunner:
 
 
 def test_a_pool_replaying_the_ledgers_ops_has_the_same_block_tables() -> None:
+    """Random reserves, forwards, crops and frees; a forward ships the ops, then both sides write its tokens."""
     ledger, shard = KVLedger(40, 4), BlockPool(40, 4)
     rng = random.Random(0)
     live: dict[str, int] = {}
-    for step in range(400):
+    for _ in range(500):
         rid = f"r{rng.randrange(8)}"
         action = rng.random()
-        if action < 0.5:
+        if action < 0.5:  # a forward of a few tokens
             total = live.get(rid, 0) + rng.randrange(1, 9)
             if ledger.reserve(rid, total):
+                replay(ledger.drain(), shard)
                 ledger.set_length(rid, total)
+                shard.set_length(rid, total)
                 live[rid] = total
+                assert shard._free == ledger._free
+                assert {r: shard.block_table(r) for r in live} == {r: ledger.block_table(r) for r in live}
         elif action < 0.8 and rid in live:
             live[rid] = rng.randrange(live[rid] + 1)
             ledger.crop(rid, live[rid])
         else:
             ledger.free(rid)
             live.pop(rid, None)
-        if step % 7 == 0:
-            replay(ledger.drain(), shard)
-            for r, n in live.items():
-                shard.set_length(r, n)  # what each shard's forward does
-            assert shard._free == ledger._free
-            assert {r: shard.block_table(r) for r in live} == {r: ledger.block_table(r) for r in live}
-    assert ledger.num_used_blocks == shard.num_used_blocks or ledger.pending
+    replay(ledger.drain(), shard)
+    assert shard.num_used_blocks == ledger.num_used_blocks
 
 
 def test_a_reserve_that_changes_nothing_is_not_recorded() -> None:
@@ -180,7 +180,10 @@ def _run_pair(mode: str, timeout_s: float):
     result = queue.get(timeout=120)
     queue.put("done")
     for p in procs:
-        p.join(timeout=60)
+        p.join(timeout=30)
+        if p.is_alive():  # a group torn down after a failed transfer may not exit cleanly: not what is tested
+            p.kill()
+            p.join()
     return result
 
 
