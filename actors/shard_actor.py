@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import ray
 from ray.actor import ActorHandle
 from ray.util.placement_group import PlacementGroup
@@ -32,4 +34,4 @@ class ShardActor(ShardWorker):
                                                     placement_group_bundle_index=bundle_index)
         actor_cls = ray.remote(cls).options(num_cpus=num_cpus, num_gpus=num_gpus, scheduling_strategy=strategy,
                                             max_restarts=0, name=name)
-        return actor_cls.remote(spec, threads=max(1, int(num_cpus)))
+        return actor_cls.remote(spec, threads=max(1, math.ceil(num_cpus)))  # torch threads: its CPU share, rounded up

@@ -48,6 +48,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
     p.add_argument("--max-batch-size", type=int, default=8)
     p.add_argument("--num-cpus", type=float, default=1.0, help="CPUs per actor")
+    p.add_argument("--step-timeout", type=float, default=600.0,
+                   help="seconds a stage may take for one step (and a transfer may wait) before it counts as failed")
     p.add_argument("--state", type=Path, default=local_cluster.DEFAULT_STATE, help="the local cluster's state file")
     p.add_argument("--json", type=Path)
 
@@ -78,7 +80,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         for n in counts:
             result = _one_process(cfg, tokenizer_model, prompts, params) if n == 1 else \
-                _distributed(cfg, state, n, prompts, params, args.num_cpus)
+                _distributed(cfg, state, n, prompts, params, args.num_cpus, args.step_timeout)
             outputs = result.pop("outputs")
             first = first if first is not None else outputs
             result["identical_to_first"] = outputs == first  # greedy: lossless means token for token
@@ -110,12 +112,12 @@ def _one_process(cfg: EngineConfig, target_model, prompts, params) -> dict:
     return _result(1, ["(this process)"], outputs, seconds, engine.stats().num_steps - steps0, [])
 
 
-def _distributed(cfg: EngineConfig, state, n: int, prompts, params, num_cpus: float) -> dict:
+def _distributed(cfg: EngineConfig, state, n: int, prompts, params, num_cpus: float, timeout_s: float) -> dict:
     inventory = Inventory(nodes=[node.spec for node in state.nodes])
     sizes = [model_size_from_config(load_config(p)) for p in (cfg.model.target, cfg.model.draft)]
     kv_tokens = cfg.cache.num_blocks * cfg.cache.block_size
     layout = ShardLayout.from_plan(plan(inventory, sizes[0], sizes[1], kv_tokens=kv_tokens, num_stages=n).instances[0])
-    handle = build_instance(cfg, layout, num_cpus=num_cpus)
+    handle = build_instance(cfg, layout, num_cpus=num_cpus, step_timeout_s=timeout_s, group_timeout_s=timeout_s)
     try:
         actor, stages = handle.actor, handle.shards.target.actors
         ray.get(actor.generate.remote(prompts[:1], SamplingParams(temperature=0.0, max_tokens=4)))  # warm-up

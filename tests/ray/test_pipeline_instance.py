@@ -161,3 +161,28 @@ def decode(runner: PipelineRunner, rid: str, feed: list[int], steps: int) -> lis
         out.append(int(logits[-1].argmax()))
         feed = out[-1:]
     return out
+
+
+def test_bench_pipeline_cli_runs_one_and_two_stages_with_identical_output(ray_cluster, tiny_models,
+                                                                          tiny_draft_models, tmp_path) -> None:
+    import json
+    import subprocess
+    import sys
+
+    from deploy.local_cluster import RAY_ENV
+
+    out = tmp_path / "pipeline.json"
+    env = {**__import__("os").environ, **RAY_ENV}
+    env.pop("RAY_ADDRESS", None)
+    res = subprocess.run(
+        [sys.executable, "-m", "deploy.cli", "bench", "pipeline", "--target", str(tiny_models["llama"]),
+         "--draft", str(tiny_draft_models["llama"]), "--stages", "1,2", "--num-prompts", "2", "--max-tokens", "6",
+         "--k", "2", "--num-cpus", "0.5", "--state", str(ray_cluster.state_path), "--json", str(out)],
+        capture_output=True, text=True, timeout=300, env=env)
+    assert res.returncode == 0, res.stderr[-2000:]
+    report = json.loads(out.read_text())
+    one, two = report["runs"]
+    assert (one["stages"], two["stages"]) == (1, 2)
+    assert one["tokens"] == two["tokens"] > 0 and two["identical_to_first"]
+    [boundary] = two["boundaries"]  # stage 0 -> stage 1: one transfer per target forward, each timed
+    assert boundary["transfers"] > 0 and boundary["transfer_ms_median"] > 0
