@@ -37,6 +37,9 @@ MARKER = "SPECFLEET_LOCAL_CLUSTER"  # env var: the cluster id, inherited by ever
 # Every process started, and every client, uses these. No drain on SIGTERM: a local cluster stops at once.
 RAY_ENV = {"RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0", "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0"}
 WORKER_PORTS = 100  # ports per node for Ray worker processes
+# Ray's default ports: a worker's `ray start` checks its worker range against them even when unused there
+# (CI once drew 10000-10099 and `ray start` refused it for holding the client server's default 10001)
+RAY_DEFAULT_PORTS = frozenset({6379, 8265, 10001, 52365, 8076, 44217, 44227})
 _NODE_PORTS = ("node_manager", "object_manager", "dashboard_agent_listen", "dashboard_agent_grpc",
                "metrics_export", "runtime_env_agent")
 _HEAD_PORTS = ("gcs", "dashboard", "ray_client_server")
@@ -152,7 +155,7 @@ def _allocate_ports(num_nodes: int) -> list[dict[str, int]]:
     names = [list(_HEAD_PORTS + _NODE_PORTS)] + [list(_NODE_PORTS)] * (num_nodes - 1)
     flat = iter(_free_ports(sum(len(n) for n in names)))
     allocated = [{name: next(flat) for name in node} for node in names]
-    taken = {p for node in allocated for p in node.values()}
+    taken = {p for node in allocated for p in node.values()} | RAY_DEFAULT_PORTS
     for node in allocated:
         node["min_worker"] = _free_range(WORKER_PORTS, taken)
         node["max_worker"] = node["min_worker"] + WORKER_PORTS - 1

@@ -127,3 +127,13 @@ def test_bad_input_is_a_clear_error_with_status_2(args: list[str], message: str,
     err = capsys.readouterr().err
     assert err.startswith("specfleet: error:") and message in err
     assert not (tmp_path / "none.json").exists()
+
+
+def test_worker_port_ranges_never_hold_rays_default_ports(monkeypatch: pytest.MonkeyPatch) -> None:
+    """CI once drew 10000-10099 for a worker; `ray start` refused it for holding the client server's 10001."""
+    draws = iter([10000 // local_cluster.WORKER_PORTS, 8200 // local_cluster.WORKER_PORTS] + [150 + i for i in range(50)])
+    monkeypatch.setattr(local_cluster.random, "randrange", lambda *_: next(draws))
+    for node in local_cluster._allocate_ports(3):
+        ports = set(range(node["min_worker"], node["max_worker"] + 1))
+        assert not ports & local_cluster.RAY_DEFAULT_PORTS
+        assert node["min_worker"] >= 15000
