@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, model_validator
 
 
 class _Frozen(BaseModel):
@@ -96,10 +96,53 @@ class EngineConfig(_Frozen):
     cache: CacheConfig = CacheConfig()
 
 
+class AuthConfig(_Frozen):
+    """API keys: `/v1` and gRPC take any of `api_keys`, `/admin` any of `admin_keys` (Authorization: Bearer).
+
+    Each set is the union of keys written here, the comma-separated keys in the environment variable named
+    by `*_env` (a Kubernetes Secret), and the lines of the file named by `*_file`. With `required` (the
+    default) a set that comes out empty refuses every request to its routes rather than leaving them open.
+    """
+
+    api_keys: tuple[SecretStr, ...] = ()
+    admin_keys: tuple[SecretStr, ...] = ()
+    api_keys_env: str = "SPECFLEET_API_KEYS"
+    admin_keys_env: str = "SPECFLEET_ADMIN_KEYS"
+    api_keys_file: str | None = None
+    admin_keys_file: str | None = None
+    required: bool = True
+
+
+class ServeConfig(_Frozen):
+    """The Ray Serve application (deploy/app.py): ports, backpressure and keys."""
+
+    http_host: str = "0.0.0.0"
+    http_port: int = Field(default=8000, ge=1, le=65535)
+    grpc_port: int = Field(default=9000, ge=1, le=65535)
+    # requests admitted but not yet finished, over all instances; beyond it: HTTP 429 / RESOURCE_EXHAUSTED
+    max_pending_requests: int = Field(default=256, ge=1)
+    retry_after_s: int = Field(default=1, ge=1)
+    auth: AuthConfig = AuthConfig()
+
+
+class RouterConfig(_Frozen):
+    """The router actor (cluster/router.py) and the instances it dispatches to."""
+
+    instances: int = Field(default=1, ge=1)  # engine instances to start
+    dispatch: Literal["least_load", "round_robin"] = "least_load"
+    stats_interval_s: float = Field(default=0.5, gt=0.0)  # how often the router polls each instance
+    instance_num_cpus: float = Field(default=1.0, ge=0.0)  # CPUs each single-process instance reserves
+    # custom Ray resources each instance's engine actor needs, e.g. an accelerator kind of the inventory
+    # (placement/inventory.py, ray_resources) to pin instances to a worker group
+    instance_resources: dict[str, float] = {}
+
+
 class SpecfleetConfig(_Frozen):
     """The root of the tree, as read from a YAML file."""
 
     engine: EngineConfig
+    router: RouterConfig = RouterConfig()
+    serve: ServeConfig = ServeConfig()
 
 
 def load_config(path: str | Path) -> SpecfleetConfig:

@@ -10,7 +10,7 @@ from pydantic import ValidationError
 from actors.engine import RequestError
 from actors.model.loader import ModelLoadError
 from cluster.config import ConfigError
-from deploy import cluster_cmd, generate
+from deploy import cluster_cmd, generate, k8s_cmd, serve_cmd
 from deploy.bench import load as bench_load
 from deploy.bench import pipeline as bench_pipeline
 from deploy.bench import spec as bench_spec
@@ -40,8 +40,14 @@ def build_parser() -> argparse.ArgumentParser:
     bench_pipeline.add_arguments(p)
     p.set_defaults(run=bench_pipeline.run)
 
+    p = commands.add_parser("serve", help="deploy the Serve application (HTTP + gRPC) onto a running cluster")
+    serve_cmd.add_arguments(p)
+
     p = commands.add_parser("cluster", help="a local multi-node Ray cluster on this machine: up, status, down")
     cluster_cmd.add_arguments(p)  # each action sets its own `run`
+
+    p = commands.add_parser("k8s", help="Kubernetes (KubeRay) manifests: render")
+    k8s_cmd.add_arguments(p)  # each action sets its own `run`
     return parser
 
 

@@ -1,0 +1,174 @@
+"""The serving loop: an engine's step() on its own thread, with requests coming in and deltas going out between steps.
+
+This is continuous batching as a server needs it: `submit` and `abort` may be called from any thread (the Ray
+actor's event loop, in actors/instance_server.py); the loop applies them before the next step, runs the step,
+and hands each request's delta to that request's sink. The engine is only ever touched by the loop thread,
+so it needs no locks. The loop sleeps while there is no work and wakes when a request arrives.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+
+from actors.engine import Engine
+from actors.sequence import SeqStatus
+from cluster.request import FinishReason, Request, SpecStats, TokenDelta
+
+
+@dataclass(frozen=True)
+class StreamItem:
+    """One message of a request's stream: a delta, and on the last one the request's stats and timings."""
+
+    delta: TokenDelta
+    stats: SpecStats | None = None  # set on the final item
+    queue_s: float | None = None  # from submission to first being scheduled; set on the first item that has it
+    rejected: bool = False  # the engine refused the request (delta.error says why); nothing was generated
+
+
+Sink = Callable[[StreamItem], None]
+
+
+@dataclass
+class _Tracked:
+    sink: Sink
+    submitted_at: float
+    scheduled_at: float | None = None
+    queue_reported: bool = False
+    stats: SpecStats = field(default_factory=SpecStats)
+
+
+class ServingLoop:
+    """Runs `step` repeatedly on a daemon thread while the engine has work."""
+
+    def __init__(self, engine: Engine, step: Callable[[], list[TokenDelta]] | None = None,
+                 add: Callable[[Request], None] | None = None, name: str = "engine-loop") -> None:
+        self.engine = engine
+        self._step = step or engine.step
+        self._add = add or engine.add_request
+        self._inbox: queue.SimpleQueue[tuple[str, object, Future]] = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._tracked: dict[str, _Tracked] = {}
+        self.error: BaseException | None = None  # an unexpected exception that stopped the loop
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    # ---- called from other threads --------------------------------------------------------------
+    def submit(self, request: Request, sink: Sink) -> Future:
+        """Queue `request`; the future resolves once the engine took it (or carries its RequestError)."""
+        return self._post("add", (request, sink))
+
+    def abort(self, request_id: str) -> Future:
+        """Cancel a request; the future resolves to whether it was in flight. Its sink gets a final ABORT item."""
+        return self._post("abort", request_id)
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        """Stop the loop; requests in flight end with an ABORT item."""
+        self._stop.set()
+        self._wake.set()
+        self._thread.join(timeout_s)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive() and self.error is None
+
+    def _post(self, op: str, arg: object) -> Future:
+        fut: Future = Future()
+        if self._stop.is_set() or self.error is not None:
+            fut.set_exception(RuntimeError("the engine loop has stopped"))
+            return fut
+        self._inbox.put((op, arg, fut))
+        self._wake.set()
+        return fut
+
+    # ---- the loop thread --------------------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            while not self._stop.is_set():
+                self._apply_inbox()
+                if not self.engine.has_unfinished():
+                    self._wake.wait(0.5)
+                    self._wake.clear()
+                    continue
+                deltas = self._step()
+                self._deliver(deltas)
+        except BaseException as e:  # noqa: BLE001 - reported to every request in flight, then kept for health()
+            self.error = e
+            self._end_all(FinishReason.ERROR, f"the engine loop failed: {type(e).__name__}: {e}")
+            raise
+        finally:
+            self._fail_inbox()
+        self._end_all(FinishReason.ABORT, "the instance is shutting down")
+
+    def _apply_inbox(self) -> None:
+        while True:
+            try:
+                op, arg, fut = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if not fut.set_running_or_notify_cancel():
+                continue
+            try:
+                fut.set_result(self._apply(op, arg))
+            except Exception as e:  # noqa: BLE001 - handed to the caller through its future
+                fut.set_exception(e)
+
+    def _apply(self, op: str, arg: object) -> object:
+        if op == "add":
+            request, sink = arg
+            self._add(request)  # raises RequestError (or InstanceUnhealthy) to the caller
+            self._tracked[request.request_id] = _Tracked(sink, time.monotonic(), stats=self._stats_of(request))
+            return None
+        if op == "abort":
+            tracked = self._tracked.pop(arg, None)
+            final = self.engine.abort(arg)
+            if tracked is not None:
+                delta = final or TokenDelta(arg, (), "", FinishReason.ABORT)
+                tracked.sink(StreamItem(delta, stats=tracked.stats))
+            return tracked is not None
+        raise ValueError(op)
+
+    def _stats_of(self, request: Request) -> SpecStats:
+        """The engine's live stats object of a just-queued request (filled in as it runs)."""
+        for seq in self.engine.waiting:
+            if seq.request_id == request.request_id:
+                return seq.stats
+        return SpecStats()
+
+    def _deliver(self, deltas: list[TokenDelta]) -> None:
+        now = time.monotonic()
+        for seq in self.engine.running:  # first scheduling ends a request's queue time
+            t = self._tracked.get(seq.request_id)
+            if t is not None and t.scheduled_at is None and seq.status == SeqStatus.RUNNING:
+                t.scheduled_at = now
+        for delta in deltas:
+            t = self._tracked.get(delta.request_id)
+            if t is None:
+                continue
+            if t.scheduled_at is None:  # finished (or failed) in its first step
+                t.scheduled_at = now
+            queue_s = None
+            if not t.queue_reported:
+                queue_s, t.queue_reported = t.scheduled_at - t.submitted_at, True
+            if delta.finished:
+                del self._tracked[delta.request_id]
+            t.sink(StreamItem(delta, stats=t.stats if delta.finished else None, queue_s=queue_s))
+
+    def _end_all(self, reason: FinishReason, message: str) -> None:
+        for rid, t in list(self._tracked.items()):
+            t.sink(StreamItem(TokenDelta(rid, (), "", reason, error=message), stats=t.stats))
+        self._tracked.clear()
+
+    def _fail_inbox(self) -> None:
+        while True:
+            try:
+                _, _, fut = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if fut.set_running_or_notify_cancel():
+                fut.set_exception(RuntimeError("the engine loop has stopped"))

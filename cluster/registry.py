@@ -1,0 +1,157 @@
+"""The router's state without Ray: instances with their latest stats, and the request table.
+
+The router actor (cluster/router.py) wraps one Registry and adds handles and polling. Everything here is
+plain data, so dispatch, draining and failure handling are tested without a cluster.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from cluster.dispatch import DispatchPolicy, InstanceView
+from cluster.stats import EngineStats
+
+
+class NoInstanceAvailable(RuntimeError):
+    """No healthy instance accepts requests (none registered, all unhealthy, or all draining)."""
+
+
+class RequestStatus(str, enum.Enum):
+    RUNNING = "running"  # routed to an instance, not finished
+    FINISHED = "finished"  # ended normally (stop or length)
+    ABORTED = "aborted"  # cancelled by the client, an operator, or a drain
+    FAILED = "failed"  # ended with an error (e.g. its instance lost a shard)
+
+
+@dataclass
+class InstanceEntry:
+    """One registered instance as the router knows it."""
+
+    instance_id: str
+    model: str
+    node: str  # where its engine runs (a node name or id), for operators
+    registered_at: float
+    stats: EngineStats | None = None
+    healthy: bool = True
+    error: str | None = None
+    draining: bool = False
+    in_flight: set[str] = field(default_factory=set)
+    last_seen: float = 0.0
+
+    def view(self) -> InstanceView:
+        return InstanceView(self.instance_id, self.stats, len(self.in_flight), self.draining)
+
+    def as_dict(self) -> dict:
+        return {
+            "instance_id": self.instance_id, "model": self.model, "node": self.node, "healthy": self.healthy,
+            "error": self.error, "draining": self.draining, "in_flight": len(self.in_flight),
+            "stats": self.stats.as_dict() if self.stats else None,
+            "age_s": round(time.time() - self.registered_at, 3),
+        }
+
+
+@dataclass
+class RequestEntry:
+    """One row of the request table."""
+
+    request_id: str
+    instance_id: str
+    priority: int
+    status: RequestStatus
+    created_at: float
+    finished_at: float | None = None
+
+    def as_dict(self) -> dict:
+        return {"request_id": self.request_id, "instance_id": self.instance_id, "priority": self.priority,
+                "status": self.status.value, "created_at": self.created_at, "finished_at": self.finished_at}
+
+
+class Registry:
+    """Instances and requests; `route` applies the dispatch policy to the healthy, non-draining instances."""
+
+    def __init__(self, policy: DispatchPolicy, keep_finished: int = 1000) -> None:
+        self.policy = policy
+        self.instances: dict[str, InstanceEntry] = {}
+        self.requests: dict[str, RequestEntry] = {}
+        self.keep_finished = keep_finished  # finished rows kept for `specfleet requests`, oldest dropped first
+        self._finished_order: list[str] = []
+
+    # ---- instances --------------------------------------------------------------------------
+    def register(self, instance_id: str, model: str, node: str, now: float) -> InstanceEntry:
+        """Add an instance (or revive one that registers again after a router restart)."""
+        entry = InstanceEntry(instance_id, model, node, registered_at=now, last_seen=now)
+        old = self.instances.get(instance_id)
+        if old is not None:
+            entry.in_flight = old.in_flight
+        self.instances[instance_id] = entry
+        return entry
+
+    def update(self, instance_id: str, stats: EngineStats, healthy: bool, error: str | None, now: float) -> None:
+        entry = self.instances.get(instance_id)
+        if entry is None:
+            return
+        entry.stats, entry.healthy, entry.error, entry.last_seen = stats, healthy, error, now
+
+    def mark_unhealthy(self, instance_id: str, error: str) -> list[str]:
+        """Take an instance out of dispatch; returns its in-flight requests (they end with its error)."""
+        entry = self.instances.get(instance_id)
+        if entry is None:
+            return []
+        entry.healthy, entry.error = False, error
+        return sorted(entry.in_flight)
+
+    def remove(self, instance_id: str) -> InstanceEntry | None:
+        return self.instances.pop(instance_id, None)
+
+    def set_draining(self, instance_id: str, draining: bool = True) -> InstanceEntry:
+        entry = self.instances.get(instance_id)
+        if entry is None:
+            raise KeyError(instance_id)
+        entry.draining = draining
+        return entry
+
+    def models(self) -> list[str]:
+        return sorted({e.model for e in self.instances.values() if e.healthy})
+
+    # ---- requests ---------------------------------------------------------------------------
+    def route(self, request_id: str, priority: int, now: float, model: str | None = None) -> str:
+        """Choose an instance for a new request and record it as running there."""
+        if request_id in self.requests and self.requests[request_id].status == RequestStatus.RUNNING:
+            raise ValueError(f"request id {request_id!r} is already running")
+        views = [e.view() for e in self.instances.values()
+                 if e.healthy and not e.draining and (model is None or e.model == model)]
+        if not views:
+            raise NoInstanceAvailable(self._why_none(model))
+        instance_id = self.policy.choose(views)
+        self.instances[instance_id].in_flight.add(request_id)
+        self.requests[request_id] = RequestEntry(request_id, instance_id, priority, RequestStatus.RUNNING, now)
+        return instance_id
+
+    def finish(self, request_id: str, status: RequestStatus, now: float) -> RequestEntry | None:
+        entry = self.requests.get(request_id)
+        if entry is None or entry.status != RequestStatus.RUNNING:
+            return entry
+        entry.status, entry.finished_at = status, now
+        inst = self.instances.get(entry.instance_id)
+        if inst is not None:
+            inst.in_flight.discard(request_id)
+        self._finished_order.append(request_id)
+        while len(self._finished_order) > self.keep_finished:
+            self.requests.pop(self._finished_order.pop(0), None)
+        return entry
+
+    def pending(self) -> int:
+        """Requests routed and not finished, over all instances (the backpressure count)."""
+        return sum(len(e.in_flight) for e in self.instances.values())
+
+    def _why_none(self, model: str | None) -> str:
+        if not self.instances:
+            return "no instance is registered yet"
+        entries = [e for e in self.instances.values() if model is None or e.model == model]
+        if not entries:
+            return f"no instance serves model {model!r}"
+        if all(not e.healthy for e in entries):
+            return "every instance is unhealthy: " + "; ".join(f"{e.instance_id}: {e.error}" for e in entries)
+        return "every healthy instance is draining"

@@ -1,0 +1,174 @@
+"""The router: a named Ray actor holding the instance registry, the request table and the dispatch policy.
+
+Instances register when they start (and again if the router restarted: registration is idempotent). The
+router polls each instance's stats and health every `stats_interval_s`; an instance that reports unhealthy
+or does not answer within `health_timeout_s` is removed, and its requests in flight are marked failed (their
+streams end with the instance's error). The API (deploy/app.py) asks `route` where a request goes, then
+streams from that instance directly; the router stays off the token path.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+import ray
+from ray.actor import ActorHandle
+
+from cluster.config import RouterConfig
+from cluster.dispatch import make_dispatch
+from cluster.registry import NoInstanceAvailable, Registry, RequestStatus
+
+ROUTER_NAME = "specfleet-router"
+NAMESPACE = "specfleet"
+log = logging.getLogger(__name__)
+
+
+class Overloaded(RuntimeError):
+    """More requests are pending than the configured limit; retry after a while."""
+
+
+class Router:
+    def __init__(self, cfg: RouterConfig, health_timeout_s: float = 10.0) -> None:
+        self.cfg = cfg
+        self.registry = Registry(make_dispatch(cfg.dispatch))
+        self.handles: dict[str, ActorHandle] = {}
+        self.max_model_len: dict[str, int] = {}
+        self.health_timeout_s = health_timeout_s
+        self.removed: list[dict] = []  # instances taken out for failing health, newest last
+        self._poller: asyncio.Task | None = None
+
+    async def configure(self, cfg: RouterConfig) -> None:
+        """Take a redeployed app's router config (the actor outlives app redeploys; the registry stays)."""
+        if cfg.dispatch != self.cfg.dispatch:
+            self.registry.policy = make_dispatch(cfg.dispatch)
+        self.cfg = cfg
+
+    # ---- instances ----------------------------------------------------------------------------------
+    async def register(self, instance_id: str, handle: ActorHandle, model: str, max_model_len: int, node: str) -> None:
+        self.registry.register(instance_id, model, node, time.time())
+        self.handles[instance_id] = handle
+        self.max_model_len[model] = max_model_len
+        if self._poller is None:
+            self._poller = asyncio.get_running_loop().create_task(self._poll_forever())
+
+    async def deregister(self, instance_id: str) -> bool:
+        self.handles.pop(instance_id, None)
+        return self.registry.remove(instance_id) is not None
+
+    async def is_registered(self, instance_id: str) -> bool:
+        return instance_id in self.registry.instances
+
+    async def instances(self) -> list[dict]:
+        return [e.as_dict() for e in self.registry.instances.values()]
+
+    async def removed_instances(self) -> list[dict]:
+        return list(self.removed)
+
+    async def models(self) -> dict[str, int]:
+        """Served model name -> context length, over healthy instances."""
+        return {m: self.max_model_len[m] for m in self.registry.models()}
+
+    async def drain(self, instance_id: str, abort_running: bool = False) -> int:
+        """Stop dispatching to an instance; optionally abort its requests in flight. Returns how many run there."""
+        try:
+            entry = self.registry.set_draining(instance_id)
+        except KeyError:
+            raise ValueError(f"no instance {instance_id!r}") from None
+        running = sorted(entry.in_flight)
+        if abort_running:
+            await asyncio.gather(*(self.abort(rid) for rid in running))
+        return len(running)
+
+    async def undrain(self, instance_id: str) -> None:
+        try:
+            self.registry.set_draining(instance_id, False)
+        except KeyError:
+            raise ValueError(f"no instance {instance_id!r}") from None
+
+    # ---- requests -----------------------------------------------------------------------------------
+    async def route(self, request_id: str, priority: int = 0, model: str | None = None,
+                    max_pending: int | None = None) -> tuple[str, ActorHandle]:
+        """Choose the instance for a new request: (instance id, its handle). Raises Overloaded or NoInstanceAvailable."""
+        if max_pending is not None and self.registry.pending() >= max_pending:
+            raise Overloaded(f"{self.registry.pending()} requests are pending (limit {max_pending})")
+        instance_id = self.registry.route(request_id, priority, time.time(), model)
+        return instance_id, self.handles[instance_id]
+
+    async def finish(self, request_id: str, status: str) -> None:
+        self.registry.finish(request_id, RequestStatus(status), time.time())
+
+    async def abort(self, request_id: str) -> bool:
+        """Cancel a running request at its instance; False if it is not running."""
+        entry = self.registry.requests.get(request_id)
+        if entry is None or entry.status != RequestStatus.RUNNING:
+            return False
+        handle = self.handles.get(entry.instance_id)
+        aborted = bool(await handle.abort.remote(request_id)) if handle is not None else False
+        self.registry.finish(request_id, RequestStatus.ABORTED, time.time())
+        return aborted
+
+    async def requests(self, status: str | None = None) -> list[dict]:
+        rows = [r.as_dict() for r in self.registry.requests.values()]
+        return [r for r in rows if status is None or r["status"] == status]
+
+    async def pending(self) -> int:
+        return self.registry.pending()
+
+    # ---- polling ------------------------------------------------------------------------------------
+    async def poll(self) -> None:
+        """Refresh every instance's stats and health once; remove the ones that fail."""
+        ids = list(self.handles)
+        results = await asyncio.gather(*(self._probe(i) for i in ids), return_exceptions=True)
+        for instance_id, result in zip(ids, results):
+            if isinstance(result, BaseException):
+                self._remove_failed(instance_id, f"{type(result).__name__}: {result}")
+                continue
+            stats, health = result
+            self.registry.update(instance_id, stats, health.healthy, health.error, time.time())
+            if not health.healthy:
+                self._remove_failed(instance_id, health.error or "unhealthy")
+
+    async def _probe(self, instance_id: str):
+        handle = self.handles[instance_id]
+        return await asyncio.wait_for(asyncio.gather(handle.stats.remote(), handle.health.remote()),
+                                      self.health_timeout_s)
+
+    def _remove_failed(self, instance_id: str, error: str) -> None:
+        if instance_id not in self.registry.instances:
+            return
+        for rid in self.registry.mark_unhealthy(instance_id, error):
+            self.registry.finish(rid, RequestStatus.FAILED, time.time())
+        entry = self.registry.remove(instance_id)
+        self.handles.pop(instance_id, None)
+        self.removed.append({**entry.as_dict(), "removed_at": time.time()})
+        del self.removed[:-100]
+
+    async def _poll_forever(self) -> None:
+        while True:
+            try:
+                await self.poll()
+            except Exception:  # noqa: BLE001 - a bad poll must not stop polling; the next one retries
+                log.exception("polling the instances failed")
+            await asyncio.sleep(self.cfg.stats_interval_s)
+
+
+def get_or_create_router(cfg: RouterConfig) -> ActorHandle:
+    """The cluster's router actor, started on first use (on the head node, with no CPU reserved)."""
+    # detached: it outlives the replica that started it; the head-node resource keeps it beside the Serve proxy
+    return ray.remote(Router).options(name=ROUTER_NAME, namespace=NAMESPACE, get_if_exists=True, num_cpus=0,
+                                      max_concurrency=1000, lifetime="detached",
+                                      resources={"node:__internal_head__": 0.001}).remote(cfg)
+
+
+def find_router(timeout_s: float = 60.0) -> ActorHandle:
+    """The running router actor; waits for it to appear (a fresh app starts it with its first replica)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            return ray.get_actor(ROUTER_NAME, namespace=NAMESPACE)
+        except ValueError:
+            if time.monotonic() > deadline:
+                raise NoInstanceAvailable(f"no router actor {ROUTER_NAME!r} in namespace {NAMESPACE!r}") from None
+            time.sleep(0.2)

@@ -1,0 +1,126 @@
+"""gRPC methods of the API replica (service specfleet.v1.Specfleet, deploy/rpc/specfleet.proto).
+
+Ray Serve's gRPC proxy calls these by method name with the request message and a `grpc_context`; errors are
+status codes: UNAUTHENTICATED without a valid key, INVALID_ARGUMENT / NOT_FOUND for bad input,
+RESOURCE_EXHAUSTED when too many requests are pending, UNAVAILABLE when no instance can serve.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import grpc
+
+from cluster.request import FinishReason, SpecStats
+from deploy.frontend import Call
+from deploy.openai_api import APIError
+from deploy.rpc import specfleet_pb2 as pb
+
+STATUS = {400: grpc.StatusCode.INVALID_ARGUMENT, 401: grpc.StatusCode.UNAUTHENTICATED, 404: grpc.StatusCode.NOT_FOUND,
+          429: grpc.StatusCode.RESOURCE_EXHAUSTED, 503: grpc.StatusCode.UNAVAILABLE}
+
+
+def _spec(stats: SpecStats) -> pb.SpecDecodeStats:
+    return pb.SpecDecodeStats(proposed_tokens=stats.proposed, accepted_tokens=stats.accepted, rounds=stats.rounds,
+                              acceptance_rate=stats.acceptance_rate, mean_accepted_length=stats.mean_accepted_length,
+                              accepted_per_position=stats.accepted_per_position)
+
+
+def _usage(prompt: int, completion: int) -> pb.Usage:
+    return pb.Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+
+
+class GrpcMethods:
+    """Mixed into the Serve ingress class (deploy/app.py), beside the HTTP routes."""
+
+    def _grpc_auth(self, grpc_context) -> None:
+        if len(self.api_keys) == 0 and not self.cfg.serve.auth.required:
+            return
+        metadata = dict(grpc_context.invocation_metadata())
+        if not self.api_keys.check(metadata.get("authorization")):
+            raise APIError(401, "missing or invalid API key: send metadata `authorization: Bearer <key>`")
+
+    def _fail(self, grpc_context, e: APIError) -> None:
+        grpc_context.set_code(STATUS.get(e.status, grpc.StatusCode.INTERNAL))
+        grpc_context.set_details(e.message)
+
+    async def _start(self, request: pb.GenerateRequest) -> Call:
+        f = self.frontend
+        f.check_model(request.model)
+        which = request.WhichOneof("input")
+        if which == "prompt":
+            ids, param, default_max = f.encode_prompt(request.prompt), "prompt", 16
+        elif which == "chat":
+            if not request.chat.messages:
+                raise APIError(400, "chat.messages is empty", param="chat")
+            ids = f.encode_chat([{"role": m.role, "content": m.content} for m in request.chat.messages])
+            param, default_max = "chat", None
+        elif which == "prompt_token_ids":
+            ids, param, default_max = f.encode_prompt(list(request.prompt_token_ids.ids)), "prompt_token_ids", 16
+        else:
+            raise APIError(400, "give one of prompt, chat or prompt_token_ids", param="input")
+        if request.HasField("max_tokens") and request.max_tokens < 1:
+            raise APIError(400, "max_tokens must be at least 1", param="max_tokens")
+        temperature = request.temperature if request.HasField("temperature") else 1.0
+        top_p = request.top_p if request.HasField("top_p") else 1.0
+        if not 0.0 <= temperature <= 2.0 or not 0.0 < top_p <= 1.0 or request.top_k < -1:
+            raise APIError(400, "temperature must be in [0, 2], top_p in (0, 1], top_k >= -1", param="sampling")
+        if any(s == "" for s in request.stop):
+            raise APIError(400, "stop strings must not be empty", param="stop")
+        prep = f.prepare(ids, max_tokens=request.max_tokens if request.HasField("max_tokens") else default_max,
+                         temperature=temperature, top_p=top_p, top_k=request.top_k,
+                         seed=request.seed if request.HasField("seed") else None, stop=tuple(request.stop), n=1,
+                         priority=request.priority, ignore_eos=request.ignore_eos, prompt_param=param)
+        return await f.start(prep)
+
+    async def Generate(self, request: pb.GenerateRequest, grpc_context) -> pb.GenerateResponse:  # noqa: N802
+        try:
+            self._grpc_auth(grpc_context)
+            call = await self._start(request)
+            [c] = await call.collect()
+            if c.finish_reason == FinishReason.ERROR:
+                raise APIError(503, c.error or "the request failed")
+        except APIError as e:
+            self._fail(grpc_context, e)
+            return pb.GenerateResponse()
+        return pb.GenerateResponse(id=call.prep.request_id, model=self.frontend.model_name, text=c.text,
+                                   token_ids=c.token_ids, finish_reason=c.finish_reason.value,
+                                   usage=_usage(len(call.prep.prompt_ids), len(c.token_ids)), spec_decode=_spec(c.stats))
+
+    async def GenerateStream(self, request: pb.GenerateRequest, grpc_context) -> AsyncIterator[pb.GenerateChunk]:  # noqa: N802
+        try:
+            self._grpc_auth(grpc_context)
+            call = await self._start(request)
+        except APIError as e:
+            self._fail(grpc_context, e)
+            return
+        rid, completion = call.prep.request_id, 0
+        async for _, item in call:
+            d = item.delta
+            completion += len(d.token_ids)
+            if d.finish_reason == FinishReason.ERROR:
+                self._fail(grpc_context, APIError(503, d.error or "the request failed"))
+                return
+            chunk = pb.GenerateChunk(id=rid, text=d.text, token_ids=d.token_ids)
+            if d.finished:
+                chunk.finish_reason = d.finish_reason.value
+                chunk.usage.CopyFrom(_usage(len(call.prep.prompt_ids), completion))
+                chunk.spec_decode.CopyFrom(_spec(item.stats or SpecStats()))
+            yield chunk
+
+    async def ListModels(self, request: pb.ListModelsRequest, grpc_context) -> pb.ListModelsResponse:  # noqa: N802
+        try:
+            self._grpc_auth(grpc_context)
+        except APIError as e:
+            self._fail(grpc_context, e)
+            return pb.ListModelsResponse()
+        models = await self.router.models.remote()
+        return pb.ListModelsResponse(models=[pb.Model(id=m, max_model_len=n) for m, n in sorted(models.items())])
+
+    async def Health(self, request: pb.HealthRequest, grpc_context) -> pb.HealthResponse:  # noqa: N802
+        instances = await self.router.instances.remote()
+        healthy = sum(1 for i in instances if i["healthy"] and not i["draining"])
+        if not healthy:
+            grpc_context.set_code(grpc.StatusCode.UNAVAILABLE)
+            grpc_context.set_details("no healthy instance")
+        return pb.HealthResponse(healthy=healthy > 0, healthy_instances=healthy)

@@ -1,0 +1,201 @@
+"""HTTP routes of the API replica: the OpenAI API under /v1, /health, /metrics and the operator's /admin.
+
+Bodies are parsed by hand (json, then the pydantic models of deploy/openai_api.py) so that every malformed
+request gets an OpenAI-style error body with the field it concerns, never FastAPI's default 422 or a 500.
+Streams are server-sent events ending with `data: [DONE]`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import AsyncIterator
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from cluster.request import SpecStats
+from deploy.frontend import Call
+from deploy.metrics import CONTENT_TYPE
+from deploy.openai_api import (APIError, ChatCompletionRequest, CompletionRequest, choice, chunk_body,
+                               completion_body, from_validation_error, model_list, usage, usage_chunk)
+
+log = logging.getLogger(__name__)
+http_app = FastAPI(title="specfleet", docs_url=None, redoc_url=None, openapi_url=None)
+
+
+@http_app.exception_handler(APIError)
+async def _api_error(_: Request, e: APIError) -> JSONResponse:
+    return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+
+
+@http_app.exception_handler(StarletteHTTPException)
+async def _http_error(_: Request, e: StarletteHTTPException) -> JSONResponse:
+    err = APIError(e.status_code, str(e.detail), type_="invalid_request_error" if e.status_code < 500 else "server_error")
+    return JSONResponse(err.body(), status_code=e.status_code)
+
+
+@http_app.exception_handler(Exception)
+async def _unexpected(_: Request, e: Exception) -> JSONResponse:
+    log.exception("unexpected error in a request")
+    err = APIError(500, f"internal error: {type(e).__name__}", type_="server_error")
+    return JSONResponse(err.body(), status_code=500)
+
+
+async def _body(request: Request, model: type) -> object:
+    raw = await request.body()
+    try:
+        data = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise APIError(400, f"the body is not valid JSON: {e}", code="invalid_json") from None
+    if not isinstance(data, dict):
+        raise APIError(400, "the body must be a JSON object", code="invalid_json")
+    try:
+        return model.model_validate(data)
+    except ValidationError as e:
+        raise from_validation_error(e) from None
+
+
+def _sse(obj: dict | str) -> str:
+    return f"data: {obj if isinstance(obj, str) else json.dumps(obj)}\n\n"
+
+
+class HttpRoutes:
+    """Route bodies, mixed into the Serve ingress class (deploy/app.py), which declares the routes and sets cfg,
+    frontend, router, api_keys and admin_keys."""
+
+    def _auth(self, request: Request, admin: bool = False) -> None:
+        keys = self.admin_keys if admin else self.api_keys
+        if len(keys) == 0 and not self.cfg.serve.auth.required:
+            return
+        if not keys.check(request.headers.get("authorization")):
+            what = "admin key" if admin else "API key"
+            raise APIError(401, f"missing or invalid {what}: send `Authorization: Bearer <key>`",
+                           type_="authentication_error", code="invalid_api_key")
+
+    # ---- OpenAI ---------------------------------------------------------------------------------------
+    async def _models(self, request: Request) -> JSONResponse:
+        self._auth(request)
+        return JSONResponse(model_list(await self.router.models.remote()))
+
+    async def _completions(self, request: Request) -> Response:
+        self._auth(request)
+        body: CompletionRequest = await _body(request, CompletionRequest)
+        f = self.frontend
+        f.check_model(body.model)
+        ids = f.encode_prompt(body.prompt)
+        prep = f.prepare(ids, max_tokens=body.max_tokens, temperature=body.temperature, top_p=body.top_p,
+                         top_k=body.top_k, seed=body.seed, stop=body.stop_list, n=body.n, priority=body.priority,
+                         ignore_eos=body.ignore_eos)
+        call = await f.start(prep)
+        prefix = body.prompt if body.echo and isinstance(body.prompt, str) else ""
+        return await self._respond(call, body, chat=False, prefix=prefix)
+
+    async def _chat_completions(self, request: Request) -> Response:
+        self._auth(request)
+        body: ChatCompletionRequest = await _body(request, ChatCompletionRequest)
+        f = self.frontend
+        f.check_model(body.model)
+        try:
+            messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+        except ValueError as e:
+            raise APIError(400, str(e), param="messages") from None
+        ids = f.encode_chat(messages)
+        prep = f.prepare(ids, max_tokens=body.token_limit, temperature=body.temperature, top_p=body.top_p,
+                         top_k=body.top_k, seed=body.seed, stop=body.stop_list, n=body.n, priority=body.priority,
+                         ignore_eos=body.ignore_eos, prompt_param="messages", prefix="chatcmpl")
+        call = await f.start(prep)
+        return await self._respond(call, body, chat=True)
+
+    async def _respond(self, call: Call, body, chat: bool, prefix: str = "") -> Response:
+        rid, model, p = call.prep.request_id, self.frontend.model_name, len(call.prep.prompt_ids)
+        if body.stream:
+            return StreamingResponse(self._stream(call, chat, body.include_usage, prefix), media_type="text/event-stream")
+        choices = await call.collect()
+        errors = [c.error for c in choices if c.error]
+        if errors and all(c.finish_reason is not None and c.finish_reason.value == "error" for c in choices):
+            raise APIError(503 if "instance" in errors[0] else 400, errors[0],
+                           type_="service_unavailable" if "instance" in errors[0] else "invalid_request_error")
+        total = SpecStats()
+        for c in choices:
+            total.merge(c.stats)
+        out = [choice(c.index, prefix + c.text, c.finish_reason.value if c.finish_reason else None, chat, c.stats)
+               for c in choices]
+        return JSONResponse(completion_body(rid, model, out, usage(p, sum(len(c.token_ids) for c in choices)),
+                                            total, chat))
+
+    async def _stream(self, call: Call, chat: bool, include_usage: bool, prefix: str) -> AsyncIterator[str]:
+        rid, model, created = call.prep.request_id, self.frontend.model_name, int(time.time())
+        started: set[int] = set()
+        completion_tokens, total = 0, SpecStats()
+        for index in range(len(call.ids)):  # the role (chat) or the echoed prompt first, so clients see the start
+            if chat or prefix:
+                started.add(index)
+                yield _sse(chunk_body(rid, model, created, index, prefix, None, chat, first=True))
+        async for index, item in call:
+            d = item.delta
+            completion_tokens += len(d.token_ids)
+            if d.finished and item.stats is not None:
+                total.merge(item.stats)
+            if d.error:
+                err = APIError(503, d.error, type_="service_unavailable", code="instance_failed")
+                yield _sse(err.body())
+            if d.text or d.finished:
+                reason = d.finish_reason.value if d.finished else None
+                yield _sse(chunk_body(rid, model, created, index, d.text, reason, chat,
+                                      first=chat and index not in started))
+                started.add(index)
+        if include_usage:
+            yield _sse(usage_chunk(rid, model, created, usage(len(call.prep.prompt_ids), completion_tokens), total,
+                                   chat))
+        yield _sse("[DONE]")
+
+    # ---- health and metrics ---------------------------------------------------------------------------
+    async def _health(self) -> JSONResponse:
+        instances = await self.router.instances.remote()
+        healthy = sum(1 for i in instances if i["healthy"] and not i["draining"])
+        return JSONResponse({"status": "ok" if healthy else "unavailable", "healthy_instances": healthy},
+                            status_code=200 if healthy else 503)
+
+    async def _metrics(self) -> Response:
+        self.frontend.metrics.set_instances(await self.router.instances.remote())
+        return Response(self.frontend.metrics.render(), media_type=CONTENT_TYPE)
+
+    # ---- admin ----------------------------------------------------------------------------------------
+    async def _admin_instances(self, request: Request) -> JSONResponse:
+        self._auth(request, admin=True)
+        return JSONResponse({"instances": await self.router.instances.remote(),
+                             "removed": await self.router.removed_instances.remote()})
+
+    async def _admin_requests(self, request: Request) -> JSONResponse:
+        self._auth(request, admin=True)
+        status = request.query_params.get("status")
+        if status not in (None, "running", "finished", "aborted", "failed"):
+            raise APIError(400, f"unknown status {status!r}", param="status")
+        return JSONResponse({"requests": await self.router.requests.remote(status)})
+
+    async def _admin_abort(self, request_id: str, request: Request) -> JSONResponse:
+        self._auth(request, admin=True)
+        if not await self.router.abort.remote(request_id):
+            raise APIError(404, f"no running request {request_id!r}", param="request_id", code="request_not_found")
+        return JSONResponse({"request_id": request_id, "aborted": True})
+
+    async def _admin_drain(self, instance_id: str, request: Request) -> JSONResponse:
+        self._auth(request, admin=True)
+        abort = request.query_params.get("abort", "false").lower() in ("1", "true", "yes")
+        try:
+            running = await self.router.drain.remote(instance_id, abort)
+        except ValueError as e:
+            raise APIError(404, str(e), param="instance_id", code="instance_not_found") from None
+        return JSONResponse({"instance_id": instance_id, "draining": True, "running": running, "aborted": abort})
+
+    async def _admin_undrain(self, instance_id: str, request: Request) -> JSONResponse:
+        self._auth(request, admin=True)
+        try:
+            await self.router.undrain.remote(instance_id)
+        except ValueError as e:
+            raise APIError(404, str(e), param="instance_id", code="instance_not_found") from None
+        return JSONResponse({"instance_id": instance_id, "draining": False})

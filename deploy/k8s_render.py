@@ -1,0 +1,253 @@
+"""KubeRay manifests from a node inventory and a SpecfleetConfig: pure functions over plain data, no Ray.
+
+One fleet description drives both the placement planner and Kubernetes: every accelerator kind of the
+inventory becomes one RayService worker group whose pods carry the Ray custom resources and labels that
+`placement/inventory.py` (`ray_resources`, `ray_labels`) gives a node of that kind. A worker group is a
+set of interchangeable pods, so the per-node pin (`specfleet_node_<name>`) and the `specfleet/node`
+label cannot be given to each pod; they are left out, and pods of a group are told apart by kind
+(`accelerator_<kind>`, `specfleet/accelerator`) and by the `specfleet/group` label (docs/kubernetes.md).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import yaml
+
+from cluster.config import ConfigError, SpecfleetConfig
+from placement.inventory import LABEL_PREFIX, NODE_RESOURCE, Inventory, NodeSpec, ray_labels, ray_resources
+
+API_VERSION = "ray.io/v1"
+RAY_VERSION = "2.60.0"  # pyproject's ray[serve] pin; the image must carry the same Ray
+IMPORT_PATH = "deploy.app:build_app"
+GRPC_SERVICER = "deploy.rpc.specfleet_pb2_grpc.add_SpecfleetServicer_to_server"
+APP_LABEL = {"app.kubernetes.io/name": "specfleet"}
+DASHBOARD_AGENT_PORT = 52365  # Ray's default dashboard agent port, which answers the raylet health check
+GPU_RESOURCE = "nvidia.com/gpu"
+
+
+@dataclass(frozen=True)
+class RenderOptions:
+    """How to render. `gpu=False` simulates the accelerators on CPU pods (labels and resources only)."""
+
+    name: str = "specfleet"
+    image: str = "specfleet:0.1.0"
+    gpu: bool = True
+    node_label: str = f"{LABEL_PREFIX}accelerator"  # Kubernetes node label whose value is the accelerator kind
+    max_scale: int = 2  # a group may grow to max_scale x its inventory node count
+    cpus_per_device: int = 8  # worker CPUs per accelerator (gpu=True); CPU pods get sim_cpus
+    sim_cpus: int = 2
+    head_cpus: int = 2
+    head_memory: str = "8Gi"
+    secret: str = "specfleet-api-keys"  # holds keys `api-keys` and `admin-keys`, comma-separated
+
+
+def group_name(kind: str) -> str:
+    """A worker group name (a DNS-1123 label) for an accelerator kind: 'A100_80g' -> 'a100-80g'."""
+    name = re.sub(r"[^a-z0-9-]+", "-", kind.lower()).strip("-")
+    if not name:
+        raise ConfigError(f"accelerator kind {kind!r} gives an empty worker group name")
+    return name[:63].rstrip("-")
+
+
+def kinds(inventory: Inventory) -> dict[str, list[NodeSpec]]:
+    """Nodes by accelerator kind, in inventory order; ConfigError if nodes of one kind differ in shape."""
+    by_kind: dict[str, list[NodeSpec]] = {}
+    for node in inventory.nodes:
+        by_kind.setdefault(node.accelerator, []).append(node)
+    for kind, nodes in by_kind.items():
+        shapes = {(n.count, n.memory_gb, n.speed) for n in nodes}
+        if len(shapes) > 1:
+            raise ConfigError(f"nodes of accelerator kind {kind!r} ({', '.join(n.name for n in nodes)}) differ in "
+                              "count, memory_gb or speed; one worker group needs one pod shape: give them distinct kinds")
+    names = [group_name(k) for k in by_kind]
+    if len(set(names)) < len(names):
+        raise ConfigError(f"accelerator kinds {list(by_kind)} collide as worker group names {names}")
+    return by_kind
+
+
+def group_resources(node: NodeSpec, opts: RenderOptions) -> dict[str, str]:
+    """Ray resources of a pod of `node`'s kind (KubeRay's top-level `resources`): ray_resources less the node pin."""
+    out = {"CPU": str(_cpus(node, opts))}
+    if opts.gpu:
+        out["GPU"] = str(node.count)
+    for key, value in ray_resources(node).items():
+        if key != NODE_RESOURCE.format(name=node.name):
+            out[key] = _quantity(value)
+    return out
+
+
+def group_labels(node: NodeSpec) -> dict[str, str]:
+    """Ray labels of a pod of `node`'s kind: ray_labels less `specfleet/node`, plus `specfleet/group`."""
+    labels = {k: v for k, v in ray_labels(node).items() if k != f"{LABEL_PREFIX}node"}
+    return {**labels, f"{LABEL_PREFIX}group": group_name(node.accelerator)}
+
+
+def worker_groups(inventory: Inventory, config: SpecfleetConfig, opts: RenderOptions) -> list[dict]:
+    """One worker group per accelerator kind: replicas = minReplicas = its node count, up to max_scale x."""
+    groups = []
+    for kind, nodes in kinds(inventory).items():
+        node, n = nodes[0], len(nodes)
+        name = group_name(kind)
+        cpus = _cpus(node, opts)
+        limits: dict[str, str | int] = {"cpu": str(cpus), "memory": f"{_host_memory_gi(node, opts)}Gi"}
+        if opts.gpu:
+            limits[GPU_RESOURCE] = str(node.count)
+        pod: dict = {
+            "containers": [{
+                "name": "ray-worker",
+                "image": opts.image,
+                "imagePullPolicy": "IfNotPresent",
+                "resources": {"requests": dict(limits), "limits": dict(limits)},
+                "env": _key_env(config, opts),
+                "ports": [{"name": "metrics", "containerPort": 8080}],
+                # engines, not Serve proxies, run here (proxy_location HeadOnly), so readiness is the
+                # raylet's health rather than KubeRay's default Serve-proxy check
+                "readinessProbe": {"httpGet": {"path": "/api/local_raylet_healthz", "port": DASHBOARD_AGENT_PORT},
+                                   "periodSeconds": 5, "failureThreshold": 10},
+            }],
+        }
+        if opts.gpu:
+            pod["nodeSelector"] = {opts.node_label: kind}
+            pod["tolerations"] = [
+                {"key": GPU_RESOURCE, "operator": "Exists", "effect": "NoSchedule"},
+                {"key": opts.node_label, "operator": "Equal", "value": kind, "effect": "NoSchedule"},
+            ]
+        groups.append({
+            "groupName": name,
+            "replicas": n,
+            "minReplicas": n,
+            "maxReplicas": n * opts.max_scale,
+            "rayStartParams": {},
+            "resources": group_resources(node, opts),
+            "labels": group_labels(node),
+            "template": {"metadata": {"labels": {**APP_LABEL, f"{LABEL_PREFIX}group": name}}, "spec": pod},
+        })
+    return groups
+
+
+def head_group(config: SpecfleetConfig, opts: RenderOptions) -> dict:
+    """The head: GCS, dashboard, the router and the Serve proxy; no accelerator, no accelerator resources."""
+    limits = {"cpu": str(opts.head_cpus), "memory": opts.head_memory}
+    serve = config.serve
+    return {
+        "rayStartParams": {"dashboard-host": "0.0.0.0"},
+        "resources": {"CPU": str(opts.head_cpus)},
+        "labels": {f"{LABEL_PREFIX}role": "head"},
+        "template": {"metadata": {"labels": dict(APP_LABEL)}, "spec": {"containers": [{
+            "name": "ray-head",
+            "image": opts.image,
+            "imagePullPolicy": "IfNotPresent",
+            "resources": {"requests": dict(limits), "limits": dict(limits)},
+            "env": _key_env(config, opts),
+            "ports": [
+                {"name": "gcs", "containerPort": 6379},
+                {"name": "dashboard", "containerPort": 8265},
+                {"name": "client", "containerPort": 10001},
+                {"name": "metrics", "containerPort": 8080},
+                {"name": "serve", "containerPort": serve.http_port},
+                {"name": "grpc", "containerPort": serve.grpc_port},
+            ],
+        }]}},
+    }
+
+
+def serve_config(config: SpecfleetConfig) -> dict:
+    """The Ray Serve config (serveConfigV2): deploy.app:build_app with the project's config inline."""
+    auth = config.serve.auth
+    if auth.api_keys or auth.admin_keys:
+        raise ConfigError("serve.auth.api_keys/admin_keys are set in the config: on Kubernetes keys come from "
+                          f"the Secret (env {auth.api_keys_env}, {auth.admin_keys_env}); remove them from the file")
+    return {
+        "proxy_location": "HeadOnly",
+        "http_options": {"host": config.serve.http_host, "port": config.serve.http_port},
+        "grpc_options": {"port": config.serve.grpc_port, "grpc_servicer_functions": [GRPC_SERVICER]},
+        "applications": [{
+            "name": "specfleet",
+            "route_prefix": "/",
+            "import_path": IMPORT_PATH,
+            "args": {"config": config.model_dump(mode="json", exclude_defaults=True)},
+        }],
+    }
+
+
+def rayservice(inventory: Inventory, config: SpecfleetConfig, opts: RenderOptions) -> dict:
+    """The whole RayService: serveConfigV2, head, one worker group per kind, autoscaler, upgrade strategy."""
+    return {
+        "apiVersion": API_VERSION,
+        "kind": "RayService",
+        "metadata": {"name": opts.name, "labels": dict(APP_LABEL)},
+        "spec": {
+            # NewCluster: a changed cluster spec starts a second RayCluster and switches the serve Service to it
+            # only once its applications are RUNNING; the old cluster serves until then (docs/kubernetes.md)
+            "upgradeStrategy": {"type": "NewCluster"},
+            "rayClusterDeletionDelaySeconds": 120,  # in-flight generations on the old cluster get time to finish
+            "serveConfigV2": _yaml(serve_config(config)),
+            "rayClusterConfig": {
+                "rayVersion": RAY_VERSION,
+                "enableInTreeAutoscaling": True,
+                "autoscalerOptions": {"version": "v2", "upscalingMode": "Default", "idleTimeoutSeconds": 300},
+                "headGroupSpec": head_group(config, opts),
+                "workerGroupSpecs": worker_groups(inventory, config, opts),
+            },
+        },
+    }
+
+
+def rayservice_patch(inventory: Inventory, config: SpecfleetConfig, opts: RenderOptions) -> dict:
+    """A kustomize patch for the base RayService: serveConfigV2, head and worker groups (lists replace whole)."""
+    cluster = rayservice(inventory, config, opts)["spec"]["rayClusterConfig"]
+    return {
+        "apiVersion": API_VERSION,
+        "kind": "RayService",
+        "metadata": {"name": opts.name},
+        "spec": {"serveConfigV2": _yaml(serve_config(config)),
+                 "rayClusterConfig": {key: cluster[key] for key in ("headGroupSpec", "workerGroupSpecs")}},
+    }
+
+
+def dump(doc: dict, header: str = "") -> str:
+    """YAML text of `doc`, keys in the order built, after `header` lines turned into comments."""
+    comment = "".join(f"# {line}\n" if line else "#\n" for line in header.splitlines())
+    return comment + _yaml(doc)
+
+
+def _key_env(config: SpecfleetConfig, opts: RenderOptions) -> list[dict]:
+    auth = config.serve.auth
+    return [{"name": env, "valueFrom": {"secretKeyRef": {"name": opts.secret, "key": key}}}
+            for env, key in ((auth.api_keys_env, "api-keys"), (auth.admin_keys_env, "admin-keys"))]
+
+
+def _cpus(node: NodeSpec, opts: RenderOptions) -> int:
+    return opts.cpus_per_device * node.count if opts.gpu else opts.sim_cpus
+
+
+def _host_memory_gi(node: NodeSpec, opts: RenderOptions) -> int:
+    # room in host RAM to stage the weights that fill the devices; simulated nodes hold small CPU models
+    return max(16, int(node.count * node.memory_gb)) if opts.gpu else 4
+
+
+def _quantity(x: float) -> str:
+    return str(int(x)) if float(x).is_integer() else f"{x:.6f}".rstrip("0")
+
+
+class _Dumper(yaml.SafeDumper):
+    """SafeDumper that writes multi-line strings (serveConfigV2) as literal blocks."""
+
+
+def _str(dumper: yaml.SafeDumper, text: str) -> yaml.ScalarNode:
+    return dumper.represent_scalar("tag:yaml.org,2002:str", text, style="|" if "\n" in text else None)
+
+
+def _list(dumper: yaml.SafeDumper, items: list) -> yaml.SequenceNode:
+    flat = bool(items) and all(isinstance(x, (int, float)) for x in items)  # e.g. draft_layers on one line
+    return dumper.represent_sequence("tag:yaml.org,2002:seq", items, flow_style=flat)
+
+
+_Dumper.add_representer(str, _str)
+_Dumper.add_representer(list, _list)
+
+
+def _yaml(doc: object) -> str:
+    return yaml.dump(doc, Dumper=_Dumper, sort_keys=False, default_flow_style=False, width=120)

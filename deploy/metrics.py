@@ -1,0 +1,84 @@
+"""Prometheus metrics of the API, named as vLLM names them with a `specfleet:` prefix.
+
+Latencies are observed where requests pass (the API replica): time to first token, inter-token latency (the
+gap between consecutive token-bearing deltas: one engine step, which may carry several accepted tokens),
+end-to-end latency, and queue time (submission to first scheduling, as the engine reports it). Gauges of
+load come from the router's latest stats of each instance when /metrics is scraped.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+from cluster.request import SpecStats
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0)
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+
+
+class Metrics:
+    """One registry per API replica."""
+
+    def __init__(self, model: str) -> None:
+        self.registry = CollectorRegistry()
+        r, m = self.registry, ["model_name"]
+        self.model = model
+        self.ttft = Histogram("specfleet:time_to_first_token_seconds", "Time to first token", m, registry=r,
+                              buckets=LATENCY_BUCKETS)
+        self.itl = Histogram("specfleet:inter_token_latency_seconds", "Time between token-bearing deltas", m,
+                             registry=r, buckets=LATENCY_BUCKETS)
+        self.e2e = Histogram("specfleet:e2e_request_latency_seconds", "End-to-end request latency", m, registry=r,
+                             buckets=LATENCY_BUCKETS)
+        self.queue = Histogram("specfleet:request_queue_time_seconds", "Time waiting before first scheduled", m,
+                               registry=r, buckets=LATENCY_BUCKETS)
+        self.prompt_tokens = Counter("specfleet:prompt_tokens", "Prompt tokens processed", m, registry=r)
+        self.generation_tokens = Counter("specfleet:generation_tokens", "Tokens generated", m, registry=r)
+        self.success = Counter("specfleet:request_success", "Finished requests", m + ["finished_reason"], registry=r)
+        self.drafts = Counter("specfleet:spec_decode_num_drafts", "Verification rounds with drafts", m, registry=r)
+        self.draft_tokens = Counter("specfleet:spec_decode_num_draft_tokens", "Draft tokens proposed", m, registry=r)
+        self.accepted_tokens = Counter("specfleet:spec_decode_num_accepted_tokens", "Draft tokens accepted", m,
+                                       registry=r)
+        self.accepted_per_pos = Counter("specfleet:spec_decode_num_accepted_tokens_per_pos",
+                                        "Draft tokens accepted at each draft position", m + ["position"], registry=r)
+        inst = ["model_name", "instance"]
+        self.running = Gauge("specfleet:num_requests_running", "Requests running", inst, registry=r)
+        self.waiting = Gauge("specfleet:num_requests_waiting", "Requests waiting", inst, registry=r)
+        self.kv_usage = Gauge("specfleet:kv_cache_usage_perc", "Target KV cache usage (1 = full)", inst, registry=r)
+        self.preemptions = Gauge("specfleet:num_preemptions", "Preemptions since the instance started", inst,
+                                 registry=r)
+        self.healthy_instances = Gauge("specfleet:healthy_instances", "Instances the router dispatches to", m,
+                                       registry=r)
+
+    def finished(self, reason: str, prompt_tokens: int, completion_tokens: int, stats: SpecStats | None) -> None:
+        m = self.model
+        self.success.labels(m, reason).inc()
+        self.prompt_tokens.labels(m).inc(prompt_tokens)
+        self.generation_tokens.labels(m).inc(completion_tokens)
+        if stats is not None and stats.proposed:
+            self.drafts.labels(m).inc(stats.rounds)
+            self.draft_tokens.labels(m).inc(stats.proposed)
+            self.accepted_tokens.labels(m).inc(stats.accepted)
+            for pos, n in enumerate(stats.accepted_per_position):
+                self.accepted_per_pos.labels(m, str(pos)).inc(n)
+
+    def set_instances(self, instances: list[dict]) -> None:
+        """Refresh the load gauges from the router's `instances()` rows."""
+        for g in (self.running, self.waiting, self.kv_usage, self.preemptions):
+            g.clear()
+        healthy = 0
+        for row in instances:
+            healthy += bool(row["healthy"] and not row["draining"])
+            s = row.get("stats")
+            if not s:
+                continue
+            labels = (row["model"], row["instance_id"])
+            self.running.labels(*labels).set(s["running"])
+            self.waiting.labels(*labels).set(s["waiting"])
+            total = s["kv_blocks_used"] + s["kv_blocks_free"]
+            self.kv_usage.labels(*labels).set(s["kv_blocks_used"] / total if total else 0.0)
+            self.preemptions.labels(*labels).set(s["num_preemptions"])
+        self.healthy_instances.labels(self.model).set(healthy)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

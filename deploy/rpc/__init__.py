@@ -1,0 +1,1 @@
+"""The gRPC API: deploy/rpc/specfleet.proto and the modules generated from it (see codegen.py)."""

@@ -1,0 +1,115 @@
+"""`specfleet serve`: deploy the Serve application onto a running cluster and print how to reach it.
+
+    specfleet cluster up && specfleet serve --config deploy/configs/default.yaml
+
+It connects to the local cluster recorded in `--state` (or any Ray cluster with `--address`), starts Ray Serve
+with its HTTP proxy on the head node and the gRPC proxy beside it, deploys `deploy.app:build_app`, waits for
+every instance to load, and returns; the application keeps running. Key files named by the config that do not
+exist yet are created with a random key (mode 600), so a fresh machine gets a working key at a known place.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import secrets
+import sys
+import time
+from pathlib import Path
+
+from cluster.config import SpecfleetConfig, load_config
+from deploy import local_cluster
+from deploy.flags import UsageError
+from deploy.rpc import codegen
+
+DEFAULT_CONFIG = Path(__file__).parent / "configs" / "default.yaml"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", type=Path, default=DEFAULT_CONFIG, help=f"app config (default: {DEFAULT_CONFIG})")
+    where = p.add_mutually_exclusive_group()
+    where.add_argument("--state", type=Path, default=local_cluster.DEFAULT_STATE,
+                       help="the local cluster's state file (from `specfleet cluster up`)")
+    where.add_argument("--address", help="a Ray cluster's GCS address instead of the local cluster")
+    p.add_argument("--http-port", type=int, help="override serve.http_port")
+    p.add_argument("--grpc-port", type=int, help="override serve.grpc_port")
+    p.add_argument("--timeout", type=float, default=900.0, help="seconds to wait for the app to be running")
+    p.set_defaults(run=run)
+
+
+def ensure_key_files(cfg: SpecfleetConfig) -> dict[str, Path]:
+    """Create missing key files named by the config with one random key each; returns {"api"|"admin": path}."""
+    out = {}
+    for kind, name in (("api", cfg.serve.auth.api_keys_file), ("admin", cfg.serve.auth.admin_keys_file)):
+        if not name:
+            continue
+        path = Path(name).expanduser()
+        if not path.exists():
+            path.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            with os.fdopen(fd, "w") as f:
+                f.write(f"sk-specfleet-{secrets.token_urlsafe(24)}\n")
+        out[kind] = path
+    return out
+
+
+def with_ports(cfg: SpecfleetConfig, http_port: int | None, grpc_port: int | None) -> SpecfleetConfig:
+    serve_cfg = cfg.serve.model_copy(update={k: v for k, v in (("http_port", http_port), ("grpc_port", grpc_port))
+                                             if v is not None})
+    return cfg.model_copy(update={"serve": serve_cfg})
+
+
+def deploy(cfg: SpecfleetConfig, address: str, timeout_s: float = 900.0) -> str:
+    """Start Serve on the cluster at `address` and deploy the app; returns the HTTP base URL."""
+    import ray
+    from ray import serve
+    from ray.serve.config import gRPCOptions
+
+    from deploy.app import APP_NAME, build_app
+
+    codegen.ensure()
+    ray.init(address=address, namespace="specfleet", log_to_driver=False, logging_level="ERROR")
+    try:
+        serve.start(proxy_location="HeadOnly", http_options={"host": cfg.serve.http_host, "port": cfg.serve.http_port},
+                    grpc_options=gRPCOptions(port=cfg.serve.grpc_port,
+                                             grpc_servicer_functions=[codegen.SERVICER_FUNCTION]))
+        t0 = time.monotonic()
+        serve.run(build_app({"config": cfg}), name=APP_NAME, route_prefix="/", blocking=False)
+        _wait_running(APP_NAME, t0 + timeout_s)
+    finally:
+        ray.shutdown()
+    host = "127.0.0.1" if cfg.serve.http_host in ("0.0.0.0", "::") else cfg.serve.http_host
+    return f"http://{host}:{cfg.serve.http_port}"
+
+
+def _wait_running(app: str, deadline: float) -> None:
+    from ray import serve
+    from ray.serve.schema import ApplicationStatus
+
+    while True:
+        status = serve.status().applications.get(app)
+        if status is not None and status.status == ApplicationStatus.RUNNING:
+            return
+        if status is not None and status.status == ApplicationStatus.DEPLOY_FAILED:
+            raise UsageError(f"the application failed to deploy: {status.message}")
+        if time.monotonic() > deadline:
+            raise UsageError(f"the application is not running after the timeout: {status.status if status else None}")
+        time.sleep(1.0)
+
+
+def run(args: argparse.Namespace) -> int:
+    cfg = with_ports(load_config(args.config), args.http_port, args.grpc_port)
+    address = args.address or local_cluster.read_state(args.state).address
+    keys = ensure_key_files(cfg)
+    url = deploy(cfg, address, args.timeout)
+    model = cfg.engine.model.served_name
+    key_ref = f"$(cat {keys['api']})" if "api" in keys else f"${cfg.serve.auth.api_keys_env}"
+    print(f"specfleet is serving {model!r} at {url} (gRPC on port {cfg.serve.grpc_port})")
+    print(f"API key: {keys.get('api', '$' + cfg.serve.auth.api_keys_env)}; "
+          f"admin key: {keys.get('admin', '$' + cfg.serve.auth.admin_keys_env)}")
+    print("try:\n"
+          f"  curl {url}/v1/chat/completions -H \"Authorization: Bearer {key_ref}\" -H 'Content-Type: application/json' \\\n"
+          f"    -d '{{\"model\": \"{model}\", \"messages\": [{{\"role\": \"user\", \"content\": \"Hello!\"}}], "
+          f"\"max_tokens\": 32}}'")
+    sys.stdout.flush()
+    return 0

@@ -1,0 +1,81 @@
+"""The Serve application deployed with `specfleet serve` on the session's local cluster, over two tiny-model instances."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+import yaml
+
+from deploy import local_cluster
+
+API_KEY, ADMIN_KEY = "sk-test-api", "sk-test-admin"
+MODEL = "tiny-llama"
+MAX_PENDING = 12
+
+
+@dataclass(frozen=True)
+class ServedApp:
+    url: str
+    grpc_target: str
+    config_path: Path
+    state_path: Path
+    target: Path  # the tiny target model's folder (for reference outputs)
+
+    def client(self, key: str | None = API_KEY, timeout: float = 120.0) -> httpx.Client:
+        headers = {"Authorization": f"Bearer {key}"} if key else {}
+        return httpx.Client(base_url=self.url, headers=headers, timeout=timeout)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def specfleet(*args: str, timeout: float = 300.0) -> subprocess.CompletedProcess:
+    env = {**os.environ, **local_cluster.RAY_ENV}
+    return subprocess.run([sys.executable, "-m", "deploy.cli", *args], capture_output=True, text=True,
+                          timeout=timeout, env=env)
+
+
+@pytest.fixture(scope="session")
+def served_app(ray_cluster, tiny_models, tiny_draft_models, tmp_path_factory) -> Iterator[ServedApp]:
+    """`specfleet serve` of a config with the tiny llama pair (k=3), two instances, keys and a small queue limit."""
+    http_port, grpc_port = _free_port(), _free_port()
+    config = {
+        "engine": {"model": {"target": str(tiny_models["llama"]), "draft": str(tiny_draft_models["llama"]),
+                             "name": MODEL},
+                   "speculation": {"policy": "fixed", "k": 3},
+                   "scheduler": {"max_batch_size": 8},
+                   "cache": {"block_size": 4, "num_blocks": 512}},
+        "router": {"instances": 2, "instance_num_cpus": 0.5, "stats_interval_s": 0.2},
+        "serve": {"http_port": http_port, "grpc_port": grpc_port, "max_pending_requests": MAX_PENDING,
+                  "auth": {"api_keys": [API_KEY], "admin_keys": [ADMIN_KEY]}},
+    }
+    path = tmp_path_factory.mktemp("serve") / "config.yaml"
+    path.write_text(yaml.safe_dump(config))
+    out = specfleet("serve", "--config", str(path), "--state", str(ray_cluster.state_path), "--timeout", "240")
+    assert out.returncode == 0, out.stdout + out.stderr
+    app = ServedApp(f"http://127.0.0.1:{http_port}", f"127.0.0.1:{grpc_port}", path, ray_cluster.state_path,
+                    tiny_models["llama"])
+    _wait_healthy(app, instances=2)
+    yield app
+
+
+def _wait_healthy(app: ServedApp, instances: int, timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        r = httpx.get(f"{app.url}/health", timeout=10)
+        if r.status_code == 200 and r.json()["healthy_instances"] == instances:
+            return
+        assert time.monotonic() < deadline, r.text
+        time.sleep(0.3)
