@@ -8,6 +8,7 @@ so it needs no locks. The loop sleeps while there is no work and wakes when a re
 
 from __future__ import annotations
 
+import logging
 import queue
 import threading
 import time
@@ -31,6 +32,7 @@ class StreamItem:
 
 
 Sink = Callable[[StreamItem], None]
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -97,12 +99,13 @@ class ServingLoop:
                     continue
                 deltas = self._step()
                 self._deliver(deltas)
-        except BaseException as e:  # noqa: BLE001 - reported to every request in flight, then kept for health()
+        except Exception as e:  # noqa: BLE001 - ends every request in flight, then kept for health()
+            log.exception("the engine loop failed")
             self.error = e
-            self._end_all(FinishReason.ERROR, f"the engine loop failed: {type(e).__name__}: {e}")
-            raise
-        finally:
             self._fail_inbox()
+            self._end_all(FinishReason.ERROR, f"the engine loop failed: {type(e).__name__}: {e}")
+            return
+        self._fail_inbox()
         self._end_all(FinishReason.ABORT, "the instance is shutting down")
 
     def _apply_inbox(self) -> None:

@@ -1,0 +1,96 @@
+"""The router's pure parts: dispatch policies and the registry (instances, request table, draining, failures)."""
+
+from __future__ import annotations
+
+import pytest
+
+from cluster.dispatch import InstanceView, LeastLoad, RoundRobin, make_dispatch
+from cluster.registry import NoInstanceAvailable, Registry, RequestStatus
+from cluster.stats import EngineStats
+
+
+def stats(used: int, free: int, running: int = 0, waiting: int = 0) -> EngineStats:
+    return EngineStats(running=running, waiting=waiting, kv_blocks_used=used, kv_blocks_free=free,
+                       draft_kv_blocks_used=0, draft_kv_blocks_free=0, num_steps=1, step_time_s=0.01,
+                       step_time_ema_s=0.01, batch_size=running, batch_tokens=running, prefill_tokens=0, mean_k=0.0,
+                       acceptance=0.0, tokens_emitted=0, num_preemptions=0, policy="fixed")
+
+
+def test_least_load_picks_the_lowest_virtual_usage_counting_queued_demand() -> None:
+    policy = LeastLoad(blocks_per_request=10)
+    a = InstanceView("a", stats(used=50, free=50, running=2), in_flight=2)  # 0.5
+    a_queued = InstanceView("a", stats(used=50, free=50), in_flight=2)  # two routed, not yet seen: (50 + 20)/100
+    b = InstanceView("b", stats(used=10, free=90, running=1, waiting=5), in_flight=6)  # (10 + 5*10)/100 = 0.6
+    c = InstanceView("c", stats(used=0, free=100), in_flight=0, draining=True)  # inf
+    assert policy.choose([a, b, c]) == "a"
+    assert policy.choose([a_queued, b, c]) == "b"
+    assert policy.choose([b, InstanceView("d", stats(used=55, free=45, running=1), in_flight=1)]) == "d"  # 0.55 < 0.6
+    # an instance without stats yet is judged by its requests in flight
+    assert policy.choose([InstanceView("x", None, in_flight=3), InstanceView("y", None, in_flight=1)]) == "y"
+
+
+def test_round_robin_cycles_and_skips_draining_instances() -> None:
+    policy = RoundRobin()
+    views = [InstanceView(i, None, 0) for i in "abc"]
+    assert [policy.choose(views) for _ in range(6)] == list("abcabc")
+    views[1] = InstanceView("b", None, 0, draining=True)
+    assert {policy.choose(views) for _ in range(4)} == {"a", "c"}
+    with pytest.raises(ValueError, match="unknown dispatch policy"):
+        make_dispatch("random")
+
+
+def test_registry_routes_balances_finishes_and_frees_the_slot() -> None:
+    reg = Registry(make_dispatch("least_load"))
+    with pytest.raises(NoInstanceAvailable, match="no instance is registered"):
+        reg.route("r0", 0, now=0.0)
+    reg.register("i0", "m", "n0", now=0.0)
+    reg.register("i1", "m", "n1", now=0.0)
+    placed = [reg.route(f"r{i}", 0, now=1.0) for i in range(4)]
+    assert sorted(placed) == ["i0", "i0", "i1", "i1"]  # no stats: balanced by requests in flight
+    assert reg.pending() == 4
+    with pytest.raises(ValueError, match="already running"):
+        reg.route("r0", 0, now=1.0)
+    reg.finish("r0", RequestStatus.FINISHED, now=2.0)
+    assert reg.pending() == 3 and reg.requests["r0"].status == RequestStatus.FINISHED
+    reg.finish("r0", RequestStatus.ABORTED, now=3.0)  # a second end changes nothing
+    assert reg.requests["r0"].status == RequestStatus.FINISHED
+    with pytest.raises(NoInstanceAvailable, match="no instance serves model"):
+        reg.route("r9", 0, now=1.0, model="other")
+
+
+def test_draining_and_unhealthy_instances_get_no_new_requests() -> None:
+    reg = Registry(make_dispatch("round_robin"))
+    reg.register("i0", "m", "n0", now=0.0)
+    reg.register("i1", "m", "n1", now=0.0)
+    reg.set_draining("i0")
+    assert {reg.route(f"r{i}", 0, now=0.0) for i in range(3)} == {"i1"}
+    failed = reg.mark_unhealthy("i1", "stage 1 died")
+    assert failed == ["r0", "r1", "r2"]
+    with pytest.raises(NoInstanceAvailable, match="every healthy instance is draining"):
+        reg.route("r3", 0, now=0.0)
+    reg.set_draining("i0", False)
+    assert reg.route("r3", 0, now=0.0) == "i0"
+    reg.mark_unhealthy("i0", "loop stopped")
+    with pytest.raises(NoInstanceAvailable, match="every instance is unhealthy: i0: loop stopped; i1: stage 1 died"):
+        reg.route("r4", 0, now=0.0)
+
+
+def test_the_request_table_keeps_a_bounded_history_of_finished_requests() -> None:
+    reg = Registry(make_dispatch("least_load"), keep_finished=3)
+    reg.register("i0", "m", "n0", now=0.0)
+    for i in range(6):
+        reg.route(f"r{i}", 0, now=float(i))
+        reg.finish(f"r{i}", RequestStatus.FINISHED, now=float(i))
+    reg.route("live", 5, now=7.0)
+    assert sorted(reg.requests) == ["live", "r3", "r4", "r5"]
+    assert reg.requests["live"].as_dict()["priority"] == 5
+
+
+def test_re_registration_keeps_the_requests_in_flight() -> None:
+    reg = Registry(make_dispatch("least_load"))
+    reg.register("i0", "m", "n0", now=0.0)
+    reg.route("r0", 0, now=0.0)
+    reg.register("i0", "m", "n0", now=5.0)  # e.g. after a health check found the router had dropped it
+    assert reg.pending() == 1
+    reg.update("i0", stats(3, 97, running=1), healthy=True, error=None, now=6.0)
+    assert reg.instances["i0"].as_dict()["stats"]["kv_blocks_used"] == 3

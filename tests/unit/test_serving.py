@@ -1,0 +1,103 @@
+"""The serving loop: requests submitted from other threads while the engine steps, deltas to per-request sinks."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from actors.engine import RequestError
+from actors.serving import ServingLoop, StreamItem
+from cluster.request import FinishReason, Request, SamplingParams
+from tests.unit.helpers import load, reference_greedy, text_prompts
+from tests.unit.test_scheduler import engine_for
+
+
+class Collector:
+    """A sink per request, gathering its items; `wait` blocks until the request's final item."""
+
+    def __init__(self) -> None:
+        self.items: dict[str, list[StreamItem]] = {}
+        self.done: dict[str, threading.Event] = {}
+
+    def sink(self, rid: str):
+        self.items[rid], self.done[rid] = [], threading.Event()
+
+        def put(item: StreamItem) -> None:
+            assert not self.done[rid].is_set(), f"{rid} got an item after its final one"
+            self.items[rid].append(item)
+            if item.delta.finished:
+                self.done[rid].set()
+        return put
+
+    def wait(self, rid: str, timeout: float = 60.0) -> list[StreamItem]:
+        assert self.done[rid].wait(timeout), f"{rid} did not finish"
+        return self.items[rid]
+
+
+def greedy(n: int, ignore_eos: bool = False) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=ignore_eos)
+
+
+def test_requests_arriving_while_it_steps_get_the_targets_greedy_output(tiny_models, tiny_draft_models) -> None:
+    engine = engine_for(tiny_models["llama"], tiny_draft_models["llama"], k=3)
+    loop, got = ServingLoop(engine), Collector()
+    prompts = text_prompts(load(tiny_models["llama"]), 5, offset=2)
+    try:
+        for i, p in enumerate(prompts):  # staggered: later ones join a running batch
+            loop.submit(Request(f"r{i}", tuple(p), greedy(20)), got.sink(f"r{i}")).result(30)
+            time.sleep(0.01 * i)
+        for i, p in enumerate(prompts):
+            items = got.wait(f"r{i}")
+            assert [t for it in items for t in it.delta.token_ids] == reference_greedy(tiny_models["llama"], p, 20)
+            assert sum(it.queue_s is not None for it in items) == 1 and items[0].queue_s >= 0
+            assert items[-1].stats is not None and items[-1].stats.proposed > 0
+            assert all(it.stats is None for it in items[:-1])
+    finally:
+        loop.close()
+    assert engine.target.cache.num_used_blocks == 0 and engine.draft.cache.num_used_blocks == 0
+
+
+def test_abort_ends_the_stream_and_frees_kv_and_bad_requests_fail_their_future(tiny_models, tiny_draft_models) -> None:
+    engine = engine_for(tiny_models["llama"], tiny_draft_models["llama"], k=3)
+    loop, got = ServingLoop(engine), Collector()
+    prompt = tuple(text_prompts(load(tiny_models["llama"]), 1)[0])
+    try:
+        with pytest.raises(RequestError, match="empty"):
+            loop.submit(Request("bad", (), greedy(4)), got.sink("bad")).result(30)
+        loop.submit(Request("long", prompt, greedy(200, ignore_eos=True)), got.sink("long")).result(30)
+        while not got.items["long"]:
+            time.sleep(0.01)
+        assert loop.abort("long").result(30) is True
+        items = got.wait("long")
+        assert items[-1].delta.finish_reason == FinishReason.ABORT
+        assert len([t for it in items for t in it.delta.token_ids]) < 200
+        assert loop.abort("long").result(30) is False  # already gone
+        assert engine.target.cache.num_used_blocks == 0 and engine.draft.cache.num_used_blocks == 0
+        # closing ends what is still in flight
+        loop.submit(Request("open", prompt, greedy(200, ignore_eos=True)), got.sink("open")).result(30)
+    finally:
+        loop.close()
+    assert got.wait("open")[-1].delta.finish_reason == FinishReason.ABORT
+    with pytest.raises(RuntimeError, match="stopped"):
+        loop.submit(Request("late", prompt, greedy(4)), got.sink("late")).result(1)
+
+
+def test_an_engine_failure_ends_every_request_with_an_error_and_marks_the_loop_dead(tiny_models) -> None:
+    engine = engine_for(tiny_models["llama"], None, policy="off")
+    calls = {"n": 0}
+
+    def failing_step():
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise RuntimeError("shard lost")
+        return engine.step()
+
+    loop, got = ServingLoop(engine, step=failing_step), Collector()
+    prompt = tuple(text_prompts(load(tiny_models["llama"]), 1)[0])
+    loop.submit(Request("r", prompt, greedy(100, ignore_eos=True)), got.sink("r")).result(30)
+    final = got.wait("r")[-1].delta
+    assert final.finish_reason == FinishReason.ERROR and "shard lost" in final.error
+    loop._thread.join(10)
+    assert not loop.alive and isinstance(loop.error, RuntimeError)
