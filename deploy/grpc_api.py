@@ -91,16 +91,17 @@ class GrpcMethods:
         try:
             self._grpc_auth(grpc_context)
             call = await self._start(request)
-        except APIError as e:
+        except APIError as e:  # a stream's status is only read from an exception raised after set_code (Serve 2.60)
             self._fail(grpc_context, e)
-            return
+            raise
         rid, completion = call.prep.request_id, 0
         async for _, item in call:
             d = item.delta
             completion += len(d.token_ids)
             if d.finish_reason == FinishReason.ERROR:
-                self._fail(grpc_context, APIError(503, d.error or "the request failed"))
-                return
+                e = APIError(503, d.error or "the request failed")
+                self._fail(grpc_context, e)
+                raise e
             chunk = pb.GenerateChunk(id=rid, text=d.text, token_ids=d.token_ids)
             if d.finished:
                 chunk.finish_reason = d.finish_reason.value

@@ -23,6 +23,9 @@ class APIError(Exception):
         self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
         self.headers = headers or {}
 
+    def __reduce__(self):  # picklable across Ray (gRPC errors travel from the replica to the proxy)
+        return (APIError, (self.status, self.message, self.type, self.param, self.code, self.headers))
+
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 

@@ -1,0 +1,72 @@
+"""The gRPC service through Ray Serve's gRPC proxy, with a plain grpcio client: unary, streaming, auth, errors."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+
+from deploy.rpc import codegen
+
+codegen.ensure()
+
+from deploy.rpc import specfleet_pb2 as pb  # noqa: E402
+from deploy.rpc import specfleet_pb2_grpc as pb_grpc  # noqa: E402
+from tests.serve.conftest import API_KEY, MODEL, ServedApp  # noqa: E402
+from tests.unit.helpers import load, reference_greedy, text_prompts  # noqa: E402
+
+AUTH = (("authorization", f"Bearer {API_KEY}"),)
+
+
+@pytest.fixture(scope="module")
+def stub(served_app: ServedApp):
+    with grpc.insecure_channel(served_app.grpc_target) as channel:
+        yield pb_grpc.SpecfleetStub(channel)
+
+
+def test_generate_and_stream_give_the_targets_greedy_output(stub, served_app: ServedApp) -> None:
+    prompt = text_prompts(load(served_app.target), 1, offset=9)[0]
+    expected = reference_greedy(served_app.target, prompt, 20)
+    request = pb.GenerateRequest(model=MODEL, prompt_token_ids=pb.TokenIds(ids=prompt), max_tokens=20, temperature=0)
+
+    reply = stub.Generate(request, metadata=AUTH, timeout=120)
+    assert list(reply.token_ids) == expected
+    assert reply.usage.prompt_tokens == len(prompt) and reply.usage.completion_tokens == len(expected)
+    assert reply.finish_reason in ("stop", "length") and reply.spec_decode.proposed_tokens > 0
+
+    chunks = list(stub.GenerateStream(request, metadata=AUTH, timeout=120))
+    assert len(chunks) >= 2 and [t for c in chunks for t in c.token_ids] == expected
+    assert "".join(c.text for c in chunks) == reply.text
+    assert chunks[-1].finish_reason == reply.finish_reason and all(not c.finish_reason for c in chunks[:-1])
+    assert chunks[-1].usage.completion_tokens == len(expected)
+
+
+def test_list_models_and_health(stub) -> None:
+    models = stub.ListModels(pb.ListModelsRequest(), metadata=AUTH, timeout=30)
+    assert [(m.id, m.max_model_len) for m in models.models] == [(MODEL, 256)]
+    health = stub.Health(pb.HealthRequest(), timeout=30)
+    assert health.healthy and health.healthy_instances == 2
+
+
+@pytest.mark.parametrize(("metadata", "request_", "code"), [
+    pytest.param((), pb.GenerateRequest(model=MODEL, prompt="hi"), grpc.StatusCode.UNAUTHENTICATED, id="no key"),
+    pytest.param((("authorization", "Bearer nope"),), pb.GenerateRequest(model=MODEL, prompt="hi"),
+                 grpc.StatusCode.UNAUTHENTICATED, id="wrong key"),
+    pytest.param(AUTH, pb.GenerateRequest(model="nope", prompt="hi"), grpc.StatusCode.NOT_FOUND, id="unknown model"),
+    pytest.param(AUTH, pb.GenerateRequest(model=MODEL), grpc.StatusCode.INVALID_ARGUMENT, id="no input"),
+    pytest.param(AUTH, pb.GenerateRequest(model=MODEL, prompt="hi", max_tokens=0), grpc.StatusCode.INVALID_ARGUMENT,
+                 id="max_tokens 0"),
+    pytest.param(AUTH, pb.GenerateRequest(model=MODEL, prompt="hi", max_tokens=5000),
+                 grpc.StatusCode.INVALID_ARGUMENT, id="beyond the context"),
+    pytest.param(AUTH, pb.GenerateRequest(model=MODEL, chat=pb.ChatMessages()), grpc.StatusCode.INVALID_ARGUMENT,
+                 id="empty chat"),
+    pytest.param(AUTH, pb.GenerateRequest(model=MODEL, prompt="hi", temperature=-1), grpc.StatusCode.INVALID_ARGUMENT,
+                 id="negative temperature"),
+])
+def test_bad_calls_get_status_codes_on_both_methods(stub, metadata, request_, code) -> None:
+    with pytest.raises(grpc.RpcError) as unary:
+        stub.Generate(request_, metadata=metadata, timeout=30)
+    assert unary.value.code() == code and unary.value.details()
+    with pytest.raises(grpc.RpcError) as streaming:
+        list(stub.GenerateStream(request_, metadata=metadata, timeout=30))
+    assert streaming.value.code() == code
+    assert API_KEY not in (unary.value.details() or "")
