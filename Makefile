@@ -8,7 +8,7 @@ PROMPT  ?= Explain speculative decoding in one sentence.
 
 export RAY_AUTH_MODE ?= disabled
 
-.PHONY: venv install test serve clean
+.PHONY: venv install test serve generate clean
 
 venv: $(PY)
 install: $(STAMP)
@@ -19,12 +19,18 @@ $(PY):
 $(STAMP): pyproject.toml | $(PY)
 	$(PY) -m pip install torch==2.13.0
 	$(PY) -m pip install -e '.[test,bench]'
+	$(PY) -m deploy.rpc.codegen  # the gRPC modules from deploy/rpc/specfleet.proto (git-ignored)
 	touch $@
 
 test: $(STAMP)
 	$(PY) -m pytest -q tests
 
+# the local 3-node cluster (kept if it already runs), then the Serve app on it; `specfleet cluster down` stops all
 serve: $(STAMP)
+	@$(VENV)/bin/specfleet cluster status >/dev/null 2>&1 || $(VENV)/bin/specfleet cluster up --nodes 3
+	$(VENV)/bin/specfleet serve --config $(CONFIG) --try "$(PROMPT)"
+
+generate: $(STAMP)  # offline generation in one process, no cluster
 	$(VENV)/bin/specfleet generate --config $(CONFIG) --prompt "$(PROMPT)"
 
 clean:  # build outputs and caches; `rm -rf .venv` for a full reset

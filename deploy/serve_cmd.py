@@ -34,6 +34,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--http-port", type=int, help="override serve.http_port")
     p.add_argument("--grpc-port", type=int, help="override serve.grpc_port")
     p.add_argument("--timeout", type=float, default=900.0, help="seconds to wait for the app to be running")
+    p.add_argument("--try", dest="try_prompt", metavar="PROMPT",
+                   help="once deployed, send this prompt to /v1/chat/completions and print the reply")
     p.set_defaults(run=run)
 
 
@@ -112,4 +114,24 @@ def run(args: argparse.Namespace) -> int:
           f"    -d '{{\"model\": \"{model}\", \"messages\": [{{\"role\": \"user\", \"content\": \"Hello!\"}}], "
           f"\"max_tokens\": 32}}'")
     sys.stdout.flush()
+    if args.try_prompt and "api" in keys:
+        return try_request(url, keys["api"].read_text().split()[0], model, args.try_prompt)
+    return 0
+
+
+def try_request(url: str, key: str, model: str, prompt: str) -> int:
+    """One chat completion through the HTTP endpoint; prints the reply and its speculation figures."""
+    import httpx
+
+    r = httpx.post(f"{url}/v1/chat/completions", headers={"Authorization": f"Bearer {key}"}, timeout=300,
+                   json={"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": 64,
+                         "temperature": 0})
+    if r.status_code != 200:
+        print(f"the test request failed: HTTP {r.status_code}: {r.text}", file=sys.stderr)
+        return 1
+    body = r.json()
+    spec = body["spec_decode"]
+    print(f"\n> {prompt}\n{body['choices'][0]['message']['content']}\n"
+          f"[{body['usage']['completion_tokens']} tokens; {spec['accepted_tokens']}/{spec['proposed_tokens']} drafts "
+          f"accepted, {spec['mean_accepted_length']:.2f} tokens per verification]")
     return 0
