@@ -136,6 +136,9 @@ class RouterConfig(_Frozen):
     # (placement/inventory.py, ray_resources) to pin instances to a worker group
     instance_resources: dict[str, float] = {}
 
+    def __hash__(self) -> int:  # frozen, but a dict field is unhashable: hash the canonical JSON instead
+        return hash(self.model_dump_json())
+
 
 class SpecfleetConfig(_Frozen):
     """The root of the tree, as read from a YAML file."""

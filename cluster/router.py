@@ -105,9 +105,10 @@ class Router:
         if entry is None or entry.status != RequestStatus.RUNNING:
             return False
         handle = self.handles.get(entry.instance_id)
-        aborted = bool(await handle.abort.remote(request_id)) if handle is not None else False
+        if handle is None or not await handle.abort.remote(request_id):
+            return False  # it ended at its instance just now; the API's `finish` records how
         self.registry.finish(request_id, RequestStatus.ABORTED, time.time())
-        return aborted
+        return True
 
     async def requests(self, status: str | None = None) -> list[dict]:
         rows = [r.as_dict() for r in self.registry.requests.values()]

@@ -10,9 +10,10 @@ from pydantic import ValidationError
 from actors.engine import RequestError
 from actors.model.loader import ModelLoadError
 from cluster.config import ConfigError
-from deploy import cluster_cmd, generate, k8s_cmd, serve_cmd
+from deploy import admin_cmd, cluster_cmd, generate, k8s_cmd, serve_cmd
 from deploy.bench import load as bench_load
 from deploy.bench import pipeline as bench_pipeline
+from deploy.bench import serve as bench_serve
 from deploy.bench import spec as bench_spec
 from deploy.flags import UsageError
 from deploy.model_store import ModelFetchError
@@ -39,6 +40,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = bench.add_parser("pipeline", help="one process vs the target split over 2, 3... stages on the local cluster")
     bench_pipeline.add_arguments(p)
     p.set_defaults(run=bench_pipeline.run)
+    p = bench.add_parser("serve", help="load through the served app over HTTP: latency, router overhead, concurrency")
+    bench_serve.add_arguments(p)
 
     p = commands.add_parser("serve", help="deploy the Serve application (HTTP + gRPC) onto a running cluster")
     serve_cmd.add_arguments(p)
@@ -48,6 +51,15 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = commands.add_parser("k8s", help="Kubernetes (KubeRay) manifests: render")
     k8s_cmd.add_arguments(p)  # each action sets its own `run`
+
+    # the operator's commands over the served app (deploy/admin_cmd.py); each sets its own `run`
+    admin_cmd.add_status(commands.add_parser("status", help="the app's health, nodes, instances, load, acceptance"))
+    admin_cmd.add_instances(commands.add_parser("instances", help="the engine instances and their load"))
+    admin_cmd.add_requests(commands.add_parser("requests", help="the router's request table"))
+    admin_cmd.add_abort(commands.add_parser("abort", help="abort a running request"))
+    admin_cmd.add_drain(commands.add_parser("drain", help="stop sending new requests to an instance"))
+    admin_cmd.add_drain(commands.add_parser("undrain", help="let a drained instance take requests again"), undo=True)
+    admin_cmd.add_models(commands.add_parser("models", help="the model catalog: list, fetch"))
     return parser
 
 

@@ -180,7 +180,8 @@ class HttpRoutes:
     async def _admin_abort(self, request_id: str, request: Request) -> JSONResponse:
         self._auth(request, admin=True)
         if not await self.router.abort.remote(request_id):
-            raise APIError(404, f"no running request {request_id!r}", param="request_id", code="request_not_found")
+            raise APIError(404, f"no running request {request_id!r} (unknown, or it has just ended)", param="request_id",
+                           code="request_not_found")
         return JSONResponse({"request_id": request_id, "aborted": True})
 
     async def _admin_drain(self, instance_id: str, request: Request) -> JSONResponse:

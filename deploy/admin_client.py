@@ -1,0 +1,176 @@
+"""A typed HTTP client for the Serve app's admin, health and model routes (httpx, no Ray): what the CLI calls.
+
+    client = AdminClient("http://127.0.0.1:8000", admin_key="sk-...")
+    for inst in client.instances().instances:
+        print(inst.instance_id, inst.stats.running if inst.stats else "-")
+
+Failures a user can fix (app not reachable, wrong key, unknown id) raise AdminError, a UsageError, so the CLI
+prints the message and exits 2; the server failing (5xx) raises ServerError. Keys never appear in messages.
+"""
+
+from __future__ import annotations
+
+from types import TracebackType
+from typing import Literal
+
+import httpx
+from pydantic import BaseModel, ConfigDict
+
+from cluster.stats import EngineStats
+from deploy.flags import UsageError
+
+WRONG_ADMIN_KEY = "wrong admin key: set --admin-key or $SPECFLEET_ADMIN_KEYS or the config's admin_keys_file"
+WRONG_API_KEY = "wrong API key: set --api-key or $SPECFLEET_API_KEYS or the config's api_keys_file"
+
+
+class AdminError(UsageError):
+    """The app cannot be reached, refused the key, or does not know the id asked for."""
+
+
+class ServerError(RuntimeError):
+    """The app answered with a server error (5xx) other than /health's 503."""
+
+
+class _Row(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="ignore")  # a newer server may add fields
+
+
+class InstanceRow(_Row):
+    """One instance as the router reports it (cluster/registry.py, InstanceEntry.as_dict)."""
+
+    instance_id: str
+    model: str
+    node: str
+    healthy: bool
+    error: str | None = None
+    draining: bool = False
+    in_flight: int = 0
+    stats: EngineStats | None = None  # None until the router's first poll of it
+    age_s: float = 0.0
+    removed_at: float | None = None  # set on instances removed for failing health
+
+
+class Instances(_Row):
+    instances: list[InstanceRow]
+    removed: list[InstanceRow] = []
+
+
+class RequestRow(_Row):
+    """One row of the router's request table (cluster/registry.py, RequestEntry.as_dict)."""
+
+    request_id: str
+    instance_id: str
+    priority: int
+    status: str  # running | finished | aborted | failed
+    created_at: float
+    finished_at: float | None = None
+
+
+class Health(_Row):
+    status: str  # "ok" or "unavailable"
+    healthy_instances: int
+
+    @property
+    def ok(self) -> bool:
+        return self.status == "ok"
+
+
+class ModelRow(_Row):
+    id: str
+    max_model_len: int | None = None
+
+
+class AbortResult(_Row):
+    request_id: str
+    aborted: bool
+
+
+class DrainResult(_Row):
+    instance_id: str
+    draining: bool
+    running: int = 0  # requests in flight on it when the drain began
+    aborted: bool = False
+
+
+class AdminClient:
+    """Typed calls to one app; `admin_key` opens /admin, `api_key` /v1 (models)."""
+
+    def __init__(self, url: str, admin_key: str | None, api_key: str | None = None, timeout: float = 30.0) -> None:
+        self.url = url.rstrip("/")
+        self._admin_key, self._api_key = admin_key, api_key
+        self._http = httpx.Client(base_url=self.url, timeout=timeout)
+
+    def __enter__(self) -> "AdminClient":
+        return self
+
+    def __exit__(self, t: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._http.close()
+
+    # ---- routes -------------------------------------------------------------------------------------
+    def health(self) -> Health:
+        """/health; a 503 (no healthy instance) is an answer, not an error."""
+        return Health.model_validate(self._call("GET", "/health", auth="none", ok=(200, 503)))
+
+    def models(self) -> list[ModelRow]:
+        return [ModelRow.model_validate(m) for m in self._call("GET", "/v1/models", auth="api")["data"]]
+
+    def instances(self) -> Instances:
+        return Instances.model_validate(self._call("GET", "/admin/instances"))
+
+    def requests(self, status: str | None = None) -> list[RequestRow]:
+        params = {"status": status} if status else None
+        return [RequestRow.model_validate(r) for r in self._call("GET", "/admin/requests", params=params)["requests"]]
+
+    def abort(self, request_id: str) -> AbortResult:
+        return AbortResult.model_validate(self._call("POST", f"/admin/requests/{request_id}/abort"))
+
+    def drain(self, instance_id: str, abort: bool = False) -> DrainResult:
+        params = {"abort": "true"} if abort else None
+        return DrainResult.model_validate(self._call("POST", f"/admin/instances/{instance_id}/drain", params=params))
+
+    def undrain(self, instance_id: str) -> DrainResult:
+        return DrainResult.model_validate(self._call("POST", f"/admin/instances/{instance_id}/undrain"))
+
+    # ---- transport ----------------------------------------------------------------------------------
+    def _call(self, method: str, path: str, *, auth: Literal["admin", "api", "none"] = "admin",
+              params: dict | None = None, ok: tuple[int, ...] = (200,)) -> dict:
+        key = {"admin": self._admin_key, "api": self._api_key, "none": None}[auth]
+        headers = {"Authorization": f"Bearer {key}"} if key else {}
+        try:
+            r = self._http.request(method, path, headers=headers, params=params)
+        except (httpx.ConnectError, httpx.ConnectTimeout) as e:
+            raise AdminError(f"the specfleet app is not reachable at {self.url} ({type(e).__name__}: {e}); "
+                             "start it with `specfleet serve`, or pass --url") from None
+        except httpx.TimeoutException:
+            raise AdminError(f"no answer from {self.url}{path} within {self._http.timeout.read}s") from None
+        if r.status_code in ok:
+            return _json(r)
+        message = _error_message(r)
+        if r.status_code == 401:
+            raise AdminError(WRONG_ADMIN_KEY if path.startswith("/admin") else WRONG_API_KEY)
+        if r.status_code >= 500:
+            raise ServerError(f"{method} {path}: the app failed (HTTP {r.status_code}): {message}")
+        raise AdminError(message if r.status_code == 404 else f"{method} {path}: HTTP {r.status_code}: {message}")
+
+
+def _json(r: httpx.Response) -> dict:
+    try:
+        body = r.json()
+    except ValueError:
+        raise ServerError(f"{r.request.url.path}: expected JSON, got {r.headers.get('content-type')!r}: "
+                          f"{r.text[:200]!r}") from None
+    if not isinstance(body, dict):
+        raise ServerError(f"{r.request.url.path}: expected a JSON object, got {type(body).__name__}")
+    return body
+
+
+def _error_message(r: httpx.Response) -> str:
+    """The OpenAI-style error body's message, else the raw text (cut)."""
+    try:
+        body = r.json()
+        return str(body["error"]["message"])
+    except (ValueError, KeyError, TypeError):
+        return r.text[:300] or r.reason_phrase

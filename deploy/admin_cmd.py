@@ -1,0 +1,339 @@
+"""`specfleet status|instances|requests|abort|drain|undrain|models`: the operator's commands over AdminClient.
+
+    specfleet status                      # nodes, instances, load, speculation; exit 1 if anything is unhealthy
+    specfleet requests --status running --json
+    specfleet drain inst-1a2b3c4d --abort
+
+The app's URL and keys come from flags, else the environment, else the config (`--config`, default the
+embedded one): its serve.http_port and its key files. Keys are never printed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from cluster.config import AuthConfig, load_config
+from deploy import local_cluster, model_store
+from deploy.admin_client import AdminClient, Instances, InstanceRow, ServerError
+from deploy.flags import UsageError
+from deploy.local_cluster import ClusterError
+
+DEFAULT_CONFIG = Path(__file__).parent / "configs" / "default.yaml"
+REQUEST_STATUSES = ("running", "finished", "aborted", "failed")
+
+
+# ---- where the app is and which keys open it --------------------------------------------------------------
+@dataclass(frozen=True)
+class Endpoint:
+    url: str
+    admin_key: str | None
+    api_key: str | None
+
+
+def add_endpoint_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("app")
+    g.add_argument("--config", type=Path, default=DEFAULT_CONFIG,
+                   help="the app's config: default port and key files (default: the embedded one)")
+    g.add_argument("--url", help="the app's base URL (default: http://127.0.0.1:<serve.http_port of --config>)")
+    g.add_argument("--admin-key", help="admin key (default: $SPECFLEET_ADMIN_KEYS, else the config's admin keys)")
+    g.add_argument("--api-key", help="API key for /v1 (default: $SPECFLEET_API_KEYS, else the config's API keys)")
+    g.add_argument("--timeout", type=float, default=30.0, help="seconds to wait for each answer")
+
+
+def first_key(auth: AuthConfig, admin: bool) -> str | None:
+    """The first key the app would accept, as the app finds them (auth.py): env, then config, then key file."""
+    env = os.environ.get(auth.admin_keys_env if admin else auth.api_keys_env, "")
+    if keys := [k.strip() for k in env.split(",") if k.strip()]:
+        return keys[0]
+    if literal := (auth.admin_keys if admin else auth.api_keys):
+        return literal[0].get_secret_value()
+    file = auth.admin_keys_file if admin else auth.api_keys_file
+    if file and (path := Path(file).expanduser()).is_file():
+        return next((line.strip() for line in path.read_text().splitlines() if line.strip()), None)
+    return None
+
+
+def endpoint(args: argparse.Namespace) -> Endpoint:
+    cfg = load_config(args.config)
+    url = args.url or f"http://127.0.0.1:{cfg.serve.http_port}"
+    if not url.startswith(("http://", "https://")):
+        raise UsageError(f"--url must start with http:// or https://, got {url!r}")
+    return Endpoint(url, args.admin_key or first_key(cfg.serve.auth, admin=True),
+                    args.api_key or first_key(cfg.serve.auth, admin=False))
+
+
+def client(args: argparse.Namespace) -> AdminClient:
+    e = endpoint(args)
+    return AdminClient(e.url, e.admin_key, e.api_key, timeout=args.timeout)
+
+
+Command = Callable[[argparse.Namespace], int]
+
+
+def _guard(run: Command) -> Command:
+    """Server errors (5xx) exit 1 with the message; user errors propagate to cli.main (exit 2)."""
+    def wrapped(args: argparse.Namespace) -> int:
+        try:
+            return run(args)
+        except ServerError as e:
+            print(f"specfleet: error: {e}", file=sys.stderr)
+            return 1
+    return wrapped
+
+
+# ---- registration (deploy/cli.py) -------------------------------------------------------------------------
+def add_status(p: argparse.ArgumentParser) -> None:
+    add_endpoint_flags(p)
+    p.add_argument("--state", type=Path, default=local_cluster.DEFAULT_STATE,
+                   help="the local cluster's state file; its nodes are shown if it exists")
+    p.add_argument("--json", action="store_true", help="one JSON object on stdout")
+    p.set_defaults(run=_guard(run_status))
+
+
+def add_instances(p: argparse.ArgumentParser) -> None:
+    add_endpoint_flags(p)
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(run=_guard(run_instances))
+
+
+def add_requests(p: argparse.ArgumentParser) -> None:
+    add_endpoint_flags(p)
+    p.add_argument("--status", choices=REQUEST_STATUSES, help="only requests in this state")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(run=_guard(run_requests))
+
+
+def add_abort(p: argparse.ArgumentParser) -> None:
+    add_endpoint_flags(p)
+    p.add_argument("request_id", metavar="ID")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(run=_guard(run_abort))
+
+
+def add_drain(p: argparse.ArgumentParser, undo: bool = False) -> None:
+    add_endpoint_flags(p)
+    p.add_argument("instance_id", metavar="INSTANCE")
+    if not undo:
+        p.add_argument("--abort", action="store_true", help="also abort the requests running there")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(run=_guard(run_undrain if undo else run_drain))
+
+
+def add_models(p: argparse.ArgumentParser) -> None:
+    actions = p.add_subparsers(dest="action", required=True, metavar="ACTION")
+    ls = actions.add_parser("list", help="the model catalog and what is already downloaded")
+    ls.add_argument("--json", action="store_true")
+    ls.set_defaults(run=run_models_list)
+    fetch = actions.add_parser("fetch", help="download and verify a catalog model (progress on stderr)")
+    fetch.add_argument("name", metavar="NAME", help=f"one of: {', '.join(sorted(model_store.CATALOG))}")
+    fetch.set_defaults(run=run_models_fetch)
+
+
+# ---- commands -------------------------------------------------------------------------------------------
+def run_status(args: argparse.Namespace) -> int:
+    with client(args) as c:
+        health = c.health()
+        inst = c.instances()
+    nodes, node_problem = _nodes(args.state)
+    names = {n["node_id"]: n["name"] for n in nodes or [] if n.get("name")}
+    problems = [f"/health: {health.status}"] if not health.ok else []
+    problems += [f"{i.instance_id}: unhealthy: {i.error}" for i in inst.instances if not i.healthy]
+    problems += [node_problem] if node_problem else []
+    problems += [f"node {n['name']}: not alive" for n in nodes or [] if not n["alive"]]
+    report = {"url": c.url, "healthy": not problems, "problems": problems, "health": health.model_dump(),
+              "nodes": nodes, "load": _load(inst), "instances": [_row(i, names) for i in inst.instances],
+              "removed": [_row(i, names) for i in inst.removed]}
+    if args.json:
+        print(json.dumps(report))
+        return 0 if not problems else 1
+    print(f"app {c.url}: {health.status}, {health.healthy_instances} healthy instance(s)")
+    if nodes is not None:
+        print(f"nodes ({args.state}): {sum(n['alive'] for n in nodes)} of {len(nodes)} alive")
+        for n in nodes:
+            print(f"  {n['name'] or '?':<14} {'alive' if n['alive'] else 'DEAD':<6} {n['node_id'][:12]}")
+    print("instances:")
+    _print_instances(inst, names)
+    load = report["load"]
+    print(f"load: {load['running']} running, {load['waiting']} waiting, {load['in_flight']} in flight; "
+          f"KV blocks {load['kv_blocks_used']}/{load['kv_blocks_total']} used")
+    acc = "-" if load["acceptance"] is None else f"{load['acceptance']:.2f}"
+    k = "-" if load["mean_k"] is None else f"{load['mean_k']:.2f}"
+    print(f"speculation: acceptance {acc}, mean k {k} (mean over instances)")
+    for p in problems:
+        print(f"UNHEALTHY: {p}")
+    return 0 if not problems else 1
+
+
+def run_instances(args: argparse.Namespace) -> int:
+    with client(args) as c:
+        inst = c.instances()
+    if args.json:
+        print(json.dumps({"instances": [_row(i) for i in inst.instances], "removed": [_row(i) for i in inst.removed]}))
+    else:
+        _print_instances(inst, {})
+    return 0
+
+
+def run_requests(args: argparse.Namespace) -> int:
+    with client(args) as c:
+        rows = c.requests(args.status)
+    if args.json:
+        print(json.dumps({"requests": [r.model_dump() for r in rows]}))
+        return 0
+    now = time.time()
+    print(f"{'REQUEST':<46} {'STATUS':<9} {'INSTANCE':<14} {'PRIO':>4} {'TIME s':>8}")
+    for r in sorted(rows, key=lambda r: r.created_at):
+        took = (r.finished_at or now) - r.created_at
+        print(f"{r.request_id:<46} {r.status:<9} {r.instance_id:<14} {r.priority:>4} {took:>8.2f}")
+    if not rows:
+        print(f"(no {args.status + ' ' if args.status else ''}requests)")
+    return 0
+
+
+def run_abort(args: argparse.Namespace) -> int:
+    with client(args) as c:
+        result = c.abort(args.request_id)
+    print(json.dumps(result.model_dump()) if args.json else f"aborted {result.request_id}")
+    return 0
+
+
+def run_drain(args: argparse.Namespace) -> int:
+    with client(args) as c:
+        result = c.drain(args.instance_id, abort=args.abort)
+    if args.json:
+        print(json.dumps(result.model_dump()))
+    else:
+        what = "aborted" if result.aborted else "left to finish"
+        print(f"draining {result.instance_id}: no new requests go there; {result.running} running ({what})")
+    return 0
+
+
+def run_undrain(args: argparse.Namespace) -> int:
+    with client(args) as c:
+        result = c.undrain(args.instance_id)
+    print(json.dumps(result.model_dump()) if args.json else f"{result.instance_id} takes requests again")
+    return 0
+
+
+def run_models_list(args: argparse.Namespace) -> int:
+    rows = [{"name": e.name, "size_mb": e.size_mb, "downloaded": model_store.model_path(e.name).is_file(),
+             "path": str(model_store.model_path(e.name)), "description": e.description}
+            for e in model_store.CATALOG.values()]
+    if args.json:
+        print(json.dumps({"cache_dir": str(model_store.cache_dir()), "models": rows}))
+        return 0
+    print(f"{'NAME':<24} {'MB':>7} {'HERE':<5} DESCRIPTION   (cache: {model_store.cache_dir()})")
+    for r in rows:
+        print(f"{r['name']:<24} {r['size_mb']:>7.1f} {'yes' if r['downloaded'] else 'no':<5} {r['description']}")
+    return 0
+
+
+def run_models_fetch(args: argparse.Namespace) -> int:
+    entry = model_store.lookup(args.name)  # UnknownModelError (a user error) lists the catalog
+    with _Progress(entry.name, stages=3) as bar:
+        path = model_store.fetch_model(entry.name, progress=bar.stage)
+    print(path)
+    return 0
+
+
+# ---- helpers ----------------------------------------------------------------------------------------------
+def _nodes(state_path: Path) -> tuple[list[dict] | None, str | None]:
+    """The local cluster's nodes (None if there is no state file) and a problem reaching it, if any."""
+    if not state_path.exists():
+        return None, None
+    state = local_cluster.read_state(state_path)
+    try:
+        live = {n.name: n for n in local_cluster.query_nodes(state.address, timeout_s=20.0)}
+    except ClusterError as e:
+        return [], f"cluster {state.address}: {e}"
+    return [{"name": n.spec.name, "head": n.head, "alive": n.spec.name in live and live[n.spec.name].alive,
+             "node_id": live[n.spec.name].node_id if n.spec.name in live else ""} for n in state.nodes], None
+
+
+def _row(i: InstanceRow, names: dict[str, str] | None = None) -> dict:
+    row = i.model_dump()
+    row["stats"] = asdict(i.stats) if i.stats else None
+    if names and i.node in names:
+        row["node_name"] = names[i.node]
+    return row
+
+
+def _load(inst: Instances) -> dict:
+    stats = [i.stats for i in inst.instances if i.stats is not None]
+    spec = [s for s in stats if s.policy != "off"]
+    return {"running": sum(s.running for s in stats), "waiting": sum(s.waiting for s in stats),
+            "in_flight": sum(i.in_flight for i in inst.instances),
+            "kv_blocks_used": sum(s.kv_blocks_used for s in stats),
+            "kv_blocks_total": sum(s.kv_blocks_used + s.kv_blocks_free for s in stats),
+            "acceptance": round(sum(s.acceptance for s in spec) / len(spec), 4) if spec else None,
+            "mean_k": round(sum(s.mean_k for s in spec) / len(spec), 3) if spec else None}
+
+
+def _print_instances(inst: Instances, names: dict[str, str]) -> None:
+    print(f"{'INSTANCE':<14} {'MODEL':<24} {'NODE':<14} {'STATE':<9} {'FLIGHT':>6} {'RUN':>4} {'WAIT':>4} "
+          f"{'KV USED':>11} {'ACCEPT':>6} {'K':>5} {'STEP ms':>7}")
+    for i in inst.instances:
+        state = "unhealthy" if not i.healthy else "draining" if i.draining else "ok"
+        s = i.stats
+        kv = f"{s.kv_blocks_used}/{s.kv_blocks_used + s.kv_blocks_free}" if s else "-"
+        cols = (f"{s.running:>4} {s.waiting:>4} {kv:>11} {s.acceptance:>6.2f} {s.mean_k:>5.2f} "
+                f"{s.step_time_ema_s * 1e3:>7.1f}") if s else f"{'-':>4} {'-':>4} {kv:>11} {'-':>6} {'-':>5} {'-':>7}"
+        node = names.get(i.node, i.node[:12])
+        print(f"{i.instance_id:<14} {i.model[:24]:<24} {node:<14} {state:<9} {i.in_flight:>6} {cols}")
+        if i.error:
+            print(f"    error: {i.error}")
+    if not inst.instances:
+        print("(no instances registered)")
+    for r in inst.removed:
+        print(f"removed {r.instance_id} (node {names.get(r.node, r.node[:12])}): {r.error}")
+
+
+class _Progress:
+    """A stage bar on stderr for fetch_model's progress messages, redrawn with the elapsed time on a terminal."""
+
+    def __init__(self, name: str, stages: int) -> None:
+        self.name, self.stages, self.done, self.message = name, stages, 0, "checking the cache"
+        self.t0 = time.monotonic()
+        self.tty = sys.stderr.isatty()
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self._ticker = threading.Thread(target=self._tick, daemon=True) if self.tty else None
+
+    def __enter__(self) -> "_Progress":
+        if self._ticker is not None:
+            self._ticker.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        if self._ticker is not None:
+            self._ticker.join()
+            sys.stderr.write("\n")
+            sys.stderr.flush()
+
+    def stage(self, message: str) -> None:
+        with self._lock:
+            self.done = min(self.stages, self.done + 1)
+            self.message = message.removeprefix(f"{self.name}: ")
+        self._draw()
+
+    def _tick(self) -> None:
+        while not self._stop.wait(0.5):
+            self._draw()
+
+    def _draw(self) -> None:
+        with self._lock:
+            width = 24
+            filled = width * self.done // self.stages
+            line = (f"[{'#' * filled}{'-' * (width - filled)}] {self.done}/{self.stages} {self.name}: {self.message} "
+                    f"({time.monotonic() - self.t0:.0f}s)")
+            sys.stderr.write(f"\r{line[:160]:<160}" if self.tty else line + "\n")
+            sys.stderr.flush()

@@ -1,0 +1,394 @@
+"""`specfleet bench serve`: load through the app's HTTP endpoint, the Serve path's overhead, a concurrency check.
+
+Three phases against a running app (`specfleet serve`), all with greedy, ignore_eos streaming completions of
+real prompts (MT-Bench or HumanEval) sent as token ids, so every path gets identical inputs:
+
+1. overhead: the same requests one at a time, (a) straight to an engine instance over Ray (the router's
+   `route` gives the instance's handle; its `generate` stream is consumed here) and (b) through Serve HTTP,
+   alternating which goes first; the per-request difference of end-to-end time and of TTFT, p50 in ms.
+2. concurrency: N streams at once over HTTP; each must end with a finish_reason and `data: [DONE]`.
+3. Poisson arrivals at each rate for `--duration` s: TTFT, inter-chunk latency, TPOT, end-to-end p50/p99,
+   throughput and errors.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import random
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+from deploy import local_cluster
+from deploy.admin_cmd import add_endpoint_flags, endpoint
+from deploy.bench.spec import DATASETS, load_prompts
+from deploy.flags import UsageError
+
+DATASET_FILES = {"mtbench": DATASETS / "mt_bench_questions.jsonl", "humaneval": DATASETS / "HumanEval.jsonl.gz"}
+ENDED = ("stop", "length")  # finish reasons of a request served to its end
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    add_endpoint_flags(p)  # --config (tokenizer, default port and keys), --url, --api-key, --admin-key, --timeout
+    p.add_argument("--model", help="served model name (default: the app's only model)")
+    p.add_argument("--rates", default="0.5,1,2", help="request rates (requests/s), comma-separated ('': skip)")
+    p.add_argument("--duration", type=float, default=30.0, help="seconds of arrivals per rate")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--max-prompt-tokens", type=int, default=512, help="prompts are cut to their first N tokens")
+    p.add_argument("--dataset", choices=sorted(DATASET_FILES), default="mtbench")
+    p.add_argument("--overhead-requests", type=int, default=20, help="request pairs of the overhead phase (0: skip)")
+    p.add_argument("--concurrency", type=int, default=50, help="streams at once in the concurrency check (0: skip)")
+    where = p.add_mutually_exclusive_group()
+    where.add_argument("--state", type=Path, default=local_cluster.DEFAULT_STATE,
+                       help="the local cluster's state file, to reach the engines directly (overhead phase)")
+    where.add_argument("--address", help="a Ray cluster's GCS address instead of --state")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", type=Path, help="write the report here")
+    p.add_argument("--plot", type=Path, help="write a PNG of latency and throughput against rate here")
+    p.set_defaults(run=run)
+
+
+@dataclass
+class Trace:
+    """One request's timestamps (seconds on the run's clock) and outcome."""
+
+    sent: float
+    first: float | None = None  # first chunk with text
+    last: float | None = None
+    chunk_times: list[float] = field(default_factory=list)
+    tokens: int = 0
+    finish_reason: str | None = None
+    done: bool = False  # saw `data: [DONE]` (HTTP) or the final item (direct)
+    status: int | None = None  # HTTP status
+    error: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.finish_reason in ENDED and self.done and self.error is None
+
+
+# ---- the two paths --------------------------------------------------------------------------------------
+async def http_stream(c: httpx.AsyncClient, model: str, ids: list[int], max_tokens: int) -> Trace:
+    """One streaming /v1/completions request with a token-id prompt, its SSE parsed as it arrives."""
+    body = {"model": model, "prompt": ids, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True,
+            "stream": True, "stream_options": {"include_usage": True}}
+    t = Trace(time.perf_counter())
+    try:
+        async with c.stream("POST", "/v1/completions", json=body) as r:
+            t.status = r.status_code
+            if r.status_code != 200:
+                t.error = f"HTTP {r.status_code}: {(await r.aread()).decode(errors='replace')[:200]}"
+                return t
+            async for line in r.aiter_lines():
+                if not line.startswith("data: "):
+                    continue
+                data = line[len("data: "):]
+                if data == "[DONE]":
+                    t.done = True
+                    continue
+                _chunk(t, json.loads(data), time.perf_counter())
+    except httpx.HTTPError as e:
+        t.error = f"{type(e).__name__}: {e}"
+    return t
+
+
+def _chunk(t: Trace, obj: dict, now: float) -> None:
+    if "error" in obj:
+        t.error = obj["error"].get("message", "error")
+    if obj.get("usage"):
+        t.tokens = obj["usage"]["completion_tokens"]
+    for ch in obj.get("choices", []):
+        if ch.get("text"):
+            t.first = t.first or now
+            t.last = now
+            t.chunk_times.append(now)
+        if ch.get("finish_reason"):
+            t.finish_reason = ch["finish_reason"]
+            t.last = now
+
+
+class Direct:
+    """Straight to an engine instance: the router routes, the bench consumes the instance's stream over Ray."""
+
+    def __init__(self, address: str, model: str) -> None:
+        import ray
+
+        from cluster.router import NAMESPACE, ROUTER_NAME
+
+        for k, v in local_cluster.RAY_ENV.items():
+            os.environ.setdefault(k, v)
+        os.environ.pop("RAY_ADDRESS", None)
+        ray.init(address=address, namespace=NAMESPACE, log_to_driver=False, logging_level="ERROR")
+        self.router = ray.get_actor(ROUTER_NAME, namespace=NAMESPACE)
+        self.model = model
+        self.route_s: list[float] = []
+
+    async def stream(self, ids: list[int], max_tokens: int) -> Trace:
+        from cluster.request import Request, SamplingParams
+
+        rid = f"bench-direct-{uuid.uuid4().hex}"
+        t = Trace(time.perf_counter())
+        _, handle = await self.router.route.remote(rid, 0, self.model, None)
+        self.route_s.append(time.perf_counter() - t.sent)
+        status = "aborted"
+        try:
+            request = Request(rid, tuple(ids), SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True),
+                              0, time.time())
+            async for ref in handle.generate.options(num_returns="streaming").remote(request):
+                item = await ref
+                now = time.perf_counter()
+                d = item.delta
+                t.tokens += len(d.token_ids)
+                if d.text:
+                    t.first = t.first or now
+                    t.last = now
+                    t.chunk_times.append(now)
+                if d.finished:
+                    t.finish_reason, t.error, t.done, t.last = d.finish_reason.value, d.error, True, now
+                    status = {"stop": "finished", "length": "finished", "abort": "aborted"}.get(t.finish_reason,
+                                                                                               "failed")
+                    break
+        finally:
+            await self.router.finish.remote(rid, status)
+        return t
+
+    def close(self) -> None:
+        import ray
+
+        ray.shutdown()
+
+
+# ---- phases ---------------------------------------------------------------------------------------------
+async def overhead(c: httpx.AsyncClient, direct: Direct, model: str, prompts: list[list[int]], n: int,
+                   max_tokens: int) -> dict:
+    """n request pairs, one at a time, alternating which path goes first: Serve HTTP minus direct, per request."""
+    pairs = []
+    for i in range(n):
+        ids = prompts[i % len(prompts)]
+        if i % 2 == 0:
+            d = await direct.stream(ids, max_tokens)
+            h = await http_stream(c, model, ids, max_tokens)
+        else:
+            h = await http_stream(c, model, ids, max_tokens)
+            d = await direct.stream(ids, max_tokens)
+        if not (d.ok and h.ok):
+            raise UsageError(f"overhead pair {i} failed: direct {d.error or d.finish_reason}, "
+                             f"HTTP {h.error or h.finish_reason}")
+        pairs.append((d, h))
+    e2e = [(h.last - h.sent) - (d.last - d.sent) for d, h in pairs]
+    ttft = [(h.first - h.sent) - (d.first - d.sent) for d, h in pairs if d.first and h.first]
+    return {"requests": n, "max_tokens": max_tokens,
+            "overhead_e2e_p50_ms": _ms(pct(e2e, 50)), "overhead_ttft_p50_ms": _ms(pct(ttft, 50)),
+            "overhead_e2e_p90_ms": _ms(pct(e2e, 90)),
+            "direct_e2e_p50_ms": _ms(pct([d.last - d.sent for d, _ in pairs], 50)),
+            "http_e2e_p50_ms": _ms(pct([h.last - h.sent for _, h in pairs], 50)),
+            "direct_ttft_p50_ms": _ms(pct([d.first - d.sent for d, _ in pairs if d.first], 50)),
+            "http_ttft_p50_ms": _ms(pct([h.first - h.sent for _, h in pairs if h.first], 50)),
+            "route_call_p50_ms": _ms(pct(direct.route_s, 50))}
+
+
+async def concurrency(c: httpx.AsyncClient, model: str, prompts: list[list[int]], n: int, max_tokens: int) -> dict:
+    """n streams started at once; each must end with a finish_reason and [DONE]."""
+    traces = await asyncio.gather(*(http_stream(c, model, prompts[i % len(prompts)], max_tokens) for i in range(n)))
+    rejected = [t for t in traces if t.status not in (None, 200)]
+    completed = [t for t in traces if t.ok]
+    return {"streams": n, "completed": len(completed), "rejected": len(rejected),
+            "lost": n - len(completed) - len(rejected),
+            "errors": sorted({t.error for t in traces if t.error})[:5],
+            "wall_s": round(max((t.last or t.sent) for t in traces) - min(t.sent for t in traces), 3)}
+
+
+async def poisson(c: httpx.AsyncClient, model: str, prompts: list[list[int]], rate: float, duration: float,
+                  max_tokens: int, rng: random.Random) -> dict:
+    """Arrivals at `rate` for `duration` s (at least one), each a random prompt; waits for every request."""
+    arrivals, at = [], 0.0
+    while (at := at + rng.expovariate(rate)) <= duration:
+        arrivals.append(at)
+    arrivals = arrivals or [0.0]
+    picks = [prompts[rng.randrange(len(prompts))] for _ in arrivals]
+    start = time.perf_counter()
+
+    async def one(at: float, ids: list[int]) -> Trace:
+        await asyncio.sleep(max(0.0, start + at - time.perf_counter()))
+        return await http_stream(c, model, ids, max_tokens)
+
+    traces = await asyncio.gather(*(one(a, p) for a, p in zip(arrivals, picks)))
+    return summarize(rate, traces)
+
+
+def summarize(rate: float, traces: list[Trace]) -> dict:
+    ok = [t for t in traces if t.ok]
+    e2e = [t.last - t.sent for t in ok]
+    ttft = [t.first - t.sent for t in ok if t.first]
+    itl = [b - a for t in ok for a, b in zip(t.chunk_times, t.chunk_times[1:])]
+    tpot = [(t.last - t.first) / (t.tokens - 1) for t in ok if t.first and t.tokens > 1]
+    span = (max(t.last for t in ok) - min(t.sent for t in traces)) if ok else float("nan")
+    tokens = sum(t.tokens for t in ok)
+    return {"rate": rate, "requests": len(traces), "completed": len(ok), "errors": len(traces) - len(ok),
+            "error_samples": sorted({t.error or str(t.finish_reason) for t in traces if not t.ok})[:3],
+            "tokens": tokens, "throughput_tok_s": round(tokens / span, 2) if ok else 0.0,
+            "throughput_req_s": round(len(ok) / span, 3) if ok else 0.0,
+            "ttft_p50_ms": _ms(pct(ttft, 50)), "ttft_p99_ms": _ms(pct(ttft, 99)),
+            "itl_p50_ms": _ms(pct(itl, 50)), "itl_p99_ms": _ms(pct(itl, 99)),
+            "tpot_mean_ms": _ms(sum(tpot) / len(tpot)) if tpot else None,
+            "e2e_p50_ms": _ms(pct(e2e, 50)), "e2e_p99_ms": _ms(pct(e2e, 99))}
+
+
+def pct(values: list[float], q: float) -> float | None:
+    """Nearest-rank percentile; None for no values."""
+    if not values:
+        return None
+    s = sorted(values)
+    return s[min(len(s) - 1, max(0, math.ceil(q / 100 * len(s)) - 1))]
+
+
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else round(seconds * 1e3, 2)
+
+
+# ---- the command ----------------------------------------------------------------------------------------
+def run(args: argparse.Namespace) -> int:
+    try:
+        rates = [float(r) for r in args.rates.split(",") if r.strip()]
+    except ValueError:
+        raise UsageError(f"--rates: expected numbers like 0.5,1,2, got {args.rates!r}") from None
+    if any(r <= 0 for r in rates) or args.duration <= 0 or args.max_tokens < 1 or args.max_prompt_tokens < 1:
+        raise UsageError("--rates must be > 0, --duration > 0, --max-tokens and --max-prompt-tokens >= 1")
+    if args.concurrency < 0 or args.overhead_requests < 0:
+        raise UsageError("--concurrency and --overhead-requests must be >= 0")
+    if args.plot and not rates:
+        raise UsageError("--plot needs at least one rate in --rates")
+    report = asyncio.run(_bench(args, rates))
+    _print(report)
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(report, indent=2))
+    if args.plot:
+        _plot(report, args.plot)
+    return 0
+
+
+async def _bench(args: argparse.Namespace, rates: list[float]) -> dict:
+    e = endpoint(args)
+    headers = {"Authorization": f"Bearer {e.api_key}"} if e.api_key else {}
+    limits = httpx.Limits(max_connections=max(100, args.concurrency + 10), max_keepalive_connections=100)
+    async with httpx.AsyncClient(base_url=e.url, headers=headers, timeout=args.timeout * 10, limits=limits) as c:
+        model, context = await _model(c, e.url, args.model)
+        prompts = _prompts(args, context)
+        warm = await http_stream(c, model, prompts[0], 4)
+        if not warm.ok:
+            raise UsageError(f"a first request to {e.url} failed: {warm.error or warm.finish_reason}")
+        report: dict = {"command": "specfleet bench serve", "url": e.url, "model": model, "dataset": args.dataset,
+                        "max_tokens": args.max_tokens, "prompts": len(prompts),
+                        "mean_prompt_tokens": round(sum(map(len, prompts)) / len(prompts), 1),
+                        "duration_s": args.duration, "cpu_count": os.cpu_count()}
+        if args.overhead_requests:
+            address = args.address or local_cluster.read_state(args.state).address
+            direct = Direct(address, model)
+            try:
+                await direct.stream(prompts[0], 4)  # warm-up of the direct path
+                report["overhead"] = await overhead(c, direct, model, prompts, args.overhead_requests,
+                                                    args.max_tokens)
+            finally:
+                direct.close()
+            print(f"overhead: {report['overhead']}", flush=True)
+        if args.concurrency:
+            report["concurrency"] = await concurrency(c, model, prompts, args.concurrency, args.max_tokens)
+            print(f"concurrency: {report['concurrency']}", flush=True)
+        rng = random.Random(args.seed)
+        report["runs"] = []
+        for rate in rates:
+            report["runs"].append(await poisson(c, model, prompts, rate, args.duration, args.max_tokens, rng))
+            print(f"rate {rate:g}/s: {report['runs'][-1]}", flush=True)
+    return report
+
+
+async def _model(c: httpx.AsyncClient, url: str, wanted: str | None) -> tuple[str, int]:
+    """The served model's name and context length, from /v1/models."""
+    try:
+        r = await c.get("/v1/models")
+    except httpx.ConnectError as e:
+        raise UsageError(f"the specfleet app is not reachable at {url} ({e}); "
+                         "start it with `specfleet serve`") from None
+    if r.status_code == 401:
+        raise UsageError("wrong API key: set --api-key or $SPECFLEET_API_KEYS or the config's api_keys_file")
+    r.raise_for_status()
+    models = {m["id"]: m.get("max_model_len") or 0 for m in r.json()["data"]}
+    if not models:
+        raise UsageError(f"{url} serves no model yet (no healthy instance)")
+    name = wanted or next(iter(models))
+    if name not in models:
+        raise UsageError(f"--model {name!r}: {url} serves {sorted(models)}")
+    return name, models[name]
+
+
+def _prompts(args: argparse.Namespace, context: int) -> list[list[int]]:
+    """The dataset's prompts as token ids (the served model's tokenizer, its chat template if any), cut to fit."""
+    from actors.model.loader import load_metadata
+    from cluster.config import load_config
+    from deploy.model_store import resolve_model
+
+    m = load_config(args.config).engine.model
+    tok = load_metadata(resolve_model(m.target), m.dtype).tokenizer
+    room = min(args.max_prompt_tokens, context - args.max_tokens - 1) if context else args.max_prompt_tokens
+    if room < 1:
+        raise UsageError(f"--max-tokens {args.max_tokens} leaves no room for a prompt in a {context}-token context")
+    out = []
+    for text in load_prompts([DATASET_FILES[args.dataset]]):
+        chat = [{"role": "user", "content": text}]
+        ids = (tok.apply_chat_template(chat, add_generation_prompt=True, tokenize=True, return_dict=False)
+               if tok.chat_template else tok.encode(text))
+        out.append(list(ids)[:room])
+    return out
+
+
+def _print(report: dict) -> None:
+    if o := report.get("overhead"):
+        print(f"\nServe HTTP vs direct to the engine, {o['requests']} requests one at a time: overhead p50 "
+              f"{o['overhead_e2e_p50_ms']} ms end to end, {o['overhead_ttft_p50_ms']} ms TTFT "
+              f"(direct e2e p50 {o['direct_e2e_p50_ms']} ms, HTTP {o['http_e2e_p50_ms']} ms)")
+    if c := report.get("concurrency"):
+        print(f"{c['streams']} concurrent streams: {c['completed']} completed with [DONE], {c['rejected']} rejected, "
+              f"{c['lost']} lost, in {c['wall_s']} s")
+    print(f"\n{'rate':>5}{'req':>5}{'ok':>5}{'err':>4}{'tok/s':>8}{'TTFT p50':>9}{'p99':>8}{'ITL p50':>8}{'p99':>8}"
+          f"{'E2E p50':>9}{'p99':>8}   (ms)")
+    for r in report["runs"]:
+        cells = [r[k] if r[k] is not None else float("nan") for k in
+                 ("ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms", "e2e_p50_ms", "e2e_p99_ms")]
+        print(f"{r['rate']:>5g}{r['requests']:>5}{r['completed']:>5}{r['errors']:>4}{r['throughput_tok_s']:>8.1f}"
+              f"{cells[0]:>9.0f}{cells[1]:>8.0f}{cells[2]:>8.0f}{cells[3]:>8.0f}{cells[4]:>9.0f}{cells[5]:>8.0f}")
+
+
+def _plot(report: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = report["runs"]
+    rates = [r["rate"] for r in runs]
+    fig, axes = plt.subplots(1, 3, figsize=(12, 3.6))
+    for key, label in (("e2e_p50_ms", "e2e p50"), ("e2e_p99_ms", "e2e p99")):
+        axes[0].plot(rates, [r[key] for r in runs], "o-", label=label)
+    for key, label in (("ttft_p50_ms", "TTFT p50"), ("ttft_p99_ms", "TTFT p99"), ("itl_p50_ms", "ITL p50")):
+        axes[1].plot(rates, [r[key] for r in runs], "o-", label=label)
+    axes[2].plot(rates, [r["throughput_tok_s"] for r in runs], "o-")
+    for ax, label in zip(axes, ("latency (ms)", "latency (ms)", "throughput (tokens/s)")):
+        ax.set_xlabel("request rate (1/s)")
+        ax.set_ylabel(label)
+    axes[0].legend()
+    axes[1].legend()
+    title = f"{report['model']} via Serve HTTP, {report['max_tokens']} tokens per request"
+    if o := report.get("overhead"):
+        title += f"; Serve overhead p50 {o['overhead_e2e_p50_ms']} ms"
+    fig.suptitle(title)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)

@@ -1,0 +1,132 @@
+"""The operator's CLI (status, instances, requests, abort, drain) and `bench serve` against the real served app.
+
+Commands whose exit status and output end to end matter run as `python -m deploy.cli` subprocesses; the quick
+admin calls (and the abort, which races a running request) call `deploy.cli.main` in this process.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from deploy.cli import main
+from tests.serve.conftest import MODEL, ServedApp, specfleet
+
+WRONG_KEY = "sk-definitely-wrong-4242"
+
+
+@pytest.fixture(autouse=True)
+def _no_key_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in ("SPECFLEET_ADMIN_KEYS", "SPECFLEET_API_KEYS"):
+        monkeypatch.delenv(name, raising=False)
+
+
+def cli(app: ServedApp, capsys: pytest.CaptureFixture, *args: str) -> tuple[int, str, str]:
+    """`specfleet ARGS --config <the app's config>` in this process: (exit status, stdout, stderr)."""
+    capsys.readouterr()
+    rc = main([*args, "--config", str(app.config_path)])
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def test_instances_and_requests(served_app: ServedApp, capsys: pytest.CaptureFixture) -> None:
+    rc, out, _ = cli(served_app, capsys, "instances", "--json")
+    assert rc == 0
+    rows = json.loads(out)["instances"]
+    assert len(rows) == 2 and all(r["healthy"] and not r["draining"] and r["model"] == MODEL for r in rows)
+    assert all(r["stats"] is not None and r["stats"]["kv_blocks_free"] > 0 for r in rows)
+
+    rc, out, _ = cli(served_app, capsys, "instances")
+    assert rc == 0 and all(r["instance_id"] in out for r in rows) and "KV USED" in out
+
+    with served_app.client() as c:
+        r = c.post("/v1/completions", json={"model": MODEL, "prompt": "hello", "max_tokens": 4})
+        assert r.status_code == 200, r.text
+    rc, out, _ = cli(served_app, capsys, "requests", "--status", "finished", "--json")
+    assert rc == 0
+    assert r.json()["id"] in {row["request_id"] for row in json.loads(out)["requests"]}
+
+
+def test_status(served_app: ServedApp) -> None:
+    out = specfleet("status", "--json", "--config", str(served_app.config_path), "--state", str(served_app.state_path))
+    assert out.returncode == 0, out.stdout + out.stderr
+    report = json.loads(out.stdout)
+    assert report["healthy"] and report["health"]["healthy_instances"] == 2 and len(report["instances"]) == 2
+    assert len(report["nodes"]) == 3 and all(n["alive"] for n in report["nodes"])
+    assert {"running", "waiting", "kv_blocks_used", "acceptance", "mean_k"} <= set(report["load"])
+
+
+def test_abort_a_running_request(served_app: ServedApp, capsys: pytest.CaptureFixture) -> None:
+    finish: list[str | None] = []
+
+    def stream() -> None:
+        body = {"model": MODEL, "prompt": "once upon a time", "max_tokens": 240, "ignore_eos": True, "stream": True}
+        reason = None
+        with served_app.client() as c, c.stream("POST", "/v1/completions", json=body) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    for choice in json.loads(line[6:]).get("choices", []):
+                        reason = choice["finish_reason"] or reason
+        finish.append(reason)
+
+    t = threading.Thread(target=stream)
+    t.start()
+    deadline = time.monotonic() + 30
+    running: list[dict] = []
+    while not running and not finish:
+        assert time.monotonic() < deadline, "the request never showed up as running"
+        rc, out, _ = cli(served_app, capsys, "requests", "--status", "running", "--json")
+        assert rc == 0
+        running = json.loads(out)["requests"]
+    assert running, f"the request finished ({finish}) before it could be aborted"
+    rc, out, err = cli(served_app, capsys, "abort", running[0]["request_id"])
+    assert rc == 0, err
+    t.join(timeout=30)
+    assert finish == ["abort"]
+    rc, out, err = cli(served_app, capsys, "abort", running[0]["request_id"])
+    assert rc == 2 and "no running request" in err
+
+
+def test_drain_and_undrain(served_app: ServedApp, capsys: pytest.CaptureFixture) -> None:
+    _, out, _ = cli(served_app, capsys, "instances", "--json")
+    victim = json.loads(out)["instances"][0]["instance_id"]
+    rc, out, err = cli(served_app, capsys, "drain", victim, "--json")
+    try:
+        assert rc == 0 and json.loads(out)["draining"], err
+        assert httpx.get(f"{served_app.url}/health").json()["healthy_instances"] == 1
+    finally:
+        rc, _, err = cli(served_app, capsys, "undrain", victim)
+    assert rc == 0, err
+    assert httpx.get(f"{served_app.url}/health").json()["healthy_instances"] == 2
+    rc, _, err = cli(served_app, capsys, "drain", "inst-nope")
+    assert rc == 2 and "inst-nope" in err
+
+
+def test_wrong_admin_key_and_unreachable_app(served_app: ServedApp, capsys: pytest.CaptureFixture) -> None:
+    out = specfleet("instances", "--config", str(served_app.config_path), "--admin-key", WRONG_KEY)
+    assert out.returncode == 2
+    assert "wrong admin key" in out.stderr and WRONG_KEY not in out.stdout + out.stderr
+    rc, out, err = cli(served_app, capsys, "requests", "--url", "http://127.0.0.1:9")
+    assert rc == 2 and "not reachable at http://127.0.0.1:9" in err and "specfleet serve" in err
+
+
+def test_bench_serve(served_app: ServedApp, tmp_path: Path) -> None:
+    report_path, plot = tmp_path / "bench.json", tmp_path / "bench.png"
+    out = specfleet("bench", "serve", "--config", str(served_app.config_path), "--state", str(served_app.state_path),
+                    "--rates", "4", "--duration", "2", "--max-tokens", "8", "--max-prompt-tokens", "64",
+                    "--overhead-requests", "4", "--concurrency", "10", "--json", str(report_path), "--plot", str(plot),
+                    timeout=120)
+    assert out.returncode == 0, out.stdout + out.stderr
+    report = json.loads(report_path.read_text())
+    assert report["model"] == MODEL and plot.stat().st_size > 0
+    assert report["concurrency"]["completed"] == 10 and report["concurrency"]["lost"] == 0
+    o = report["overhead"]
+    assert o["requests"] == 4 and isinstance(o["overhead_e2e_p50_ms"], float)
+    run = report["runs"][0]
+    assert run["rate"] == 4 and run["errors"] == 0 and run["completed"] == run["requests"] >= 1
+    assert {"ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "e2e_p50_ms", "e2e_p99_ms", "throughput_tok_s"} <= set(run)
