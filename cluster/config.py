@@ -131,7 +131,10 @@ class RouterConfig(_Frozen):
     instances: int = Field(default=1, ge=1)  # engine instances to start
     dispatch: Literal["least_load", "round_robin"] = "least_load"
     stats_interval_s: float = Field(default=0.5, gt=0.0)  # how often the router polls each instance
-    instance_num_cpus: float = Field(default=1.0, ge=0.0)  # CPUs each single-process instance reserves
+    instance_num_cpus: float = Field(default=1.0, ge=0.0)  # CPUs each instance's engine (and each shard) reserves
+    # 1: each instance is one process; N > 1: the target split over N stage actors (plus a draft actor),
+    # placed by the planner over the cluster's labelled nodes (placement/planner.py, actors/build.py)
+    pipeline_stages: int = Field(default=1, ge=1)
     # custom Ray resources each instance's engine actor needs, e.g. an accelerator kind of the inventory
     # (placement/inventory.py, ray_resources) to pin instances to a worker group
     instance_resources: dict[str, float] = {}

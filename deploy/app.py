@@ -56,7 +56,7 @@ class SpecfleetInstance:
         self.instance_id = f"inst-{uuid.uuid4().hex[:8]}"
         r = cfg.router
         self.server = InstanceServer.spawn(cfg.engine, self.instance_id, num_cpus=r.instance_num_cpus,
-                                           resources=dict(r.instance_resources))
+                                           stages=r.pipeline_stages, resources=dict(r.instance_resources))
         self.info = ray.get(self.server.info.remote(), timeout=900)  # models load here (a first fetch included)
         self.router = get_or_create_router(r)
         self._register()

@@ -143,3 +143,18 @@ def _describe(e: ValidationError, source: str, prefix: str = "") -> str:
         msg = "unknown key" if err["type"] == "extra_forbidden" else err["msg"]
         problems.append(f"{source}: {key}: {msg}")
     return "\n".join(problems)
+
+
+def inventory_from_labels(nodes: list[dict[str, str]]) -> Inventory:
+    """The inventory a running cluster declares: each node's `ray_labels` (nodes without them are skipped)."""
+    specs = []
+    for labels in nodes:
+        if f"{LABEL_PREFIX}node" not in labels:
+            continue
+        specs.append(NodeSpec(name=labels[f"{LABEL_PREFIX}node"], accelerator=labels[f"{LABEL_PREFIX}accelerator"],
+                              count=int(labels[f"{LABEL_PREFIX}count"]),
+                              memory_gb=float(labels[f"{LABEL_PREFIX}memory-gb"]),
+                              speed=float(labels[f"{LABEL_PREFIX}speed"])))
+    if not specs:
+        raise ConfigError("no node of this cluster carries specfleet labels (start it with `specfleet cluster up`)")
+    return Inventory(nodes=sorted(specs, key=lambda s: s.name))

@@ -104,3 +104,13 @@ def test_ray_labels_and_resources_follow_the_naming_contract() -> None:
 def test_inventory_round_trips_through_a_dump() -> None:
     inventory = load_inventory(FLEET)
     assert Inventory.model_validate(inventory.model_dump()) == inventory
+
+
+def test_the_inventory_read_back_from_node_labels_equals_the_declared_one() -> None:
+    from placement.inventory import inventory_from_labels
+
+    declared = load_inventory(Path(__file__).resolve().parents[2] / "deploy" / "configs" / "fleet.yaml")
+    labels = [ray_labels(n) for n in reversed(declared.nodes)] + [{"ray.io/node-id": "x"}]  # an unlabelled node
+    assert inventory_from_labels(labels).nodes == sorted(declared.nodes, key=lambda n: n.name)
+    with pytest.raises(ConfigError, match="specfleet labels"):
+        inventory_from_labels([{}])
