@@ -9,7 +9,6 @@ TTFT to the first token; TPOT is (last - first token time) / (tokens - 1) per re
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import random
 import time
@@ -26,6 +25,7 @@ from actors.model.runner import ModelRunner
 from cluster.config import CacheConfig, SchedulerConfig, SpeculationConfig
 from cluster.request import Request, SamplingParams
 from deploy.bench.spec import DATASETS, load_prompts
+from deploy.bench.output import save
 from deploy.flags import UsageError
 from deploy.model_store import resolve_model
 
@@ -199,11 +199,7 @@ def run(args: argparse.Namespace) -> int:
             for name, model in (("target_forward_s", cost.target), ("draft_forward_s", cost.draft))
         }
     _print_table(report)
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(report, indent=2))
-    if args.plot:
-        _plot(report, args.plot)
+    save(report, args.json, args.plot, _plot)
     return 0
 
 

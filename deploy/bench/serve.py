@@ -29,6 +29,7 @@ import httpx
 from deploy import local_cluster
 from deploy.admin_cmd import add_endpoint_flags, endpoint
 from deploy.bench.spec import DATASETS, load_prompts
+from deploy.bench.output import save
 from deploy.flags import UsageError
 
 DATASET_FILES = {"mtbench": DATASETS / "mt_bench_questions.jsonl", "humaneval": DATASETS / "HumanEval.jsonl.gz"}
@@ -267,11 +268,7 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError("--plot needs at least one rate in --rates")
     report = asyncio.run(_bench(args, rates))
     _print(report)
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(report, indent=2))
-    if args.plot:
-        _plot(report, args.plot)
+    save(report, args.json, args.plot, _plot)
     return 0
 
 

@@ -23,6 +23,7 @@ from actors.model.quant import quantize_runner_int8
 from actors.model.runner import ModelRunner
 from cluster.config import CacheConfig, SpeculationConfig
 from cluster.request import SamplingParams, SpecStats
+from deploy.bench.output import save
 from deploy.flags import UsageError
 from deploy.model_store import resolve_model
 
@@ -167,11 +168,7 @@ def run(args: argparse.Namespace) -> int:
 
     report = _report(args, results)
     _print_table(report)
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(report, indent=2))
-    if args.plot:
-        _plot(report, args.plot)
+    save(report, args.json, args.plot, _plot)
     return 0
 
 
