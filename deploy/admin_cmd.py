@@ -127,6 +127,10 @@ def add_drain(p: argparse.ArgumentParser, undo: bool = False) -> None:
     p.set_defaults(run=_guard(run_undrain if undo else run_drain))
 
 
+def add_undrain(p: argparse.ArgumentParser) -> None:
+    add_drain(p, undo=True)
+
+
 def add_models(p: argparse.ArgumentParser) -> None:
     actions = p.add_subparsers(dest="action", required=True, metavar="ACTION")
     ls = actions.add_parser("list", help="the model catalog and what is already downloaded")

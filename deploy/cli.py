@@ -1,74 +1,90 @@
-"""The `specfleet` command line: a thin layer that parses flags and hands them to one command module each."""
+"""The `specfleet` command line: a thin layer that parses flags and hands them to one command module each.
+
+Only the module of the command being run is imported (the engine's pull in torch and transformers, seconds
+of start-up that `specfleet status` should not pay); `specfleet --help` imports none.
+"""
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 
 from pydantic import ValidationError
 
-from actors.engine import RequestError
-from actors.model.loader import ModelLoadError
 from cluster.config import ConfigError
-from deploy import admin_cmd, cluster_cmd, generate, k8s_cmd, serve_cmd
-from deploy.bench import load as bench_load
-from deploy.bench import pipeline as bench_pipeline
-from deploy.bench import serve as bench_serve
-from deploy.bench import spec as bench_spec
 from deploy.flags import UsageError
 from deploy.model_store import ModelFetchError
 
-# Errors a user can fix from the message alone: printed without a traceback, exit status 2.
-USER_ERRORS = (ConfigError, ModelLoadError, ModelFetchError, RequestError, UsageError, ValidationError, OSError)
+# (command words, help, module, the module's function that adds the command's flags and sets `run`
+# (or the module's `run` is used))
+COMMANDS: list[tuple[tuple[str, ...], str, str, str]] = [
+    (("generate",), "generate offline in one process", "deploy.generate", "add_arguments"),
+    (("bench", "spec"), "speculative decoding vs plain decoding vs transformers' assisted generation",
+     "deploy.bench.spec", "add_arguments"),
+    (("bench", "load"), "Poisson load at several rates for each speculation policy (off, fixed, goodput)",
+     "deploy.bench.load", "add_arguments"),
+    (("bench", "pipeline"), "one process vs the target split over 2, 3... stages on the local cluster",
+     "deploy.bench.pipeline", "add_arguments"),
+    (("bench", "serve"), "load through the served app over HTTP: latency, router overhead, concurrency",
+     "deploy.bench.serve", "add_arguments"),
+    (("serve",), "deploy the Serve application (HTTP + gRPC) onto a running cluster", "deploy.serve_cmd",
+     "add_arguments"),
+    (("cluster",), "a local multi-node Ray cluster on this machine: up, status, down", "deploy.cluster_cmd",
+     "add_arguments"),
+    (("k8s",), "Kubernetes (KubeRay) manifests: render", "deploy.k8s_cmd", "add_arguments"),
+    (("status",), "the app's health, nodes, instances, load, acceptance", "deploy.admin_cmd", "add_status"),
+    (("instances",), "the engine instances and their load", "deploy.admin_cmd", "add_instances"),
+    (("requests",), "the router's request table", "deploy.admin_cmd", "add_requests"),
+    (("abort",), "abort a running request", "deploy.admin_cmd", "add_abort"),
+    (("drain",), "stop sending new requests to an instance", "deploy.admin_cmd", "add_drain"),
+    (("undrain",), "let a drained instance take requests again", "deploy.admin_cmd", "add_undrain"),
+    (("models",), "the model catalog: list, fetch", "deploy.admin_cmd", "add_models"),
+]
+GROUPS = {"bench": "benchmarks"}
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
+    """The parser; only the commands `argv` names get their flags (and their modules imported). None: all."""
+    words = []
+    for token in argv if argv is not None else []:
+        if token.startswith("-"):
+            break
+        words.append(token)
     parser = argparse.ArgumentParser(prog="specfleet", description="Serve LLMs with lossless speculative decoding.")
-    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-
-    p = commands.add_parser("generate", help="generate offline in one process")
-    generate.add_arguments(p)
-    p.set_defaults(run=generate.run)
-
-    bench = commands.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True, metavar="BENCH")
-    p = bench.add_parser("spec", help="speculative decoding vs plain decoding vs transformers' assisted generation")
-    bench_spec.add_arguments(p)
-    p.set_defaults(run=bench_spec.run)
-    p = bench.add_parser("load", help="Poisson load at several rates for each speculation policy (off, fixed, goodput)")
-    bench_load.add_arguments(p)
-    p.set_defaults(run=bench_load.run)
-    p = bench.add_parser("pipeline", help="one process vs the target split over 2, 3... stages on the local cluster")
-    bench_pipeline.add_arguments(p)
-    p.set_defaults(run=bench_pipeline.run)
-    p = bench.add_parser("serve", help="load through the served app over HTTP: latency, router overhead, concurrency")
-    bench_serve.add_arguments(p)
-
-    p = commands.add_parser("serve", help="deploy the Serve application (HTTP + gRPC) onto a running cluster")
-    serve_cmd.add_arguments(p)
-
-    p = commands.add_parser("cluster", help="a local multi-node Ray cluster on this machine: up, status, down")
-    cluster_cmd.add_arguments(p)  # each action sets its own `run`
-
-    p = commands.add_parser("k8s", help="Kubernetes (KubeRay) manifests: render")
-    k8s_cmd.add_arguments(p)  # each action sets its own `run`
-
-    # the operator's commands over the served app (deploy/admin_cmd.py); each sets its own `run`
-    admin_cmd.add_status(commands.add_parser("status", help="the app's health, nodes, instances, load, acceptance"))
-    admin_cmd.add_instances(commands.add_parser("instances", help="the engine instances and their load"))
-    admin_cmd.add_requests(commands.add_parser("requests", help="the router's request table"))
-    admin_cmd.add_abort(commands.add_parser("abort", help="abort a running request"))
-    admin_cmd.add_drain(commands.add_parser("drain", help="stop sending new requests to an instance"))
-    admin_cmd.add_drain(commands.add_parser("undrain", help="let a drained instance take requests again"), undo=True)
-    admin_cmd.add_models(commands.add_parser("models", help="the model catalog: list, fetch"))
+    top = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    groups: dict[str, argparse._SubParsersAction] = {}
+    for path, help_, module, adder in COMMANDS:
+        subs = top
+        if len(path) == 2:
+            if path[0] not in groups:
+                group = top.add_parser(path[0], help=GROUPS[path[0]])
+                groups[path[0]] = group.add_subparsers(dest=path[0], required=True, metavar=path[0].upper())
+            subs = groups[path[0]]
+        p = subs.add_parser(path[-1], help=help_)
+        if argv is None or tuple(words[:len(path)]) == path:
+            mod = importlib.import_module(module)
+            getattr(mod, adder)(p)
+            if p.get_default("run") is None and hasattr(mod, "run"):  # groups (cluster, k8s...) set it per action
+                p.set_defaults(run=mod.run)
     return parser
 
 
+def user_errors() -> tuple[type[BaseException], ...]:
+    """Errors a user can fix from the message alone: printed without a traceback, exit status 2."""
+    errors: list[type[BaseException]] = [ConfigError, ModelFetchError, UsageError, ValidationError, OSError]
+    for module, name in (("actors.engine", "RequestError"), ("actors.model.loader", "ModelLoadError")):
+        if module in sys.modules:  # not imported: the command cannot have raised it
+            errors.append(getattr(sys.modules[module], name))
+    return tuple(errors)
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    args = build_parser(argv).parse_args(argv)
     try:
         return args.run(args)
-    except USER_ERRORS as e:
+    except user_errors() as e:
         print(f"specfleet: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
