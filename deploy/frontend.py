@@ -162,6 +162,7 @@ class Call:
         self.f, self.prep, self.ids, self.routed = frontend, prep, ids, routed
         self.instance_ids = [i for i, _ in routed]
         self._open = set(range(len(ids)))
+        self._tasks: list[asyncio.Task] = []
 
     async def _one(self, index: int, out: asyncio.Queue) -> None:
         rid, (_, handle) = self.ids[index], self.routed[index]
@@ -180,7 +181,7 @@ class Call:
 
     async def __aiter__(self) -> AsyncIterator[tuple[int, StreamItem]]:
         out: asyncio.Queue = asyncio.Queue()
-        tasks = [asyncio.get_running_loop().create_task(self._one(i, out)) for i in range(len(self.ids))]
+        self._tasks = [asyncio.get_running_loop().create_task(self._one(i, out)) for i in range(len(self.ids))]
         timer = _Timer(self.f.metrics, self.prep.arrival)
         try:
             while self._open:
@@ -191,12 +192,17 @@ class Call:
                     self._finished(index, item)
                 yield index, item
         finally:
-            for t in tasks:
-                t.cancel()
-            if self._open:  # left early: abort what still runs, free its KV
-                still = sorted(self._open)
-                self.f._release([self.ids[i] for i in still], [self.routed[i] for i in still], "aborted", abort=True)
-                self._open.clear()
+            self.close()
+
+    def close(self) -> None:
+        """Abort whatever still runs and free its KV (idempotent). Transports call it when their client goes
+        away: an abandoned async generator is only finalized whenever the garbage collector gets to it."""
+        for t in self._tasks:
+            t.cancel()
+        if self._open:
+            still = sorted(self._open)
+            self.f._release([self.ids[i] for i in still], [self.routed[i] for i in still], "aborted", abort=True)
+            self._open.clear()
 
     def _finished(self, index: int, item: StreamItem) -> None:
         reason = item.delta.finish_reason

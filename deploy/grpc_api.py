@@ -95,19 +95,22 @@ class GrpcMethods:
             self._fail(grpc_context, e)
             raise
         rid, completion = call.prep.request_id, 0
-        async for _, item in call:
-            d = item.delta
-            completion += len(d.token_ids)
-            if d.finish_reason == FinishReason.ERROR:
-                e = APIError(503, d.error or "the request failed")
-                self._fail(grpc_context, e)
-                raise e
-            chunk = pb.GenerateChunk(id=rid, text=d.text, token_ids=d.token_ids)
-            if d.finished:
-                chunk.finish_reason = d.finish_reason.value
-                chunk.usage.CopyFrom(_usage(len(call.prep.prompt_ids), completion))
-                chunk.spec_decode.CopyFrom(_spec(item.stats or SpecStats()))
-            yield chunk
+        try:
+            async for _, item in call:
+                d = item.delta
+                completion += len(d.token_ids)
+                if d.finish_reason == FinishReason.ERROR:
+                    e = APIError(503, d.error or "the request failed")
+                    self._fail(grpc_context, e)
+                    raise e
+                chunk = pb.GenerateChunk(id=rid, text=d.text, token_ids=d.token_ids)
+                if d.finished:
+                    chunk.finish_reason = d.finish_reason.value
+                    chunk.usage.CopyFrom(_usage(len(call.prep.prompt_ids), completion))
+                    chunk.spec_decode.CopyFrom(_spec(item.stats or SpecStats()))
+                yield chunk
+        finally:  # a client that cancels: abort at once rather than when the generator is collected
+            call.close()
 
     async def ListModels(self, request: pb.ListModelsRequest, grpc_context) -> pb.ListModelsResponse:  # noqa: N802
         try:

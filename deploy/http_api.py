@@ -59,6 +59,17 @@ async def _body(request: Request, model: type) -> object:
         raise from_validation_error(e) from None
 
 
+class ClosingStreamingResponse(StreamingResponse):
+    """A stream that closes its body generator however the response ends (a client that disconnects makes
+    Starlette raise out of its loop and leave the generator suspended), so the request is aborted at once."""
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.body_iterator.aclose()
+
+
 def _sse(obj: dict | str) -> str:
     return f"data: {obj if isinstance(obj, str) else json.dumps(obj)}\n\n"
 
@@ -113,7 +124,8 @@ class HttpRoutes:
     async def _respond(self, call: Call, body, chat: bool, prefix: str = "") -> Response:
         rid, model, p = call.prep.request_id, self.frontend.model_name, len(call.prep.prompt_ids)
         if body.stream:
-            return StreamingResponse(self._stream(call, chat, body.include_usage, prefix), media_type="text/event-stream")
+            return ClosingStreamingResponse(self._stream(call, chat, body.include_usage, prefix),
+                                            media_type="text/event-stream")
         choices = await call.collect()
         errors = [c.error for c in choices if c.error]
         if errors and all(c.finish_reason is not None and c.finish_reason.value == "error" for c in choices):
@@ -128,6 +140,13 @@ class HttpRoutes:
                                             total, chat))
 
     async def _stream(self, call: Call, chat: bool, include_usage: bool, prefix: str) -> AsyncIterator[str]:
+        try:
+            async for event in self._events(call, chat, include_usage, prefix):
+                yield event
+        finally:
+            call.close()
+
+    async def _events(self, call: Call, chat: bool, include_usage: bool, prefix: str) -> AsyncIterator[str]:
         rid, model, created = call.prep.request_id, self.frontend.model_name, int(time.time())
         started: set[int] = set()
         completion_tokens, total = 0, SpecStats()

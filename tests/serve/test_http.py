@@ -199,15 +199,18 @@ def test_v1_needs_an_api_key_and_admin_needs_the_admin_key(served_app: ServedApp
         assert len(c.get("/admin/instances").json()["instances"]) == 2
 
 
-def test_a_client_that_disconnects_aborts_its_request_and_frees_its_kv(served_app: ServedApp) -> None:
-    body = {"model": MODEL, "prompt": "tell me a long story", "max_tokens": 200, "temperature": 0,
+@pytest.mark.parametrize("chunks", [1, 3, 6])
+def test_a_client_that_disconnects_aborts_its_request_and_frees_its_kv(served_app: ServedApp, chunks: int) -> None:
+    body = {"model": MODEL, "prompt": "tell me a long story", "max_tokens": 240, "temperature": 0,
             "ignore_eos": True, "stream": True}
     with served_app.client() as c:
         with c.stream("POST", "/v1/completions", json=body) as r:
-            first = next(line for line in r.iter_lines() if line.startswith("data: "))
-            rid = json.loads(first[len("data: "):])["id"]
-        # the stream is closed after one chunk
-    deadline = time.monotonic() + 30
+            lines = (line for line in r.iter_lines() if line.startswith("data: "))
+            rid = json.loads(next(lines)[len("data: "):])["id"]
+            for _ in range(chunks - 1):
+                next(lines)
+        # the stream is closed after `chunks` chunks, long before its 240 tokens
+    deadline = time.monotonic() + 15
     with served_app.client(ADMIN_KEY) as c:
         while True:
             rows = {row["request_id"]: row for row in c.get("/admin/requests").json()["requests"]}
