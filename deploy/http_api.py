@@ -7,6 +7,7 @@ Streams are server-sent events ending with `data: [DONE]`.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import time
@@ -60,14 +61,30 @@ async def _body(request: Request, model: type) -> object:
 
 
 class ClosingStreamingResponse(StreamingResponse):
-    """A stream that closes its body generator however the response ends (a client that disconnects makes
-    Starlette raise out of its loop and leave the generator suspended), so the request is aborted at once."""
+    """A stream that watches for the client's disconnect and closes its body generator however it ends.
+
+    Starlette (for ASGI 2.4 servers, as Serve's replica declares) only notices a disconnect when a send fails,
+    and Serve's sends go to a queue that never fails; and an abandoned generator is only finalized when the
+    garbage collector gets to it. So the request would run on. Here `http.disconnect` from `receive`
+    (which Serve delivers) stops the stream, and the generator's `finally` aborts the request at once.
+    """
 
     async def __call__(self, scope, receive, send) -> None:
+        async def disconnected() -> None:
+            while (await receive())["type"] != "http.disconnect":
+                pass
+
+        stream = asyncio.ensure_future(self.stream_response(send))
+        watcher = asyncio.ensure_future(disconnected())
         try:
-            await super().__call__(scope, receive, send)
+            await asyncio.wait({stream, watcher}, return_when=asyncio.FIRST_COMPLETED)
         finally:
+            for task in (stream, watcher):
+                task.cancel()
+            await asyncio.gather(stream, watcher, return_exceptions=True)
             await self.body_iterator.aclose()
+        if not stream.cancelled() and stream.exception() is not None and not watcher.done():
+            raise stream.exception()
 
 
 def _sse(obj: dict | str) -> str:
