@@ -60,13 +60,18 @@ async def _body(request: Request, model: type) -> object:
         raise from_validation_error(e) from None
 
 
+SEND_TIMEOUT_S = 20.0  # a stream chunk not taken by the proxy for this long: the client is gone
+
+
 class ClosingStreamingResponse(StreamingResponse):
     """A stream that watches for the client's disconnect and closes its body generator however it ends.
 
     Starlette (for ASGI 2.4 servers, as Serve's replica declares) only notices a disconnect when a send fails,
     and Serve's sends go to a queue that never fails; and an abandoned generator is only finalized when the
     garbage collector gets to it. So the request would run on. Here `http.disconnect` from `receive`
-    (which Serve delivers) stops the stream, and the generator's `finally` aborts the request at once.
+    (which Serve delivers) stops the stream, and the generator's `finally` aborts the request at once. Under
+    load the proxy has also been seen to stop taking chunks with neither a disconnect nor a cancellation: a
+    send blocked for SEND_TIMEOUT_S counts as a disconnect too.
     """
 
     async def __call__(self, scope, receive, send) -> None:
@@ -74,7 +79,10 @@ class ClosingStreamingResponse(StreamingResponse):
             while (await receive())["type"] != "http.disconnect":
                 pass
 
-        stream = asyncio.ensure_future(self.stream_response(send))
+        async def bounded_send(message) -> None:  # a send that cannot finish: nobody reads the stream any more
+            await asyncio.wait_for(send(message), SEND_TIMEOUT_S)
+
+        stream = asyncio.ensure_future(self.stream_response(bounded_send))
         watcher = asyncio.ensure_future(disconnected())
         try:
             await asyncio.wait({stream, watcher}, return_when=asyncio.FIRST_COMPLETED)
@@ -83,8 +91,9 @@ class ClosingStreamingResponse(StreamingResponse):
                 task.cancel()
             await asyncio.gather(stream, watcher, return_exceptions=True)
             await self.body_iterator.aclose()
-        if not stream.cancelled() and stream.exception() is not None and not watcher.done():
-            raise stream.exception()
+        error = None if stream.cancelled() else stream.exception()
+        if error is not None and not watcher.done() and not isinstance(error, TimeoutError):
+            raise error
 
 
 def _sse(obj: dict | str) -> str:
