@@ -111,8 +111,9 @@ class InstanceServer:
         return self.engine.stats()
 
     async def health(self) -> HealthReport:
-        if self.instance is not None and not self.instance.health().healthy:
-            return HealthReport(False, self.instance.health().error)
+        shards = self.instance.health() if self.instance is not None else None
+        if shards is not None and not shards.healthy:
+            return HealthReport(False, shards.error)
         if self.loop.alive:
             return HealthReport(True, None)
         return HealthReport(False, f"engine loop stopped: {self.loop.error!r}")

@@ -12,7 +12,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
@@ -108,14 +108,18 @@ class ServingLoop:
         self._fail_inbox()
         self._end_all(FinishReason.ABORT, "the instance is shutting down")
 
-    def _apply_inbox(self) -> None:
+    def _take_inbox(self) -> Iterator[tuple[str, object, Future]]:
+        """Everything posted so far whose caller still waits (a cancelled future is dropped)."""
         while True:
             try:
                 op, arg, fut = self._inbox.get_nowait()
             except queue.Empty:
                 return
-            if not fut.set_running_or_notify_cancel():
-                continue
+            if fut.set_running_or_notify_cancel():
+                yield op, arg, fut
+
+    def _apply_inbox(self) -> None:
+        for op, arg, fut in self._take_inbox():
             try:
                 fut.set_result(self._apply(op, arg))
             except Exception as e:  # noqa: BLE001 - handed to the caller through its future
@@ -168,10 +172,5 @@ class ServingLoop:
         self._tracked.clear()
 
     def _fail_inbox(self) -> None:
-        while True:
-            try:
-                _, _, fut = self._inbox.get_nowait()
-            except queue.Empty:
-                return
-            if fut.set_running_or_notify_cancel():
-                fut.set_exception(RuntimeError("the engine loop has stopped"))
+        for _, _, fut in self._take_inbox():
+            fut.set_exception(RuntimeError("the engine loop has stopped"))

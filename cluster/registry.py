@@ -40,13 +40,18 @@ class InstanceEntry:
     in_flight: set[str] = field(default_factory=set)
     last_seen: float = 0.0
 
+    @property
+    def accepting(self) -> bool:
+        """Whether dispatch may send it new requests."""
+        return self.healthy and not self.draining
+
     def view(self) -> InstanceView:
         return InstanceView(self.instance_id, self.stats, len(self.in_flight), self.draining)
 
     def as_dict(self) -> dict:
         return {
             "instance_id": self.instance_id, "model": self.model, "node": self.node, "healthy": self.healthy,
-            "error": self.error, "draining": self.draining, "in_flight": len(self.in_flight),
+            "error": self.error, "draining": self.draining, "accepting": self.accepting, "in_flight": len(self.in_flight),
             "stats": self.stats.as_dict() if self.stats else None,
             "age_s": round(time.time() - self.registered_at, 3),
         }
@@ -121,7 +126,7 @@ class Registry:
         if request_id in self.requests and self.requests[request_id].status == RequestStatus.RUNNING:
             raise ValueError(f"request id {request_id!r} is already running")
         views = [e.view() for e in self.instances.values()
-                 if e.healthy and not e.draining and (model is None or e.model == model)]
+                 if e.accepting and (model is None or e.model == model)]
         if not views:
             raise NoInstanceAvailable(self._why_none(model))
         instance_id = self.policy.choose(views)

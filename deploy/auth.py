@@ -16,9 +16,10 @@ from cluster.config import AuthConfig
 class KeySet:
     """A set of accepted keys; `check` compares in constant time against each."""
 
-    def __init__(self, keys: set[str], source: str) -> None:
+    def __init__(self, keys: set[str], source: str, required: bool = True) -> None:
         self._keys = tuple(sorted(k for k in keys if k))
         self.source = source  # where the keys came from, for messages
+        self.required = required  # an empty set refuses everything, unless keys are not required
 
     @classmethod
     def load(cls, cfg: AuthConfig, admin: bool = False) -> "KeySet":
@@ -32,13 +33,16 @@ class KeySet:
                 keys |= {line.strip() for line in Path(file).expanduser().read_text().splitlines() if line.strip()}
             except OSError as e:
                 raise ValueError(f"cannot read the {'admin' if admin else 'API'} key file {file}: {e.strerror}") from None
-        return cls(keys, f"config, ${env}" + (f", {file}" if file else ""))
+        return cls(keys, f"config, ${env}" + (f", {file}" if file else ""), cfg.required)
 
     def __len__(self) -> int:
         return len(self._keys)
 
     def check(self, authorization: str | None) -> bool:
-        """Whether an `Authorization: Bearer KEY` header (or gRPC metadata value) carries an accepted key."""
+        """Whether an `Authorization: Bearer KEY` header (or gRPC metadata value) carries an accepted key; with
+        no keys at all and `required` off, anything passes."""
+        if not self._keys and not self.required:
+            return True
         if not authorization or not authorization.startswith("Bearer "):
             return False
         given = authorization[len("Bearer "):].strip().encode()

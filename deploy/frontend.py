@@ -51,10 +51,12 @@ class Choice:
     finish_reason: FinishReason | None = None
     error: str | None = None
     stats: SpecStats = field(default_factory=SpecStats)
+    rejected: bool = False  # the engine refused the request (see StreamItem.rejected)
 
     def add(self, item: StreamItem) -> None:
         self.text += item.delta.text
         self.token_ids.extend(item.delta.token_ids)
+        self.rejected |= item.rejected
         if item.delta.finished:
             self.finish_reason, self.error = item.delta.finish_reason, item.delta.error
             self.stats = item.stats or self.stats
@@ -160,7 +162,6 @@ class Call:
 
     def __init__(self, frontend: Frontend, prep: Prepared, ids: list[str], routed: list[tuple[str, ActorHandle]]):
         self.f, self.prep, self.ids, self.routed = frontend, prep, ids, routed
-        self.instance_ids = [i for i, _ in routed]
         self._open = set(range(len(ids)))
         self._tasks: list[asyncio.Task] = []
 
@@ -207,8 +208,7 @@ class Call:
     def _finished(self, index: int, item: StreamItem) -> None:
         reason = item.delta.finish_reason
         self.f.router.finish.remote(self.ids[index], _ROUTER_STATUS[reason])
-        self.f.metrics.finished(reason.value, len(self.prep.prompt_ids) if index == 0 else 0,
-                                0, item.stats)
+        self.f.metrics.finished(reason.value, len(self.prep.prompt_ids) if index == 0 else 0, item.stats)
 
     async def collect(self) -> list[Choice]:
         choices = [Choice(i) for i in range(len(self.ids))]

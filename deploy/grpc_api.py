@@ -34,8 +34,6 @@ class GrpcMethods:
     """Mixed into the Serve ingress class (deploy/app.py), beside the HTTP routes."""
 
     def _grpc_auth(self, grpc_context) -> None:
-        if len(self.api_keys) == 0 and not self.cfg.serve.auth.required:
-            return
         metadata = dict(grpc_context.invocation_metadata())
         if not self.api_keys.check(metadata.get("authorization")):
             raise APIError(401, "missing or invalid API key: send metadata `authorization: Bearer <key>`")
@@ -123,7 +121,7 @@ class GrpcMethods:
 
     async def Health(self, request: pb.HealthRequest, grpc_context) -> pb.HealthResponse:  # noqa: N802
         instances = await self.router.instances.remote()
-        healthy = sum(1 for i in instances if i["healthy"] and not i["draining"])
+        healthy = sum(i["accepting"] for i in instances)
         if not healthy:
             grpc_context.set_code(grpc.StatusCode.UNAVAILABLE)
             grpc_context.set_details("no healthy instance")

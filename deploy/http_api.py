@@ -18,7 +18,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from cluster.request import SpecStats
+from cluster.request import FinishReason, SpecStats
 from deploy.frontend import Call
 from deploy.metrics import CONTENT_TYPE
 from deploy.openai_api import (APIError, ChatCompletionRequest, CompletionRequest, choice, chunk_body,
@@ -106,8 +106,6 @@ class HttpRoutes:
 
     def _auth(self, request: Request, admin: bool = False) -> None:
         keys = self.admin_keys if admin else self.api_keys
-        if len(keys) == 0 and not self.cfg.serve.auth.required:
-            return
         if not keys.check(request.headers.get("authorization")):
             what = "admin key" if admin else "API key"
             raise APIError(401, f"missing or invalid {what}: send `Authorization: Bearer <key>`",
@@ -124,9 +122,7 @@ class HttpRoutes:
         f = self.frontend
         f.check_model(body.model)
         ids = f.encode_prompt(body.prompt)
-        prep = f.prepare(ids, max_tokens=body.max_tokens, temperature=body.temperature, top_p=body.top_p,
-                         top_k=body.top_k, seed=body.seed, stop=body.stop_list, n=body.n, priority=body.priority,
-                         ignore_eos=body.ignore_eos)
+        prep = f.prepare(ids, max_tokens=body.max_tokens, **body.sampling_args())
         call = await f.start(prep)
         prefix = body.prompt if body.echo and isinstance(body.prompt, str) else ""
         return await self._respond(call, body, chat=False, prefix=prefix)
@@ -141,9 +137,8 @@ class HttpRoutes:
         except ValueError as e:
             raise APIError(400, str(e), param="messages") from None
         ids = f.encode_chat(messages)
-        prep = f.prepare(ids, max_tokens=body.token_limit, temperature=body.temperature, top_p=body.top_p,
-                         top_k=body.top_k, seed=body.seed, stop=body.stop_list, n=body.n, priority=body.priority,
-                         ignore_eos=body.ignore_eos, prompt_param="messages", prefix="chatcmpl")
+        prep = f.prepare(ids, max_tokens=body.token_limit, **body.sampling_args(), prompt_param="messages",
+                         prefix="chatcmpl")
         call = await f.start(prep)
         return await self._respond(call, body, chat=True)
 
@@ -153,10 +148,11 @@ class HttpRoutes:
             return ClosingStreamingResponse(self._stream(call, chat, body.include_usage, prefix),
                                             media_type="text/event-stream")
         choices = await call.collect()
-        errors = [c.error for c in choices if c.error]
-        if errors and all(c.finish_reason is not None and c.finish_reason.value == "error" for c in choices):
-            raise APIError(503 if "instance" in errors[0] else 400, errors[0],
-                           type_="service_unavailable" if "instance" in errors[0] else "invalid_request_error")
+        if all(c.finish_reason == FinishReason.ERROR for c in choices):
+            first = choices[0]
+            if first.rejected:  # the engine refused it: the client's error
+                raise APIError(400, first.error or "the request was refused")
+            raise APIError(503, first.error or "the request failed", type_="service_unavailable")
         total = SpecStats()
         for c in choices:
             total.merge(c.stats)
@@ -201,7 +197,7 @@ class HttpRoutes:
     # ---- health and metrics ---------------------------------------------------------------------------
     async def _health(self) -> JSONResponse:
         instances = await self.router.instances.remote()
-        healthy = sum(1 for i in instances if i["healthy"] and not i["draining"])
+        healthy = sum(i["accepting"] for i in instances)
         return JSONResponse({"status": "ok" if healthy else "unavailable", "healthy_instances": healthy},
                             status_code=200 if healthy else 503)
 

@@ -50,11 +50,11 @@ class Metrics:
         self.healthy_instances = Gauge("specfleet:healthy_instances", "Instances the router dispatches to", m,
                                        registry=r)
 
-    def finished(self, reason: str, prompt_tokens: int, completion_tokens: int, stats: SpecStats | None) -> None:
+    def finished(self, reason: str, prompt_tokens: int, stats: SpecStats | None) -> None:
+        """A choice ended (its generated tokens were counted as they streamed, in the frontend's _Timer)."""
         m = self.model
         self.success.labels(m, reason).inc()
         self.prompt_tokens.labels(m).inc(prompt_tokens)
-        self.generation_tokens.labels(m).inc(completion_tokens)
         if stats is not None and stats.proposed:
             self.drafts.labels(m).inc(stats.rounds)
             self.draft_tokens.labels(m).inc(stats.proposed)
@@ -68,7 +68,7 @@ class Metrics:
             g.clear()
         healthy = 0
         for row in instances:
-            healthy += bool(row["healthy"] and not row["draining"])
+            healthy += row["accepting"]
             s = row.get("stats")
             if not s:
                 continue

@@ -75,6 +75,11 @@ class _Sampling(_Body):
     def stop_list(self) -> tuple[str, ...]:
         return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
 
+    def sampling_args(self) -> dict:
+        """The keyword arguments of Frontend.prepare that the body gives as they are (not max_tokens)."""
+        return {"temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k, "seed": self.seed,
+                "stop": self.stop_list, "n": self.n, "priority": self.priority, "ignore_eos": self.ignore_eos}
+
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
