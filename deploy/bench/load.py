@@ -9,7 +9,6 @@ TTFT to the first token; TPOT is (last - first token time) / (tokens - 1) per re
 from __future__ import annotations
 
 import argparse
-import math
 import random
 import time
 from dataclasses import dataclass, field
@@ -24,8 +23,8 @@ from actors.model.quant import quantize_runner_int8
 from actors.model.runner import ModelRunner
 from cluster.config import CacheConfig, SchedulerConfig, SpeculationConfig
 from cluster.request import Request, SamplingParams
-from deploy.bench.spec import DATASETS, load_prompts
-from deploy.bench.output import save
+from deploy.bench.prompts import DATASETS, load_prompts
+from deploy.bench.output import pct, save
 from deploy.flags import UsageError
 from deploy.model_store import resolve_model
 
@@ -84,7 +83,7 @@ class RunResult:
             "policy": self.policy, "rate": self.rate, "requests": len(done), "tokens": tokens,
             "throughput_tok_s": round(tokens / span, 3),
             "mean_latency_s": round(sum(lat) / len(lat), 3),
-            "p99_latency_s": round(lat[min(len(lat) - 1, math.ceil(0.99 * len(lat)) - 1)], 3),
+            "p99_latency_s": round(pct(lat, 99), 3),
             "mean_ttft_s": round(sum(ttft) / len(ttft), 3),
             "mean_tpot_s": round(sum(tpot) / len(tpot), 4) if tpot else None,
             "mean_k": round(sum(self.ks) / len(self.ks), 3) if self.ks else 0.0,

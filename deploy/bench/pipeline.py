@@ -27,7 +27,7 @@ from actors.p2p import Transfer
 from cluster.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, SpeculationConfig
 from cluster.request import SamplingParams
 from deploy import local_cluster
-from deploy.bench.spec import DATASETS, load_prompts
+from deploy.bench.prompts import DATASETS, load_prompts
 from deploy.flags import UsageError
 from deploy.model_store import resolve_model
 from placement.inventory import Inventory

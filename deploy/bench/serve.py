@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import math
 import os
 import random
 import time
@@ -28,8 +27,8 @@ import httpx
 
 from deploy import local_cluster
 from deploy.admin_cmd import add_endpoint_flags, endpoint
-from deploy.bench.spec import DATASETS, load_prompts
-from deploy.bench.output import save
+from deploy.bench.prompts import DATASETS, load_prompts
+from deploy.bench.output import pct, save
 from deploy.flags import UsageError
 
 DATASET_FILES = {"mtbench": DATASETS / "mt_bench_questions.jsonl", "humaneval": DATASETS / "HumanEval.jsonl.gz"}
@@ -240,14 +239,6 @@ def summarize(rate: float, traces: list[Trace]) -> dict:
             "itl_p50_ms": _ms(pct(itl, 50)), "itl_p99_ms": _ms(pct(itl, 99)),
             "tpot_mean_ms": _ms(sum(tpot) / len(tpot)) if tpot else None,
             "e2e_p50_ms": _ms(pct(e2e, 50)), "e2e_p99_ms": _ms(pct(e2e, 99))}
-
-
-def pct(values: list[float], q: float) -> float | None:
-    """Nearest-rank percentile; None for no values."""
-    if not values:
-        return None
-    s = sorted(values)
-    return s[min(len(s) - 1, max(0, math.ceil(q / 100 * len(s)) - 1))]
 
 
 def _ms(seconds: float | None) -> float | None:

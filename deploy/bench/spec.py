@@ -8,8 +8,6 @@ mode alike. Ratios are taken from totals (generated tokens / wall seconds) withi
 from __future__ import annotations
 
 import argparse
-import gzip
-import json
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -24,11 +22,8 @@ from actors.model.runner import ModelRunner
 from cluster.config import CacheConfig, SpeculationConfig
 from cluster.request import SamplingParams, SpecStats
 from deploy.bench.output import save
-from deploy.flags import UsageError
+from deploy.bench.prompts import DATASETS, load_prompts
 from deploy.model_store import resolve_model
-
-DATASETS = Path(__file__).resolve().parents[2].parent / "shared" / "datasets"
-
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", required=True, help="target model (catalog name, GGUF, folder)")
@@ -45,25 +40,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-peer", action="store_true", help="skip transformers' assisted generation")
     p.add_argument("--json", type=Path, help="write the results here")
     p.add_argument("--plot", type=Path, help="write a bar chart here (PNG)")
-
-
-def load_prompts(files: list[Path], n: int | None = None) -> list[str]:
-    """Prompts taken in turn from the files (an MT-Bench first turn, or a HumanEval completion task): the
-    first n, or all of them."""
-    per_file = []
-    for f in files:
-        opener = gzip.open if f.suffix == ".gz" else open
-        with opener(f, "rt") as fh:
-            rows = [json.loads(line) for line in fh if line.strip()]
-        per_file.append([
-            r["turns"][0] if "turns" in r else f"Complete this Python function:\n```python\n{r['prompt']}```"
-            for r in rows
-        ])
-    longest = max((len(p) for p in per_file), default=0)
-    prompts = [p[i] for i in range(longest) for p in per_file if i < len(p)]
-    if n is not None and n > len(prompts):
-        raise UsageError(f"asked for {n} prompts; the prompt files hold {len(prompts)}")
-    return prompts[:n]
 
 
 @dataclass
