@@ -114,7 +114,7 @@ class AuthConfig(_Frozen):
 
 
 class ServeConfig(_Frozen):
-    """The Ray Serve application (deploy/app.py): ports, backpressure and keys."""
+    """The Ray Serve application (deploy/serve/app.py): ports, backpressure and keys."""
 
     http_host: str = "0.0.0.0"
     http_port: int = Field(default=8000, ge=1, le=65535)

@@ -3,7 +3,7 @@
 Instances register when they start (and again if the router restarted: registration is idempotent). The
 router polls each instance's stats and health every `stats_interval_s`; an instance that reports unhealthy
 or does not answer within `health_timeout_s` is removed, and its requests in flight are marked failed (their
-streams end with the instance's error). The API (deploy/app.py) asks `route` where a request goes, then
+streams end with the instance's error). The API (deploy/serve/app.py) asks `route` where a request goes, then
 streams from that instance directly; the router stays off the token path.
 """
 

@@ -16,7 +16,7 @@ from cluster.config import ConfigError
 NAME_PATTERN = r"^[A-Za-z0-9]([A-Za-z0-9_.-]{0,61}[A-Za-z0-9])?$"
 
 # Ray custom resources and labels a node of the inventory carries (ray_resources, ray_labels): the contract
-# between the local cluster (deploy/local_cluster.py), KubeRay worker groups, and placement groups that pin
+# between the local cluster (deploy/infra/local_cluster.py), KubeRay worker groups, and placement groups that pin
 # work to a node (NODE_RESOURCE) or to a device kind (ACCELERATOR_RESOURCE).
 NODE_RESOURCE = "specfleet_node_{name}"
 ACCELERATOR_RESOURCE = "accelerator_{kind}"

@@ -10,8 +10,9 @@ import pytest
 import ray
 import torch
 
-from deploy import local_cluster
-from deploy.local_cluster import ClusterState
+from deploy import DEFAULT_INVENTORY
+from deploy.infra import local_cluster
+from deploy.infra.local_cluster import ClusterState
 from placement.inventory import Inventory, load_inventory
 from tests.fixtures.tiny_models import DRAFT_NOISE, FAMILIES, build_tiny_model, perturbed_copy, write_tiny_gguf
 
@@ -90,7 +91,7 @@ class RayCluster:
 @pytest.fixture(scope="session")
 def ray_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RayCluster]:
     """A head and two workers started with `specfleet cluster up`'s code; stopped with its `down` at the end."""
-    inventory = load_inventory(local_cluster.DEFAULT_INVENTORY).first(FLEET_NODES)
+    inventory = load_inventory(DEFAULT_INVENTORY).first(FLEET_NODES)
     state_path = tmp_path_factory.mktemp("ray-cluster") / "cluster.json"
     # `up` cleans up after itself if it fails; the nodes get SIGTERM should this process die before `down`
     state = local_cluster.up(inventory, state_path, timeout_s=120.0, die_with_parent=True)

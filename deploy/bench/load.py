@@ -25,7 +25,7 @@ from cluster.config import CacheConfig, SchedulerConfig, SpeculationConfig
 from cluster.request import Request, SamplingParams
 from deploy.bench.prompts import DATASETS, load_prompts
 from deploy.bench.output import pct, save
-from deploy.flags import UsageError
+from deploy.cli.flags import UsageError
 from deploy.model_store import resolve_model
 
 POLICIES = ("off", "fixed", "goodput")

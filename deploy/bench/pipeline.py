@@ -26,9 +26,9 @@ from actors.model.runner import ModelRunner
 from actors.p2p import Transfer
 from cluster.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, SpeculationConfig
 from cluster.request import SamplingParams
-from deploy import local_cluster
+from deploy.infra import local_cluster
 from deploy.bench.prompts import DATASETS, load_prompts
-from deploy.flags import UsageError
+from deploy.cli.flags import UsageError
 from deploy.model_store import resolve_model
 from placement.inventory import Inventory
 from placement.layout import ShardLayout

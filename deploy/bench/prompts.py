@@ -6,7 +6,7 @@ import gzip
 import json
 from pathlib import Path
 
-from deploy.flags import UsageError
+from deploy.cli.flags import UsageError
 
 DATASETS = Path(__file__).resolve().parents[2].parent / "shared" / "datasets"
 

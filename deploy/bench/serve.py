@@ -25,11 +25,11 @@ from pathlib import Path
 
 import httpx
 
-from deploy import local_cluster
-from deploy.admin_cmd import add_endpoint_flags, endpoint
+from deploy.infra import local_cluster
+from deploy.cli.admin_cmd import add_endpoint_flags, endpoint
 from deploy.bench.prompts import DATASETS, load_prompts
 from deploy.bench.output import pct, save
-from deploy.flags import UsageError
+from deploy.cli.flags import UsageError
 
 DATASET_FILES = {"mtbench": DATASETS / "mt_bench_questions.jsonl", "humaneval": DATASETS / "HumanEval.jsonl.gz"}
 ENDED = ("stop", "length")  # finish reasons of a request served to its end

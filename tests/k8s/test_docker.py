@@ -10,7 +10,7 @@ import pytest
 
 from tests.k8s.manifests import ROOT
 
-DOCKERFILES = [ROOT / "deploy" / "docker" / name for name in ("Dockerfile.cpu", "Dockerfile.cuda")]
+DOCKERFILES = [ROOT / "deploy" / "infra" / "docker" / name for name in ("Dockerfile.cpu", "Dockerfile.cuda")]
 
 
 def instructions(path) -> list[tuple[str, str]]:

@@ -6,9 +6,9 @@ import pytest
 import yaml
 
 from cluster.config import ConfigError, load_config, parse_config
-from deploy import k8s_render
+from deploy.infra import k8s_render
 from deploy.cli import main
-from deploy.k8s_render import RenderOptions
+from deploy.infra.k8s_render import RenderOptions
 from placement.inventory import load_inventory, parse_inventory, ray_labels, ray_resources
 from tests.k8s.manifests import ROOT, assert_valid
 

@@ -11,9 +11,10 @@ import psutil
 import pytest
 import ray
 
-from deploy import local_cluster
+from deploy import DEFAULT_INVENTORY
+from deploy.infra import local_cluster
 from deploy.cli import main
-from deploy.local_cluster import ClusterError, ClusterState, read_state, running_processes
+from deploy.infra.local_cluster import ClusterError, ClusterState, read_state, running_processes
 from placement.inventory import NODE_RESOURCE, load_inventory, ray_labels, ray_resources
 
 
@@ -96,7 +97,7 @@ def test_a_failed_start_leaves_nothing_behind(tmp_path: Path, monkeypatch: pytes
         return started[-1]
 
     monkeypatch.setattr(local_cluster, "_start_node", recording_start_node)
-    inventory = load_inventory(local_cluster.DEFAULT_INVENTORY).first(2)
+    inventory = load_inventory(DEFAULT_INVENTORY).first(2)
     with pytest.raises(ClusterError, match="did not listen"):  # the head cannot be up within 0.2 s
         local_cluster.up(inventory, tmp_path / "state.json", timeout_s=0.2)
     [head] = started

@@ -169,7 +169,7 @@ def test_bench_pipeline_cli_runs_one_and_two_stages_with_identical_output(ray_cl
     import subprocess
     import sys
 
-    from deploy.local_cluster import RAY_ENV
+    from deploy.infra.local_cluster import RAY_ENV
 
     out = tmp_path / "pipeline.json"
     env = {**__import__("os").environ, **RAY_ENV}

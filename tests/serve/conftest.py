@@ -15,7 +15,7 @@ import httpx
 import pytest
 import yaml
 
-from deploy import local_cluster
+from deploy.infra import local_cluster
 
 API_KEY, ADMIN_KEY = "sk-test-api", "sk-test-admin"
 MODEL = "tiny-llama"

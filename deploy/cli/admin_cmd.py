@@ -21,12 +21,12 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from cluster.config import AuthConfig, load_config
-from deploy import local_cluster, model_store
-from deploy.admin_client import AdminClient, Instances, InstanceRow, ServerError
-from deploy.flags import UsageError
-from deploy.local_cluster import ClusterError
+from deploy import DEFAULT_CONFIG, model_store
+from deploy.cli.admin_client import AdminClient, Instances, InstanceRow, ServerError
+from deploy.cli.flags import UsageError
+from deploy.infra import local_cluster
+from deploy.infra.local_cluster import ClusterError
 
-DEFAULT_CONFIG = Path(__file__).parent / "configs" / "default.yaml"
 REQUEST_STATUSES = ("running", "finished", "aborted", "failed")
 
 
@@ -89,7 +89,7 @@ def _guard(run: Command) -> Command:
     return wrapped
 
 
-# ---- registration (deploy/cli.py) -------------------------------------------------------------------------
+# ---- registration (deploy/cli/main.py) -------------------------------------------------------------------------
 def add_status(p: argparse.ArgumentParser) -> None:
     add_endpoint_flags(p)
     p.add_argument("--state", type=Path, default=local_cluster.DEFAULT_STATE,

@@ -28,10 +28,10 @@ from pathlib import Path
 import psutil
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from deploy.flags import UsageError
+from deploy import DEFAULT_INVENTORY
+from deploy.cli.flags import UsageError
 from placement.inventory import Inventory, NodeSpec, ray_labels, ray_resources
 
-DEFAULT_INVENTORY = Path(__file__).parent / "configs" / "fleet.yaml"
 DEFAULT_STATE = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "specfleet" / "cluster.json"
 MARKER = "SPECFLEET_LOCAL_CLUSTER"  # env var: the cluster id, inherited by every process of the cluster
 # Every process started, and every client, uses these. No drain on SIGTERM: a local cluster stops at once.
@@ -236,7 +236,7 @@ def query_nodes(address: str, expect: int = 0, timeout_s: float = 60.0,
         if s.connect_ex((host, int(port))) != 0:
             raise ClusterError(f"nothing listens at {address}: the cluster's head is down")
     with tempfile.TemporaryFile("w+") as err:
-        probe = subprocess.Popen([sys.executable, "-m", "deploy.local_cluster", address, str(expect), str(timeout_s)],
+        probe = subprocess.Popen([sys.executable, "-m", "deploy.infra.local_cluster", address, str(expect), str(timeout_s)],
                                  env=ray_env(), stdout=subprocess.PIPE, stderr=err, text=True)
         deadline = time.monotonic() + timeout_s + 30  # the probe's own connect and import time
         try:

@@ -17,7 +17,7 @@ import httpx
 from pydantic import BaseModel, ConfigDict
 
 from cluster.stats import EngineStats
-from deploy.flags import UsageError
+from deploy.cli.flags import UsageError
 
 WRONG_ADMIN_KEY = "wrong admin key: set --admin-key or $SPECFLEET_ADMIN_KEYS or the config's admin_keys_file"
 WRONG_API_KEY = "wrong API key: set --api-key or $SPECFLEET_API_KEYS or the config's api_keys_file"

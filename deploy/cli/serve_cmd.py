@@ -18,11 +18,11 @@ import time
 from pathlib import Path
 
 from cluster.config import SpecfleetConfig, load_config
-from deploy import local_cluster
-from deploy.flags import UsageError
+from deploy import DEFAULT_CONFIG
+from deploy.infra import local_cluster
+from deploy.cli.flags import UsageError
 from deploy.rpc import codegen
 
-DEFAULT_CONFIG = Path(__file__).parent / "configs" / "default.yaml"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -7,9 +7,10 @@ import json
 import sys
 from pathlib import Path
 
-from deploy import local_cluster
-from deploy.flags import UsageError
-from deploy.local_cluster import ClusterError, ClusterState, LiveNode
+from deploy import DEFAULT_INVENTORY
+from deploy.infra import local_cluster
+from deploy.cli.flags import UsageError
+from deploy.infra.local_cluster import ClusterError, ClusterState, LiveNode
 from placement.inventory import NODE_RESOURCE, load_inventory
 
 
@@ -20,7 +21,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     up.add_argument("--nodes", type=int, metavar="N",
                     help="how many nodes: the first N of the inventory (default: all of it)")
     up.add_argument("--node-labels", "--inventory", dest="inventory", type=Path, metavar="FILE",
-                    default=local_cluster.DEFAULT_INVENTORY,
+                    default=DEFAULT_INVENTORY,
                     help="node inventory YAML, whose nodes give each Ray node its labels and resources "
                          "(default: deploy/configs/fleet.yaml)")
     up.add_argument("--num-cpus", type=int, default=4, help="CPUs each node offers to Ray (simulated; default 4)")

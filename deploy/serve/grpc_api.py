@@ -12,8 +12,8 @@ from collections.abc import AsyncIterator
 import grpc
 
 from cluster.request import FinishReason, SpecStats
-from deploy.frontend import Call
-from deploy.openai_api import APIError
+from deploy.serve.frontend import Call
+from deploy.serve.openai_api import APIError
 from deploy.rpc import specfleet_pb2 as pb
 
 STATUS = {400: grpc.StatusCode.INVALID_ARGUMENT, 401: grpc.StatusCode.UNAUTHENTICATED, 404: grpc.StatusCode.NOT_FOUND,
@@ -31,7 +31,7 @@ def _usage(prompt: int, completion: int) -> pb.Usage:
 
 
 class GrpcMethods:
-    """Mixed into the Serve ingress class (deploy/app.py), beside the HTTP routes."""
+    """Mixed into the Serve ingress class (deploy/serve/app.py), beside the HTTP routes."""
 
     def _grpc_auth(self, grpc_context) -> None:
         metadata = dict(grpc_context.invocation_metadata())

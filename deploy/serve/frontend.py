@@ -26,8 +26,8 @@ from cluster.config import SpecfleetConfig
 from cluster.registry import NoInstanceAvailable
 from cluster.request import FinishReason, Request, SamplingParams, SpecStats, TokenDelta
 from cluster.router import Overloaded
-from deploy.metrics import Metrics
-from deploy.openai_api import APIError
+from deploy.serve.metrics import Metrics
+from deploy.serve.openai_api import APIError
 
 
 @dataclass(frozen=True)

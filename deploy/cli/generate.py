@@ -10,7 +10,7 @@ from pathlib import Path
 
 from actors.engine import Engine
 from cluster.request import SamplingParams, SpecStats
-from deploy.flags import UsageError, add_engine_flags, engine_config
+from deploy.cli.flags import UsageError, add_engine_flags, engine_config
 from deploy.model_store import resolve_model
 
 

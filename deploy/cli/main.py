@@ -13,13 +13,13 @@ import sys
 from pydantic import ValidationError
 
 from cluster.config import ConfigError
-from deploy.flags import UsageError
+from deploy.cli.flags import UsageError
 from deploy.model_store import ModelFetchError
 
 # (command words, help, module, the module's function that adds the command's flags and sets `run`
 # (or the module's `run` is used))
 COMMANDS: list[tuple[tuple[str, ...], str, str, str]] = [
-    (("generate",), "generate offline in one process", "deploy.generate", "add_arguments"),
+    (("generate",), "generate offline in one process", "deploy.cli.generate", "add_arguments"),
     (("bench", "spec"), "speculative decoding vs plain decoding vs transformers' assisted generation",
      "deploy.bench.spec", "add_arguments"),
     (("bench", "load"), "Poisson load at several rates for each speculation policy (off, fixed, goodput)",
@@ -28,18 +28,18 @@ COMMANDS: list[tuple[tuple[str, ...], str, str, str]] = [
      "deploy.bench.pipeline", "add_arguments"),
     (("bench", "serve"), "load through the served app over HTTP: latency, router overhead, concurrency",
      "deploy.bench.serve", "add_arguments"),
-    (("serve",), "deploy the Serve application (HTTP + gRPC) onto a running cluster", "deploy.serve_cmd",
+    (("serve",), "deploy the Serve application (HTTP + gRPC) onto a running cluster", "deploy.cli.serve_cmd",
      "add_arguments"),
-    (("cluster",), "a local multi-node Ray cluster on this machine: up, status, down", "deploy.cluster_cmd",
+    (("cluster",), "a local multi-node Ray cluster on this machine: up, status, down", "deploy.cli.cluster_cmd",
      "add_arguments"),
-    (("k8s",), "Kubernetes (KubeRay) manifests: render", "deploy.k8s_cmd", "add_arguments"),
-    (("status",), "the app's health, nodes, instances, load, acceptance", "deploy.admin_cmd", "add_status"),
-    (("instances",), "the engine instances and their load", "deploy.admin_cmd", "add_instances"),
-    (("requests",), "the router's request table", "deploy.admin_cmd", "add_requests"),
-    (("abort",), "abort a running request", "deploy.admin_cmd", "add_abort"),
-    (("drain",), "stop sending new requests to an instance", "deploy.admin_cmd", "add_drain"),
-    (("undrain",), "let a drained instance take requests again", "deploy.admin_cmd", "add_undrain"),
-    (("models",), "the model catalog: list, fetch", "deploy.admin_cmd", "add_models"),
+    (("k8s",), "Kubernetes (KubeRay) manifests: render", "deploy.cli.k8s_cmd", "add_arguments"),
+    (("status",), "the app's health, nodes, instances, load, acceptance", "deploy.cli.admin_cmd", "add_status"),
+    (("instances",), "the engine instances and their load", "deploy.cli.admin_cmd", "add_instances"),
+    (("requests",), "the router's request table", "deploy.cli.admin_cmd", "add_requests"),
+    (("abort",), "abort a running request", "deploy.cli.admin_cmd", "add_abort"),
+    (("drain",), "stop sending new requests to an instance", "deploy.cli.admin_cmd", "add_drain"),
+    (("undrain",), "let a drained instance take requests again", "deploy.cli.admin_cmd", "add_undrain"),
+    (("models",), "the model catalog: list, fetch", "deploy.cli.admin_cmd", "add_models"),
 ]
 GROUPS = {"bench": "benchmarks"}
 

@@ -9,9 +9,9 @@ from dataclasses import replace
 from pathlib import Path
 
 from cluster.config import load_config
-from deploy import k8s_render
-from deploy.flags import UsageError
-from deploy.k8s_render import RenderOptions
+from deploy.infra import k8s_render
+from deploy.cli.flags import UsageError
+from deploy.infra.k8s_render import RenderOptions
 from placement.inventory import load_inventory
 
 

@@ -1,6 +1,6 @@
 """HTTP routes of the API replica: the OpenAI API under /v1, /health, /metrics and the operator's /admin.
 
-Bodies are parsed by hand (json, then the pydantic models of deploy/openai_api.py) so that every malformed
+Bodies are parsed by hand (json, then the pydantic models of deploy/serve/openai_api.py) so that every malformed
 request gets an OpenAI-style error body with the field it concerns, never FastAPI's default 422 or a 500.
 Streams are server-sent events ending with `data: [DONE]`.
 """
@@ -19,9 +19,9 @@ from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from cluster.request import FinishReason, SpecStats
-from deploy.frontend import Call
-from deploy.metrics import CONTENT_TYPE
-from deploy.openai_api import (APIError, ChatCompletionRequest, CompletionRequest, choice, chunk_body,
+from deploy.serve.frontend import Call
+from deploy.serve.metrics import CONTENT_TYPE
+from deploy.serve.openai_api import (APIError, ChatCompletionRequest, CompletionRequest, choice, chunk_body,
                                completion_body, from_validation_error, model_list, usage, usage_chunk)
 
 log = logging.getLogger(__name__)
@@ -101,7 +101,7 @@ def _sse(obj: dict | str) -> str:
 
 
 class HttpRoutes:
-    """Route bodies, mixed into the Serve ingress class (deploy/app.py), which declares the routes and sets cfg,
+    """Route bodies, mixed into the Serve ingress class (deploy/serve/app.py), which declares the routes and sets cfg,
     frontend, router, api_keys and admin_keys."""
 
     def _auth(self, request: Request, admin: bool = False) -> None:

@@ -1,0 +1,1 @@
+"""Cluster and image tooling: the local multi-node Ray cluster, Kubernetes rendering, Dockerfiles."""

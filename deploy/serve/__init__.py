@@ -1,0 +1,1 @@
+"""The Ray Serve ingress: the application builder, OpenAI HTTP and gRPC APIs, auth and metrics."""
