@@ -1,0 +1,203 @@
+"""Migration policies: which running request moves from which instance to which (Llumnix's global scheduler).
+
+Llumnix (OSDI '24, arXiv 2406.03243, section 4.4) reschedules running requests between instances by their
+"virtual usage", measured in KV blocks: the blocks running requests hold, plus the demand of requests queued
+behind them (so an instance whose queue head fits nowhere looks loaded and is defragmented), plus a headroom
+kept free on an instance that runs high-priority requests (so they decode with little interference), and
+infinite usage on an instance being drained (so everything leaves it). Sources are paired with destinations
+by usage, and the request to move is the cheapest one: the shortest, of the lowest priority.
+
+Pure module, no Ray: the router feeds it plain `InstanceLoad`s and carries out the `Migration`s it returns
+(through the migration coordinator in actors/). Three named policies, applied in this order by `plan`:
+
+- `Drain`: every request of a draining instance goes to the accepting instance with the most room.
+- `Defrag`: an instance whose head-of-line queued request does not fit frees room by moving requests out.
+- `Balance`: the most loaded instance (above `high_water`) gives its cheapest request to the least loaded
+  (below `low_water`) when the move narrows the gap between them.
+
+No policy ever moves a request toward an instance that is draining or not accepting, moves a request
+already migrating, or sends a destination more blocks than it has free.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+from typing import Protocol
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class MigrationPolicyConfig(BaseModel):
+    """Thresholds of the global scheduler (fractions of an instance's KV blocks)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    high_water: float = Field(default=0.8, gt=0.0, le=1.0)  # Balance: a source's usage is above this
+    low_water: float = Field(default=0.5, ge=0.0, lt=1.0)  # Balance: a destination's usage is below this
+    priority_headroom_blocks: int = Field(default=32, ge=0)  # kept free where a high-priority request runs
+    max_per_round: int = Field(default=4, ge=1)  # migrations started per planning round
+
+
+@dataclass(frozen=True)
+class RunningRequest:
+    """A running request as the scheduler sees it: its KV blocks (target), priority, and tokens so far."""
+
+    request_id: str
+    blocks: int
+    priority: int = 0  # higher is more important (the API's `priority`)
+    tokens: int = 0
+
+
+@dataclass(frozen=True)
+class InstanceLoad:
+    """One instance's load in KV blocks: what it runs, what waits in its queue, and whether it takes work."""
+
+    instance_id: str
+    capacity_blocks: int
+    running: tuple[RunningRequest, ...] = ()
+    waiting_blocks: tuple[int, ...] = ()  # the blocks each queued request needs, head of line first
+    draining: bool = False
+    accepting: bool = True  # healthy and not draining: may receive requests
+
+    @property
+    def used_blocks(self) -> int:
+        return sum(r.blocks for r in self.running)
+
+    @property
+    def free_blocks(self) -> int:
+        return self.capacity_blocks - self.used_blocks
+
+    def virtual_usage(self, headroom_blocks: int) -> float:
+        """Llumnix's virtual usage as a fraction of capacity: held + head-of-line demand + priority headroom."""
+        if self.draining:
+            return float("inf")
+        demand = self.waiting_blocks[0] if self.waiting_blocks else 0
+        headroom = headroom_blocks if any(r.priority > 0 for r in self.running) else 0
+        return (self.used_blocks + demand + headroom) / max(self.capacity_blocks, 1)
+
+
+@dataclass(frozen=True)
+class Migration:
+    """Move `request_id` from `source` to `destination`; `reason` names the policy that asked."""
+
+    request_id: str
+    source: str
+    destination: str
+    blocks: int
+    reason: str
+
+
+class MigrationPolicy(Protocol):
+    name: str
+
+    def propose(self, loads: Sequence[InstanceLoad], cfg: MigrationPolicyConfig) -> list[Migration]:
+        """Migrations this policy wants, given the loads (which already reflect migrations planned before)."""
+        ...
+
+
+def cheapest_first(requests: Sequence[RunningRequest]) -> list[RunningRequest]:
+    """The order in which requests are picked to move: lowest priority first, then the fewest blocks."""
+    return sorted(requests, key=lambda r: (r.priority, r.blocks, r.request_id))
+
+
+def _destinations(loads: Sequence[InstanceLoad], source: str, blocks: int, cfg: MigrationPolicyConfig
+                  ) -> list[InstanceLoad]:
+    """Accepting instances other than `source` with `blocks` free, least virtual usage first."""
+    ok = [d for d in loads if d.accepting and not d.draining and d.instance_id != source and d.free_blocks >= blocks]
+    return sorted(ok, key=lambda d: (d.virtual_usage(cfg.priority_headroom_blocks), d.instance_id))
+
+
+class Drain:
+    """Empty draining instances: each request, cheapest first, to the instance with the most room."""
+
+    name = "drain"
+
+    def propose(self, loads: Sequence[InstanceLoad], cfg: MigrationPolicyConfig) -> list[Migration]:
+        for src in loads:
+            if src.draining:
+                for r in cheapest_first(src.running):
+                    dst = _destinations(loads, src.instance_id, r.blocks, cfg)
+                    if dst:
+                        return [Migration(r.request_id, src.instance_id, dst[0].instance_id, r.blocks, self.name)]
+        return []
+
+
+class Defrag:
+    """Make room for a queue head that does not fit: move out the cheapest requests until it would."""
+
+    name = "defrag"
+
+    def propose(self, loads: Sequence[InstanceLoad], cfg: MigrationPolicyConfig) -> list[Migration]:
+        for src in loads:
+            if src.draining or not src.waiting_blocks or src.waiting_blocks[0] <= src.free_blocks:
+                continue
+            if src.waiting_blocks[0] > src.capacity_blocks:
+                continue  # it can never fit here; moving requests out would not help
+            for r in cheapest_first(src.running):
+                dst = _destinations(loads, src.instance_id, r.blocks, cfg)
+                if dst:
+                    return [Migration(r.request_id, src.instance_id, dst[0].instance_id, r.blocks, self.name)]
+        return []
+
+
+class Balance:
+    """Move the cheapest request from the most to the least loaded instance, when that narrows their gap."""
+
+    name = "balance"
+
+    def propose(self, loads: Sequence[InstanceLoad], cfg: MigrationPolicyConfig) -> list[Migration]:
+        h = cfg.priority_headroom_blocks
+        live = [x for x in loads if not x.draining and x.capacity_blocks > 0]
+        sources = sorted((x for x in live if x.running and x.virtual_usage(h) > cfg.high_water),
+                         key=lambda x: -x.virtual_usage(h))
+        for src in sources:
+            for r in cheapest_first(src.running):
+                for dst in _destinations(loads, src.instance_id, r.blocks, cfg):
+                    if dst.virtual_usage(h) >= cfg.low_water:
+                        break  # sorted by usage: no lighter destination follows
+                    after_src = replace(src, running=tuple(x for x in src.running if x is not r))
+                    after_dst = replace(dst, running=dst.running + (r,))
+                    if after_dst.virtual_usage(h) < src.virtual_usage(h) and \
+                            abs(after_src.virtual_usage(h) - after_dst.virtual_usage(h)) < \
+                            abs(src.virtual_usage(h) - dst.virtual_usage(h)):
+                        return [Migration(r.request_id, src.instance_id, dst.instance_id, r.blocks, self.name)]
+        return []
+
+
+POLICIES: dict[str, type] = {"drain": Drain, "defrag": Defrag, "balance": Balance}
+
+
+@dataclass
+class Planner:
+    """Applies the policies in order, round after round, as if each planned move had already happened."""
+
+    policies: list[MigrationPolicy] = field(default_factory=lambda: [Drain(), Defrag(), Balance()])
+    cfg: MigrationPolicyConfig = MigrationPolicyConfig()
+
+    def plan(self, loads: Sequence[InstanceLoad], migrating: frozenset[str] = frozenset()) -> list[Migration]:
+        """Up to `max_per_round` migrations; requests in `migrating` (already on the move) are left alone, and
+        each source and destination takes part in at most one migration per round (as Llumnix pairs them)."""
+        state = {x.instance_id: replace(x, running=tuple(r for r in x.running if r.request_id not in migrating))
+                 for x in loads}
+        busy: set[str] = set()
+        out: list[Migration] = []
+        while len(out) < self.cfg.max_per_round:
+            view = [x for x in state.values() if x.instance_id not in busy]
+            move = next((m for p in self.policies for m in p.propose(view, self.cfg)), None)
+            if move is None:
+                return out
+            out.append(move)
+            busy.update((move.source, move.destination))
+            src, dst = state[move.source], state[move.destination]
+            req = next(r for r in src.running if r.request_id == move.request_id)
+            state[move.source] = replace(src, running=tuple(r for r in src.running if r is not req))
+            state[move.destination] = replace(dst, running=dst.running + (req,))
+        return out
+
+
+def make_planner(names: Sequence[str], cfg: MigrationPolicyConfig = MigrationPolicyConfig()) -> Planner:
+    unknown = [n for n in names if n not in POLICIES]
+    if unknown:
+        raise ValueError(f"unknown migration policies {unknown}; choose from {', '.join(POLICIES)}")
+    return Planner([POLICIES[n]() for n in names], cfg)

@@ -1,0 +1,123 @@
+"""Migration policies (cluster/migration_policy.py) with plain data: the right pairs, the right requests, and
+invariants over 1,000 randomised rounds (never toward a draining or closed instance, never over capacity)."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import replace
+
+import pytest
+
+from cluster.migration_policy import (
+    Balance,
+    Defrag,
+    Drain,
+    InstanceLoad,
+    MigrationPolicyConfig,
+    Planner,
+    RunningRequest,
+    make_planner,
+)
+
+CFG = MigrationPolicyConfig(high_water=0.8, low_water=0.5, priority_headroom_blocks=10, max_per_round=4)
+
+
+def inst(name, capacity=100, running=(), waiting=(), draining=False, accepting=True):
+    reqs = tuple(RunningRequest(f"{name}-r{i}", b, p) for i, (b, p) in enumerate(running))
+    return InstanceLoad(name, capacity, reqs, tuple(waiting), draining, accepting and not draining)
+
+
+def test_balance_moves_the_cheapest_request_from_the_fullest_to_the_emptiest():
+    loads = [inst("a", running=[(30, 0), (20, 0), (40, 0)]), inst("b", running=[(10, 0)]),
+             inst("c", running=[(30, 0)])]
+    [m] = Balance().propose(loads, CFG)
+    assert (m.source, m.destination, m.request_id) == ("a", "b", "a-r1")  # 20 blocks: the smallest of a's
+
+
+def test_balance_prefers_low_priority_and_respects_priority_headroom():
+    # a runs a high-priority request: its headroom makes it loaded, and its low-priority request leaves first
+    loads = [inst("a", running=[(40, 5), (35, 0)]), inst("b", running=[(10, 0)])]
+    [m] = Balance().propose(loads, CFG)
+    assert m.request_id == "a-r1"
+    # without the headroom a (75/100) is below high water and nothing moves
+    assert Balance().propose(loads, CFG.model_copy(update={"priority_headroom_blocks": 0})) == []
+
+
+def test_balance_does_nothing_when_the_move_would_not_narrow_the_gap():
+    loads = [inst("a", running=[(85, 0)]), inst("b", running=[(40, 0)])]
+    assert Balance().propose(loads, CFG) == []  # moving 85 blocks to b would make b the fuller one
+
+
+def test_drain_empties_a_draining_instance_toward_the_most_room_never_toward_another_draining_one():
+    loads = [inst("a", running=[(10, 0), (5, 0)], draining=True), inst("b", running=[(60, 0)]),
+             inst("c", running=[(20, 0)]), inst("d", draining=True)]
+    [m] = Drain().propose(loads, CFG)
+    assert (m.source, m.destination, m.request_id) == ("a", "c", "a-r1")
+    moves = Planner(cfg=CFG.model_copy(update={"max_per_round": 10})).plan(loads)
+    assert all(m.destination not in ("a", "d") for m in moves)
+
+
+def test_defrag_makes_room_for_a_queue_head_that_fits_nowhere_yet():
+    loads = [inst("a", running=[(50, 0), (30, 0)], waiting=[40]), inst("b", running=[(50, 0)])]
+    [m] = Defrag().propose(loads, CFG)
+    assert (m.source, m.destination, m.request_id) == ("a", "b", "a-r1")  # 30 out: 50 free >= 40 wanted
+    assert Defrag().propose([inst("a", running=[(50, 0)], waiting=[40]), inst("b")], CFG) == []  # it fits
+
+
+def test_planner_skips_requests_already_migrating_and_pairs_each_instance_once():
+    loads = [inst("a", running=[(30, 0), (30, 0), (30, 0)]), inst("b"), inst("c", running=[(45, 0), (45, 0)]),
+             inst("d")]
+    cfg = CFG.model_copy(update={"high_water": 0.5, "low_water": 0.3})
+    moves = Planner(cfg=cfg).plan(loads, migrating=frozenset({"a-r0"}))
+    assert len(moves) == 2 and "a-r0" not in {m.request_id for m in moves}
+    assert {m.source for m in moves} == {"a", "c"} and {m.destination for m in moves} == {"b", "d"}
+
+
+def test_unknown_policy_names_are_refused():
+    with pytest.raises(ValueError, match="unknown migration policies"):
+        make_planner(["balance", "teleport"])
+
+
+def test_randomised_rounds_keep_every_invariant():
+    rng = random.Random(0)
+    planner = Planner(cfg=CFG.model_copy(update={"max_per_round": 3}))
+    for _ in range(1000):
+        loads, ids = [], 0
+        for i in range(rng.randint(2, 6)):
+            cap = rng.choice([50, 100, 200])
+            running, used = [], 0
+            for _ in range(rng.randint(0, 6)):
+                b = rng.randint(1, 40)
+                if used + b <= cap:
+                    running.append(RunningRequest(f"r{ids}", b, rng.choice([0, 0, 0, 1])))
+                    used += b
+                    ids += 1
+            waiting = tuple(rng.randint(1, 60) for _ in range(rng.randint(0, 2)))
+            draining = rng.random() < 0.2
+            loads.append(InstanceLoad(f"i{i}", cap, tuple(running), waiting, draining,
+                                      accepting=not draining and rng.random() < 0.9))
+        migrating = frozenset(r.request_id for x in loads for r in x.running if rng.random() < 0.1)
+        moves = planner.plan(loads, migrating)
+        # what the planner sees: requests already migrating no longer count at their instance
+        by_id = {x.instance_id: replace(x, running=tuple(r for r in x.running if r.request_id not in migrating))
+                 for x in loads}
+        free = {i: x.free_blocks for i, x in by_id.items()}
+        seen = set()
+        for m in moves:
+            src, dst = by_id[m.source], by_id[m.destination]
+            assert m.source != m.destination
+            assert dst.accepting and not dst.draining
+            assert m.request_id in {r.request_id for r in src.running} and m.request_id not in migrating
+            assert m.request_id not in seen
+            seen.add(m.request_id)
+            free[m.destination] -= m.blocks
+            free[m.source] += m.blocks
+            assert free[m.destination] >= 0
+            if m.reason == "balance":
+                h = CFG.priority_headroom_blocks
+                assert src.virtual_usage(h) > CFG.high_water and dst.virtual_usage(h) < CFG.low_water
+        # a draining instance with a request that fits somewhere accepting always gets a move planned
+        for x in loads:
+            if x.draining and any(any(d.accepting and d.free_blocks >= r.blocks for d in loads)
+                                  for r in x.running if r.request_id not in migrating):
+                assert moves, "a drainable request was left in place"
