@@ -1,8 +1,8 @@
-"""Build a distributed instance: placement group, shard actors, the stages' process group, the engine actor.
+"""Build an instance whose shards are Ray actors: placement group, shard actors, the stages' process group.
 
-    handle = build_instance(engine_cfg, ShardLayout.from_plan(plan(...).instances[0]))
-    completions = ray.get(handle.actor.generate.remote(prompts, params))
-    handle.shutdown()
+    instance = ray_instance(engine_cfg, ShardLayout.from_plan(plan(...).instances[0]))
+    completions = instance.generate(prompts, params)   # the engine runs in this process, the stages in actors
+    instance.shutdown()
 
 Every step is bounded by a timeout; if one fails, everything started so far is stopped and the placement
 group removed before the error propagates.
@@ -10,22 +10,31 @@ group removed before the error propagates.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import ray
 from ray.actor import ActorHandle
 from ray.util.placement_group import PlacementGroup
 
-from actors.instance import Instance, StageGroup
-from actors.model.loader import load_config
-from actors.ray_stages import gather
+from actors.instance import Instance
+from actors.model.loader import load_config, load_metadata
+from actors.pipeline import PipelineRunner
+from actors.ray_stages import RayStages, gather
 from actors.shard import ShardSpec
 from actors.shard_actor import ShardActor
 from cluster.config import EngineConfig
 from placement import realize
 from placement.layout import ShardLayout
 from placement.planner import PlacementError
+
+
+@dataclass(frozen=True)
+class StageGroup:
+    """Shard actors of one model in pipeline order, their names for messages, and each one's layers."""
+
+    actors: tuple[ActorHandle, ...]
+    names: tuple[str, ...]
+    layer_ids: tuple[tuple[int, ...], ...]
 
 
 @dataclass(frozen=True)
@@ -43,25 +52,6 @@ class Shards:
             for actor in group.actors if group else ():
                 ray.kill(actor, no_restart=True)
         realize.release(self.placement_group)
-
-
-@dataclass(frozen=True)
-class InstanceHandle:
-    """A running instance: the engine actor (actors/instance.py, Instance) and its shards."""
-
-    actor: ActorHandle
-    shards: Shards
-
-    def shutdown(self) -> None:
-        ray.kill(self.actor, no_restart=True)
-        self.shards.kill()
-
-
-def resolved(cfg: EngineConfig, resolve: Callable[[str], str]) -> EngineConfig:
-    """`cfg` with its model names mapped to files by `resolve` (catalog names, see deploy/model_store.py)."""
-    m = cfg.model
-    model = m.model_copy(update={"target": resolve(m.target), "draft": resolve(m.draft) if m.draft else None})
-    return cfg.model_copy(update={"model": model})
 
 
 def shard_specs(cfg: EngineConfig, layout: ShardLayout) -> tuple[list[ShardSpec], ShardSpec | None]:
@@ -85,20 +75,27 @@ def shard_specs(cfg: EngineConfig, layout: ShardLayout) -> tuple[list[ShardSpec]
 
 def build_shards(cfg: EngineConfig, layout: ShardLayout, *, num_cpus: float = 1.0, num_gpus: float = 0.0,
                  ready_timeout_s: float = 300.0, group_timeout_s: float = 60.0, name: str = "") -> Shards:
-    """Reserve the layout's bundles, start and load every shard, and join the target stages' process group."""
+    """Reserve the layout's bundles, start and load every shard, and join the target stages' process group.
+
+    With a `name`, the placement group is called so and the actors f"{name}/stage-{i}" and f"{name}/draft".
+    """
     stage_specs, draft_spec = shard_specs(cfg, layout)
     if draft_spec is None:
         layout = layout.model_copy(update={"draft_node": None})
     pg = realize.reserve(layout.bundles(num_cpus, num_gpus), name=name, timeout_s=ready_timeout_s)
     actors: list[ActorHandle] = []
     try:
-        names = [f"stage {i} on {s.node} (layers {s.layers[0]}-{s.layers[1] - 1})" for i, s in enumerate(layout.stages)]
+        names = [f"stage {i} on {s.node}:{s.device} (layers {s.layers[0]}-{s.layers[1] - 1})"
+                 for i, s in enumerate(layout.stages)]
         for i, spec in enumerate(stage_specs):
-            actors.append(ShardActor.spawn(spec, pg, i, num_cpus=num_cpus, num_gpus=num_gpus))
+            actors.append(ShardActor.spawn(spec, pg, i, num_cpus=num_cpus, num_gpus=num_gpus,
+                                           name=f"{name}/stage-{i}" if name else None))
         draft = None
         if draft_spec is not None:
-            actors.append(ShardActor.spawn(draft_spec, pg, layout.draft_bundle, num_cpus=num_cpus, num_gpus=num_gpus))
-            draft = StageGroup((actors[-1],), (f"draft on {layout.draft_node}",), (draft_spec.layer_ids,))
+            actors.append(ShardActor.spawn(draft_spec, pg, layout.draft_bundle, num_cpus=num_cpus, num_gpus=num_gpus,
+                                           name=f"{name}/draft" if name else None))
+            draft = StageGroup((actors[-1],), (f"draft on {layout.draft_node}:{layout.draft_device}",),
+                               (draft_spec.layer_ids,))
         all_names = names + ([draft.names[0]] if draft else [])
         gather([a.ready.remote() for a in actors], all_names, "load", ready_timeout_s)
         stages = actors[:len(stage_specs)]
@@ -116,24 +113,30 @@ def build_shards(cfg: EngineConfig, layout: ShardLayout, *, num_cpus: float = 1.
         raise
 
 
-def build_instance(cfg: EngineConfig, layout: ShardLayout, *, resolve: Callable[[str], str] = lambda s: s,
-                   num_cpus: float = 1.0, num_gpus: float = 0.0, ready_timeout_s: float = 300.0,
-                   group_timeout_s: float = 60.0, step_timeout_s: float = 60.0, name: str = "") -> InstanceHandle:
-    """Start an instance of `cfg`'s model pair laid out as `layout` and return once its engine answers.
+def ray_instance(cfg: EngineConfig, layout: ShardLayout, *, num_cpus: float = 1.0, num_gpus: float = 0.0,
+                 ready_timeout_s: float = 300.0, group_timeout_s: float = 60.0, step_timeout_s: float = 60.0,
+                 name: str = "") -> Instance:
+    """An Instance of `cfg`'s model pair (files, already resolved) whose stages and draft are actors laid out as
+    `layout`; the engine runs in the calling process.
 
-    Shards get `num_cpus` CPUs (and `num_gpus` GPUs) each, the engine actor `num_cpus` CPUs beside stage 0.
-    A shard that does not answer a step within `step_timeout_s` counts as failed; a transfer between stages
-    gives up after `group_timeout_s`.
+    Shards get `num_cpus` CPUs (and `num_gpus` GPUs) each. A shard that does not answer a step within
+    `step_timeout_s` counts as failed; a transfer between stages gives up after `group_timeout_s`.
     """
-    cfg = resolved(cfg, resolve)
     shards = build_shards(cfg, layout, num_cpus=num_cpus, num_gpus=num_gpus, ready_timeout_s=ready_timeout_s,
                           group_timeout_s=group_timeout_s, name=name)
     try:
-        actor = Instance.spawn(cfg, shards.target, shards.draft, step_timeout_s=step_timeout_s,
-                               placement_group=shards.placement_group, bundle_index=shards.layout.engine_bundle,
-                               num_cpus=num_cpus)
-        gather([actor.health.remote()], ["the instance engine"], "start", ready_timeout_s)
+        m = cfg.model
+        target_model = load_metadata(m.target, m.dtype)
+        target = PipelineRunner(target_model, cfg.cache, _stages(shards.target, step_timeout_s))
+        draft = None
+        if shards.draft is not None:
+            draft_model = load_metadata(m.draft, m.dtype) if m.draft is not None else target_model
+            draft = PipelineRunner(draft_model, cfg.cache, _stages(shards.draft, step_timeout_s))
+        return Instance(cfg, target, draft, release=shards.kill)
     except BaseException:
         shards.kill()
         raise
-    return InstanceHandle(actor, shards)
+
+
+def _stages(group: StageGroup, timeout_s: float) -> RayStages:
+    return RayStages(group.actors, group.names, group.layer_ids, timeout_s)

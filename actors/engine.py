@@ -24,9 +24,7 @@ from dataclasses import dataclass
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from actors.model.loader import load_model
 from actors.model.metadata import SeqChunk
-from actors.model.quant import quantize_runner_int8
 from actors.model.runner import ModelRunner
 from actors.output import RequestOutput
 from actors.scheduler import Schedule, Scheduler, Work
@@ -35,7 +33,7 @@ from actors.spec.cost_model import ATTENTION_UNIT, ForwardShape, StepCostModel
 from actors.spec.policy import Acceptance, BatchBase, Candidate, make_policy
 from actors.spec.sampling import make_generator, probs_from_logits, sample
 from actors.spec.verify import verify_greedy, verify_sampled
-from cluster.config import ConfigError, EngineConfig, SchedulerConfig, SpeculationConfig
+from cluster.config import EngineConfig, SchedulerConfig, SpeculationConfig
 from cluster.request import FinishReason, Request, SamplingParams, SpecStats, TokenDelta
 from cluster.stats import EngineStats
 
@@ -90,24 +88,12 @@ class Engine:
             self.calibrate()
 
     @classmethod
-    def from_config(cls, cfg: EngineConfig, resolve: Callable[[str], str] = lambda s: s) -> "Engine":
-        """Load the model pair named by `cfg` (`resolve` maps catalog names to files) and build the engine."""
-        m = cfg.model
-        target_model = load_model(resolve(m.target), m.dtype)
-        target = ModelRunner(target_model, range(target_model.num_layers), cfg.cache)
-        draft = None
-        if cfg.speculation.policy != "off":
-            if m.draft is not None:
-                draft_model = load_model(resolve(m.draft), m.dtype)
-                draft = ModelRunner(draft_model, range(draft_model.num_layers), cfg.cache)
-            elif m.draft_layers is not None:
-                n = target_model.num_layers
-                if any(not 0 <= i < n for i in m.draft_layers):
-                    raise ConfigError(f"model.draft_layers: {list(m.draft_layers)} not within the target's {n} layers")
-                draft = ModelRunner(target_model, m.draft_layers, cfg.cache)
-            if draft is not None and m.draft_quantization == "int8":
-                quantize_runner_int8(draft)
-        return cls(target, draft, cfg.speculation, cfg.scheduler, m.max_model_len)
+    def from_config(cls, cfg: EngineConfig) -> "Engine":
+        """Load the model pair named by `cfg` (files or hub ids, already resolved) and build the engine."""
+        from actors.local_stages import load_runners  # it builds on this module's neighbours, not on Engine
+
+        target, draft = load_runners(cfg)
+        return cls(target[0], draft, cfg.speculation, cfg.scheduler, cfg.model.max_model_len)
 
     @property
     def waiting(self) -> list[Sequence]:
@@ -168,8 +154,13 @@ class Engine:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running or self._finished)
 
-    def generate(self, prompts: Seq[Seq[int]], params: SamplingParams | Seq[SamplingParams]) -> list[Completion]:
-        """Serve a batch of tokenized prompts to completion (offline use); results in prompt order."""
+    def generate(self, prompts: Seq[Seq[int]], params: SamplingParams | Seq[SamplingParams],
+                 step: Callable[[], list[TokenDelta]] | None = None) -> list[Completion]:
+        """Serve a batch of tokenized prompts to completion (offline use); results in prompt order.
+
+        `step` replaces `self.step` (an Instance passes its own, which turns a shard failure into error deltas).
+        """
+        step = step or self.step
         params_list = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
         requests = [Request(f"gen-{next(self._ids)}", tuple(p), sp) for p, sp in zip(prompts, params_list, strict=True)]
         for r in requests:  # all or nothing: a bad prompt must not leave the good ones queued
@@ -179,7 +170,7 @@ class Engine:
             seq = self._enqueue(r)
             done[r.request_id] = Completion(r.request_id, list(r.prompt_token_ids), [], "", None, seq.stats)
         while any(c.finish_reason is None for c in done.values()) and self.has_unfinished():
-            for delta in self.step():
+            for delta in step():
                 c = done.get(delta.request_id)
                 if c is not None:
                     c.token_ids.extend(delta.token_ids)

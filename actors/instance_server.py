@@ -1,9 +1,10 @@
-"""An instance as a serving Ray actor: a ServingLoop over an engine, requests streamed back as StreamItems.
+"""An instance as a serving Ray actor: a thin wrapper over one Instance, requests streamed back as StreamItems.
 
-The engine is either in this process (stages=1) or drives pipeline stage actors and a draft actor that this
-actor starts on the nodes the planner picks (stages>1: actors/build.py, actors/instance.py); both serve the same.
+The actor builds the Instance its InstanceSpec describes (placement/fleet.py): its stages in this process
+(actors/local_stages.py) or in shard actors it starts on the planned nodes (actors/build.py); either way it
+serves the same, through a ServingLoop (actors/serving.py).
 
-    server = InstanceServer.spawn(engine_cfg, "inst-0", num_cpus=1)
+    server = InstanceServer.spawn(spec)
     async for ref in server.generate.remote(request):   # a Ray streaming generator
         item: StreamItem = await ref
 
@@ -23,18 +24,15 @@ import ray
 import torch
 from ray.actor import ActorHandle
 
-from actors.build import build_shards, resolved
-from actors.engine import Engine, RequestError
+from actors.build import ray_instance
+from actors.engine import RequestError
 from actors.instance import Instance, InstanceUnhealthy
-from actors.model.loader import load_config
+from actors.local_stages import local_instance
 from actors.serving import ServingLoop, StreamItem
-from cluster.config import EngineConfig
 from cluster.request import FinishReason, Request, TokenDelta
 from cluster.stats import EngineStats
-from placement.inventory import inventory_from_labels
-from placement.layout import ShardLayout
-from placement.model_size import model_size_from_config
-from placement.planner import plan
+from placement.fleet import InstanceSpec
+from placement.layout import PIN_UNITS
 
 
 @dataclass(frozen=True)
@@ -48,7 +46,7 @@ class InstanceInfo:
     has_draft: bool
     k: int
     policy: str
-    num_stages: int  # target pipeline stages (1: a single process)
+    num_stages: int  # target pipeline stages
 
 
 @dataclass(frozen=True)
@@ -57,27 +55,22 @@ class HealthReport:
     error: str | None
 
 
+def build(spec: InstanceSpec) -> Instance:
+    """The Instance `spec` describes, its stages where `spec.executor` says."""
+    if spec.executor == "local":
+        return local_instance(spec.engine, [s.layers for s in spec.layout.stages])
+    return ray_instance(spec.engine, spec.layout, num_cpus=spec.num_cpus, step_timeout_s=spec.step_timeout_s,
+                        name=spec.instance_id)
+
+
 class InstanceServer:
-    """One single-process instance (actors/engine.py) serving streams."""
+    """One Instance serving streams."""
 
-    def __init__(self, cfg: EngineConfig, instance_id: str, threads: int = 1, stages: int = 1,
-                 shard_cpus: float = 1.0) -> None:
-        from deploy.model_store import resolve_model  # catalog names are fetched on first use, on this node
-
-        torch.set_num_threads(threads)
-        self.instance_id = instance_id
-        self.served_name = cfg.model.served_name
-        self.instance: Instance | None = None  # the pipeline-split instance, when stages > 1
-        if stages == 1:
-            self.engine = Engine.from_config(cfg, resolve=resolve_model)
-            self.loop = ServingLoop(self.engine, name=f"engine-loop-{instance_id}")
-            return
-        cfg = resolved(cfg, resolve_model)
-        self.shards = build_shards(cfg, planned_layout(cfg, stages), num_cpus=shard_cpus, name=instance_id)
-        self.instance = Instance(cfg, self.shards.target, self.shards.draft, step_timeout_s=120.0)
-        self.engine = self.instance.engine
-        self.loop = ServingLoop(self.engine, step=self.instance.step, add=self.instance.add_request,
-                                name=f"engine-loop-{instance_id}")
+    def __init__(self, spec: InstanceSpec) -> None:
+        torch.set_num_threads(max(1, math.ceil(spec.num_cpus)))
+        self.spec = spec
+        self.instance = build(spec)
+        self.loop = ServingLoop(self.instance, name=f"engine-loop-{spec.instance_id}")
 
     async def generate(self, request: Request):
         """Stream the request's StreamItems until its final one (finish, abort or error)."""
@@ -108,53 +101,42 @@ class InstanceServer:
         return await asyncio.wrap_future(self.loop.abort(request_id))
 
     async def stats(self) -> EngineStats:
-        return self.engine.stats()
+        return self.instance.stats()
 
     async def health(self) -> HealthReport:
-        shards = self.instance.health() if self.instance is not None else None
-        if shards is not None and not shards.healthy:
+        shards = self.instance.health()
+        if not shards.healthy:
             return HealthReport(False, shards.error)
         if self.loop.alive:
             return HealthReport(True, None)
         return HealthReport(False, f"engine loop stopped: {self.loop.error!r}")
 
     async def info(self) -> InstanceInfo:
-        return InstanceInfo(self.instance_id, self.served_name, self.engine.max_model_len,
-                            ray.get_runtime_context().get_node_id(), self.engine.draft is not None,
-                            self.engine.k, self.engine.policy.name,
-                            len(self.instance.target.executor.layer_ids) if self.instance is not None else 1)
+        engine = self.instance.engine
+        return InstanceInfo(self.spec.instance_id, self.spec.engine.model.served_name, engine.max_model_len,
+                            ray.get_runtime_context().get_node_id(), engine.draft is not None, engine.k,
+                            engine.policy.name, self.instance.health().num_stages)
 
     async def kv_blocks_used(self) -> tuple[int, int]:
         """(target, draft) KV blocks in use; both are 0 once every request has ended."""
-        draft = self.engine.draft.cache.num_used_blocks if self.engine.draft is not None else 0
-        return self.engine.target.cache.num_used_blocks, draft
+        return self.instance.kv_blocks_used()
 
     def shutdown(self) -> None:
         self.loop.close()
-        if self.instance is not None:
-            self.shards.kill()
+        self.instance.shutdown()
+
+    @staticmethod
+    def pin(spec: InstanceSpec) -> dict[str, float]:
+        """The custom resource that puts the actor on the node of the instance's first stage."""
+        return {spec.layout.pin(spec.layout.stages[0].node): PIN_UNITS}
 
     @classmethod
-    def spawn(cls, cfg: EngineConfig, instance_id: str, *, num_cpus: float = 1.0, stages: int = 1,
-              resources: dict[str, float] | None = None, name: str | None = None) -> ActorHandle:
-        """Start the actor (it loads its models, or starts its shards, at once); `resources` pins it, e.g. to an
-        accelerator kind. With `stages` > 1 the engine actor only drives the shards, each of `num_cpus` CPUs."""
-        engine_cpus = num_cpus if stages == 1 else 0.0
-        actor_cls = ray.remote(cls).options(num_cpus=engine_cpus, resources=resources or {}, max_restarts=0,
-                                            max_concurrency=1000, name=name)
-        return actor_cls.remote(cfg, instance_id, threads=max(1, math.ceil(num_cpus)), stages=stages,
-                                shard_cpus=num_cpus)
-
-
-def planned_layout(cfg: EngineConfig, stages: int) -> ShardLayout:
-    """The planner's layout of one instance in `stages` stages over the running cluster's labelled nodes."""
-    m = cfg.model
-    inventory = inventory_from_labels([n["Labels"] for n in ray.nodes() if n["Alive"]])
-    dtype_bytes = 2 if m.dtype == "bf16" else 4
-    target = model_size_from_config(load_config(m.target), dtype_bytes=dtype_bytes)
-    draft = model_size_from_config(load_config(m.draft), dtype_bytes=dtype_bytes) if m.draft else None
-    p = plan(inventory, target, draft, kv_tokens=cfg.cache.num_blocks * cfg.cache.block_size, num_stages=stages)
-    layout = ShardLayout.from_plan(p.instances[0])
-    if m.draft_layers is not None and layout.draft_node is None:  # a self-draft shares the target's weights
-        layout = layout.model_copy(update={"draft_node": layout.stages[0].node})
-    return layout
+    def spawn(cls, spec: InstanceSpec, *, resources: dict[str, float] | None = None,
+              name: str | None = None) -> ActorHandle:
+        """Start the actor (it loads its models, or starts its shards, at once) with `resources` (default: the
+        pin to its first stage's node). A local instance reserves the spec's CPUs; one over shard actors only
+        drives them."""
+        cpus = spec.num_cpus if spec.executor == "local" else 0.0
+        actor_cls = ray.remote(cls).options(num_cpus=cpus, resources=cls.pin(spec) if resources is None else resources,
+                                            max_restarts=0, max_concurrency=1000, name=name)
+        return actor_cls.remote(spec)

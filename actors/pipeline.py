@@ -28,7 +28,8 @@ class ShardFailure(RuntimeError):
 
 
 class StageExecutor(Protocol):
-    """Runs a model's stages, wherever they are; each call replays `ops` on every stage's cache first."""
+    """Runs a model's stages, wherever they are (actors/local_stages.py: this process; actors/ray_stages.py: Ray
+    actors); each call replays `ops` on every stage's cache first, and a stage that fails raises ShardFailure."""
 
     layer_ids: list[tuple[int, ...]]  # per stage, in pipeline order
 
@@ -42,6 +43,14 @@ class StageExecutor(Protocol):
 
     def import_(self, ops: list[CacheOp], exports: list[KVExport]) -> bool:
         """Write exports[i] into stage i's cache; False if any stage lacks room."""
+        ...
+
+    def cache_usage(self, ops: list[CacheOp]) -> list[tuple[int, int]]:
+        """(used, free) blocks of each stage's own cache, after replaying `ops`."""
+        ...
+
+    def kill(self, stages: Sequence[int] | None = None) -> None:
+        """Stop the given stages (all by default); any later call raises ShardFailure."""
         ...
 
 

@@ -47,10 +47,10 @@ class RayStages:
         """(used, free) blocks of each stage's own cache, after replaying `ops`."""
         return self._gather([a.cache_usage.remote(ops) for a in self.actors], "cache usage")
 
-    def kill(self) -> None:
-        """Stop every stage actor (after a failure the survivors may be blocked on a dead peer)."""
-        for actor in self.actors:
-            ray.kill(actor, no_restart=True)
+    def kill(self, stages: Sequence[int] | None = None) -> None:
+        """Stop the given stage actors (all by default; after a failure the survivors may be blocked on a dead peer)."""
+        for i in range(len(self.actors)) if stages is None else stages:
+            ray.kill(self.actors[i], no_restart=True)
 
     def _gather(self, refs: list[ray.ObjectRef], what: str) -> list:
         return gather(refs, self.names, what, self.timeout_s)

@@ -15,9 +15,9 @@ import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from typing import Protocol
 
-from actors.engine import Engine
-from actors.sequence import SeqStatus
+from actors.sequence import Sequence, SeqStatus
 from cluster.request import FinishReason, Request, SpecStats, TokenDelta
 
 
@@ -32,6 +32,18 @@ class StreamItem:
 
 
 Sink = Callable[[StreamItem], None]
+
+
+class Steppable(Protocol):
+    """What the loop drives: an Instance (actors/instance.py) or a bare Engine (actors/engine.py)."""
+
+    waiting: list[Sequence]
+    running: list[Sequence]
+
+    def add_request(self, request: Request) -> None: ...
+    def abort(self, request_id: str) -> TokenDelta | None: ...
+    def step(self) -> list[TokenDelta]: ...
+    def has_unfinished(self) -> bool: ...
 log = logging.getLogger(__name__)
 
 
@@ -45,13 +57,12 @@ class _Tracked:
 
 
 class ServingLoop:
-    """Runs `step` repeatedly on a daemon thread while the engine has work."""
+    """Runs `step` (the engine's own by default) repeatedly on a daemon thread while the engine has work."""
 
-    def __init__(self, engine: Engine, step: Callable[[], list[TokenDelta]] | None = None,
-                 add: Callable[[Request], None] | None = None, name: str = "engine-loop") -> None:
+    def __init__(self, engine: Steppable, step: Callable[[], list[TokenDelta]] | None = None,
+                 name: str = "engine-loop") -> None:
         self.engine = engine
         self._step = step or engine.step
-        self._add = add or engine.add_request
         self._inbox: queue.SimpleQueue[tuple[str, object, Future]] = queue.SimpleQueue()
         self._wake = threading.Event()
         self._stop = threading.Event()
@@ -128,7 +139,7 @@ class ServingLoop:
     def _apply(self, op: str, arg: object) -> object:
         if op == "add":
             request, sink = arg
-            self._add(request)  # raises RequestError (or InstanceUnhealthy) to the caller
+            self.engine.add_request(request)  # raises RequestError (or InstanceUnhealthy) to the caller
             self._tracked[request.request_id] = _Tracked(sink, time.monotonic(), stats=self._stats_of(request))
             return None
         if op == "abort":

@@ -73,6 +73,10 @@ class ShardWorker:
         self.p2p = P2P(init_method, rank, world_size, timeout_s)
         return self.p2p.backend
 
+    def backend(self) -> str | None:
+        """The stages' process group backend ("gloo" or "nccl"); None until joined (a lone stage never joins)."""
+        return self.p2p.backend if self.p2p is not None else None
+
     def num_parameters(self) -> int:
         """Parameters this shard holds (each shared tensor once)."""
         hf = self.runner.model.hf_model

@@ -11,6 +11,7 @@ import time
 from dataclasses import dataclass, field
 
 from cluster.dispatch import DispatchPolicy, InstanceView
+from cluster.instances import InstancePlace, InstanceRow
 from cluster.stats import EngineStats
 
 
@@ -39,6 +40,7 @@ class InstanceEntry:
     draining: bool = False
     in_flight: set[str] = field(default_factory=set)
     last_seen: float = 0.0
+    place: InstancePlace = InstancePlace()
 
     @property
     def accepting(self) -> bool:
@@ -48,13 +50,11 @@ class InstanceEntry:
     def view(self) -> InstanceView:
         return InstanceView(self.instance_id, self.stats, len(self.in_flight), self.draining)
 
-    def as_dict(self) -> dict:
-        return {
-            "instance_id": self.instance_id, "model": self.model, "node": self.node, "healthy": self.healthy,
-            "error": self.error, "draining": self.draining, "accepting": self.accepting, "in_flight": len(self.in_flight),
-            "stats": self.stats.as_dict() if self.stats else None,
-            "age_s": round(time.time() - self.registered_at, 3),
-        }
+    def row(self, removed_at: float | None = None) -> InstanceRow:
+        return InstanceRow(instance_id=self.instance_id, model=self.model, node=self.node, healthy=self.healthy,
+                           error=self.error, draining=self.draining, accepting=self.accepting,
+                           in_flight=len(self.in_flight), stats=self.stats,
+                           age_s=round(time.time() - self.registered_at, 3), place=self.place, removed_at=removed_at)
 
 
 @dataclass
@@ -84,9 +84,10 @@ class Registry:
         self._finished_order: list[str] = []
 
     # ---- instances --------------------------------------------------------------------------
-    def register(self, instance_id: str, model: str, node: str, now: float) -> InstanceEntry:
+    def register(self, instance_id: str, model: str, node: str, now: float,
+                 place: InstancePlace = InstancePlace()) -> InstanceEntry:
         """Add an instance (or revive one that registers again after a router restart)."""
-        entry = InstanceEntry(instance_id, model, node, registered_at=now, last_seen=now)
+        entry = InstanceEntry(instance_id, model, node, registered_at=now, last_seen=now, place=place)
         old = self.instances.get(instance_id)
         if old is not None:
             entry.in_flight = old.in_flight

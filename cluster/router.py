@@ -18,6 +18,7 @@ from ray.actor import ActorHandle
 
 from cluster.config import RouterConfig
 from cluster.dispatch import make_dispatch
+from cluster.instances import InstancePlace, InstanceRow
 from cluster.registry import NoInstanceAvailable, Registry, RequestStatus
 
 ROUTER_NAME = "specfleet-router"
@@ -36,7 +37,7 @@ class Router:
         self.handles: dict[str, ActorHandle] = {}
         self.max_model_len: dict[str, int] = {}
         self.health_timeout_s = health_timeout_s
-        self.removed: list[dict] = []  # instances taken out for failing health, newest last
+        self.removed: list[InstanceRow] = []  # instances taken out for failing health, newest last
         self._poller: asyncio.Task | None = None
 
     async def configure(self, cfg: RouterConfig) -> None:
@@ -46,8 +47,9 @@ class Router:
         self.cfg = cfg
 
     # ---- instances ----------------------------------------------------------------------------------
-    async def register(self, instance_id: str, handle: ActorHandle, model: str, max_model_len: int, node: str) -> None:
-        self.registry.register(instance_id, model, node, time.time())
+    async def register(self, instance_id: str, handle: ActorHandle, model: str, max_model_len: int, node: str,
+                       place: InstancePlace = InstancePlace()) -> None:
+        self.registry.register(instance_id, model, node, time.time(), place)
         self.handles[instance_id] = handle
         self.max_model_len[model] = max_model_len
         if self._poller is None:
@@ -60,10 +62,10 @@ class Router:
     async def is_registered(self, instance_id: str) -> bool:
         return instance_id in self.registry.instances
 
-    async def instances(self) -> list[dict]:
-        return [e.as_dict() for e in self.registry.instances.values()]
+    async def instances(self) -> list[InstanceRow]:
+        return [e.row() for e in self.registry.instances.values()]
 
-    async def removed_instances(self) -> list[dict]:
+    async def removed_instances(self) -> list[InstanceRow]:
         return list(self.removed)
 
     async def models(self) -> dict[str, int]:
@@ -143,7 +145,7 @@ class Router:
             self.registry.finish(rid, RequestStatus.FAILED, time.time())
         entry = self.registry.remove(instance_id)
         self.handles.pop(instance_id, None)
-        self.removed.append({**entry.as_dict(), "removed_at": time.time()})
+        self.removed.append(entry.row(removed_at=time.time()))
         del self.removed[:-100]
 
     async def _poll_forever(self) -> None:

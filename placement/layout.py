@@ -1,4 +1,4 @@
-"""Where one instance's actors run: target stages (node, layer range), the draft's node, and their Ray bundles.
+"""Where one instance's actors run: target stages (node, device, layer range), the draft's place, their Ray bundles.
 
 A ShardLayout comes from the planner (`ShardLayout.from_plan`) or is written out by hand (tests, operators).
 `bundles` turns it into Ray placement-group bundles pinned to nodes by the custom resource each node of the
@@ -7,10 +7,13 @@ inventory carries (placement/inventory.py, NODE_RESOURCE); placement/realize.py 
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from placement.inventory import NODE_RESOURCE
 from placement.planner import InstancePlan, PlacementError
+
+
+PIN_UNITS = 0.001  # of a node's pin resource per bundle: a node's own `node:<ip>` resource has only 1 unit
 
 
 class _Frozen(BaseModel):
@@ -18,9 +21,10 @@ class _Frozen(BaseModel):
 
 
 class StageSlot(_Frozen):
-    """Target layers [start, end) on node `node`."""
+    """Target layers [start, end) on device `device` (its index among the node's accelerators) of node `node`."""
 
     node: str
+    device: int = Field(default=0, ge=0)
     layers: tuple[int, int]
 
     @property
@@ -29,10 +33,18 @@ class StageSlot(_Frozen):
 
 
 class ShardLayout(_Frozen):
-    """An instance's target stages in pipeline order (contiguous layers from 0), and the draft's node (None: none)."""
+    """An instance's target stages in pipeline order (contiguous layers from 0), and the draft's node (None: none)
+    and device there."""
 
     stages: tuple[StageSlot, ...]
     draft_node: str | None = None
+    draft_device: int = Field(default=0, ge=0)
+    # node -> the Ray resource that pins work to it, where it is not NODE_RESOURCE (e.g. "node:<ip>" for a pod)
+    pins: dict[str, str] = {}
+
+    def pin(self, node: str) -> str:
+        """The Ray custom resource of which 1 unit (or a sliver) keeps a bundle or actor on `node`."""
+        return self.pins.get(node, NODE_RESOURCE.format(name=node))
 
     @model_validator(mode="after")
     def _contiguous(self) -> "ShardLayout":
@@ -55,8 +67,15 @@ class ShardLayout(_Frozen):
         if plan.draft is not None and len(plan.draft.nodes) > 1:
             raise PlacementError(f"a draft group of {len(plan.draft.nodes)} members needs EasySpec actors, "
                                  "which this layout does not place yet")
-        return cls(stages=tuple(StageSlot(node=s.node, layers=s.layers) for s in plan.stages),
-                   draft_node=plan.draft.nodes[0] if plan.draft else None)
+        return cls(stages=tuple(StageSlot(node=s.node, device=s.device, layers=s.layers) for s in plan.stages),
+                   draft_node=plan.draft.nodes[0] if plan.draft else None,
+                   draft_device=plan.draft.devices[0] if plan.draft else 0)
+
+    @property
+    def places(self) -> set[tuple[str, int]]:
+        """Every (node, device) a shard of this layout runs on."""
+        draft = {(self.draft_node, self.draft_device)} if self.draft_node is not None else set()
+        return {(s.node, s.device) for s in self.stages} | draft
 
     def check(self, num_layers: int) -> None:
         """PlacementError unless the stages cover exactly the target's `num_layers` layers."""
@@ -65,28 +84,22 @@ class ShardLayout(_Frozen):
                                  f"the target has {num_layers}")
 
     def bundles(self, num_cpus: float, num_gpus: float = 0.0) -> list[dict[str, float]]:
-        """Bundles in order: one per stage, the draft's (if any), then the instance engine's (on stage 0's node).
+        """Bundles in order: one per stage, then the draft's (if any).
 
-        Each asks for `num_cpus` CPUs (and `num_gpus` GPUs for shards) and 1 unit of its node's pin resource.
+        Each asks for `num_cpus` CPUs (and `num_gpus` GPUs) and a sliver of its node's pin resource.
 
         >>> layout = ShardLayout(stages=(StageSlot(node="a100", layers=(0, 3)), StageSlot(node="l4-0", layers=(3, 4))),
         ...                      draft_node="l4-1")
         >>> layout.bundles(num_cpus=0.5)  # doctest: +NORMALIZE_WHITESPACE
-        [{'CPU': 0.5, 'specfleet_node_a100': 1.0}, {'CPU': 0.5, 'specfleet_node_l4-0': 1.0},
-         {'CPU': 0.5, 'specfleet_node_l4-1': 1.0}, {'CPU': 0.5, 'specfleet_node_a100': 1.0}]
+        [{'CPU': 0.5, 'specfleet_node_a100': 0.001}, {'CPU': 0.5, 'specfleet_node_l4-0': 0.001},
+         {'CPU': 0.5, 'specfleet_node_l4-1': 0.001}]
         """
-        def bundle(node: str, gpus: float) -> dict[str, float]:
-            return {"CPU": num_cpus, **({"GPU": gpus} if gpus else {}), NODE_RESOURCE.format(name=node): 1.0}
+        def bundle(node: str) -> dict[str, float]:
+            return {"CPU": num_cpus, **({"GPU": num_gpus} if num_gpus else {}), self.pin(node): PIN_UNITS}
 
-        shards = [bundle(s.node, num_gpus) for s in self.stages]
-        if self.draft_node is not None:
-            shards.append(bundle(self.draft_node, num_gpus))
-        return shards + [bundle(self.stages[0].node, 0.0)]
+        nodes = [s.node for s in self.stages] + ([self.draft_node] if self.draft_node is not None else [])
+        return [bundle(node) for node in nodes]
 
     @property
     def draft_bundle(self) -> int | None:
         return len(self.stages) if self.draft_node is not None else None
-
-    @property
-    def engine_bundle(self) -> int:
-        return len(self.stages) + (self.draft_node is not None)

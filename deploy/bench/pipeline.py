@@ -2,7 +2,8 @@
 
 Runs on the local cluster that `specfleet cluster up` started (its state file names the address and the
 inventory). `--stages 1` is the single-process engine (no Ray); n > 1 builds an instance laid out by the
-planner with n stages (placement/planner.py) and serves the requests through it. For each run: tokens/s,
+planner with n stages (placement/planner.py), its stage and draft actors driven by the engine in this process,
+and serves the requests through it. For each run: tokens/s,
 steps and the mean time per step, whether the outputs equal the first run's (lossless), and per stage
 boundary the measured transfer of activations: from the sender's send start to the receiver's receive end
 (one host's clock, so comparable on the local cluster), and the sender's own send time.
@@ -19,7 +20,7 @@ from pathlib import Path
 
 import ray
 
-from actors.build import build_instance
+from actors.build import ray_instance
 from actors.engine import Engine
 from actors.model.loader import load_config, load_model
 from actors.model.runner import ModelRunner
@@ -117,19 +118,19 @@ def _distributed(cfg: EngineConfig, state, n: int, prompts, params, num_cpus: fl
     sizes = [model_size_from_config(load_config(p)) for p in (cfg.model.target, cfg.model.draft)]
     kv_tokens = cfg.cache.num_blocks * cfg.cache.block_size
     layout = ShardLayout.from_plan(plan(inventory, sizes[0], sizes[1], kv_tokens=kv_tokens, num_stages=n).instances[0])
-    handle = build_instance(cfg, layout, num_cpus=num_cpus, step_timeout_s=timeout_s, group_timeout_s=timeout_s)
+    instance = ray_instance(cfg, layout, num_cpus=num_cpus, step_timeout_s=timeout_s, group_timeout_s=timeout_s)
     try:
-        actor, stages = handle.actor, handle.shards.target.actors
-        ray.get(actor.generate.remote(prompts[:1], SamplingParams(temperature=0.0, max_tokens=4)))  # warm-up
-        steps0 = ray.get(actor.stats.remote()).num_steps
+        stages = instance.target.executor.actors
+        instance.generate(prompts[:1], SamplingParams(temperature=0.0, max_tokens=4))  # warm-up
+        steps0 = instance.stats().num_steps
         ray.get([s.take_transfers.remote() for s in stages])
         start = time.perf_counter()
-        completions = ray.get(actor.generate.remote(prompts, params))
+        completions = instance.generate(prompts, params)
         seconds = time.perf_counter() - start
-        steps = ray.get(actor.stats.remote()).num_steps - steps0
+        steps = instance.stats().num_steps - steps0
         transfers = ray.get([s.take_transfers.remote() for s in stages])
     finally:
-        handle.shutdown()
+        instance.shutdown()
     nodes = [f"{s.node}[{s.layers[0]}:{s.layers[1]}]" for s in layout.stages]
     return _result(n, nodes, [c.token_ids for c in completions], seconds, steps, _boundaries(nodes, transfers))
 

@@ -16,7 +16,7 @@ from typing import Literal
 import httpx
 from pydantic import BaseModel, ConfigDict
 
-from cluster.stats import EngineStats
+from cluster.instances import InstanceRow
 from deploy.cli.flags import UsageError
 
 WRONG_ADMIN_KEY = "wrong admin key: set --admin-key or $SPECFLEET_ADMIN_KEYS or the config's admin_keys_file"
@@ -33,21 +33,6 @@ class ServerError(RuntimeError):
 
 class _Row(BaseModel):
     model_config = ConfigDict(frozen=True, extra="ignore")  # a newer server may add fields
-
-
-class InstanceRow(_Row):
-    """One instance as the router reports it (cluster/registry.py, InstanceEntry.as_dict)."""
-
-    instance_id: str
-    model: str
-    node: str
-    healthy: bool
-    error: str | None = None
-    draining: bool = False
-    in_flight: int = 0
-    stats: EngineStats | None = None  # None until the router's first poll of it
-    age_s: float = 0.0
-    removed_at: float | None = None  # set on instances removed for failing health
 
 
 class Instances(_Row):

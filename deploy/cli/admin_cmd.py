@@ -17,12 +17,13 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 from cluster.config import AuthConfig, load_config
+from cluster.instances import InstancePlace, InstanceRow
 from deploy import DEFAULT_CONFIG, model_store
-from deploy.cli.admin_client import AdminClient, Instances, InstanceRow, ServerError
+from deploy.cli.admin_client import AdminClient, Instances, ServerError
 from deploy.cli.flags import UsageError
 from deploy.infra import local_cluster
 from deploy.infra.local_cluster import ClusterError
@@ -263,11 +264,17 @@ def _nodes(state_path: Path) -> tuple[list[dict] | None, str | None]:
 
 
 def _row(i: InstanceRow, names: dict[str, str] | None = None) -> dict:
-    row = i.model_dump()
-    row["stats"] = asdict(i.stats) if i.stats else None
+    row = i.model_dump(mode="json")
     if names and i.node in names:
         row["node_name"] = names[i.node]
     return row
+
+
+def _place(place: InstancePlace) -> str:
+    """Stages and draft as `node:device[layers]`, e.g. `a100:0[0:15] l4-1:0[15:30]; draft a100:0 (ray)`."""
+    stages = " ".join(f"{s.node}:{s.device}[{s.layers[0]}:{s.layers[1]}]" for s in place.stages)
+    draft = f"; draft {place.draft.node}:{place.draft.device}" if place.draft else ""
+    return f"{stages}{draft} ({place.executor})"
 
 
 def _load(inst: Instances) -> dict:
@@ -292,6 +299,8 @@ def _print_instances(inst: Instances, names: dict[str, str]) -> None:
                 f"{s.step_time_ema_s * 1e3:>7.1f}") if s else f"{'-':>4} {'-':>4} {kv:>11} {'-':>6} {'-':>5} {'-':>7}"
         node = names.get(i.node, i.node[:12])
         print(f"{i.instance_id:<14} {i.model[:24]:<24} {node:<14} {state:<9} {i.in_flight:>6} {cols}")
+        if i.place.stages:
+            print(f"    place: {_place(i.place)}")
         if i.error:
             print(f"    error: {i.error}")
     if not inst.instances:

@@ -11,7 +11,7 @@ from pathlib import Path
 from actors.engine import Engine
 from cluster.request import SamplingParams, SpecStats
 from deploy.cli.flags import UsageError, add_engine_flags, engine_config
-from deploy.model_store import resolve_model
+from deploy.serve.fleet import resolved
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -56,7 +56,7 @@ def run(args: argparse.Namespace) -> int:
     )
     prompts = args.prompt or read_prompts(args.prompts_file)
     t0 = time.perf_counter()
-    engine = Engine.from_config(cfg, resolve=resolve_model)
+    engine = Engine.from_config(resolved(cfg))
     load_s = time.perf_counter() - t0
     chat = not args.no_chat and engine.tokenizer.chat_template is not None
     token_ids = [engine.encode(p, chat=chat) for p in prompts]

@@ -1,7 +1,8 @@
 """The Ray Serve application: `deploy.app:build_app` (what `serve run`, `serve deploy` and KubeRay's serveConfigV2 name).
 
-Two deployments: `SpecfleetInstance` (one replica per engine instance: it starts the InstanceServer actor,
-registers it with the router and reports its health to Serve, which replaces it if it fails), and
+The fleet is planned once, here (deploy/serve/fleet.py): one `SpecfleetInstance` deployment per planned instance
+(one replica: it starts the InstanceServer actor its InstanceSpec describes, registers it with the router and
+reports its health to Serve, which replaces it, in the same place, if it fails), and
 `SpecfleetAPI`, the ingress: OpenAI-compatible HTTP (deploy/serve/http_api.py) and the gRPC service
 (deploy/rpc/specfleet.proto, deploy/serve/grpc_api.py), both over one Frontend (deploy/serve/frontend.py).
 
@@ -10,7 +11,6 @@ registers it with the router and reports its health to Serve, which replaces it 
 
 
 import logging
-import uuid
 from pathlib import Path
 
 import ray
@@ -19,10 +19,12 @@ from fastapi import Request, Response
 from ray.serve.handle import DeploymentHandle
 
 from actors.instance_server import InstanceServer
-from cluster.config import ConfigError, SpecfleetConfig, load_config, parse_config
+from cluster.config import ConfigError, RouterConfig, SpecfleetConfig, load_config, parse_config
 from cluster.router import find_router, get_or_create_router
 from deploy import DEFAULT_CONFIG
 from deploy.rpc import codegen
+from deploy.serve.fleet import fleet_specs
+from placement.fleet import InstanceSpec
 
 codegen.ensure()  # the gRPC modules, before deploy.serve.grpc_api imports them
 
@@ -49,22 +51,21 @@ def config_from_args(args: dict) -> SpecfleetConfig:
 @serve.deployment(ray_actor_options={"num_cpus": 0}, health_check_period_s=2.0, health_check_timeout_s=30.0,
                   graceful_shutdown_timeout_s=5.0)
 class SpecfleetInstance:
-    """One engine instance: owns an InstanceServer actor and keeps it registered with the router."""
+    """One planned engine instance: owns its InstanceServer actor and keeps it registered with the router."""
 
-    def __init__(self, cfg: SpecfleetConfig) -> None:
-        self.cfg = cfg
-        self.instance_id = f"inst-{uuid.uuid4().hex[:8]}"
-        r = cfg.router
-        self.server = InstanceServer.spawn(cfg.engine, self.instance_id, num_cpus=r.instance_num_cpus,
-                                           stages=r.pipeline_stages, resources=dict(r.instance_resources))
-        self.info = ray.get(self.server.info.remote(), timeout=900)  # models load here (a first fetch included)
-        self.router = get_or_create_router(r)
+    def __init__(self, spec: InstanceSpec, router_cfg: RouterConfig) -> None:
+        self.spec = spec
+        self.instance_id = spec.instance_id
+        pin = InstanceServer.pin(spec)
+        self.server = InstanceServer.spawn(spec, resources={**pin, **router_cfg.instance_resources})
+        self.info = ray.get(self.server.info.remote(), timeout=900)  # models load here
+        self.router = get_or_create_router(router_cfg)
         self._register()
 
     def _register(self) -> None:
         i = self.info
-        ray.get(self.router.register.remote(self.instance_id, self.server, i.model, i.max_model_len, i.node_id),
-                timeout=30)
+        ray.get(self.router.register.remote(self.instance_id, self.server, i.model, i.max_model_len, i.node_id,
+                                            self.spec.place), timeout=30)
 
     async def check_health(self) -> None:
         """Serve calls this every few seconds; raising makes Serve replace the replica (and so the instance)."""
@@ -73,7 +74,7 @@ class SpecfleetInstance:
             raise RuntimeError(f"instance {self.instance_id} is unhealthy: {health.error}")
         if not await self.router.is_registered.remote(self.instance_id):  # the router restarted, or removed us
             await self.router.register.remote(self.instance_id, self.server, self.info.model,
-                                              self.info.max_model_len, self.info.node_id)
+                                              self.info.max_model_len, self.info.node_id, self.spec.place)
 
     async def instance_id_(self) -> str:
         return self.instance_id
@@ -91,13 +92,13 @@ class SpecfleetInstance:
 class SpecfleetAPI(HttpRoutes, GrpcMethods):
     """The ingress: HTTP routes (FastAPI) and gRPC methods over one Frontend."""
 
-    def __init__(self, cfg: SpecfleetConfig, instances: DeploymentHandle) -> None:
+    def __init__(self, cfg: SpecfleetConfig, instances: list[DeploymentHandle]) -> None:
         from deploy.model_store import resolve_model
         from deploy.serve.auth import KeySet
         from deploy.serve.frontend import Frontend
 
         self.cfg = cfg
-        self.instances = instances  # keeps the instance deployment part of the app
+        self.instances = instances  # keeps the instance deployments part of the app
         self.router = get_or_create_router(cfg.router)
         ray.get(self.router.configure.remote(cfg.router), timeout=30)
         self.frontend = Frontend(cfg, self.router, resolve=resolve_model)
@@ -152,7 +153,9 @@ class SpecfleetAPI(HttpRoutes, GrpcMethods):
 def build_app(args: dict) -> serve.Application:
     """Serve's application builder: the instance deployment (one replica per instance) and the API in front."""
     cfg = config_from_args(args or {})
-    instances = SpecfleetInstance.options(num_replicas=cfg.router.instances).bind(cfg)
+    specs = fleet_specs(cfg)  # the fleet, planned once (deploy/serve/fleet.py)
+    instances = [SpecfleetInstance.options(name=f"SpecfleetInstance-{s.instance_id}", num_replicas=1).bind(s, cfg.router)
+                 for s in specs]
     return SpecfleetAPI.bind(cfg, instances)
 
 

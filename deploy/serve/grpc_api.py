@@ -121,7 +121,7 @@ class GrpcMethods:
 
     async def Health(self, request: pb.HealthRequest, grpc_context) -> pb.HealthResponse:  # noqa: N802
         instances = await self.router.instances.remote()
-        healthy = sum(i["accepting"] for i in instances)
+        healthy = sum(i.accepting for i in instances)
         if not healthy:
             grpc_context.set_code(grpc.StatusCode.UNAVAILABLE)
             grpc_context.set_details("no healthy instance")

@@ -197,7 +197,7 @@ class HttpRoutes:
     # ---- health and metrics ---------------------------------------------------------------------------
     async def _health(self) -> JSONResponse:
         instances = await self.router.instances.remote()
-        healthy = sum(i["accepting"] for i in instances)
+        healthy = sum(i.accepting for i in instances)
         return JSONResponse({"status": "ok" if healthy else "unavailable", "healthy_instances": healthy},
                             status_code=200 if healthy else 503)
 
@@ -208,8 +208,9 @@ class HttpRoutes:
     # ---- admin ----------------------------------------------------------------------------------------
     async def _admin_instances(self, request: Request) -> JSONResponse:
         self._auth(request, admin=True)
-        return JSONResponse({"instances": await self.router.instances.remote(),
-                             "removed": await self.router.removed_instances.remote()})
+        rows, removed = await self.router.instances.remote(), await self.router.removed_instances.remote()
+        return JSONResponse({"instances": [r.model_dump(mode="json") for r in rows],
+                             "removed": [r.model_dump(mode="json") for r in removed]})
 
     async def _admin_requests(self, request: Request) -> JSONResponse:
         self._auth(request, admin=True)

@@ -11,6 +11,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from cluster.instances import InstanceRow
 from cluster.request import SpecStats
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0)
@@ -62,22 +63,22 @@ class Metrics:
             for pos, n in enumerate(stats.accepted_per_position):
                 self.accepted_per_pos.labels(m, str(pos)).inc(n)
 
-    def set_instances(self, instances: list[dict]) -> None:
+    def set_instances(self, instances: list[InstanceRow]) -> None:
         """Refresh the load gauges from the router's `instances()` rows."""
         for g in (self.running, self.waiting, self.kv_usage, self.preemptions):
             g.clear()
         healthy = 0
         for row in instances:
-            healthy += row["accepting"]
-            s = row.get("stats")
-            if not s:
+            healthy += row.accepting
+            s = row.stats
+            if s is None:
                 continue
-            labels = (row["model"], row["instance_id"])
-            self.running.labels(*labels).set(s["running"])
-            self.waiting.labels(*labels).set(s["waiting"])
-            total = s["kv_blocks_used"] + s["kv_blocks_free"]
-            self.kv_usage.labels(*labels).set(s["kv_blocks_used"] / total if total else 0.0)
-            self.preemptions.labels(*labels).set(s["num_preemptions"])
+            labels = (row.model, row.instance_id)
+            self.running.labels(*labels).set(s.running)
+            self.waiting.labels(*labels).set(s.waiting)
+            total = s.kv_blocks_used + s.kv_blocks_free
+            self.kv_usage.labels(*labels).set(s.kv_blocks_used / total if total else 0.0)
+            self.preemptions.labels(*labels).set(s.num_preemptions)
         self.healthy_instances.labels(self.model).set(healthy)
 
     def render(self) -> bytes:

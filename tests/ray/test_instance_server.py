@@ -11,9 +11,16 @@ import ray
 from actors.instance_server import InstanceServer
 from cluster.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, SpeculationConfig
 from cluster.request import FinishReason, Request, SamplingParams
+from placement.fleet import InstanceSpec
+from placement.layout import ShardLayout, StageSlot
 from tests.unit.helpers import load, reference_greedy, text_prompts
 
 CPUS = 0.5
+LAYOUTS = {  # the whole tiny model beside its draft on one device, run in the actor; or 2 stages and a draft actor
+    "local": ShardLayout(stages=(StageSlot(node="a100", layers=(0, 4)),), draft_node="a100"),
+    "ray": ShardLayout(stages=(StageSlot(node="a100", layers=(0, 2)), StageSlot(node="l4-0", layers=(2, 4))),
+                       draft_node="l4-1"),
+}
 
 
 def engine_config(target, draft) -> EngineConfig:
@@ -34,12 +41,14 @@ async def collect(server, request: Request, stop_after: int | None = None) -> li
     return items
 
 
-@pytest.fixture(scope="module", params=[1, 2], ids=["one process", "2 stages"])
+@pytest.fixture(scope="module", params=["local", "ray"], ids=["stages in process", "stage actors"])
 def server(request, ray_driver, tiny_models, tiny_draft_models):
-    handle = InstanceServer.spawn(engine_config(tiny_models["llama"], tiny_draft_models["llama"]), "test-inst",
-                                  num_cpus=CPUS, stages=request.param)
+    layout = LAYOUTS[request.param]
+    spec = InstanceSpec(instance_id=f"test-{request.param}", layout=layout, executor=request.param, num_cpus=CPUS,
+                        engine=engine_config(tiny_models["llama"], tiny_draft_models["llama"]))
+    handle = InstanceServer.spawn(spec)
     info = ray.get(handle.info.remote(), timeout=300)
-    assert info.num_stages == request.param and info.has_draft
+    assert info.num_stages == len(layout.stages) and info.has_draft
     yield handle
     ray.get(handle.shutdown.remote(), timeout=60)
     ray.kill(handle)

@@ -40,9 +40,11 @@ def test_instances_and_requests(served_app: ServedApp, capsys: pytest.CaptureFix
     rows = json.loads(out)["instances"]
     assert len(rows) == 2 and all(r["healthy"] and not r["draining"] and r["model"] == MODEL for r in rows)
     assert all(r["stats"] is not None and r["stats"]["kv_blocks_free"] > 0 for r in rows)
+    places = [{(p["node"], p["device"]) for p in [*r["place"]["stages"], r["place"]["draft"]]} for r in rows]
+    assert all(r["place"]["stages"][0]["layers"][0] == 0 for r in rows) and not places[0] & places[1]
 
     rc, out, _ = cli(served_app, capsys, "instances")
-    assert rc == 0 and all(r["instance_id"] in out for r in rows) and "KV USED" in out
+    assert rc == 0 and all(r["instance_id"] in out for r in rows) and "KV USED" in out and "place: a100:" in out
 
     with served_app.client() as c:
         r = c.post("/v1/completions", json={"model": MODEL, "prompt": "hello", "max_tokens": 4})

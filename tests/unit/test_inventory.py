@@ -33,7 +33,7 @@ def write(tmp_path: Path, text: str) -> Path:
 def test_shipped_fleet_loads() -> None:
     inventory = load_inventory(FLEET)
     assert [(n.name, n.accelerator, n.count) for n in inventory.nodes] == [
-        ("a100", "a100-80g", 1), ("l4-0", "l4-24g", 1), ("l4-1", "l4-24g", 1)]
+        ("a100", "a100-80g", 2), ("l4-0", "l4-24g", 1), ("l4-1", "l4-24g", 1)]
     a100, l4 = inventory.nodes[0], inventory.nodes[1]
     assert (a100.memory_gb, a100.speed) == (80.0, 2.0) and (l4.memory_gb, l4.speed) == (24.0, 1.0)
 

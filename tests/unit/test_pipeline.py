@@ -11,7 +11,8 @@ import torch.multiprocessing as mp
 from actors.engine import Engine
 from actors.kv_cache import BlockPool, KVExport
 from actors.kv_ledger import KVLedger, Reserve, replay
-from actors.model.loader import LoadedModel, load_metadata
+from actors.local_stages import LocalStages
+from actors.model.loader import load_metadata
 from actors.model.metadata import SeqChunk
 from actors.model.runner import ModelRunner
 from actors.p2p import P2P, TransferError, free_address
@@ -24,38 +25,10 @@ from tests.unit.helpers import load, reference_greedy, runner, text_prompts
 CACHE = CacheConfig(block_size=4, num_blocks=256)
 
 
-class LocalStages:
-    """StageExecutor running each stage's ModelRunner in this process, handing activations straight on."""
-
-    def __init__(self, model: LoadedModel, groups: list[list[int]], cache: CacheConfig = CACHE) -> None:
-        self.layer_ids = [tuple(g) for g in groups]
-        last = len(groups) - 1
-        self.runners = [ModelRunner(model, g, cache, first=i == 0, last=i == last) for i, g in enumerate(groups)]
-        self.calls = 0
-
-    def run(self, ops, chunks):
-        self.calls += 1
-        for r in self.runners:
-            replay(ops, r.cache)
-        x = None
-        if chunks:
-            for r in self.runners:
-                x = r.forward(chunks, x)  # hidden (N, H), then logits (sum num_logits, V)
-        return x
-
-    def export(self, ops, request_id, start, end):
-        for r in self.runners:
-            replay(ops, r.cache)
-        return [r.cache.export(request_id, start, end) for r in self.runners]
-
-    def import_(self, ops, exports):
-        for r in self.runners:
-            replay(ops, r.cache)
-        return all(r.cache.import_(e) for r, e in zip(self.runners, exports))
-
-
 def pipeline(path, groups: list[list[int]]) -> PipelineRunner:
-    return PipelineRunner(load_metadata(str(path)), CACHE, LocalStages(load(path), groups))
+    model, last = load(path), len(groups) - 1
+    stages = [ModelRunner(model, g, CACHE, first=i == 0, last=i == last) for i, g in enumerate(groups)]
+    return PipelineRunner(load_metadata(str(path)), CACHE, LocalStages(stages))
 
 
 def test_a_pool_replaying_the_ledgers_ops_has_the_same_block_tables() -> None:
@@ -143,9 +116,11 @@ def test_layout_from_explicit_stages_checks_contiguity_and_pins_bundles() -> Non
     layout = ShardLayout(stages=(StageSlot(node="a", layers=(0, 1)), StageSlot(node="b", layers=(1, 4))),
                          draft_node="c")
     assert layout.bundles(1.0, 1.0) == [
-        {"CPU": 1.0, "GPU": 1.0, "specfleet_node_a": 1.0}, {"CPU": 1.0, "GPU": 1.0, "specfleet_node_b": 1.0},
-        {"CPU": 1.0, "GPU": 1.0, "specfleet_node_c": 1.0}, {"CPU": 1.0, "specfleet_node_a": 1.0}]
-    assert (layout.draft_bundle, layout.engine_bundle) == (2, 3)
+        {"CPU": 1.0, "GPU": 1.0, "specfleet_node_a": 0.001}, {"CPU": 1.0, "GPU": 1.0, "specfleet_node_b": 0.001},
+        {"CPU": 1.0, "GPU": 1.0, "specfleet_node_c": 0.001}]
+    assert layout.draft_bundle == 2
+    pod = layout.model_copy(update={"pins": {"b": "node:10.0.0.7"}})
+    assert [list(b)[-1] for b in pod.bundles(1.0)] == ["specfleet_node_a", "node:10.0.0.7", "specfleet_node_c"]
     with pytest.raises(ValueError, match="expected"):
         ShardLayout(stages=(StageSlot(node="a", layers=(0, 2)), StageSlot(node="b", layers=(3, 4))))
 

@@ -93,4 +93,4 @@ def test_re_registration_keeps_the_requests_in_flight() -> None:
     reg.register("i0", "m", "n0", now=5.0)  # e.g. after a health check found the router had dropped it
     assert reg.pending() == 1
     reg.update("i0", stats(3, 97, running=1), healthy=True, error=None, now=6.0)
-    assert reg.instances["i0"].as_dict()["stats"]["kv_blocks_used"] == 3
+    assert reg.instances["i0"].row().stats.kv_blocks_used == 3

@@ -1,0 +1,51 @@
+"""Typed rows the router answers with: an instance's place (its stages and draft on devices), load and health."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict
+
+from cluster.stats import EngineStats
+
+
+class _Row(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="ignore")  # a newer server may add fields
+
+
+class StagePlace(_Row):
+    """One target pipeline stage: layers [start, end) on accelerator `device` (its index there) of node `node`."""
+
+    node: str
+    device: int
+    layers: tuple[int, int]
+
+
+class DraftPlace(_Row):
+    """Where the draft model runs."""
+
+    node: str
+    device: int
+
+
+class InstancePlace(_Row):
+    """Where an instance's shards run, as planned; `executor` "local": all in the instance actor's process."""
+
+    stages: tuple[StagePlace, ...] = ()
+    draft: DraftPlace | None = None
+    executor: str = "local"
+
+
+class InstanceRow(_Row):
+    """One instance as the router reports it (cluster/registry.py, InstanceEntry.row)."""
+
+    instance_id: str
+    model: str
+    node: str  # the node id of its instance actor
+    healthy: bool
+    error: str | None = None
+    draining: bool = False
+    accepting: bool = True  # healthy and not draining: dispatch may send it requests
+    in_flight: int = 0
+    stats: EngineStats | None = None  # None until the router's first poll of it
+    age_s: float = 0.0
+    place: InstancePlace = InstancePlace()
+    removed_at: float | None = None  # set on instances removed for failing health

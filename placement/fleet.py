@@ -1,0 +1,67 @@
+"""The fleet planned once: each instance's id, resolved engine config, layout (stages and draft on devices), executor."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from cluster.config import EngineConfig, RouterConfig
+from cluster.instances import DraftPlace, InstancePlace, StagePlace
+from placement.inventory import Inventory
+from placement.layout import ShardLayout
+from placement.model_size import ModelSize
+from placement.planner import plan
+
+
+class InstanceSpec(BaseModel):
+    """One instance as planned: actors/instance_server.py builds exactly this, and decides nothing itself.
+
+    `engine.model` names files (catalog names are resolved where the fleet is planned); `executor` says where the
+    stages run: "local" in the instance actor's own process (every shard on one device), "ray" in shard actors.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    instance_id: str
+    engine: EngineConfig
+    layout: ShardLayout
+    executor: Literal["local", "ray"]
+    num_cpus: float = Field(default=1.0, ge=0.0)  # the local instance's, or each shard actor's
+    step_timeout_s: float = Field(default=120.0, gt=0.0)
+
+    @property
+    def place(self) -> InstancePlace:
+        """Where the instance's shards run, as operators see it (/admin/instances, `specfleet instances`)."""
+        lay = self.layout
+        draft = DraftPlace(node=lay.draft_node, device=lay.draft_device) if lay.draft_node is not None else None
+        return InstancePlace(stages=tuple(StagePlace(node=s.node, device=s.device, layers=s.layers)
+                                          for s in lay.stages), draft=draft, executor=self.executor)
+
+
+def plan_fleet(engine: EngineConfig, router: RouterConfig, inventory: Inventory, target: ModelSize,
+               draft: ModelSize | None, *, pins: Mapping[str, str] | None = None,
+               prefix: str = "inst") -> list[InstanceSpec]:
+    """The whole fleet, planned once: `router.instances` instances of `router.pipeline_stages` stages each over
+    `inventory`'s devices (placement/planner.py deals devices to instances, so no two share one), instance i
+    named f"{prefix}-{i}". Re-planning after a change of nodes is a call with the new inventory.
+
+    `engine` must already name files; `target` and `draft` are the models' sizes (`draft` None: no separate
+    draft model). A self-speculative draft (`draft_layers`) shares the weights of stage 0 and sits on its device.
+    `pins` maps a node to the Ray resource that pins work to it where that is not its `specfleet_node_<name>`
+    (ShardLayout.pin). An instance whose shards all share one device runs them in its own process ("local"), else in shard actors.
+    """
+    p = plan(inventory, target, draft if engine.speculation.policy != "off" else None,
+             kv_tokens=engine.cache.num_blocks * engine.cache.block_size, num_stages=router.pipeline_stages,
+             num_instances=router.instances)
+    specs = []
+    for i, instance in enumerate(p.instances):
+        layout = ShardLayout.from_plan(instance).model_copy(update={"pins": dict(pins or {})})
+        first = layout.stages[0]
+        if engine.model.draft_layers is not None and engine.speculation.policy != "off":
+            layout = layout.model_copy(update={"draft_node": first.node, "draft_device": first.device})
+        executor = "local" if len(layout.places) == 1 else "ray"
+        specs.append(InstanceSpec(instance_id=f"{prefix}-{i}", engine=engine, layout=layout, executor=executor,
+                                  num_cpus=router.instance_num_cpus))
+    return specs

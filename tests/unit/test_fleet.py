@@ -1,0 +1,73 @@
+"""The fleet planned once (placement/fleet.py): each instance its own devices, layout, executor and place."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from cluster.config import CacheConfig, EngineConfig, ModelConfig, RouterConfig, SpeculationConfig
+from placement.fleet import plan_fleet
+from placement.inventory import Inventory, NodeSpec
+from placement.planner import PlacementError
+from tests.unit.test_planner import model
+
+FOUR_DEVICES = Inventory(nodes=[  # one node with two A100s, two nodes with one L4 each
+    NodeSpec(name="a100", accelerator="a100-80g", count=2, memory_gb=80, speed=2.0),
+    NodeSpec(name="l4-0", accelerator="l4-24g", count=1, memory_gb=24, speed=1.0),
+    NodeSpec(name="l4-1", accelerator="l4-24g", count=1, memory_gb=24, speed=1.0),
+])
+CACHE = CacheConfig(block_size=16, num_blocks=64)
+
+
+def engine(draft: str | None = "draft.gguf", draft_layers=None, policy: str = "fixed") -> EngineConfig:
+    return EngineConfig(model=ModelConfig(target="target.gguf", draft=draft, draft_layers=draft_layers),
+                        speculation=SpeculationConfig(policy=policy), cache=CACHE)
+
+
+def test_two_instances_of_two_stages_take_four_distinct_devices() -> None:
+    specs = plan_fleet(engine(), RouterConfig(instances=2, pipeline_stages=2), FOUR_DEVICES,
+                       model(8), model(2, name="draft"))
+
+    assert [s.instance_id for s in specs] == ["inst-0", "inst-1"]
+    stages = [(st.node, st.device) for s in specs for st in s.layout.stages]
+    assert len(set(stages)) == 4 == len(stages)
+    for s in specs:
+        assert [st.layers for st in s.layout.stages][0][0] == 0 and s.layout.stages[-1].layers[1] == 8
+        assert (s.layout.draft_node, s.layout.draft_device) in s.layout.places  # the draft shares a stage's device
+        assert s.executor == "ray"
+        assert s.place.stages[0].node == s.layout.stages[0].node and s.place.draft is not None
+    assert specs[0].layout.places.isdisjoint(specs[1].layout.places)
+
+
+def test_a_self_draft_sits_on_stage_0s_device_and_one_device_runs_in_process() -> None:
+    [spec] = plan_fleet(engine(draft=None, draft_layers=(0, 1)), RouterConfig(), FOUR_DEVICES, model(4), None)
+
+    assert spec.executor == "local" and len(spec.layout.stages) == 1
+    assert (spec.layout.draft_node, spec.layout.draft_device) == (spec.layout.stages[0].node, spec.layout.stages[0].device)
+    assert spec.place.model_dump(mode="json")["stages"] == [{"node": "a100", "device": 0, "layers": [0, 4]}]
+
+
+def test_without_speculation_no_draft_is_placed() -> None:
+    [spec] = plan_fleet(engine(policy="off"), RouterConfig(), FOUR_DEVICES, model(4), model(2, name="draft"))
+    assert spec.layout.draft_node is None and spec.place.draft is None
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_instances_never_share_a_device(seed: int) -> None:
+    rng = random.Random(seed)
+    nodes = [NodeSpec(name=f"n{i}", accelerator="x", count=rng.randint(1, 4), memory_gb=rng.choice([24, 40, 80]),
+                      speed=rng.choice([1.0, 2.0, 3.0])) for i in range(rng.randint(1, 5))]
+    inventory = Inventory(nodes=nodes)
+    devices = sum(n.count for n in nodes)
+    stages = rng.randint(1, 3)
+    instances = rng.randint(1, max(1, devices // stages))
+    try:
+        specs = plan_fleet(engine(), RouterConfig(instances=instances, pipeline_stages=stages), inventory,
+                           model(6, layer_gb=2.0), model(2, name="draft"))
+    except PlacementError:
+        return  # too little memory for this draw: refusing is right; sharing a device would not be
+    seen: set[tuple[str, int]] = set()
+    for s in specs:
+        assert not s.layout.places & seen
+        seen |= s.layout.places
