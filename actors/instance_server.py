@@ -29,7 +29,7 @@ from actors.engine import RequestError
 from actors.instance import Instance, InstanceUnhealthy
 from actors.local_stages import local_instance
 from actors.serving import ServingLoop, StreamItem
-from cluster.request import FinishReason, Request, TokenDelta
+from cluster.request import FinishReason, Request, RequestStatus, TokenDelta
 from cluster.stats import EngineStats
 from placement.fleet import InstanceSpec
 from placement.layout import PIN_UNITS
@@ -99,6 +99,11 @@ class InstanceServer:
     async def abort(self, request_id: str) -> bool:
         """Cancel a request; its stream ends with finish_reason "abort". False if it was not in flight."""
         return await asyncio.wrap_future(self.loop.abort(request_id))
+
+    async def request_states(self, request_ids: list[str]) -> dict[str, RequestStatus]:
+        """For the router's reconciliation: RUNNING for the ids this instance holds, the final status of those
+        that ended here; ids it never took are left out (actors/serving.py, ServingLoop.states)."""
+        return self.loop.states(request_ids)
 
     async def stats(self) -> EngineStats:
         return self.instance.stats()

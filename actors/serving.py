@@ -12,13 +12,14 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Protocol
 
 from actors.sequence import Sequence, SeqStatus
-from cluster.request import FinishReason, Request, SpecStats, TokenDelta
+from cluster.request import FinishReason, Request, RequestStatus, SpecStats, TokenDelta
 
 
 @dataclass(frozen=True)
@@ -45,6 +46,7 @@ class Steppable(Protocol):
     def step(self) -> list[TokenDelta]: ...
     def has_unfinished(self) -> bool: ...
 log = logging.getLogger(__name__)
+KEEP_ENDED = 4096  # ended requests remembered for `states` (the router asks about its own within a poll or two)
 
 
 @dataclass
@@ -67,6 +69,7 @@ class ServingLoop:
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._tracked: dict[str, _Tracked] = {}
+        self._ended: OrderedDict[str, RequestStatus] = OrderedDict()  # newest last, at most KEEP_ENDED
         self.error: BaseException | None = None  # an unexpected exception that stopped the loop
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
@@ -85,6 +88,18 @@ class ServingLoop:
         self._stop.set()
         self._wake.set()
         self._thread.join(timeout_s)
+
+    def states(self, request_ids: Iterable[str]) -> dict[str, RequestStatus]:
+        """What this loop knows of each request: RUNNING while it holds it (queued or running), its final status
+        once it ended; ids it never took (or ended too long ago) are left out. Safe from any thread: a request
+        is recorded as ended before it stops being tracked, and lookups are read in that opposite order."""
+        out = {}
+        for rid in request_ids:
+            if rid in self._tracked:
+                out[rid] = RequestStatus.RUNNING
+            elif (status := self._ended.get(rid)) is not None:
+                out[rid] = status
+        return out
 
     @property
     def alive(self) -> bool:
@@ -139,13 +154,18 @@ class ServingLoop:
     def _apply(self, op: str, arg: object) -> object:
         if op == "add":
             request, sink = arg
-            self.engine.add_request(request)  # raises RequestError (or InstanceUnhealthy) to the caller
+            try:
+                self.engine.add_request(request)  # raises RequestError (or InstanceUnhealthy) to the caller
+            except Exception:
+                self._record_end(request.request_id, RequestStatus.FAILED)
+                raise
             self._tracked[request.request_id] = _Tracked(sink, time.monotonic(), stats=self._stats_of(request))
             return None
         if op == "abort":
-            tracked = self._tracked.pop(arg, None)
+            tracked = self._tracked.get(arg)
             final = self.engine.abort(arg)
             if tracked is not None:
+                self._end(arg, RequestStatus.ABORTED)
                 delta = final or TokenDelta(arg, (), "", FinishReason.ABORT)
                 tracked.sink(StreamItem(delta, stats=tracked.stats))
             return tracked is not None
@@ -174,13 +194,23 @@ class ServingLoop:
             if not t.queue_reported:
                 queue_s, t.queue_reported = t.scheduled_at - t.submitted_at, True
             if delta.finished:
-                del self._tracked[delta.request_id]
+                self._end(delta.request_id, RequestStatus.of(delta.finish_reason))
             t.sink(StreamItem(delta, stats=t.stats if delta.finished else None, queue_s=queue_s))
 
     def _end_all(self, reason: FinishReason, message: str) -> None:
         for rid, t in list(self._tracked.items()):
+            self._end(rid, RequestStatus.of(reason))
             t.sink(StreamItem(TokenDelta(rid, (), "", reason, error=message), stats=t.stats))
-        self._tracked.clear()
+
+    def _end(self, request_id: str, status: RequestStatus) -> None:
+        """A tracked request ended: recorded as ended first, then untracked (see `states`)."""
+        self._record_end(request_id, status)
+        del self._tracked[request_id]
+
+    def _record_end(self, request_id: str, status: RequestStatus) -> None:
+        self._ended[request_id] = status
+        while len(self._ended) > KEEP_ENDED:
+            self._ended.popitem(last=False)
 
     def _fail_inbox(self) -> None:
         for _, _, fut in self._take_inbox():

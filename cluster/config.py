@@ -131,6 +131,9 @@ class RouterConfig(_Frozen):
     instances: int = Field(default=1, ge=1)  # engine instances to start
     dispatch: Literal["least_load", "round_robin"] = "least_load"
     stats_interval_s: float = Field(default=0.5, gt=0.0)  # how often the router polls each instance
+    # a request routed this long ago that its instance has never received is closed as aborted (its caller went
+    # away between routing and sending it); younger ones may still be on their way (Registry.reconcile)
+    orphan_grace_s: float = Field(default=30.0, gt=0.0)
     instance_num_cpus: float = Field(default=1.0, ge=0.0)  # CPUs each instance's engine (and each shard) reserves
     # 1: each instance is one process; N > 1: the target split over N stage actors (plus a draft actor),
     # placed by the planner over the cluster's labelled nodes (placement/planner.py, actors/build.py)

@@ -6,12 +6,12 @@ plain data, so dispatch, draining and failure handling are tested without a clus
 
 from __future__ import annotations
 
-import enum
 import time
 from dataclasses import dataclass, field
 
 from cluster.dispatch import DispatchPolicy, InstanceView
 from cluster.instances import InstancePlace, InstanceRow
+from cluster.request import RequestStatus
 from cluster.stats import EngineStats
 
 
@@ -19,11 +19,14 @@ class NoInstanceAvailable(RuntimeError):
     """No healthy instance accepts requests (none registered, all unhealthy, or all draining)."""
 
 
-class RequestStatus(str, enum.Enum):
-    RUNNING = "running"  # routed to an instance, not finished
-    FINISHED = "finished"  # ended normally (stop or length)
-    ABORTED = "aborted"  # cancelled by the client, an operator, or a drain
-    FAILED = "failed"  # ended with an error (e.g. its instance lost a shard)
+@dataclass(frozen=True)
+class Reconciled:
+    """A request the router closed because its instance no longer holds it (its release never arrived)."""
+
+    request_id: str
+    instance_id: str
+    status: RequestStatus
+    seen_by_instance: bool  # False: the instance never received it (it was routed, then never sent)
 
 
 @dataclass
@@ -67,6 +70,7 @@ class RequestEntry:
     status: RequestStatus
     created_at: float
     finished_at: float | None = None
+    ended_at_instance: RequestStatus | None = None  # what the last poll's instance reported, not yet confirmed
 
     def as_dict(self) -> dict:
         return {"request_id": self.request_id, "instance_id": self.instance_id, "priority": self.priority,
@@ -147,6 +151,38 @@ class Registry:
         while len(self._finished_order) > self.keep_finished:
             self.requests.pop(self._finished_order.pop(0), None)
         return entry
+
+    def reconcile(self, instance_id: str, asked: list[str], states: dict[str, RequestStatus], now: float,
+                  grace_s: float) -> list[Reconciled]:
+        """Close the requests routed to `instance_id` that the instance no longer runs or queues.
+
+        `states` is the instance's answer for the ids the router `asked` about (its requests in flight when
+        the poll began): RUNNING while it holds a request, its final status once it ended; an id it does
+        not know is absent. A request it reports
+        ended is closed with that status. One it does not know is closed as aborted once it was routed more
+        than `grace_s` ago (it never reached the instance: its caller went away between `route` and sending
+        it); before that it may still be on its way.
+        """
+        inst = self.instances.get(instance_id)
+        if inst is None:
+            return []
+        closed = []
+        for rid in asked:
+            entry = self.requests.get(rid)
+            if rid not in inst.in_flight or entry is None or entry.status != RequestStatus.RUNNING:
+                continue  # released meanwhile
+            state = states.get(rid)
+            if state == RequestStatus.RUNNING:
+                continue
+            if state is None and now - entry.created_at <= grace_s:
+                continue
+            if state is not None and entry.ended_at_instance is None:
+                entry.ended_at_instance = state
+                continue
+            status = state or RequestStatus.ABORTED
+            self.finish(rid, status, now)
+            closed.append(Reconciled(rid, instance_id, status, seen_by_instance=state is not None))
+        return closed
 
     def pending(self) -> int:
         """Requests routed and not finished, over all instances (the backpressure count)."""

@@ -54,6 +54,21 @@ class FinishReason(str, enum.Enum):
     ERROR = "error"  # the request could not be served (see TokenDelta.error)
 
 
+class RequestStatus(str, enum.Enum):
+    """A request's state in the router's table and in an instance's answer to `request_states`."""
+
+    RUNNING = "running"  # routed to an instance (at the instance: queued or running), not finished
+    FINISHED = "finished"  # ended normally (stop or length)
+    ABORTED = "aborted"  # cancelled by the client, an operator, or a drain
+    FAILED = "failed"  # ended with an error (e.g. its instance lost a shard)
+
+    @classmethod
+    def of(cls, reason: FinishReason) -> "RequestStatus":
+        """How a request that ended for `reason` is recorded."""
+        return {FinishReason.STOP: cls.FINISHED, FinishReason.LENGTH: cls.FINISHED, FinishReason.ABORT: cls.ABORTED,
+                FinishReason.ERROR: cls.FAILED}[reason]
+
+
 @dataclass(frozen=True)
 class Request:
     """A tokenized request as the engine receives it."""

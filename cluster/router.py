@@ -123,20 +123,27 @@ class Router:
     async def poll(self) -> None:
         """Refresh every instance's stats and health once; remove the ones that fail."""
         ids = list(self.handles)
-        results = await asyncio.gather(*(self._probe(i) for i in ids), return_exceptions=True)
+        asked = {i: sorted(self.registry.instances[i].in_flight) if i in self.registry.instances else [] for i in ids}
+        results = await asyncio.gather(*(self._probe(i, asked[i]) for i in ids), return_exceptions=True)
         for instance_id, result in zip(ids, results):
             if isinstance(result, BaseException):
                 self._remove_failed(instance_id, f"{type(result).__name__}: {result}")
                 continue
-            stats, health = result
-            self.registry.update(instance_id, stats, health.healthy, health.error, time.time())
+            stats, health, states = result
+            now = time.time()
+            self.registry.update(instance_id, stats, health.healthy, health.error, now)
             if not health.healthy:
                 self._remove_failed(instance_id, health.error or "unhealthy")
+                continue
+            for r in self.registry.reconcile(instance_id, asked[instance_id], states, now, self.cfg.orphan_grace_s):
+                log.warning("request %s was still running at the router, but its instance %s %s; closed as %s",
+                            r.request_id, r.instance_id, "ended it" if r.seen_by_instance else "never received it",
+                            r.status.value)
 
-    async def _probe(self, instance_id: str):
+    async def _probe(self, instance_id: str, asked: list[str]):
         handle = self.handles[instance_id]
-        return await asyncio.wait_for(asyncio.gather(handle.stats.remote(), handle.health.remote()),
-                                      self.health_timeout_s)
+        return await asyncio.wait_for(asyncio.gather(handle.stats.remote(), handle.health.remote(),
+                                                     handle.request_states.remote(asked)), self.health_timeout_s)
 
     def _remove_failed(self, instance_id: str, error: str) -> None:
         if instance_id not in self.registry.instances:

@@ -167,8 +167,8 @@ def run_status(args: argparse.Namespace) -> int:
     print("instances:")
     _print_instances(inst, names)
     load = report["load"]
-    print(f"load: {load['running']} running, {load['waiting']} waiting, {load['in_flight']} in flight; "
-          f"KV blocks {load['kv_blocks_used']}/{load['kv_blocks_total']} used")
+    print(f"requests: the router holds {load['pending']} pending (in flight); the instances run {load['running']} "
+          f"and queue {load['waiting']}; KV blocks {load['kv_blocks_used']}/{load['kv_blocks_total']} used")
     acc = "-" if load["acceptance"] is None else f"{load['acceptance']:.2f}"
     k = "-" if load["mean_k"] is None else f"{load['mean_k']:.2f}"
     print(f"speculation: acceptance {acc}, mean k {k} (mean over instances)")
@@ -282,6 +282,7 @@ def _load(inst: Instances) -> dict:
     spec = [s for s in stats if s.policy != "off"]
     return {"running": sum(s.running for s in stats), "waiting": sum(s.waiting for s in stats),
             "in_flight": sum(i.in_flight for i in inst.instances),
+            "pending": sum(i.in_flight for i in inst.instances),  # the router's backpressure count
             "kv_blocks_used": sum(s.kv_blocks_used for s in stats),
             "kv_blocks_total": sum(s.kv_blocks_used + s.kv_blocks_free for s in stats),
             "acceptance": round(sum(s.acceptance for s in spec) / len(spec), 4) if spec else None,

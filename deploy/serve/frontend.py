@@ -7,11 +7,25 @@
 
 Everything the engine would refuse is refused here first, with the field it concerns, so a stream that has
 begun can only end in an error if an instance fails.
+
+Every routed request is released exactly once, however its client leaves: `Call.close` (synchronous, so no
+cancellation can skip it) hands the abort at the instance and the `finish` at the router to supervised tasks
+that await them and log a failure. A route whose caller is cancelled while it is under way is released when
+it completes. What still escapes (a process that dies) the router's reconciliation closes (cluster/router.py).
+
+Control calls (route, finish, abort) are submitted outside the request's context. When a client disconnects,
+Serve cancels the replica's request with `ray.cancel`, which is recursive: every Ray call submitted from the
+request's context is a child of it and is cancelled too. That is how releases were lost (issue 12): the
+`finish` and `abort` sent while the request was being torn down (or just after its last token) were cancelled
+with it, so the router kept the request running while its instance had ended it. Ray tells parents from the
+caller's contextvars, so a call made in a fresh `contextvars.Context()` belongs to no request.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextvars
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -24,10 +38,12 @@ from actors.model.loader import load_metadata
 from actors.serving import StreamItem
 from cluster.config import SpecfleetConfig
 from cluster.registry import NoInstanceAvailable
-from cluster.request import FinishReason, Request, SamplingParams, SpecStats, TokenDelta
+from cluster.request import FinishReason, Request, RequestStatus, SamplingParams, SpecStats, TokenDelta
 from cluster.router import Overloaded
 from deploy.serve.metrics import Metrics
 from deploy.serve.openai_api import APIError
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -75,6 +91,7 @@ class Frontend:
         self.vocab_size = self.meta.config.vocab_size
         self.router = router
         self.metrics = Metrics(self.model_name)
+        self._releases: set[asyncio.Task] = set()  # supervised release calls under way
 
     # ---- validation ---------------------------------------------------------------------------------
     def check_model(self, model: str) -> None:
@@ -131,30 +148,68 @@ class Frontend:
         routed: list[tuple[str, ActorHandle]] = []
         try:
             for rid in ids:
-                routed.append(await self.router.route.remote(rid, prep.priority, self.model_name,
-                                                            self.cfg.serve.max_pending_requests))
+                routed.append(await self._route(rid, prep.priority))
         except Overloaded as e:
-            self._release(ids[:len(routed)], routed, "aborted")
+            self.release(ids[:len(routed)], routed, RequestStatus.ABORTED)
             retry = str(self.cfg.serve.retry_after_s)
             raise APIError(429, f"the server is busy: {e}; retry after {retry} s", type_="rate_limit_error",
                            code="too_many_pending_requests", headers={"Retry-After": retry}) from None
         except NoInstanceAvailable as e:
-            self._release(ids[:len(routed)], routed, "aborted")
+            self.release(ids[:len(routed)], routed, RequestStatus.ABORTED)
             raise APIError(503, f"no instance can take the request: {e}", type_="service_unavailable",
                            code="no_instance") from None
+        except BaseException:  # cancelled (the client left) or the router failed: nothing may stay routed
+            self.release(ids[:len(routed)], routed, RequestStatus.ABORTED)
+            raise
         return Call(self, prep, ids, routed)
 
-    def _release(self, ids: list[str], routed: list[tuple[str, ActorHandle]], status: str,
-                 abort: bool = False) -> None:
-        """Tell the router these sub-requests ended (and the instances to abort them); fire and forget."""
+    async def _route(self, rid: str, priority: int) -> tuple[str, ActorHandle]:
+        """One `router.route`; if the caller is cancelled while it is under way, its result is released later."""
+        ref = contextvars.Context().run(self.router.route.remote, rid, priority, self.model_name,
+                                        self.cfg.serve.max_pending_requests)  # no child of the request: see above
+        routing = asyncio.wrap_future(ref.future())
+        try:
+            return await asyncio.shield(routing)
+        except asyncio.CancelledError:
+            self._supervise(self._release_when_routed(rid, routing), rid)
+            raise
+
+    async def _release_when_routed(self, rid: str, routing: asyncio.Future) -> None:
+        try:
+            routed = await routing
+        except Exception:  # noqa: BLE001 - it was not routed (busy, no instance): nothing to release
+            return
+        await self._release_one(rid, routed[1], RequestStatus.ABORTED, abort=False)
+
+    def release(self, ids: list[str], routed: list[tuple[str, ActorHandle]], status: RequestStatus,
+                abort: bool = False) -> None:
+        """Tell the router these sub-requests ended (and, with `abort`, their instances to stop them). Synchronous:
+        the calls run in supervised tasks that await them and log a failure."""
         for rid, (_, handle) in zip(ids, routed):
-            if abort:
-                handle.abort.remote(rid)
-            self.router.finish.remote(rid, status)
+            self._supervise(self._release_one(rid, handle, status, abort), rid)
 
+    async def _release_one(self, rid: str, handle: ActorHandle, status: RequestStatus, abort: bool) -> None:
+        if abort:  # idempotent at the instance: False if it already ended there
+            try:
+                await handle.abort.remote(rid)
+            except RayError as e:
+                log.warning("aborting request %s at its instance failed (%s: %s)", rid, type(e).__name__, e)
+        try:  # idempotent at the router: a request that already ended keeps its status
+            await self.router.finish.remote(rid, status.value)
+        except RayError as e:
+            log.error("telling the router that request %s ended (%s) failed (%s: %s); its next poll closes it",
+                      rid, status.value, type(e).__name__, e)
 
-_ROUTER_STATUS = {FinishReason.STOP: "finished", FinishReason.LENGTH: "finished", FinishReason.ABORT: "aborted",
-                  FinishReason.ERROR: "failed"}
+    def _supervise(self, coro, rid: str) -> None:
+        """Run a release in its own task, in a fresh context: its Ray calls are no children of the request."""
+        task = asyncio.get_running_loop().create_task(coro, name=f"release-{rid}", context=contextvars.Context())
+        self._releases.add(task)
+        task.add_done_callback(self._released)
+
+    def _released(self, task: asyncio.Task) -> None:
+        self._releases.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.error("releasing %s failed", task.get_name(), exc_info=task.exception())
 
 
 class Call:
@@ -162,8 +217,9 @@ class Call:
 
     def __init__(self, frontend: Frontend, prep: Prepared, ids: list[str], routed: list[tuple[str, ActorHandle]]):
         self.f, self.prep, self.ids, self.routed = frontend, prep, ids, routed
-        self._open = set(range(len(ids)))
+        self._open = set(range(len(ids)))  # choices not yet released
         self._tasks: list[asyncio.Task] = []
+        self._closed = False
 
     async def _one(self, index: int, out: asyncio.Queue) -> None:
         rid, (_, handle) = self.ids[index], self.routed[index]
@@ -181,6 +237,8 @@ class Call:
                                                         error=f"the instance failed: {type(e).__name__}: {e}"))))
 
     async def __aiter__(self) -> AsyncIterator[tuple[int, StreamItem]]:
+        if self._closed:
+            return
         out: asyncio.Queue = asyncio.Queue()
         self._tasks = [asyncio.get_running_loop().create_task(self._one(i, out)) for i in range(len(self.ids))]
         timer = _Timer(self.f.metrics, self.prep.arrival)
@@ -196,24 +254,30 @@ class Call:
             self.close()
 
     def close(self) -> None:
-        """Abort whatever still runs and free its KV (idempotent). Transports call it when their client goes
-        away: an abandoned async generator is only finalized whenever the garbage collector gets to it."""
+        """Abort whatever still runs and free its KV (idempotent, synchronous). Transports call it when their
+        client goes away, before any await: an abandoned async generator is only finalized whenever the garbage
+        collector gets to it, and one that never started is never finalized at all."""
+        self._closed = True
         for t in self._tasks:
             t.cancel()
         if self._open:
             still = sorted(self._open)
-            self.f._release([self.ids[i] for i in still], [self.routed[i] for i in still], "aborted", abort=True)
+            self.f.release([self.ids[i] for i in still], [self.routed[i] for i in still], RequestStatus.ABORTED,
+                           abort=True)
             self._open.clear()
 
     def _finished(self, index: int, item: StreamItem) -> None:
         reason = item.delta.finish_reason
-        self.f.router.finish.remote(self.ids[index], _ROUTER_STATUS[reason])
+        self.f.release([self.ids[index]], [self.routed[index]], RequestStatus.of(reason))
         self.f.metrics.finished(reason.value, len(self.prep.prompt_ids) if index == 0 else 0, item.stats)
 
     async def collect(self) -> list[Choice]:
         choices = [Choice(i) for i in range(len(self.ids))]
-        async for index, item in self:
-            choices[index].add(item)
+        try:
+            async for index, item in self:
+                choices[index].add(item)
+        finally:
+            self.close()
         return choices
 
 

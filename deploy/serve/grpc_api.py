@@ -30,6 +30,13 @@ def _usage(prompt: int, completion: int) -> pb.Usage:
     return pb.Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
 
 
+def _failure(error: str | None, rejected: bool) -> APIError:
+    """A request that ended in an error: INVALID_ARGUMENT if the engine refused it, else UNAVAILABLE."""
+    if rejected:
+        return APIError(400, error or "the request was refused")
+    return APIError(503, error or "the request failed")
+
+
 class GrpcMethods:
     """Mixed into the Serve ingress class (deploy/serve/app.py), beside the HTTP routes."""
 
@@ -77,7 +84,7 @@ class GrpcMethods:
             call = await self._start(request)
             [c] = await call.collect()
             if c.finish_reason == FinishReason.ERROR:
-                raise APIError(503, c.error or "the request failed")
+                raise _failure(c.error, c.rejected)
         except APIError as e:
             self._fail(grpc_context, e)
             return pb.GenerateResponse()
@@ -98,7 +105,7 @@ class GrpcMethods:
                 d = item.delta
                 completion += len(d.token_ids)
                 if d.finish_reason == FinishReason.ERROR:
-                    e = APIError(503, d.error or "the request failed")
+                    e = _failure(d.error, item.rejected)
                     self._fail(grpc_context, e)
                     raise e
                 chunk = pb.GenerateChunk(id=rid, text=d.text, token_ids=d.token_ids)

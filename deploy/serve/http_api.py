@@ -64,15 +64,25 @@ SEND_TIMEOUT_S = 20.0  # a stream chunk not taken by the proxy for this long: th
 
 
 class ClosingStreamingResponse(StreamingResponse):
-    """A stream that watches for the client's disconnect and closes its body generator however it ends.
+    """A stream that watches for the client's disconnect and closes its call and body generator however it ends.
 
     Starlette (for ASGI 2.4 servers, as Serve's replica declares) only notices a disconnect when a send fails,
     and Serve's sends go to a queue that never fails; and an abandoned generator is only finalized when the
     garbage collector gets to it. So the request would run on. Here `http.disconnect` from `receive`
-    (which Serve delivers) stops the stream, and the generator's `finally` aborts the request at once. Under
-    load the proxy has also been seen to stop taking chunks with neither a disconnect nor a cancellation: a
-    send blocked for SEND_TIMEOUT_S counts as a disconnect too.
+    (which Serve delivers) stops the stream, and the call is closed at once. Under load the proxy has also
+    been seen to stop taking chunks with neither a disconnect nor a cancellation: a send blocked for
+    SEND_TIMEOUT_S counts as a disconnect too.
+
+    The call is closed first thing in `finally`, before any await: Serve may cancel this task more than once
+    (the generator close and the actor task's cancellation), and a second cancellation during the awaits
+    below used to skip closing a body generator that was suspended at a send, leaving the request running at
+    the router for as long as the garbage collector took (issue 12). A body generator that never started
+    would never have closed at all.
     """
+
+    def __init__(self, content, call: Call, **kwargs) -> None:
+        super().__init__(content, **kwargs)
+        self.call = call
 
     async def __call__(self, scope, receive, send) -> None:
         async def disconnected() -> None:
@@ -87,6 +97,7 @@ class ClosingStreamingResponse(StreamingResponse):
         try:
             await asyncio.wait({stream, watcher}, return_when=asyncio.FIRST_COMPLETED)
         finally:
+            self.call.close()
             for task in (stream, watcher):
                 task.cancel()
             await asyncio.gather(stream, watcher, return_exceptions=True)
@@ -123,9 +134,8 @@ class HttpRoutes:
         f.check_model(body.model)
         ids = f.encode_prompt(body.prompt)
         prep = f.prepare(ids, max_tokens=body.max_tokens, **body.sampling_args())
-        call = await f.start(prep)
         prefix = body.prompt if body.echo and isinstance(body.prompt, str) else ""
-        return await self._respond(call, body, chat=False, prefix=prefix)
+        return await self._respond(await f.start(prep), body, chat=False, prefix=prefix)
 
     async def _chat_completions(self, request: Request) -> Response:
         self._auth(request)
@@ -139,14 +149,21 @@ class HttpRoutes:
         ids = f.encode_chat(messages)
         prep = f.prepare(ids, max_tokens=body.token_limit, **body.sampling_args(), prompt_param="messages",
                          prefix="chatcmpl")
-        call = await f.start(prep)
-        return await self._respond(call, body, chat=True)
+        return await self._respond(await f.start(prep), body, chat=True)
 
     async def _respond(self, call: Call, body, chat: bool, prefix: str = "") -> Response:
+        """The response of a started call; whatever goes wrong before the response owns the call closes it."""
+        try:
+            if body.stream:
+                return ClosingStreamingResponse(self._stream(call, chat, body.include_usage, prefix), call,
+                                                media_type="text/event-stream")
+            return await self._complete(call, body, chat, prefix)
+        except BaseException:
+            call.close()
+            raise
+
+    async def _complete(self, call: Call, body, chat: bool, prefix: str) -> Response:
         rid, model, p = call.prep.request_id, self.frontend.model_name, len(call.prep.prompt_ids)
-        if body.stream:
-            return ClosingStreamingResponse(self._stream(call, chat, body.include_usage, prefix),
-                                            media_type="text/event-stream")
         choices = await call.collect()
         if all(c.finish_reason == FinishReason.ERROR for c in choices):
             first = choices[0]

@@ -3,7 +3,9 @@
 Latencies are observed where requests pass (the API replica): time to first token, inter-token latency (the
 gap between consecutive token-bearing deltas: one engine step, which may carry several accepted tokens),
 end-to-end latency, and queue time (submission to first scheduling, as the engine reports it). Gauges of
-load come from the router's latest stats of each instance when /metrics is scraped.
+load come from the router's latest stats of each instance when /metrics is scraped, beside the router's own
+request table (its pending count and each instance's requests in flight), so a divergence between what the
+router counts and what the instances run shows.
 """
 
 from __future__ import annotations
@@ -48,6 +50,12 @@ class Metrics:
         self.kv_usage = Gauge("specfleet:kv_cache_usage_perc", "Target KV cache usage (1 = full)", inst, registry=r)
         self.preemptions = Gauge("specfleet:num_preemptions", "Preemptions since the instance started", inst,
                                  registry=r)
+        self.router_in_flight = Gauge("specfleet:router_requests_in_flight",
+                                      "Requests the router counts as routed to the instance and not ended", inst,
+                                      registry=r)
+        self.router_pending = Gauge("specfleet:router_requests_pending",
+                                    "Requests the router counts as pending over all instances (the 429 limit's count)",
+                                    m, registry=r)
         self.healthy_instances = Gauge("specfleet:healthy_instances", "Instances the router dispatches to", m,
                                        registry=r)
 
@@ -65,11 +73,12 @@ class Metrics:
 
     def set_instances(self, instances: list[InstanceRow]) -> None:
         """Refresh the load gauges from the router's `instances()` rows."""
-        for g in (self.running, self.waiting, self.kv_usage, self.preemptions):
+        for g in (self.running, self.waiting, self.kv_usage, self.preemptions, self.router_in_flight):
             g.clear()
         healthy = 0
         for row in instances:
             healthy += row.accepting
+            self.router_in_flight.labels(row.model, row.instance_id).set(row.in_flight)
             s = row.stats
             if s is None:
                 continue
@@ -80,6 +89,7 @@ class Metrics:
             self.kv_usage.labels(*labels).set(s.kv_blocks_used / total if total else 0.0)
             self.preemptions.labels(*labels).set(s.num_preemptions)
         self.healthy_instances.labels(self.model).set(healthy)
+        self.router_pending.labels(self.model).set(sum(row.in_flight for row in instances))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

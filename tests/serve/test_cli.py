@@ -60,7 +60,9 @@ def test_status(served_app: ServedApp) -> None:
     report = json.loads(out.stdout)
     assert report["healthy"] and report["health"]["healthy_instances"] == 2 and len(report["instances"]) == 2
     assert len(report["nodes"]) == 3 and all(n["alive"] for n in report["nodes"])
-    assert {"running", "waiting", "kv_blocks_used", "acceptance", "mean_k"} <= set(report["load"])
+    assert {"running", "waiting", "pending", "kv_blocks_used", "acceptance", "mean_k"} <= set(report["load"])
+    text = specfleet("status", "--config", str(served_app.config_path), "--state", str(served_app.state_path))
+    assert text.returncode == 0 and "the router holds 0 pending" in text.stdout, text.stdout + text.stderr
 
 
 def test_abort_a_running_request(served_app: ServedApp, capsys: pytest.CaptureFixture) -> None:

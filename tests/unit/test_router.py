@@ -94,3 +94,28 @@ def test_re_registration_keeps_the_requests_in_flight() -> None:
     assert reg.pending() == 1
     reg.update("i0", stats(3, 97, running=1), healthy=True, error=None, now=6.0)
     assert reg.instances["i0"].row().stats.kv_blocks_used == 3
+
+
+def test_reconcile_closes_what_the_instance_no_longer_holds_with_the_instances_status() -> None:
+    reg = Registry(make_dispatch("round_robin"))
+    reg.register("i0", "m", "n0", now=0.0)
+    for rid in ("done", "cut", "broke", "live", "lost", "young"):
+        reg.route(rid, 0, now=0.0 if rid != "young" else 9.0)
+    asked = sorted(reg.instances["i0"].in_flight)
+    reg.route("later", 0, now=9.5)  # routed after the poll asked: not judged by this answer
+    states = {"done": RequestStatus.FINISHED, "cut": RequestStatus.ABORTED, "broke": RequestStatus.FAILED,
+              "live": RequestStatus.RUNNING}
+    assert [r.request_id for r in reg.reconcile("i0", asked, states, now=10.0, grace_s=5.0)] == ["lost"]
+    assert reg.pending() == 6  # an end the instance reports gets one poll for the API's own release to arrive
+    closed = reg.reconcile("i0", asked, states, now=10.0, grace_s=5.0)
+    assert {(r.request_id, r.status, r.seen_by_instance) for r in closed} == {
+        ("done", RequestStatus.FINISHED, True), ("cut", RequestStatus.ABORTED, True),
+        ("broke", RequestStatus.FAILED, True)}
+    assert reg.instances["i0"].in_flight == {"live", "young", "later"} and reg.pending() == 3
+    assert reg.requests["done"].status == RequestStatus.FINISHED and reg.requests["lost"].finished_at == 10.0
+    # the API's own release arriving afterwards changes nothing; a young unknown request closes after the grace
+    reg.finish("cut", RequestStatus.FINISHED, now=11.0)
+    assert reg.requests["cut"].status == RequestStatus.ABORTED
+    closed = reg.reconcile("i0", ["live", "young"], {"live": RequestStatus.RUNNING}, now=14.5, grace_s=5.0)
+    assert [r.request_id for r in closed] == ["young"] and reg.pending() == 2
+    assert reg.reconcile("gone", ["x"], {}, now=20.0, grace_s=5.0) == []

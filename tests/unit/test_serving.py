@@ -9,7 +9,7 @@ import pytest
 
 from actors.engine import RequestError
 from actors.serving import ServingLoop, StreamItem
-from cluster.request import FinishReason, Request, SamplingParams
+from cluster.request import FinishReason, Request, RequestStatus, SamplingParams
 from tests.unit.helpers import load, reference_greedy, text_prompts
 from tests.unit.test_scheduler import engine_for
 
@@ -101,3 +101,22 @@ def test_an_engine_failure_ends_every_request_with_an_error_and_marks_the_loop_d
     assert final.finish_reason == FinishReason.ERROR and "shard lost" in final.error
     loop._thread.join(10)
     assert not loop.alive and isinstance(loop.error, RuntimeError)
+
+
+def test_states_report_held_requests_as_running_and_ended_ones_with_their_status(tiny_models, tiny_draft_models) -> None:
+    engine = engine_for(tiny_models["llama"], tiny_draft_models["llama"], k=3)
+    loop, got = ServingLoop(engine), Collector()
+    prompt = tuple(text_prompts(load(tiny_models["llama"]), 1)[0])
+    try:
+        with pytest.raises(RequestError):
+            loop.submit(Request("bad", (), greedy(4)), got.sink("bad")).result(30)
+        loop.submit(Request("short", prompt, greedy(3, ignore_eos=True)), got.sink("short")).result(30)
+        loop.submit(Request("long", prompt, greedy(200, ignore_eos=True)), got.sink("long")).result(30)
+        assert loop.states(["long", "never"]) == {"long": RequestStatus.RUNNING}
+        got.wait("short")
+        assert loop.abort("long").result(30) is True
+        got.wait("long")
+        assert loop.states(["bad", "short", "long", "never"]) == {
+            "bad": RequestStatus.FAILED, "short": RequestStatus.FINISHED, "long": RequestStatus.ABORTED}
+    finally:
+        loop.close()
