@@ -34,12 +34,11 @@ from actors.spec.policy import Acceptance, BatchBase, Candidate, make_policy
 from actors.spec.sampling import make_generator, probs_from_logits, sample
 from actors.spec.verify import verify_greedy, verify_sampled
 from cluster.config import EngineConfig, SchedulerConfig, SpeculationConfig
-from cluster.request import FinishReason, Request, SamplingParams, SpecStats, TokenDelta
+from cluster.request import FinishReason, InvalidRequest, Request, SamplingParams, SpecStats, TokenDelta, check_prompt
 from cluster.stats import EngineStats
 
 
-class RequestError(ValueError):
-    """A request the engine cannot take (empty prompt, too long, bad token ids...)."""
+RequestError = InvalidRequest  # a request the engine cannot take (empty prompt, too long, bad token ids...)
 
 
 @dataclass
@@ -125,19 +124,8 @@ class Engine:
 
     def check_request(self, request: Request) -> None:
         """Raise RequestError if the request can never be served; changes nothing."""
-        n = len(request.prompt_token_ids)
-        if n == 0:
-            raise RequestError("the prompt is empty")
-        vocab = self.target.model.config.vocab_size
-        if any(not 0 <= t < vocab for t in request.prompt_token_ids):
-            raise RequestError(f"prompt token ids must be in [0, {vocab})")
-        if n >= self.max_model_len:
-            raise RequestError(f"the prompt has {n} tokens; the model's context is {self.max_model_len}")
-        if n + request.params.max_tokens > self.max_model_len:
-            raise RequestError(
-                f"prompt ({n} tokens) + max_tokens ({request.params.max_tokens}) exceeds the model's "
-                f"context of {self.max_model_len} tokens"
-            )
+        check_prompt(request.prompt_token_ids, request.params.max_tokens, self.max_model_len,
+                     self.target.model.config.vocab_size)
         if any(s.request_id == request.request_id for s in self.waiting + self.running):
             raise RequestError(f"request id {request.request_id!r} is already in use")
 

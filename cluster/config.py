@@ -122,6 +122,8 @@ class ServeConfig(_Frozen):
     # requests admitted but not yet finished, over all instances; beyond it: HTTP 429 / RESOURCE_EXHAUSTED
     max_pending_requests: int = Field(default=256, ge=1)
     retry_after_s: int = Field(default=1, ge=1)
+    # a request body (HTTP) or message (gRPC) larger than this is refused: HTTP 413 / RESOURCE_EXHAUSTED
+    max_request_bytes: int = Field(default=1 << 20, ge=1024)
     auth: AuthConfig = AuthConfig()
 
 

@@ -1,28 +1,46 @@
-"""The request model: typed messages that cross every boundary (sampling parameters, requests, deltas)."""
+"""The request model: typed messages that cross every boundary (sampling parameters, requests, deltas).
+
+This is the one place where a request's parameters are checked: `SamplingParams` holds the bounds of every
+sampling field and `check_prompt` the prompt's limits against a model's context and vocabulary. The HTTP and
+gRPC layers (deploy/serve/) and the engine (actors/engine.py) all call these, so they cannot disagree.
+"""
 
 from __future__ import annotations
 
 import enum
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 
+MAX_SEED = 2**63 - 1  # seeds are non-negative 63-bit integers (what torch's Generator.manual_seed takes)
+MAX_STOPS = 16
+
+
+class InvalidRequest(ValueError):
+    """A request that can never be served as given; `param` names the field at fault (OpenAI's `param`)."""
+
+    def __init__(self, message: str, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.param, self.code = param, code
+
+
 class SamplingParams(BaseModel):
-    """How one request samples and when it stops (the OpenAI / vLLM fields).
+    """How one request samples and when it stops (the OpenAI / vLLM fields), with the one set of bounds.
 
     temperature 0 means greedy. top_k 0 (or -1) and top_p 1.0 switch those filters off. A seed makes
     the same request give the same output. max_tokens counts generated tokens.
     """
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = ConfigDict(frozen=True, extra="forbid", strict=True)
 
-    temperature: float = Field(default=1.0, ge=0.0, le=100.0)
+    temperature: float = Field(default=1.0, ge=0.0, le=2.0)  # OpenAI's range
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     top_k: int = Field(default=0, ge=-1)
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=0, le=MAX_SEED)
     max_tokens: int = Field(default=16, ge=1)
-    stop: tuple[str, ...] = ()
+    stop: tuple[str, ...] = Field(default=(), max_length=MAX_STOPS)
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
 
@@ -31,7 +49,12 @@ class SamplingParams(BaseModel):
     def _stop_list(cls, v: object) -> object:
         if isinstance(v, str):
             return (v,)
-        return v
+        return tuple(v) if isinstance(v, list) else v
+
+    @field_validator("stop_token_ids", mode="before")
+    @classmethod
+    def _ids_list(cls, v: object) -> object:
+        return tuple(v) if isinstance(v, list) else v
 
     @field_validator("stop")
     @classmethod
@@ -43,6 +66,25 @@ class SamplingParams(BaseModel):
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+
+def check_prompt(prompt_ids: Sequence[int], max_tokens: int | None, max_model_len: int, vocab_size: int) -> int:
+    """Check a tokenized prompt against a model's context and vocabulary; returns max_tokens (None: the rest of
+    the context). Raises InvalidRequest naming `prompt` or `max_tokens`."""
+    n = len(prompt_ids)
+    if n == 0:
+        raise InvalidRequest("the prompt is empty", param="prompt")
+    if any(not 0 <= t < vocab_size for t in prompt_ids):
+        raise InvalidRequest(f"prompt token ids must be in [0, {vocab_size})", param="prompt")
+    if n >= max_model_len:
+        raise InvalidRequest(f"the prompt has {n} tokens; this model's context is {max_model_len} tokens",
+                             param="prompt", code="context_length_exceeded")
+    if max_tokens is None:
+        return max_model_len - n
+    if n + max_tokens > max_model_len:
+        raise InvalidRequest(f"max_tokens ({max_tokens}) + the prompt ({n} tokens) exceed this model's context of "
+                             f"{max_model_len} tokens", param="max_tokens", code="context_length_exceeded")
+    return max_tokens
 
 
 class FinishReason(str, enum.Enum):

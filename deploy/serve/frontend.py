@@ -29,8 +29,10 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
+from pydantic import ValidationError
 from ray.actor import ActorHandle
 from ray.exceptions import RayError
 
@@ -38,10 +40,11 @@ from actors.model.loader import load_metadata
 from actors.serving import StreamItem
 from cluster.config import SpecfleetConfig
 from cluster.registry import NoInstanceAvailable
-from cluster.request import FinishReason, Request, RequestStatus, SamplingParams, SpecStats, TokenDelta
+from cluster.request import (FinishReason, InvalidRequest, Request, RequestStatus, SamplingParams, SpecStats,
+                             TokenDelta, check_prompt)
 from cluster.router import Overloaded
 from deploy.serve.metrics import Metrics
-from deploy.serve.openai_api import APIError
+from deploy.serve.openai_api import APIError, from_validation_error
 
 log = logging.getLogger(__name__)
 
@@ -92,6 +95,9 @@ class Frontend:
         self.router = router
         self.metrics = Metrics(self.model_name)
         self._releases: set[asyncio.Task] = set()  # supervised release calls under way
+        # tokenization is CPU work: one thread, off the event loop (and one at a time: tokenizers are not
+        # safe to share between threads)
+        self._tokenizing = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize")
 
     # ---- validation ---------------------------------------------------------------------------------
     def check_model(self, model: str) -> None:
@@ -99,14 +105,17 @@ class Frontend:
             raise APIError(404, f"the model {model!r} does not exist; this server serves {self.model_name!r}",
                            param="model", code="model_not_found")
 
-    def encode_prompt(self, prompt: str | list[int]) -> list[int]:
+    async def encode_prompt(self, prompt: str | list[int]) -> list[int]:
+        """A prompt's token ids (a string is tokenized on the tokenizer's thread; ids are checked in `prepare`)."""
         if isinstance(prompt, str):
-            return self.tokenizer.encode(prompt)
-        if any(not 0 <= t < self.vocab_size for t in prompt):
-            raise APIError(400, f"prompt token ids must be in [0, {self.vocab_size})", param="prompt")
+            return await asyncio.get_running_loop().run_in_executor(self._tokenizing, self.tokenizer.encode, prompt)
         return list(prompt)
 
-    def encode_chat(self, messages: list[dict]) -> list[int]:
+    async def encode_chat(self, messages: list[dict]) -> list[int]:
+        """The chat template applied and tokenized on the tokenizer's thread."""
+        return await asyncio.get_running_loop().run_in_executor(self._tokenizing, self._encode_chat, messages)
+
+    def _encode_chat(self, messages: list[dict]) -> list[int]:
         if self.tokenizer.chat_template is None:
             raise APIError(400, f"the model {self.model_name!r} has no chat template; use /v1/completions",
                            param="messages")
@@ -120,25 +129,21 @@ class Frontend:
     def prepare(self, prompt_ids: list[int], *, max_tokens: int | None, temperature: float, top_p: float,
                 top_k: int, seed: int | None, stop: tuple[str, ...], n: int, priority: int, ignore_eos: bool,
                 prompt_param: str = "prompt", prefix: str = "cmpl") -> Prepared:
-        """Check lengths against the context and build each choice's sampling parameters."""
+        """Check the prompt and build each choice's sampling parameters, with the checks of cluster/request.py (the
+        engine's own), so that what the engine would refuse is a 400 naming the field here."""
         arrival = time.monotonic()
-        p = len(prompt_ids)
-        if p == 0:
-            raise APIError(400, "the prompt is empty", param=prompt_param)
-        if p >= self.max_model_len:
-            raise APIError(400, f"the prompt has {p} tokens; this model's context is {self.max_model_len} tokens",
-                           param=prompt_param, code="context_length_exceeded")
-        room = self.max_model_len - p
-        if max_tokens is None:
-            max_tokens = room
-        elif max_tokens > room:
-            raise APIError(400, f"max_tokens ({max_tokens}) + the prompt ({p} tokens) exceed this model's context "
-                           f"of {self.max_model_len} tokens", param="max_tokens", code="context_length_exceeded")
-        params = tuple(
-            SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k,
-                           seed=None if seed is None else seed + i, max_tokens=max_tokens, stop=stop,
-                           ignore_eos=ignore_eos)
-            for i in range(n))
+        try:
+            max_tokens = check_prompt(prompt_ids, max_tokens, self.max_model_len, self.vocab_size)
+            params = tuple(
+                SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k,
+                               seed=None if seed is None else seed + i, max_tokens=max_tokens, stop=stop,
+                               ignore_eos=ignore_eos)
+                for i in range(n))
+        except InvalidRequest as e:
+            raise APIError(400, str(e), param=prompt_param if e.param == "prompt" else e.param,
+                           code=e.code or "invalid_value") from None
+        except ValidationError as e:
+            raise from_validation_error(e) from None
         return Prepared(f"{prefix}-{uuid.uuid4().hex}", tuple(prompt_ids), params, priority, arrival)
 
     # ---- dispatch -----------------------------------------------------------------------------------

@@ -17,7 +17,8 @@ from deploy.serve.openai_api import APIError
 from deploy.rpc import specfleet_pb2 as pb
 
 STATUS = {400: grpc.StatusCode.INVALID_ARGUMENT, 401: grpc.StatusCode.UNAUTHENTICATED, 404: grpc.StatusCode.NOT_FOUND,
-          429: grpc.StatusCode.RESOURCE_EXHAUSTED, 503: grpc.StatusCode.UNAVAILABLE}
+          413: grpc.StatusCode.RESOURCE_EXHAUSTED, 429: grpc.StatusCode.RESOURCE_EXHAUSTED,
+          503: grpc.StatusCode.UNAVAILABLE}
 
 
 def _spec(stats: SpecStats) -> pb.SpecDecodeStats:
@@ -51,27 +52,24 @@ class GrpcMethods:
 
     async def _start(self, request: pb.GenerateRequest) -> Call:
         f = self.frontend
+        limit = self.cfg.serve.max_request_bytes
+        if request.ByteSize() > limit:
+            raise APIError(413, f"the request exceeds this server's limit of {limit} bytes (serve.max_request_bytes)")
         f.check_model(request.model)
         which = request.WhichOneof("input")
         if which == "prompt":
-            ids, param, default_max = f.encode_prompt(request.prompt), "prompt", 16
+            ids, param, default_max = await f.encode_prompt(request.prompt), "prompt", 16
         elif which == "chat":
             if not request.chat.messages:
                 raise APIError(400, "chat.messages is empty", param="chat")
-            ids = f.encode_chat([{"role": m.role, "content": m.content} for m in request.chat.messages])
+            ids = await f.encode_chat([{"role": m.role, "content": m.content} for m in request.chat.messages])
             param, default_max = "chat", None
         elif which == "prompt_token_ids":
-            ids, param, default_max = f.encode_prompt(list(request.prompt_token_ids.ids)), "prompt_token_ids", 16
+            ids, param, default_max = list(request.prompt_token_ids.ids), "prompt_token_ids", 16
         else:
             raise APIError(400, "give one of prompt, chat or prompt_token_ids", param="input")
-        if request.HasField("max_tokens") and request.max_tokens < 1:
-            raise APIError(400, "max_tokens must be at least 1", param="max_tokens")
         temperature = request.temperature if request.HasField("temperature") else 1.0
         top_p = request.top_p if request.HasField("top_p") else 1.0
-        if not 0.0 <= temperature <= 2.0 or not 0.0 < top_p <= 1.0 or request.top_k < -1:
-            raise APIError(400, "temperature must be in [0, 2], top_p in (0, 1], top_k >= -1", param="sampling")
-        if any(s == "" for s in request.stop):
-            raise APIError(400, "stop strings must not be empty", param="stop")
         prep = f.prepare(ids, max_tokens=request.max_tokens if request.HasField("max_tokens") else default_max,
                          temperature=temperature, top_p=top_p, top_k=request.top_k,
                          seed=request.seed if request.HasField("seed") else None, stop=tuple(request.stop), n=1,

@@ -46,8 +46,23 @@ async def _unexpected(_: Request, e: Exception) -> JSONResponse:
     return JSONResponse(err.body(), status_code=500)
 
 
-async def _body(request: Request, model: type) -> object:
-    raw = await request.body()
+async def _read(request: Request, limit: int) -> bytes:
+    """The body, refused with 413 once it is known to exceed `limit` bytes (declared, or as it arrives)."""
+    too_large = APIError(413, f"the body exceeds this server's limit of {limit} bytes (serve.max_request_bytes)",
+                         code="request_too_large")
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise too_large
+    raw = bytearray()
+    async for chunk in request.stream():
+        raw += chunk
+        if len(raw) > limit:
+            raise too_large
+    return bytes(raw)
+
+
+async def _body(request: Request, model: type, limit: int) -> object:
+    raw = await _read(request, limit)
     try:
         data = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
@@ -55,7 +70,7 @@ async def _body(request: Request, model: type) -> object:
     if not isinstance(data, dict):
         raise APIError(400, "the body must be a JSON object", code="invalid_json")
     try:
-        return model.model_validate(data)
+        return model.model_validate_json(raw, strict=True)  # JSON's own types: "12" is no integer
     except ValidationError as e:
         raise from_validation_error(e) from None
 
@@ -129,24 +144,24 @@ class HttpRoutes:
 
     async def _completions(self, request: Request) -> Response:
         self._auth(request)
-        body: CompletionRequest = await _body(request, CompletionRequest)
+        body: CompletionRequest = await _body(request, CompletionRequest, self.cfg.serve.max_request_bytes)
         f = self.frontend
         f.check_model(body.model)
-        ids = f.encode_prompt(body.prompt)
+        ids = await f.encode_prompt(body.prompt)
         prep = f.prepare(ids, max_tokens=body.max_tokens, **body.sampling_args())
         prefix = body.prompt if body.echo and isinstance(body.prompt, str) else ""
         return await self._respond(await f.start(prep), body, chat=False, prefix=prefix)
 
     async def _chat_completions(self, request: Request) -> Response:
         self._auth(request)
-        body: ChatCompletionRequest = await _body(request, ChatCompletionRequest)
+        body: ChatCompletionRequest = await _body(request, ChatCompletionRequest, self.cfg.serve.max_request_bytes)
         f = self.frontend
         f.check_model(body.model)
         try:
             messages = [{"role": m.role, "content": m.text()} for m in body.messages]
         except ValueError as e:
             raise APIError(400, str(e), param="messages") from None
-        ids = f.encode_chat(messages)
+        ids = await f.encode_chat(messages)
         prep = f.prepare(ids, max_tokens=body.token_limit, **body.sampling_args(), prompt_param="messages",
                          prefix="chatcmpl")
         return await self._respond(await f.start(prep), body, chat=True)

@@ -1,7 +1,9 @@
 """The OpenAI API as vLLM serves it: request bodies (pydantic), response and stream-chunk bodies, error bodies.
 
-Unknown fields are ignored, as vLLM does; fields we know are type-checked, and a wrong one becomes a 400
-that names it (`param`). Per-request speculation stats ride in an extension field, `spec_decode`.
+Unknown fields are ignored, as vLLM does; fields we know are type-checked strictly (`"max_tokens": "12"` is a
+400, not a conversion), and a wrong one becomes a 400 that names it (`param`). The bounds of the sampling
+fields are not repeated here: they are `SamplingParams`' (cluster/request.py), checked when the frontend
+builds it. Per-request speculation stats ride in an extension field, `spec_decode`.
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ def from_validation_error(e: ValidationError) -> APIError:
 
 
 class _Body(BaseModel):
-    model_config = ConfigDict(extra="ignore", frozen=True)
+    model_config = ConfigDict(extra="ignore", frozen=True, strict=True)
 
 
 class StreamOptions(_Body):
@@ -49,10 +51,10 @@ class _Sampling(_Body):
     """Fields the completion and chat bodies share."""
 
     model: str
-    max_tokens: int | None = Field(default=None, ge=1)
-    temperature: float = Field(default=1.0, ge=0.0, le=2.0)
-    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    top_k: int = Field(default=0, ge=-1)
+    max_tokens: int | None = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
     seed: int | None = None
     stop: str | list[str] | None = None
     n: int = Field(default=1, ge=1, le=16)
@@ -60,16 +62,6 @@ class _Sampling(_Body):
     stream_options: StreamOptions | None = None
     priority: int = 0  # higher is served first (vLLM's field; vLLM sorts the other way, see docs/serving.md)
     ignore_eos: bool = False
-
-    @field_validator("stop")
-    @classmethod
-    def _stops(cls, v: str | list[str] | None) -> str | list[str] | None:
-        stops = [v] if isinstance(v, str) else (v or [])
-        if any(s == "" for s in stops):
-            raise ValueError("stop strings must not be empty")
-        if len(stops) > 16:
-            raise ValueError("at most 16 stop strings")
-        return v
 
     @property
     def stop_list(self) -> tuple[str, ...]:
@@ -87,7 +79,7 @@ class _Sampling(_Body):
 
 class CompletionRequest(_Sampling):
     prompt: str | list[int] = Field(min_length=1)
-    max_tokens: int | None = Field(default=16, ge=1)  # OpenAI's default for completions
+    max_tokens: int | None = 16  # OpenAI's default for completions
     echo: bool = False
 
     @field_validator("prompt", mode="before")
@@ -117,11 +109,11 @@ class ChatMessage(_Body):
 
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: int | None = None
 
     @property
     def token_limit(self) -> int | None:
-        return self.max_completion_tokens or self.max_tokens
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
 
 # ---- responses --------------------------------------------------------------------------------------

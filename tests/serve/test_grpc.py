@@ -61,6 +61,18 @@ def test_list_models_and_health(stub) -> None:
                  id="empty chat"),
     pytest.param(AUTH, pb.GenerateRequest(model=MODEL, prompt="hi", temperature=-1), grpc.StatusCode.INVALID_ARGUMENT,
                  id="negative temperature"),
+    pytest.param(AUTH, pb.GenerateRequest(model=MODEL, prompt="hi", temperature=2.5), grpc.StatusCode.INVALID_ARGUMENT,
+                 id="temperature above 2"),
+    pytest.param(AUTH, pb.GenerateRequest(model=MODEL, prompt="hi", seed=-1), grpc.StatusCode.INVALID_ARGUMENT,
+                 id="negative seed"),
+    pytest.param(AUTH, pb.GenerateRequest(model=MODEL, prompt="hi", top_k=-2), grpc.StatusCode.INVALID_ARGUMENT,
+                 id="top_k below -1"),
+    pytest.param(AUTH, pb.GenerateRequest(model=MODEL, prompt="hi", stop=["ok", ""]), grpc.StatusCode.INVALID_ARGUMENT,
+                 id="empty stop"),
+    pytest.param(AUTH, pb.GenerateRequest(model=MODEL, prompt_token_ids=pb.TokenIds(ids=[10**6])),
+                 grpc.StatusCode.INVALID_ARGUMENT, id="token id out of range"),
+    pytest.param(AUTH, pb.GenerateRequest(model=MODEL, prompt="x" * (1 << 20)), grpc.StatusCode.RESOURCE_EXHAUSTED,
+                 id="message over the size limit"),
 ])
 def test_bad_calls_get_status_codes_on_both_methods(stub, metadata, request_, code) -> None:
     with pytest.raises(grpc.RpcError) as unary:
@@ -70,3 +82,7 @@ def test_bad_calls_get_status_codes_on_both_methods(stub, metadata, request_, co
         list(stub.GenerateStream(request_, metadata=metadata, timeout=30))
     assert streaming.value.code() == code
     assert API_KEY not in (unary.value.details() or "")
+    # a correct request beside it still completes
+    ok = stub.Generate(pb.GenerateRequest(model=MODEL, prompt="hi", max_tokens=4, temperature=0, ignore_eos=True),
+                       metadata=AUTH, timeout=120)
+    assert ok.finish_reason == "length" and len(ok.token_ids) == 4

@@ -157,6 +157,24 @@ BAD_INPUTS = [
                  "messages", id="unknown role"),
     pytest.param("/v1/chat/completions", {"model": MODEL, "messages": "hi"}, 400, "messages", id="messages a string"),
     pytest.param("/v1/nothing", {}, 404, None, id="unknown route"),
+    # strict types and the one set of bounds (cluster/request.py, SamplingParams)
+    pytest.param("/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": "12"}, 400, "max_tokens",
+                 id="a number as a string"),
+    pytest.param("/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 12.0}, 400, "max_tokens",
+                 id="a float for an integer"),
+    pytest.param("/v1/completions", {"model": MODEL, "prompt": "x", "stream": 1}, 400, "stream",
+                 id="an integer for a bool"),
+    pytest.param("/v1/completions", {"model": MODEL, "prompt": "x", "temperature": 2.5}, 400, "temperature",
+                 id="temperature above 2"),
+    pytest.param("/v1/completions", {"model": MODEL, "prompt": "x", "top_p": 0}, 400, "top_p", id="top_p 0"),
+    pytest.param("/v1/completions", {"model": MODEL, "prompt": "x", "seed": 2**64}, 400, "seed", id="huge seed"),
+    pytest.param("/v1/completions", {"model": MODEL, "prompt": "x", "seed": -1}, 400, "seed", id="negative seed"),
+    pytest.param("/v1/completions", {"model": MODEL, "prompt": "x", "seed": 2**63 - 1, "n": 2}, 400, "seed",
+                 id="seed + choice beyond the bound"),
+    pytest.param("/v1/completions", {"model": MODEL, "prompt": "x", "stop": [str(i) for i in range(17)]}, 400,
+                 "stop", id="17 stop strings"),
+    pytest.param("/v1/completions", {"model": MODEL, "prompt": "x" * (1 << 20)}, 413, "request_too_large",
+                 id="body over the size limit"),
 ]
 
 
@@ -185,6 +203,20 @@ def test_bad_input_gets_an_openai_error_body_and_disturbs_nothing_in_flight(serv
     tokenizer = load(served_app.target).tokenizer
     expected = tokenizer.decode(reference_greedy(served_app.target, prompt, 16), skip_special_tokens=True)
     assert result["r"].json()["choices"][0]["text"] == expected
+
+
+def test_a_chunked_body_over_the_size_limit_gets_413(served_app: ServedApp) -> None:
+    def chunks():  # no Content-Length: the limit is enforced as the body arrives
+        yield b'{"model": "' + MODEL.encode() + b'", "prompt": "'
+        for _ in range(80):
+            yield b"x" * 16384
+        yield b'"}'
+
+    with served_app.client() as c:
+        r = c.post("/v1/completions", content=chunks(), headers={"content-type": "application/json"})
+        assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large", r.text
+        ok = c.post("/v1/completions", json={"model": MODEL, "prompt": "x" * 1000, "max_tokens": 2})
+        assert ok.status_code in (200, 400), ok.text  # under the limit: judged on its content, not its size
 
 
 @pytest.mark.parametrize("key", [None, "wrong-key", ADMIN_KEY])

@@ -11,7 +11,7 @@ from transformers import GPT2Config, GPT2LMHeadModel
 from actors.engine import Engine, RequestError
 from actors.model.loader import SUPPORTED_ARCHITECTURES, ModelLoadError, UnsupportedArchitecture, load_model
 from cluster.config import SpeculationConfig
-from cluster.request import Request, SamplingParams
+from cluster.request import InvalidRequest, Request, SamplingParams, check_prompt
 from tests.fixtures.tiny_models import build_tiny_model
 from tests.unit.helpers import load, runner
 
@@ -77,7 +77,8 @@ def test_generate_with_a_bad_prompt_leaves_nothing_behind(engine: Engine) -> Non
 
 @pytest.mark.parametrize(("field", "value"), [
     ("max_tokens", 0), ("max_tokens", -3), ("temperature", -0.1), ("top_p", 0.0), ("top_p", 1.5), ("top_k", -2),
-    ("stop", ["ok", ""]), ("unknown_field", 1),
+    ("stop", ["ok", ""]), ("unknown_field", 1), ("temperature", 2.5), ("seed", -1), ("seed", 2**63),
+    ("stop", [str(i) for i in range(17)]), ("max_tokens", "12"), ("max_tokens", 12.0), ("ignore_eos", "yes"),
 ])
 def test_invalid_sampling_params(field: str, value) -> None:
     with pytest.raises(pydantic.ValidationError) as info:
@@ -87,6 +88,17 @@ def test_invalid_sampling_params(field: str, value) -> None:
 
 def test_sampling_params_accept_a_single_stop_string() -> None:
     assert SamplingParams(stop="END").stop == ("END",)
+    assert SamplingParams(stop=["a", "b"], seed=2**63 - 1, temperature=2).stop == ("a", "b")
+
+
+def test_the_prompt_checks_are_one_function_naming_the_field() -> None:
+    assert check_prompt([1, 2, 3], None, max_model_len=10, vocab_size=50) == 7  # None: the rest of the context
+    assert check_prompt([1, 2, 3], 7, max_model_len=10, vocab_size=50) == 7
+    for ids, max_tokens, param in [([], 1, "prompt"), ([50], 1, "prompt"), (list(range(10)), 1, "prompt"),
+                                   ([1, 2, 3], 8, "max_tokens")]:
+        with pytest.raises(InvalidRequest) as info:
+            check_prompt(ids, max_tokens, max_model_len=10, vocab_size=50)
+        assert info.value.param == param
 
 
 # ---- checkpoints -----------------------------------------------------------------------------------

@@ -150,7 +150,7 @@ def brute_force(logits: torch.Tensor, temperature: float, top_k: int, top_p: flo
     return out.float()
 
 
-@pytest.mark.parametrize("temperature", [0.3, 1.0, 2.5])
+@pytest.mark.parametrize("temperature", [0.3, 1.0, 2.0])
 def test_temperature_scales_the_logits(temperature: float) -> None:
     logits = torch.randn(6, 40, generator=torch.Generator().manual_seed(1)) * 3
     got = probs_from_logits(logits, SamplingParams(temperature=temperature))
