@@ -21,6 +21,7 @@ __all__ = [
     "ModelFetchError",
     "UnknownModelError",
     "cache_dir",
+    "converted_dir",
     "fetch_model",
     "lookup",
     "model_path",
@@ -125,11 +126,27 @@ def model_path(name: str, catalog: Mapping[str, ModelEntry] = CATALOG) -> Path:
     return cache_dir() / lookup(name, catalog).file_name
 
 
-def resolve_model(source: str, *, catalog: Mapping[str, ModelEntry] = CATALOG) -> str:
-    """A model source as the loader takes it: a catalog name becomes a local GGUF path (fetched on
-    first use), an existing path is returned as is, anything else (a hub id) is returned unchanged."""
+def converted_dir() -> Path:
+    """Where GGUF files converted to safetensors folders live (actors/model/convert.py): cache_dir()/converted."""
+    return cache_dir() / "converted"
+
+
+def resolve_model(source: str, dtype: str | None = None, *, catalog: Mapping[str, ModelEntry] = CATALOG) -> str:
+    """A model source as the loader takes it.
+
+    A catalog name becomes its local GGUF file (fetched on first use). With `dtype` ("fp32" or "bf16"), a
+    GGUF file (named or by path) becomes instead its safetensors folder in that dtype, converted once into
+    converted_dir() and then loaded by memory mapping (the loader reads that folder like any Hugging Face
+    folder). Other paths and hub ids are returned unchanged.
+    """
+    sha256 = None
     if source in catalog:
-        return str(fetch_model(source, catalog=catalog))
+        sha256 = catalog[source].sha256
+        source = str(fetch_model(source, catalog=catalog))
+    if dtype is not None and source.endswith(".gguf") and Path(source).expanduser().is_file():
+        from actors.model.convert import converted  # torch and transformers: only when converting
+
+        return str(converted(Path(source), converted_dir(), dtype, sha256=sha256))
     return source
 
 

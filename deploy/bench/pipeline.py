@@ -60,7 +60,7 @@ def run(args: argparse.Namespace) -> int:
         counts = [int(s) for s in args.stages.split(",")]
     except ValueError:
         raise UsageError(f"--stages: expected counts like 1,2,3, got {args.stages!r}") from None
-    target, draft = resolve_model(args.target), resolve_model(args.draft)
+    target, draft = resolve_model(args.target, args.dtype), resolve_model(args.draft, args.dtype)
     cache = CacheConfig(block_size=16, num_blocks=args.max_batch_size * (args.max_prompt_tokens + args.max_tokens
                                                                          + args.k) // 16 + 16)
     cfg = EngineConfig(model=ModelConfig(target=target, draft=draft, dtype=args.dtype),

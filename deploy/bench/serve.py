@@ -324,7 +324,7 @@ def _prompts(args: argparse.Namespace, context: int) -> list[list[int]]:
     from deploy.model_store import resolve_model
 
     m = load_config(args.config).engine.model
-    tok = load_metadata(resolve_model(m.target), m.dtype).tokenizer
+    tok = load_metadata(resolve_model(m.target, m.dtype), m.dtype).tokenizer
     room = min(args.max_prompt_tokens, context - args.max_tokens - 1) if context else args.max_prompt_tokens
     if room < 1:
         raise UsageError(f"--max-tokens {args.max_tokens} leaves no room for a prompt in a {context}-token context")

@@ -104,8 +104,8 @@ def _agreement(a: list[list[int]], b: list[list[int]]) -> tuple[float, float]:
 def run(args: argparse.Namespace) -> int:
     torch.manual_seed(0)
     t0 = time.perf_counter()
-    target = load_model(resolve_model(args.target), args.dtype)
-    draft = load_model(resolve_model(args.draft), args.dtype)
+    target = load_model(resolve_model(args.target, args.dtype), args.dtype)
+    draft = load_model(resolve_model(args.draft, args.dtype), args.dtype)
     print(f"loaded target and draft in {time.perf_counter() - t0:.0f}s", flush=True)
     cache = CacheConfig(block_size=16, num_blocks=(args.max_tokens + 4096) // 16)
     target_runner = ModelRunner(target, range(target.num_layers), cache)

@@ -101,7 +101,7 @@ class SpecfleetAPI(HttpRoutes, GrpcMethods):
         self.instances = instances  # keeps the instance deployments part of the app
         self.router = get_or_create_router(cfg.router)
         ray.get(self.router.configure.remote(cfg.router), timeout=30)
-        self.frontend = Frontend(cfg, self.router, resolve=resolve_model)
+        self.frontend = Frontend(cfg, self.router, resolve=lambda s: resolve_model(s, cfg.engine.model.dtype))
         self.api_keys = KeySet.load(cfg.serve.auth)
         self.admin_keys = KeySet.load(cfg.serve.auth, admin=True)
         log.info("API keys: %d for /v1 and gRPC, %d for /admin (from %s)", len(self.api_keys), len(self.admin_keys),

@@ -22,10 +22,10 @@ DTYPE_BYTES = {"fp32": 4, "bf16": 2}
 
 
 def resolved(engine: EngineConfig) -> EngineConfig:
-    """`engine` with its catalog model names replaced by the files they resolve to (fetched on first use)."""
+    """`engine` with its models resolved: catalog names fetched, GGUF files converted once to safetensors folders."""
     m = engine.model
-    model = m.model_copy(update={"target": resolve_model(m.target),
-                                 "draft": resolve_model(m.draft) if m.draft else None})
+    model = m.model_copy(update={"target": resolve_model(m.target, m.dtype),
+                                 "draft": resolve_model(m.draft, m.dtype) if m.draft else None})
     return engine.model_copy(update={"model": model})
 
 
