@@ -53,8 +53,12 @@ class LoadedModel:
         return int(self.config.max_position_embeddings)
 
     def encode(self, prompt: str, chat: bool = False) -> list[int]:
-        """Tokenize a prompt; with `chat`, as one user message through the model's chat template."""
-        if chat:
+        """Tokenize a prompt: the one prompt-encoding rule of every command (generate, the benchmarks).
+
+        With `chat`, the prompt goes as one user message through the model's chat template when the model
+        has one; a model without a template (a base model) gets the raw text, as without `chat`.
+        """
+        if chat and self.tokenizer.chat_template is not None:
             return list(self.tokenizer.apply_chat_template(
                 [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True, return_dict=False
             ))

@@ -69,7 +69,7 @@ def run(args: argparse.Namespace) -> int:
                                                  max_num_batched_tokens=max(256, args.max_batch_size)),
                        cache=cache)
     tokenizer_model = load_model(target, args.dtype)
-    prompts = [tokenizer_model.encode(t)[:args.max_prompt_tokens] for t in load_prompts(args.prompts, args.num_prompts)]
+    prompts = [tokenizer_model.encode(t, chat=True)[:args.max_prompt_tokens] for t in load_prompts(args.prompts, args.num_prompts)]
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
     state = local_cluster.read_state(args.state) if any(n > 1 for n in counts) else None
     if state is not None:

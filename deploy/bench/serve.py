@@ -324,17 +324,11 @@ def _prompts(args: argparse.Namespace, context: int) -> list[list[int]]:
     from deploy.model_store import resolve_model
 
     m = load_config(args.config).engine.model
-    tok = load_metadata(resolve_model(m.target, m.dtype), m.dtype).tokenizer
+    meta = load_metadata(resolve_model(m.target, m.dtype), m.dtype)
     room = min(args.max_prompt_tokens, context - args.max_tokens - 1) if context else args.max_prompt_tokens
     if room < 1:
         raise UsageError(f"--max-tokens {args.max_tokens} leaves no room for a prompt in a {context}-token context")
-    out = []
-    for text in load_prompts([DATASET_FILES[args.dataset]]):
-        chat = [{"role": "user", "content": text}]
-        ids = (tok.apply_chat_template(chat, add_generation_prompt=True, tokenize=True, return_dict=False)
-               if tok.chat_template else tok.encode(text))
-        out.append(list(ids)[:room])
-    return out
+    return [meta.encode(text, chat=True)[:room] for text in load_prompts([DATASET_FILES[args.dataset]])]
 
 
 def _print(report: dict) -> None:

@@ -58,8 +58,7 @@ def run(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     engine = Engine.from_config(resolved(cfg))
     load_s = time.perf_counter() - t0
-    chat = not args.no_chat and engine.tokenizer.chat_template is not None
-    token_ids = [engine.encode(p, chat=chat) for p in prompts]
+    token_ids = [engine.encode(p, chat=not args.no_chat) for p in prompts]  # raw where there is no template
     t0 = time.perf_counter()
     results = engine.generate(token_ids, params)
     gen_s = time.perf_counter() - t0
