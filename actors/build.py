@@ -59,8 +59,8 @@ def shard_specs(cfg: EngineConfig, layout: ShardLayout) -> tuple[list[ShardSpec]
     m = cfg.model
     layout.check(load_config(m.target).num_hidden_layers)
     last = len(layout.stages) - 1
-    stages = [ShardSpec(m.target, m.dtype, s.layer_ids, first=i == 0, last=i == last, cache=cfg.cache)
-              for i, s in enumerate(layout.stages)]
+    stages = [ShardSpec(m.target, m.dtype, s.layer_ids, first=i == 0, last=i == last, cache=cfg.cache,
+                        device=m.device) for i, s in enumerate(layout.stages)]
     if cfg.speculation.policy == "off" or (m.draft is None and m.draft_layers is None):
         return stages, None
     if layout.draft_node is None:
@@ -70,10 +70,10 @@ def shard_specs(cfg: EngineConfig, layout: ShardLayout) -> tuple[list[ShardSpec]
     else:
         source, layer_ids = m.target, tuple(m.draft_layers or ())
     return stages, ShardSpec(source, m.dtype, layer_ids, first=True, last=True, cache=cfg.cache,
-                             quantization=m.draft_quantization)
+                             quantization=m.draft_quantization, device=m.device)
 
 
-def build_shards(cfg: EngineConfig, layout: ShardLayout, *, num_cpus: float = 1.0, num_gpus: float = 0.0,
+def build_shards(cfg: EngineConfig, layout: ShardLayout, *, num_cpus: float = 1.0,
                  ready_timeout_s: float = 300.0, group_timeout_s: float = 60.0, name: str = "") -> Shards:
     """Reserve the layout's bundles, start and load every shard, and join the target stages' process group.
 
@@ -82,17 +82,18 @@ def build_shards(cfg: EngineConfig, layout: ShardLayout, *, num_cpus: float = 1.
     stage_specs, draft_spec = shard_specs(cfg, layout)
     if draft_spec is None:
         layout = layout.model_copy(update={"draft_node": None})
-    pg = realize.reserve(layout.bundles(num_cpus, num_gpus), name=name, timeout_s=ready_timeout_s)
+    pg = realize.reserve(layout.bundles(num_cpus), name=name, timeout_s=ready_timeout_s)
     actors: list[ActorHandle] = []
     try:
         names = [f"stage {i} on {s.node}:{s.device} (layers {s.layers[0]}-{s.layers[1] - 1})"
                  for i, s in enumerate(layout.stages)]
         for i, spec in enumerate(stage_specs):
-            actors.append(ShardActor.spawn(spec, pg, i, num_cpus=num_cpus, num_gpus=num_gpus,
+            actors.append(ShardActor.spawn(spec, pg, i, num_cpus=num_cpus, num_gpus=layout.stages[i].gpus,
                                            name=f"{name}/stage-{i}" if name else None))
         draft = None
         if draft_spec is not None:
-            actors.append(ShardActor.spawn(draft_spec, pg, layout.draft_bundle, num_cpus=num_cpus, num_gpus=num_gpus,
+            actors.append(ShardActor.spawn(draft_spec, pg, layout.draft_bundle, num_cpus=num_cpus,
+                                           num_gpus=layout.draft_gpus,
                                            name=f"{name}/draft" if name else None))
             draft = StageGroup((actors[-1],), (f"draft on {layout.draft_node}:{layout.draft_device}",),
                                (draft_spec.layer_ids,))
@@ -102,7 +103,9 @@ def build_shards(cfg: EngineConfig, layout: ShardLayout, *, num_cpus: float = 1.
         backend = None
         if len(stages) > 1:
             [address] = gather([stages[0].rendezvous_address.remote()], names[:1], "rendezvous", ready_timeout_s)
-            joins = [a.join.remote(address, rank, len(stages), group_timeout_s) for rank, a in enumerate(stages)]
+            devices = gather([a.device.remote() for a in stages], names, "device", ready_timeout_s)
+            group = "nccl" if all(d.startswith("cuda") for d in devices) else "gloo"  # gloo if any stage is on a CPU
+            joins = [a.join.remote(address, rank, len(stages), group_timeout_s, group) for rank, a in enumerate(stages)]
             backend = gather(joins, names, "process group", group_timeout_s + 30)[0]
         target = StageGroup(tuple(stages), tuple(names), tuple(s.layer_ids for s in stage_specs))
         return Shards(target, draft, layout, pg, backend)
@@ -113,16 +116,16 @@ def build_shards(cfg: EngineConfig, layout: ShardLayout, *, num_cpus: float = 1.
         raise
 
 
-def ray_instance(cfg: EngineConfig, layout: ShardLayout, *, num_cpus: float = 1.0, num_gpus: float = 0.0,
+def ray_instance(cfg: EngineConfig, layout: ShardLayout, *, num_cpus: float = 1.0,
                  ready_timeout_s: float = 300.0, group_timeout_s: float = 60.0, step_timeout_s: float = 60.0,
                  name: str = "") -> Instance:
     """An Instance of `cfg`'s model pair (files, already resolved) whose stages and draft are actors laid out as
     `layout`; the engine runs in the calling process.
 
-    Shards get `num_cpus` CPUs (and `num_gpus` GPUs) each. A shard that does not answer a step within
-    `step_timeout_s` counts as failed; a transfer between stages gives up after `group_timeout_s`.
+    Shards get `num_cpus` CPUs each and the GPUs their layout slot names (`gpus`). A shard that does not answer
+    a step within `step_timeout_s` counts as failed; a transfer between stages gives up after `group_timeout_s`.
     """
-    shards = build_shards(cfg, layout, num_cpus=num_cpus, num_gpus=num_gpus, ready_timeout_s=ready_timeout_s,
+    shards = build_shards(cfg, layout, num_cpus=num_cpus, ready_timeout_s=ready_timeout_s,
                           group_timeout_s=group_timeout_s, name=name)
     try:
         m = cfg.model

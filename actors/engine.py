@@ -74,6 +74,7 @@ class Engine:
             )
         self.target, self.draft = target, draft
         self.lookup = Lookups(speculation) if speculation.method != "model" else None  # model-free drafts
+        self.device = target.device  # where the target's logits arrive: sampling and verification run here
         self.cost_model = cost_model or StepCostModel()
         self.policy = make_policy(speculation, draft is not None or self.lookup is not None, self.cost_model,
                                   free_drafts=self.lookup is not None)
@@ -90,11 +91,12 @@ class Engine:
             self.calibrate()
 
     @classmethod
-    def from_config(cls, cfg: EngineConfig) -> "Engine":
-        """Load the model pair named by `cfg` (files or hub ids, already resolved) and build the engine."""
+    def from_config(cls, cfg: EngineConfig, device: torch.device | str | None = None) -> "Engine":
+        """Load the model pair named by `cfg` (files or hub ids, already resolved) onto `device` (default: the
+        config's `model.device`) and build the engine."""
         from actors.local_stages import load_runners  # it builds on this module's neighbours, not on Engine
 
-        target, draft = load_runners(cfg)
+        target, draft = load_runners(cfg, None, device)
         return cls(target[0], draft, cfg.speculation, cfg.scheduler, cfg.model.max_model_len)
 
     @property
@@ -119,7 +121,7 @@ class Engine:
         """Queue an already checked request."""
         params = request.params
         out = RequestOutput(self.tokenizer, params, self.eos_token_ids, params.max_tokens)
-        gen = None if params.greedy else make_generator(params)
+        gen = None if params.greedy else make_generator(params, self.device)
         seq = Sequence(request, list(request.prompt_token_ids), out, gen, seqno=next(self._ids),
                        acceptance=self.acceptance.copy())
         self.scheduler.add(seq)
@@ -264,7 +266,7 @@ class Engine:
                 if seq.greedy:
                     drafts[i].append(int(row.argmax()))
                 else:
-                    q = probs_from_logits(row[None], seq.request.params)  # (1, V)
+                    q = probs_from_logits(row[None].to(self.device), seq.request.params)  # (1, V) beside p
                     drafts[i].append(int(sample(q, seq.generator)))
                     probs[i].append(q[0])
         return drafts, probs, ForwardShape(len(sizes), sum(sizes), attention, tuple(sizes))
@@ -295,7 +297,7 @@ class Engine:
         """Verify one request's drafts, emit the accepted tokens plus one, and crop rejected KV."""
         seq = w.seq
         n_before = len(seq.token_ids)
-        d = torch.tensor(draft, dtype=torch.long)
+        d = torch.tensor(draft, dtype=torch.long, device=logits.device)
         if seq.greedy:
             accepted, extra = verify_greedy(d, logits)
         else:

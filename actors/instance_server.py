@@ -141,7 +141,10 @@ class InstanceServer:
         """Start the actor (it loads its models, or starts its shards, at once) with `resources` (default: the
         pin to its first stage's node). A local instance reserves the spec's CPUs; one over shard actors only
         drives them."""
-        cpus = spec.num_cpus if spec.executor == "local" else 0.0
-        actor_cls = ray.remote(cls).options(num_cpus=cpus, resources=cls.pin(spec) if resources is None else resources,
+        local = spec.executor == "local"  # then the actor's process computes, on the plan's GPU if it has one
+        lay = spec.layout
+        gpus = lay.stages[0].gpus + (lay.draft_gpus if lay.draft_node is not None else 0.0) if local else 0.0
+        actor_cls = ray.remote(cls).options(num_cpus=spec.num_cpus if local else 0.0, num_gpus=gpus,
+                                            resources=cls.pin(spec) if resources is None else resources,
                                             max_restarts=0, max_concurrency=1000, name=name)
         return actor_cls.remote(spec)

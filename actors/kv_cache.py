@@ -132,12 +132,19 @@ class KVCache(BlockPool):
         self.v = torch.zeros(shape, dtype=dtype, device=device)  # (L, NB, BS, kvh, hd)
         self._index = {layer: i for i, layer in enumerate(self.layer_ids)}
 
+    @property
+    def device(self) -> torch.device:
+        return self.k.device
+
     # ---- data -------------------------------------------------------------------------------
+    def slot_list(self, request_id: str, start: int, end: int) -> list[int]:
+        """Flat slot indices of token positions [start, end) of a request, as plain ints."""
+        table, bs = self._seqs[request_id].blocks, self.block_size
+        return [table[p // bs] * bs + p % bs for p in range(start, end)]
+
     def slots(self, request_id: str, start: int, end: int) -> torch.Tensor:
-        """Flat slot indices of token positions [start, end) of a request."""
-        table = torch.tensor(self._seqs[request_id].blocks, dtype=torch.long)
-        pos = torch.arange(start, end)
-        return table[pos // self.block_size] * self.block_size + pos % self.block_size  # (end-start,)
+        """Flat slot indices (end-start,) of token positions [start, end) of a request, on the cache's device."""
+        return torch.tensor(self.slot_list(request_id, start, end), dtype=torch.long, device=self.device)
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Write K, V of shape (N, kvh, hd) at flat slots (N,) of one layer."""

@@ -12,6 +12,7 @@ from collections.abc import Sequence
 
 import torch
 
+from actors.device import resolve_device
 from actors.instance import Instance
 from actors.kv_cache import KVExport
 from actors.kv_ledger import CacheOp, replay
@@ -76,15 +77,17 @@ class LocalStages:
         return runners
 
 
-def load_runners(cfg: EngineConfig, stages: Sequence[tuple[int, int]] | None = None
-                 ) -> tuple[list[ModelRunner], ModelRunner | None]:
-    """Load `cfg`'s model pair in this process: one runner per target stage (layer ranges [start, end); None:
-    one stage of every layer) and the draft's runner (None when speculation is off or there is no draft).
+def load_runners(cfg: EngineConfig, stages: Sequence[tuple[int, int]] | None = None,
+                 device: torch.device | str | None = None) -> tuple[list[ModelRunner], ModelRunner | None]:
+    """Load `cfg`'s model pair in this process onto `device` (default: the config's `model.device`, resolved
+    here): one runner per target stage (layer ranges [start, end); None: one stage of every layer) and the
+    draft's runner (None when speculation is off or there is no draft).
 
     A self-speculative draft (`draft_layers`) shares the target's weights; an int8 draft is quantized here.
     """
     m = cfg.model
-    target_model = load_model(m.target, m.dtype)
+    device = resolve_device(m.device) if device is None else torch.device(device)
+    target_model = load_model(m.target, m.dtype, device)
     n = target_model.num_layers
     bounds = list(stages) if stages is not None else [(0, n)]
     last = len(bounds) - 1
@@ -93,7 +96,7 @@ def load_runners(cfg: EngineConfig, stages: Sequence[tuple[int, int]] | None = N
     if cfg.speculation.policy == "off":
         return target, None
     if m.draft is not None:
-        draft_model = load_model(m.draft, m.dtype)
+        draft_model = load_model(m.draft, m.dtype, device)
         draft = ModelRunner(draft_model, range(draft_model.num_layers), cfg.cache)
     elif m.draft_layers is not None:
         if any(not 0 <= i < n for i in m.draft_layers):
@@ -106,11 +109,13 @@ def load_runners(cfg: EngineConfig, stages: Sequence[tuple[int, int]] | None = N
     return target, draft
 
 
-def local_instance(cfg: EngineConfig, stages: Sequence[tuple[int, int]] | None = None) -> Instance:
-    """An Instance whose stages (and draft) all run in this process."""
-    target, draft = load_runners(cfg, stages)
-    pipeline = PipelineRunner(target[0].model, cfg.cache, LocalStages(target))
+def local_instance(cfg: EngineConfig, stages: Sequence[tuple[int, int]] | None = None,
+                   device: torch.device | str | None = None) -> Instance:
+    """An Instance whose stages (and draft) all run in this process, on `device` (default: the config's)."""
+    target, draft = load_runners(cfg, stages, device)
+    pipeline = PipelineRunner(target[0].model, cfg.cache, LocalStages(target), target[-1].device)
     draft_pipeline = None
     if draft is not None:
-        draft_pipeline = PipelineRunner(draft.model, cfg.cache, LocalStages([draft], ["draft (in process)"]))
+        draft_pipeline = PipelineRunner(draft.model, cfg.cache, LocalStages([draft], ["draft (in process)"]),
+                                        draft.device)
     return Instance(cfg, pipeline, draft_pipeline)

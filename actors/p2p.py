@@ -1,6 +1,8 @@
 """Point-to-point activation transfer between pipeline stages: torch.distributed, gloo on CPU and NCCL on GPUs.
 
-Each instance has its own process group, one rank per target stage (rank = stage index), joined through a
+The group's backend is NCCL when every stage computes on a GPU (tensors go GPU to GPU) and gloo otherwise,
+through host memory (a GPU stage beside a CPU stage copies to and from it). Each instance has its own process
+group, one rank per target stage (rank = stage index), joined through a
 private TCP rendezvous address and bounded by a timeout: a transfer whose peer died fails (gloo sees the
 connection close) or times out, never hangs. One shard process belongs to one instance, so the group is the
 process's default group.
@@ -21,12 +23,8 @@ class TransferError(RuntimeError):
     """A send or receive between stages failed or ran past the group's timeout (a peer died or hung)."""
 
 
-def transfer_device() -> torch.device:
-    """The device activations travel from: this process's GPU if it has one, else the CPU."""
-    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-
-
 def backend_for(device: torch.device) -> str:
+    """NCCL when activations live on a GPU, gloo otherwise (the stages of one group share a device kind)."""
     return "nccl" if device.type == "cuda" else "gloo"
 
 
@@ -55,9 +53,12 @@ class Transfer:
 class P2P:
     """This process's rank in an instance's process group; moves (N, H) activations to and from its neighbours."""
 
-    def __init__(self, init_method: str, rank: int, world_size: int, timeout_s: float) -> None:
-        self.device = transfer_device()
-        self.backend = backend_for(self.device)
+    def __init__(self, init_method: str, rank: int, world_size: int, timeout_s: float,
+                 device: torch.device | str = "cpu", backend: str | None = None) -> None:
+        self.device = torch.device(device)  # the stage's compute device: received tensors land on it
+        self.backend = backend or backend_for(self.device)  # the group's: "gloo" if any stage computes on a CPU
+        # what the wire carries: the GPU itself under NCCL; host memory under gloo (mixed or CPU-only groups)
+        self.wire = self.device if self.backend == "nccl" else torch.device("cpu")
         self.rank, self.world_size = rank, world_size
         self.timeout = timedelta(seconds=timeout_s)
         dist.init_process_group(self.backend, init_method=init_method, rank=rank, world_size=world_size,
@@ -66,7 +67,7 @@ class P2P:
     def send(self, x: torch.Tensor, dst: int) -> Transfer:
         """Send x (N, H) to rank `dst`; returns when it is sent."""
         started = time.time()
-        buf = x.to(self.device).contiguous()  # a no-op where x already lives on the transfer device
+        buf = x.to(self.wire).contiguous()  # a no-op unless a GPU stage sends over gloo
         try:
             dist.isend(buf, dst).wait(self.timeout)
         except RuntimeError as e:  # gloo/NCCL report a dead peer or a timeout as RuntimeError (DistBackendError)
@@ -74,14 +75,14 @@ class P2P:
         return Transfer("send", dst, buf.numel() * buf.element_size(), started, time.time())
 
     def recv(self, shape: tuple[int, ...], dtype: torch.dtype, src: int) -> tuple[torch.Tensor, Transfer]:
-        """Receive a tensor of `shape` and `dtype` from rank `src` (it lands on the transfer device)."""
+        """Receive a tensor of `shape` and `dtype` from rank `src`; it lands on this stage's device."""
         started = time.time()
-        buf = torch.empty(shape, dtype=dtype, device=self.device)
+        buf = torch.empty(shape, dtype=dtype, device=self.wire)
         try:
             dist.irecv(buf, src).wait(self.timeout)
         except RuntimeError as e:
             raise TransferError(f"rank {self.rank}: receive of {shape} from rank {src} failed: {e}") from None
-        return buf, Transfer("recv", src, buf.numel() * buf.element_size(), started, time.time())
+        return buf.to(self.device), Transfer("recv", src, buf.numel() * buf.element_size(), started, time.time())
 
     def close(self) -> None:
         if dist.is_initialized():

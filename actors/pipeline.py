@@ -57,9 +57,11 @@ class StageExecutor(Protocol):
 class PipelineRunner:
     """A model split into stages run by `executor`, seen as one runner: a KV ledger here, the tensors there."""
 
-    def __init__(self, model: LoadedModel, cache: CacheConfig, executor: StageExecutor) -> None:
+    def __init__(self, model: LoadedModel, cache: CacheConfig, executor: StageExecutor,
+                 device: torch.device | str = "cpu") -> None:
         self.model = model
         self.executor = executor
+        self.device = torch.device(device)  # where the last stage's logits arrive
         self.cache = KVLedger(cache.num_blocks, cache.block_size)
         covered = sorted(i for ids in executor.layer_ids for i in ids)
         if len(covered) != len(set(covered)):
@@ -76,7 +78,7 @@ class PipelineRunner:
     def forward(self, chunks: list[SeqChunk]) -> torch.Tensor:
         """Run the new tokens of each chunk through all stages; logits (sum num_logits, V) in fp32."""
         if not chunks:
-            return torch.empty(0, self.model.config.vocab_size)
+            return torch.empty(0, self.model.config.vocab_size, device=self.device)
         for c in chunks:
             if not self.cache.reserve(c.request_id, self.cache.length(c.request_id) + len(c.token_ids)):
                 raise CacheFull(f"no KV blocks for {c.request_id}")

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from actors.kv_cache import KVExport
+from actors.device import resolve_device
 from actors.kv_ledger import CacheOp, replay
 from actors.model.loader import load_model
 from actors.model.metadata import SeqChunk
@@ -37,12 +38,17 @@ class ShardSpec:
     last: bool
     cache: CacheConfig
     quantization: str = "none"  # "int8": int8 weight-only (drafts only, see actors/model/quant.py)
+    device: str = "auto"  # engine.model.device, resolved in the shard's process (actors/device.py)
+    # where the last stage hands its logits to the driver: they cross processes through Ray's object store,
+    # which is host memory, so the driver (which holds no GPU) reads them from the CPU
+    logits_device: str = "cpu"
 
 
 def load_shard(spec: ShardSpec) -> ModelRunner:
     """Load the checkpoint, build the shard's runner, and drop every weight the shard does not run."""
-    model = load_model(spec.source, spec.dtype)
-    runner = ModelRunner(model, spec.layer_ids, spec.cache, first=spec.first, last=spec.last)
+    model = load_model(spec.source, spec.dtype)  # on the CPU: the runner moves only its own layers to its device
+    runner = ModelRunner(model, spec.layer_ids, spec.cache, first=spec.first, last=spec.last,
+                         device=resolve_device(spec.device))
     hf = model.hf_model.model
     for i in range(model.num_layers):
         if i not in spec.layer_ids:
@@ -64,14 +70,20 @@ class ShardWorker:
         torch.set_num_threads(threads)
         self.spec = spec
         self.runner = load_shard(spec)
+        self.logits_device = torch.device(spec.logits_device)
         self.p2p: P2P | None = None
         self.transfers: deque[Transfer] = deque(maxlen=MAX_TRANSFERS)
 
     # ---- setup ------------------------------------------------------------------------------
-    def join(self, init_method: str, rank: int, world_size: int, timeout_s: float) -> str:
-        """Join the instance's process group as `rank` (the stage index); returns the backend."""
-        self.p2p = P2P(init_method, rank, world_size, timeout_s)
+    def join(self, init_method: str, rank: int, world_size: int, timeout_s: float, backend: str | None = None) -> str:
+        """Join the instance's process group as `rank` (the stage index) with `backend` (default: this stage's
+        device's); returns the backend."""
+        self.p2p = P2P(init_method, rank, world_size, timeout_s, self.runner.device, backend)
         return self.p2p.backend
+
+    def device(self) -> str:
+        """The device this shard computes on, e.g. "cpu" or "cuda:0"."""
+        return str(self.runner.device)
 
     def backend(self) -> str | None:
         """The stages' process group backend ("gloo" or "nccl"); None until joined (a lone stage never joins)."""
@@ -97,12 +109,12 @@ class ShardWorker:
         runner, hidden = self.runner, None
         if not runner.first:
             n = sum(len(c.token_ids) for c in chunks)
+            # (N, H), received straight onto this shard's device (NCCL between GPUs, gloo otherwise)
             hidden, t = self._p2p.recv((n, runner.model.config.hidden_size), runner.model.dtype, self._p2p.rank - 1)
-            hidden = hidden.to(runner.model.dtype).cpu()  # (N, H); the runner computes on the CPU
             self.transfers.append(t)
         out = runner.forward(chunks, hidden)  # logits (sum num_logits, V) if last, else hidden (N, H)
         if runner.last:
-            return out
+            return out.to(self.logits_device)  # to the driver (see ShardSpec.logits_device); a no-op on a CPU shard
         self.transfers.append(self._p2p.send(out, self._p2p.rank + 1))
         return None
 

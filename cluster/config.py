@@ -34,6 +34,9 @@ class ModelConfig(_Frozen):
     draft: str | None = None
     draft_layers: tuple[int, ...] | None = None
     dtype: Literal["fp32", "bf16"] = "fp32"
+    # where weights, KV cache and sampling live: "auto" is the GPU Ray assigned to the process if any (outside
+    # Ray: any visible GPU), else the CPU; "cuda" requires one (actors/device.py)
+    device: Literal["auto", "cpu", "cuda"] = "auto"
     # "int8": int8 weight-only draft (gpt-fast style); cheaper drafting, the output stays the target's
     draft_quantization: Literal["none", "int8"] = "none"
     max_model_len: int | None = Field(default=None, ge=2)

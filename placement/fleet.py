@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -12,7 +12,7 @@ from cluster.instances import DraftPlace, InstancePlace, StagePlace
 from placement.inventory import Inventory
 from placement.layout import ShardLayout
 from placement.model_size import ModelSize
-from placement.planner import plan
+from placement.planner import PlacementError, plan
 
 
 class InstanceSpec(BaseModel):
@@ -42,7 +42,7 @@ class InstanceSpec(BaseModel):
 
 def plan_fleet(engine: EngineConfig, router: RouterConfig, inventory: Inventory, target: ModelSize,
                draft: ModelSize | None, *, pins: Mapping[str, str] | None = None,
-               prefix: str = "inst") -> list[InstanceSpec]:
+               gpu_nodes: Collection[str] = (), prefix: str = "inst") -> list[InstanceSpec]:
     """The whole fleet, planned once: `router.instances` instances of `router.pipeline_stages` stages each over
     `inventory`'s devices (placement/planner.py deals devices to instances, so no two share one), instance i
     named f"{prefix}-{i}". Re-planning after a change of nodes is a call with the new inventory.
@@ -50,7 +50,9 @@ def plan_fleet(engine: EngineConfig, router: RouterConfig, inventory: Inventory,
     `engine` must already name files; `target` and `draft` are the models' sizes (`draft` None: no separate
     draft model). A self-speculative draft (`draft_layers`) shares the weights of stage 0 and sits on its device.
     `pins` maps a node to the Ray resource that pins work to it where that is not its `specfleet_node_<name>`
-    (ShardLayout.pin). An instance whose shards all share one device runs them in its own process ("local"), else in shard actors.
+    (ShardLayout.pin); `gpu_nodes` are the nodes whose devices are real GPUs (the others are simulated on CPUs).
+    An instance whose shards all share one device runs them in its own process ("local"), else in shard actors;
+    each shard (or the local instance) asks Ray for its share of its device's GPU (`_with_gpus`).
     """
     p = plan(inventory, target, draft if engine.speculation.policy != "off" else None,
              kv_tokens=engine.cache.num_blocks * engine.cache.block_size, num_stages=router.pipeline_stages,
@@ -62,6 +64,26 @@ def plan_fleet(engine: EngineConfig, router: RouterConfig, inventory: Inventory,
         if engine.model.draft_layers is not None and engine.speculation.policy != "off":
             layout = layout.model_copy(update={"draft_node": first.node, "draft_device": first.device})
         executor = "local" if len(layout.places) == 1 else "ray"
+        layout = _with_gpus(layout, engine.model.device, gpu_nodes, f"{prefix}-{i}")
         specs.append(InstanceSpec(instance_id=f"{prefix}-{i}", engine=engine, layout=layout, executor=executor,
                                   num_cpus=router.instance_num_cpus))
     return specs
+
+
+def _with_gpus(layout: ShardLayout, device: str, gpu_nodes: Collection[str], name: str) -> ShardLayout:
+    """`layout` with each shard's GPU request: none for device "cpu"; for "auto" and "cuda" its share of its
+    device (1, or 1/n when the plan puts n shards of the instance on it) on nodes that have GPUs (`gpu_nodes`).
+    "cuda" on a node without GPUs is a PlacementError."""
+    if device == "cpu":
+        return layout
+    places = [(s.node, s.device) for s in layout.stages]
+    if layout.draft_node is not None:
+        places.append((layout.draft_node, layout.draft_device))
+    missing = sorted({node for node, _ in places if node not in gpu_nodes})
+    if device == "cuda" and missing:
+        raise PlacementError(f"engine.model.device is cuda, but {name} is planned on nodes without GPUs: {missing}")
+    share = {p: 1.0 / places.count(p) for p in places}
+    gpus = [share[p] if p[0] in gpu_nodes else 0.0 for p in places]
+    stages = tuple(s.model_copy(update={"gpus": g}) for s, g in zip(layout.stages, gpus))
+    draft_gpus = gpus[-1] if layout.draft_node is not None else 0.0
+    return layout.model_copy(update={"stages": stages, "draft_gpus": draft_gpus})

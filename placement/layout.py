@@ -26,6 +26,7 @@ class StageSlot(_Frozen):
     node: str
     device: int = Field(default=0, ge=0)
     layers: tuple[int, int]
+    gpus: float = Field(default=0.0, ge=0.0, le=1.0)  # of its device the shard asks Ray for (0: it runs on a CPU)
 
     @property
     def layer_ids(self) -> tuple[int, ...]:
@@ -39,6 +40,7 @@ class ShardLayout(_Frozen):
     stages: tuple[StageSlot, ...]
     draft_node: str | None = None
     draft_device: int = Field(default=0, ge=0)
+    draft_gpus: float = Field(default=0.0, ge=0.0, le=1.0)
     # node -> the Ray resource that pins work to it, where it is not NODE_RESOURCE (e.g. "node:<ip>" for a pod)
     pins: dict[str, str] = {}
 
@@ -83,22 +85,24 @@ class ShardLayout(_Frozen):
             raise PlacementError(f"the layout's stages cover layers [0, {self.num_layers}); "
                                  f"the target has {num_layers}")
 
-    def bundles(self, num_cpus: float, num_gpus: float = 0.0) -> list[dict[str, float]]:
+    def bundles(self, num_cpus: float) -> list[dict[str, float]]:
         """Bundles in order: one per stage, then the draft's (if any).
 
-        Each asks for `num_cpus` CPUs (and `num_gpus` GPUs) and a sliver of its node's pin resource.
+        Each asks for `num_cpus` CPUs, its slot's GPUs (if any) and a sliver of its node's pin resource.
 
-        >>> layout = ShardLayout(stages=(StageSlot(node="a100", layers=(0, 3)), StageSlot(node="l4-0", layers=(3, 4))),
-        ...                      draft_node="l4-1")
+        >>> layout = ShardLayout(stages=(StageSlot(node="a100", layers=(0, 3), gpus=1.0),
+        ...                              StageSlot(node="l4-0", layers=(3, 4))), draft_node="l4-1")
         >>> layout.bundles(num_cpus=0.5)  # doctest: +NORMALIZE_WHITESPACE
-        [{'CPU': 0.5, 'specfleet_node_a100': 0.001}, {'CPU': 0.5, 'specfleet_node_l4-0': 0.001},
+        [{'CPU': 0.5, 'GPU': 1.0, 'specfleet_node_a100': 0.001}, {'CPU': 0.5, 'specfleet_node_l4-0': 0.001},
          {'CPU': 0.5, 'specfleet_node_l4-1': 0.001}]
         """
-        def bundle(node: str) -> dict[str, float]:
-            return {"CPU": num_cpus, **({"GPU": num_gpus} if num_gpus else {}), self.pin(node): PIN_UNITS}
+        def bundle(node: str, gpus: float) -> dict[str, float]:
+            return {"CPU": num_cpus, **({"GPU": gpus} if gpus else {}), self.pin(node): PIN_UNITS}
 
-        nodes = [s.node for s in self.stages] + ([self.draft_node] if self.draft_node is not None else [])
-        return [bundle(node) for node in nodes]
+        slots = [(s.node, s.gpus) for s in self.stages]
+        if self.draft_node is not None:
+            slots.append((self.draft_node, self.draft_gpus))
+        return [bundle(node, gpus) for node, gpus in slots]
 
     @property
     def draft_bundle(self) -> int | None:

@@ -45,6 +45,11 @@ class LoadedModel:
     generation_config: GenerationConfig | None = None  # set by load_metadata; else the hf_model's
 
     @property
+    def device(self) -> torch.device | None:
+        """Where the weights are (None without weights)."""
+        return None if self.hf_model is None else next(self.hf_model.parameters()).device
+
+    @property
     def num_layers(self) -> int:
         return self.config.num_hidden_layers
 
@@ -109,8 +114,9 @@ def load_config(source: str) -> PretrainedConfig:
     return config
 
 
-def load_model(source: str, dtype: str = "fp32") -> LoadedModel:
-    """Load weights and tokenizer of `source` (a GGUF file, a local folder, or a hub id) in `dtype`."""
+def load_model(source: str, dtype: str = "fp32", device: torch.device | str = "cpu") -> LoadedModel:
+    """Load weights and tokenizer of `source` (a GGUF file, a local folder, or a hub id) in `dtype` onto `device`
+    ("meta" allocates nothing: for checking where tensors go)."""
     if dtype not in DTYPES:
         raise ModelLoadError(f"unsupported dtype {dtype!r}; supported: {', '.join(DTYPES)}")
     config = load_config(source)
@@ -121,6 +127,8 @@ def load_model(source: str, dtype: str = "fp32") -> LoadedModel:
     except (OSError, ValueError) as e:
         raise ModelLoadError(f"cannot load {source}: {e}") from None
     model.eval().requires_grad_(False)
+    if torch.device(device) != torch.device("cpu"):
+        model.to(device)
     return LoadedModel(source=source, config=config, hf_model=model, tokenizer=tokenizer, dtype=DTYPES[dtype])
 
 

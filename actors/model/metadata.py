@@ -49,43 +49,49 @@ class AttentionMetadata:
 
     @classmethod
     def build(cls, chunks: list[SeqChunk], cache: KVCache) -> "AttentionMetadata":
-        """Lay out `chunks` against `cache`, whose blocks for the new tokens must already be reserved."""
+        """Lay out `chunks` against `cache`, whose blocks for the new tokens must already be reserved.
+
+        The layout is computed as plain ints and lands on the cache's device in one copy per field.
+        """
         b, t = len(chunks), max(len(c.token_ids) for c in chunks)
         tables = [cache.block_table(c.request_id) for c in chunks]
         nb = max(len(tab) for tab in tables)
-        block_tables = torch.full((b, nb), cache.scratch_block, dtype=torch.long)
-        q_positions = torch.zeros(b, t, dtype=torch.long)
-        valid = torch.zeros(b, t, dtype=torch.bool)
+        block_tables = [tab + [cache.scratch_block] * (nb - len(tab)) for tab in tables]  # (B, nb)
+        q_positions = [[0] * t for _ in chunks]  # (B, T)
+        valid = [[False] * t for _ in chunks]  # (B, T)
         token_ids, positions, slots, pad_index, logits_index = [], [], [], [], []
         offset = 0
-        for i, (c, tab) in enumerate(zip(chunks, tables)):
+        for i, c in enumerate(chunks):
             n, start = len(c.token_ids), cache.length(c.request_id)
             token_ids.extend(c.token_ids)
-            pos = torch.arange(start, start + n)  # (n,)
-            positions.append(pos)
-            slots.append(cache.slots(c.request_id, start, start + n))
-            pad_index.append(torch.arange(i * t, i * t + n))
-            q_positions[i, :n] = pos
-            valid[i, :n] = True
-            block_tables[i, : len(tab)] = torch.tensor(tab, dtype=torch.long)
+            positions.extend(range(start, start + n))
+            slots.extend(cache.slot_list(c.request_id, start, start + n))
+            pad_index.extend(range(i * t, i * t + n))
+            q_positions[i][:n] = range(start, start + n)
+            valid[i][:n] = [True] * n
             logits_index.extend(range(offset + n - c.num_logits, offset + n))
             offset += n
+        dev = cache.device
+
+        def ints(values: list) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.long, device=dev)
+
         return cls(
-            token_ids=torch.tensor(token_ids, dtype=torch.long),
-            positions=torch.cat(positions),
-            slots=torch.cat(slots),
-            pad_index=torch.cat(pad_index),
-            q_positions=q_positions,
-            valid=valid,
-            block_tables=block_tables,
-            logits_index=torch.tensor(logits_index, dtype=torch.long),
+            token_ids=ints(token_ids),
+            positions=ints(positions),
+            slots=ints(slots),
+            pad_index=ints(pad_index),
+            q_positions=ints(q_positions),
+            valid=torch.tensor(valid, dtype=torch.bool, device=dev),
+            block_tables=ints(block_tables),
+            logits_index=ints(logits_index),
             block_size=cache.block_size,
         )
 
     def mask(self, sliding_window: int | None = None) -> torch.Tensor:
         """Boolean attention mask (B, 1, T, S): causal per sequence, within the window if one is set."""
         if sliding_window not in self._masks:
-            key_pos = torch.arange(self.block_tables.shape[1] * self.block_size)  # (S,)
+            key_pos = torch.arange(self.block_tables.shape[1] * self.block_size, device=self.valid.device)  # (S,)
             q_pos = self.q_positions.unsqueeze(-1)  # (B, T, 1)
             allowed = key_pos <= q_pos  # (B, T, S)
             if sliding_window is not None:

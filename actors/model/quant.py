@@ -30,7 +30,7 @@ class Int8Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])  # (N, in)
-        if x2.dtype == torch.bfloat16:
+        if x2.dtype == torch.bfloat16 and x2.device.type == "cpu":  # the fused kernel is a CPU (and MPS) one
             y = torch.ops.aten._weight_int8pack_mm(x2, self.weight, self.scale)  # (N, out)
         else:
             y = (x2 @ self.weight.to(x2.dtype).t()) * self.scale.to(x2.dtype)

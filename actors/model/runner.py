@@ -80,6 +80,7 @@ class ModelRunner:
         cache: CacheConfig,
         first: bool = True,
         last: bool = True,
+        device: torch.device | str | None = None,
     ) -> None:
         cfg = model.config
         assert cfg.model_type in SUPPORTED_ARCHITECTURES, cfg.model_type
@@ -87,16 +88,23 @@ class ModelRunner:
         if bad or not layer_ids:
             raise ValueError(f"layers {list(layer_ids)} not within the model's {cfg.num_hidden_layers} layers")
         self.model = model
+        # weights of this runner, its KV cache and every tensor of a forward live here (default: the weights')
+        self.device = torch.device(device) if device is not None else model.device
         self.first, self.last = first, last
-        self.layers = [build_layer(model, i) for i in layer_ids]
         hf = model.hf_model
+        if self.device != model.device:  # move only what this runner runs (a shared checkpoint keeps the rest)
+            for module in [hf.model.layers[i] for i in layer_ids] + [hf.model.rotary_emb] + (
+                    [hf.model.embed_tokens] if first else []) + ([hf.model.norm, hf.lm_head] if last else []):
+                module.to(self.device)
+        self.layers = [build_layer(model, i) for i in layer_ids]
         self.embed = hf.model.embed_tokens if first else None
         self.norm = hf.model.norm.weight if last else None
         self.lm_head = hf.lm_head if last else None
         self.rotary = hf.model.rotary_emb
         attn = self.layers[0].attn
         self.cache = KVCache(
-            list(layer_ids), cache.num_blocks, cache.block_size, attn.num_kv_heads, attn.head_dim, model.dtype
+            list(layer_ids), cache.num_blocks, cache.block_size, attn.num_kv_heads, attn.head_dim, model.dtype,
+            device=self.device,
         )
 
     @property
@@ -112,8 +120,8 @@ class ModelRunner:
         """Run the new tokens of each chunk through this runner's layers, appending their KV.
 
         First runner: `hidden` is None and tokens are embedded. Others: hidden (N, H) from the previous
-        stage, tokens packed in chunk order. Returns logits (sum num_logits, V) in fp32 if last, else
-        hidden (N, H).
+        stage, tokens packed in chunk order, on this runner's device. Returns logits (sum num_logits, V) in fp32
+        if last, else hidden (N, H), on this runner's device.
         """
         for c in chunks:
             if not self.cache.reserve(c.request_id, self.cache.length(c.request_id) + len(c.token_ids)):
@@ -130,5 +138,5 @@ class ModelRunner:
             return x
         h = x[meta.logits_index]  # (sum num_logits, H)
         if h.shape[0] == 0:  # prefill chunks only: no logits wanted
-            return torch.empty(0, self.model.config.vocab_size)
+            return torch.empty(0, self.model.config.vocab_size, device=self.device)
         return self.lm_head(rms_norm(h, self.norm, self.model.config.rms_norm_eps)).float()  # (N, V)

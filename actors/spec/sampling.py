@@ -9,9 +9,10 @@ import torch
 from cluster.request import SamplingParams
 
 
-def make_generator(params: SamplingParams) -> torch.Generator:
-    """A per-request generator: seeded requests repeat exactly, unseeded ones draw a fresh seed."""
-    g = torch.Generator()
+def make_generator(params: SamplingParams, device: torch.device | str = "cpu") -> torch.Generator:
+    """A per-request generator on `device` (where its request's distributions are): seeded requests repeat
+    exactly, unseeded ones draw a fresh seed."""
+    g = torch.Generator(device=device)
     g.manual_seed(params.seed if params.seed is not None else secrets.randbits(63))
     return g
 

@@ -37,7 +37,7 @@ def verify_sampled(
     for j in range(k):
         x = int(draft_tokens[j])
         p, q = target_probs[j, x], draft_probs[j, x]
-        u = torch.rand((), generator=generator)
+        u = torch.rand((), generator=generator, device=generator.device)
         if u * q < p:  # u < p / q without dividing; always true where p > q
             continue
         residual = (target_probs[j] - draft_probs[j]).clamp_min(0)  # (V,)

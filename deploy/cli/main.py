@@ -28,6 +28,8 @@ COMMANDS: list[tuple[tuple[str, ...], str, str, str]] = [
      "deploy.bench.pipeline", "add_arguments"),
     (("bench", "serve"), "load through the served app over HTTP: latency, router overhead, concurrency",
      "deploy.bench.serve", "add_arguments"),
+    (("bench", "attention"), "attention over the paged KV cache: gather-then-SDPA vs the whole pool, per layer",
+     "deploy.bench.attention", "add_arguments"),
     (("train-moe",), "train a small MoE model on CPU for the expert-parallel benchmarks", "deploy.bench.train_moe",
      "add_arguments"),
     (("serve",), "deploy the Serve application (HTTP + gRPC) onto a running cluster", "deploy.cli.serve_cmd",

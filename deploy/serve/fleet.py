@@ -29,8 +29,9 @@ def resolved(engine: EngineConfig) -> EngineConfig:
     return engine.model_copy(update={"model": model})
 
 
-def cluster_inventory() -> tuple[Inventory, dict[str, str]]:
-    """The inventory the running cluster's live nodes declare in their labels, and the pins of unnamed nodes.
+def cluster_inventory() -> tuple[Inventory, dict[str, str], set[str]]:
+    """The inventory the running cluster's live nodes declare in their labels, the pins of unnamed nodes, and
+    the nodes that offer Ray GPUs.
 
     A node started by `specfleet cluster up` carries its name (label `specfleet/node`) and the custom resource
     that pins work to it. A pod of a KubeRay worker group carries every label but the name (its group's pods
@@ -39,7 +40,7 @@ def cluster_inventory() -> tuple[Inventory, dict[str, str]]:
     """
     import ray  # only here: `specfleet generate` resolves configs without starting Ray
 
-    nodes, pins = [], {}
+    nodes, pins, gpu_nodes = [], {}, set()
     for n in ray.nodes():
         labels = dict(n["Labels"])
         if not n["Alive"] or f"{LABEL_PREFIX}accelerator" not in labels:
@@ -49,17 +50,19 @@ def cluster_inventory() -> tuple[Inventory, dict[str, str]]:
             name = f"{labels[LABEL_PREFIX + 'accelerator']}-{address.replace('.', '-').replace(':', '-')}"
             labels[f"{LABEL_PREFIX}node"], pins[name] = name, f"node:{address}"
         nodes.append(labels)
-    return inventory_from_labels(nodes), pins
+        if n["Resources"].get("GPU", 0) > 0:
+            gpu_nodes.add(labels[f"{LABEL_PREFIX}node"])
+    return inventory_from_labels(nodes), pins, gpu_nodes
 
 
-def fleet_specs(cfg: SpecfleetConfig, inventory: Inventory | None = None,
-                pins: dict[str, str] | None = None) -> list[InstanceSpec]:
-    """Every instance's spec for `cfg` over `inventory` (default: the running cluster's, with its pins)."""
+def fleet_specs(cfg: SpecfleetConfig, inventory: Inventory | None = None, pins: dict[str, str] | None = None,
+                gpu_nodes: set[str] | None = None) -> list[InstanceSpec]:
+    """Every instance's spec for `cfg` over `inventory` (default: the running cluster's, with its pins and GPUs)."""
     if inventory is None:
-        inventory, pins = cluster_inventory()
+        inventory, pins, gpu_nodes = cluster_inventory()
     engine = resolved(cfg.engine)
     m = engine.model
     dtype_bytes = DTYPE_BYTES[m.dtype]
     target = model_size_from_config(load_config(m.target), dtype_bytes=dtype_bytes)
     draft = model_size_from_config(load_config(m.draft), dtype_bytes=dtype_bytes) if m.draft else None
-    return plan_fleet(engine, cfg.router, inventory, target, draft, pins=pins)
+    return plan_fleet(engine, cfg.router, inventory, target, draft, pins=pins, gpu_nodes=gpu_nodes or set())

@@ -113,11 +113,11 @@ def test_reshard_regroups_layers_and_refuses_gaps() -> None:
 
 
 def test_layout_from_explicit_stages_checks_contiguity_and_pins_bundles() -> None:
-    layout = ShardLayout(stages=(StageSlot(node="a", layers=(0, 1)), StageSlot(node="b", layers=(1, 4))),
-                         draft_node="c")
-    assert layout.bundles(1.0, 1.0) == [
-        {"CPU": 1.0, "GPU": 1.0, "specfleet_node_a": 0.001}, {"CPU": 1.0, "GPU": 1.0, "specfleet_node_b": 0.001},
-        {"CPU": 1.0, "GPU": 1.0, "specfleet_node_c": 0.001}]
+    layout = ShardLayout(stages=(StageSlot(node="a", layers=(0, 1), gpus=1.0), StageSlot(node="b", layers=(1, 4))),
+                         draft_node="c", draft_gpus=0.5)
+    assert layout.bundles(1.0) == [
+        {"CPU": 1.0, "GPU": 1.0, "specfleet_node_a": 0.001}, {"CPU": 1.0, "specfleet_node_b": 0.001},
+        {"CPU": 1.0, "GPU": 0.5, "specfleet_node_c": 0.001}]
     assert layout.draft_bundle == 2
     pod = layout.model_copy(update={"pins": {"b": "node:10.0.0.7"}})
     assert [list(b)[-1] for b in pod.bundles(1.0)] == ["specfleet_node_a", "node:10.0.0.7", "specfleet_node_c"]
