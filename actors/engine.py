@@ -30,7 +30,6 @@ from actors.output import RequestOutput
 from actors.scheduler import Schedule, Scheduler, Work
 from actors.sequence import Sequence, SeqStatus
 from actors.spec.cost_model import ATTENTION_UNIT, ForwardShape, StepCostModel
-from actors.spec.lookup import Lookups
 from actors.spec.policy import Acceptance, BatchBase, Candidate, make_policy
 from actors.spec.sampling import make_generator, probs_from_logits, sample
 from actors.spec.verify import verify_greedy, verify_sampled
@@ -73,11 +72,9 @@ class Engine:
                 f"({target.model.config.vocab_size}): they must share a tokenizer"
             )
         self.target, self.draft = target, draft
-        self.lookup = Lookups(speculation) if speculation.method != "model" else None  # model-free drafts
         self.device = target.device  # where the target's logits arrive: sampling and verification run here
         self.cost_model = cost_model or StepCostModel()
-        self.policy = make_policy(speculation, draft is not None or self.lookup is not None, self.cost_model,
-                                  free_drafts=self.lookup is not None)
+        self.policy = make_policy(speculation, draft is not None, self.cost_model)
         self.k = speculation.k if self.policy.name != "off" else 0  # the most drafts a request gets
         self.acceptance = Acceptance.prior(speculation.prior_acceptance, decay=speculation.acceptance_decay)
         self.scheduler = Scheduler(scheduler, target.cache, self.k, self._free, self._fail)
@@ -220,7 +217,7 @@ class Engine:
         rid, n = w.seq.request_id, w.start + w.num_new
         while k > 0 and not self.target.reserve(rid, n + k):
             k -= 1
-        if k > 0 and self.draft is not None and not self.draft.reserve(rid, n + k - 1):
+        if k > 0 and not self.draft.reserve(rid, n + k - 1):
             self.draft.cache.free(rid)  # draft KV is optional: drop it, catch up later
             k = 0
         return k
@@ -236,8 +233,6 @@ class Engine:
         probs: list[list[torch.Tensor]] = [[] for _ in works]
         sizes: list[int] = []  # tokens fed by each draft forward
         attention = 0.0
-        if self.lookup is not None:
-            return self._look_up(works), probs, ForwardShape()
         if self.draft is None:
             return drafts, probs, ForwardShape()
         for j in range(max([w.k for w in works] + [1 if follow else 0])):
@@ -271,16 +266,6 @@ class Engine:
                     probs[i].append(q[0])
         return drafts, probs, ForwardShape(len(sizes), sum(sizes), attention, tuple(sizes))
 
-    def _look_up(self, works: list[Work]) -> list[list[int]]:
-        """Model-free drafts: up to k tokens per work continuing text seen before (actors/spec/lookup.py); each
-        work's k becomes what was found. Sampled requests verify them as point-mass drafts (see _accept)."""
-        drafts = []
-        for w in works:
-            d = self.lookup.propose(w.seq.request_id, w.seq.token_ids, w.k) if w.k > 0 else []
-            w.k = len(d)
-            drafts.append(d)
-        return drafts
-
     def _score(self, works: list[Work], drafts: list[list[int]]) -> tuple[list[torch.Tensor], ForwardShape]:
         """One target forward over every work's chunk plus its drafts; logits (k+1, V) for emitting works."""
         chunks = [
@@ -302,10 +287,7 @@ class Engine:
             accepted, extra = verify_greedy(d, logits)
         else:
             p = probs_from_logits(logits, seq.request.params)  # (k+1, V)
-            if draft and not q:  # a model-free draft: its distribution is a point mass on each proposed token
-                q_ = torch.nn.functional.one_hot(d.to(p.device), p.shape[-1]).to(p.dtype)  # (k, V)
-            else:
-                q_ = torch.stack(q) if q else p[:0]
+            q_ = torch.stack(q) if q else p[:0]
             accepted, extra = verify_sampled(d, q_, p, seq.generator)
         seq.stats.k_history.append(len(draft))
         if draft:
@@ -316,8 +298,6 @@ class Engine:
         seq.token_ids.extend(taken)
         rid = seq.request_id
         if seq.output.finish_reason is not None:
-            if self.lookup is not None:
-                self.lookup.finished(seq.output.token_ids)
             self.scheduler.remove(rid)
             self._free(seq)
             seq.status = SeqStatus.FINISHED
@@ -332,8 +312,6 @@ class Engine:
         self.target.cache.free(seq.request_id)
         if self.draft is not None:
             self.draft.cache.free(seq.request_id)
-        if self.lookup is not None:
-            self.lookup.forget(seq.request_id)  # rebuilt from its tokens if it runs again (after a preemption)
 
     def _fail(self, seq: Sequence, message: str) -> None:
         seq.status = SeqStatus.FINISHED

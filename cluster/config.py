@@ -67,11 +67,6 @@ class SpeculationConfig(_Frozen):
     k: int = Field(default=4, ge=0, le=16)
     prior_acceptance: float = Field(default=0.7, ge=0.0, le=1.0)
     acceptance_decay: float = Field(default=0.9, gt=0.0, le=1.0)
-    # where drafts come from: `model` (engine.model.draft or draft_layers), or model-free lookups in text
-    # already seen (actors/spec/lookup.py): `ngram` (prompt lookup) or `suffix` (SuffixDecoding)
-    method: Literal["model", "ngram", "suffix"] = "model"
-    # suffix: also match against recent finished outputs of every request (SuffixDecoding's global tree)
-    suffix_shared: bool = True
 
 
 class CacheConfig(_Frozen):
@@ -102,14 +97,6 @@ class EngineConfig(_Frozen):
     speculation: SpeculationConfig = SpeculationConfig()
     scheduler: SchedulerConfig = SchedulerConfig()
     cache: CacheConfig = CacheConfig()
-
-    @model_validator(mode="after")
-    def _one_draft_source(self) -> "EngineConfig":
-        m = self.model
-        if self.speculation.method != "model" and (m.draft is not None or m.draft_layers is not None):
-            raise ValueError(f"speculation.method {self.speculation.method!r} drafts without a model: "
-                             "drop model.draft and model.draft_layers (or use method: model)")
-        return self
 
 
 class AuthConfig(_Frozen):

@@ -114,10 +114,9 @@ class GoodputPolicy:
 
     name = "goodput"
 
-    def __init__(self, k: int, cost: StepCostModel, free_drafts: bool = False) -> None:
+    def __init__(self, k: int, cost: StepCostModel) -> None:
         self.k = k
         self.cost = cost
-        self.free_drafts = free_drafts  # model-free drafts: no draft forwards to pay for
 
     def goodput(self, cands: list[Candidate], base: BatchBase, ks: list[int]) -> float:
         """Expected tokens per second of a step with these ks."""
@@ -131,8 +130,7 @@ class GoodputPolicy:
             emitted += expected_tokens(c.acceptance, k)
         # draft forward j feeds one token of each request still drafting at position j; the first also
         # takes the prefill rows it follows. Its catch-up (usually 1-2 tokens) is amortised, not charged here.
-        sizes = [] if self.free_drafts else (
-            [sum(k > j for k in ks) for j in range(max(ks, default=0))] or ([0] if base.draft_rows else []))
+        sizes = [sum(k > j for k in ks) for j in range(max(ks, default=0))] or ([0] if base.draft_rows else [])
         if sizes:
             sizes[0] += base.draft_rows
         draft = ForwardShape(len(sizes), sum(sizes), d_attention, tuple(sizes))
@@ -173,10 +171,10 @@ class GoodputPolicy:
 SpecPolicy = FixedPolicy | OffPolicy | GoodputPolicy
 
 
-def make_policy(cfg: SpeculationConfig, has_draft: bool, cost: StepCostModel, free_drafts: bool = False) -> SpecPolicy:
-    """The policy the config names; without a draft every policy is `off`. `free_drafts`: drafts cost no forward."""
+def make_policy(cfg: SpeculationConfig, has_draft: bool, cost: StepCostModel) -> SpecPolicy:
+    """The policy the config names; without a draft every policy is `off`."""
     if not has_draft or cfg.policy == "off" or cfg.k == 0:
         return OffPolicy()
     if cfg.policy == "fixed":
         return FixedPolicy(cfg.k)
-    return GoodputPolicy(cfg.k, cost, free_drafts)
+    return GoodputPolicy(cfg.k, cost)

@@ -33,9 +33,6 @@ def add_engine_flags(p: argparse.ArgumentParser, *, default_dtype: str | None = 
     g.add_argument("--dtype", choices=["fp32", "bf16"], default=default_dtype)
     g.add_argument("--k", type=int, help="draft tokens per round, the most with --policy goodput (0 = none)")
     g.add_argument("--policy", choices=["fixed", "off", "goodput"], help="speculation length policy")
-    g.add_argument("--method", choices=["model", "ngram", "suffix"],
-                   help="where drafts come from: the draft model, or model-free lookups (ngram, suffix); "
-                        "a model-free method drops the config's draft model")
     g.add_argument("--max-batch-size", type=int)
     g.add_argument("--max-num-batched-tokens", type=int, help="target tokens per step (chunked prefill budget)")
 
@@ -60,10 +57,6 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         raw.setdefault("speculation", {})["k"] = args.k
     if args.policy is not None:
         raw.setdefault("speculation", {})["policy"] = args.policy
-    if getattr(args, "method", None) is not None:
-        raw.setdefault("speculation", {})["method"] = args.method
-        if args.method != "model" and args.draft is None and args.draft_layers is None:
-            model["draft"] = model["draft_layers"] = None  # the config's draft model gives way to the lookup
     for key in ("max_batch_size", "max_num_batched_tokens"):
         if getattr(args, key) is not None:
             raw.setdefault("scheduler", {})[key] = getattr(args, key)
