@@ -22,9 +22,10 @@ DTYPE_BYTES = {"fp32": 4, "bf16": 2}
 
 
 def resolved(engine: EngineConfig) -> EngineConfig:
-    """`engine` with its models resolved: catalog names fetched, GGUF files converted once to safetensors folders."""
+    """`engine` with its models resolved: catalog names fetched, GGUF files converted once to safetensors folders.
+    The name clients use stays the configured one (`model.name`, else the catalog name or file stem)."""
     m = engine.model
-    model = m.model_copy(update={"target": resolve_model(m.target, m.dtype),
+    model = m.model_copy(update={"target": resolve_model(m.target, m.dtype), "name": m.served_name,
                                  "draft": resolve_model(m.draft, m.dtype) if m.draft else None})
     return engine.model_copy(update={"model": model})
 

@@ -71,3 +71,11 @@ def test_instances_never_share_a_device(seed: int) -> None:
     for s in specs:
         assert not s.layout.places & seen
         seen |= s.layout.places
+
+
+def test_resolving_models_keeps_the_name_clients_use(tiny_models) -> None:
+    from deploy.serve.fleet import resolved  # deploy's side: catalog names become files once, at build time
+
+    cfg = engine(draft=None).model_copy(update={"model": ModelConfig(target="smollm2-135m-instruct")})
+    out = resolved(cfg)
+    assert out.model.served_name == "smollm2-135m-instruct" and out.model.target != "smollm2-135m-instruct"
