@@ -108,6 +108,16 @@ def _destinations(loads: Sequence[InstanceLoad], source: str, blocks: int, cfg: 
     return sorted(ok, key=lambda d: (d.virtual_usage(cfg.priority_headroom_blocks), d.instance_id))
 
 
+def _move_cheapest(src: InstanceLoad, loads: Sequence[InstanceLoad], cfg: MigrationPolicyConfig,
+                   reason: str) -> list[Migration]:
+    """The cheapest of `src`'s requests that some destination has room for, to the one with the most room."""
+    for r in cheapest_first(src.running):
+        dst = _destinations(loads, src.instance_id, r.blocks, cfg)
+        if dst:
+            return [Migration(r.request_id, src.instance_id, dst[0].instance_id, r.blocks, reason)]
+    return []
+
+
 class Drain:
     """Empty draining instances: each request, cheapest first, to the instance with the most room."""
 
@@ -115,11 +125,8 @@ class Drain:
 
     def propose(self, loads: Sequence[InstanceLoad], cfg: MigrationPolicyConfig) -> list[Migration]:
         for src in loads:
-            if src.draining:
-                for r in cheapest_first(src.running):
-                    dst = _destinations(loads, src.instance_id, r.blocks, cfg)
-                    if dst:
-                        return [Migration(r.request_id, src.instance_id, dst[0].instance_id, r.blocks, self.name)]
+            if src.draining and (move := _move_cheapest(src, loads, cfg, self.name)):
+                return move
         return []
 
 
@@ -134,10 +141,8 @@ class Defrag:
                 continue
             if src.waiting_blocks[0] > src.capacity_blocks:
                 continue  # it can never fit here; moving requests out would not help
-            for r in cheapest_first(src.running):
-                dst = _destinations(loads, src.instance_id, r.blocks, cfg)
-                if dst:
-                    return [Migration(r.request_id, src.instance_id, dst[0].instance_id, r.blocks, self.name)]
+            if move := _move_cheapest(src, loads, cfg, self.name):
+                return move
         return []
 
 
