@@ -9,6 +9,9 @@ real prompts (MT-Bench or HumanEval) sent as token ids, so every path gets ident
 2. concurrency: N streams at once over HTTP; each must end with a finish_reason and `data: [DONE]`.
 3. Poisson arrivals at each rate for `--duration` s: TTFT, inter-chunk latency, TPOT, end-to-end p50/p99,
    throughput and errors.
+
+After the overhead phase, the same requests go to the same engine config built in the bench's own process
+behind the same serving loop (no Ray), so the served TTFT and the engine's own are printed side by side.
 """
 
 from __future__ import annotations
@@ -194,6 +197,46 @@ async def overhead(c: httpx.AsyncClient, direct: Direct, model: str, prompts: li
             "route_call_p50_ms": _ms(pct(direct.route_s, 50))}
 
 
+def in_process(config: Path, prompts: list[list[int]], n: int, max_tokens: int, timeout_s: float) -> dict:
+    """The served config's instance built in this process and driven by the same ServingLoop as the instance
+    actor (actors/serving.py), without Ray: TTFT and end-to-end p50 of the overhead phase's requests."""
+    import threading
+
+    from actors.local_stages import local_instance
+    from actors.serving import ServingLoop, StreamItem
+    from cluster.config import load_config
+    from cluster.request import Request, SamplingParams
+    from deploy.serve.fleet import resolved
+
+    instance = local_instance(resolved(load_config(config).engine))  # what a one-stage instance actor builds
+    loop = ServingLoop(instance, name="bench-in-process")
+    ttft, e2e = [], []
+    try:
+        for i in range(n + 1):  # the first is a warm-up
+            first: list[float] = []
+            done = threading.Event()
+
+            def sink(item: StreamItem) -> None:
+                if item.delta.text and not first:
+                    first.append(time.perf_counter())
+                if item.delta.finished:
+                    done.set()
+
+            sent = time.perf_counter()
+            request = Request(f"bench-local-{i}", tuple(prompts[i % len(prompts)]),
+                              SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True), 0, time.time())
+            loop.submit(request, sink).result(timeout_s)
+            if not done.wait(timeout_s) or not first:
+                raise UsageError(f"in-process request {i} did not finish in {timeout_s} s")
+            if i:
+                ttft.append(first[0] - sent)
+                e2e.append(time.perf_counter() - sent)
+    finally:
+        loop.close()
+        instance.shutdown()
+    return {"requests": n, "ttft_p50_ms": _ms(pct(ttft, 50)), "e2e_p50_ms": _ms(pct(e2e, 50))}
+
+
 async def concurrency(c: httpx.AsyncClient, model: str, prompts: list[list[int]], n: int, max_tokens: int) -> dict:
     """n streams started at once; each must end with a finish_reason and [DONE]."""
     traces = await asyncio.gather(*(http_stream(c, model, prompts[i % len(prompts)], max_tokens) for i in range(n)))
@@ -287,6 +330,9 @@ async def _bench(args: argparse.Namespace, rates: list[float]) -> dict:
             finally:
                 direct.close()
             print(f"overhead: {report['overhead']}", flush=True)
+            report["in_process"] = await asyncio.to_thread(in_process, args.config, prompts,
+                                                           args.overhead_requests, args.max_tokens, args.timeout * 10)
+            print(f"in process: {report['in_process']}", flush=True)
         if args.concurrency:
             report["concurrency"] = await concurrency(c, model, prompts, args.concurrency, args.max_tokens)
             print(f"concurrency: {report['concurrency']}", flush=True)
@@ -336,6 +382,11 @@ def _print(report: dict) -> None:
         print(f"\nServe HTTP vs direct to the engine, {o['requests']} requests one at a time: overhead p50 "
               f"{o['overhead_e2e_p50_ms']} ms end to end, {o['overhead_ttft_p50_ms']} ms TTFT "
               f"(direct e2e p50 {o['direct_e2e_p50_ms']} ms, HTTP {o['http_e2e_p50_ms']} ms)")
+    if (o := report.get("overhead")) and (local := report.get("in_process")):
+        print(f"TTFT p50, {o['max_tokens']}-token completions: in one process {local['ttft_p50_ms']} ms, "
+              f"straight to the instance actor {o['direct_ttft_p50_ms']} ms, through Serve HTTP "
+              f"{o['http_ttft_p50_ms']} ms (actor / in process = "
+              f"{o['direct_ttft_p50_ms'] / local['ttft_p50_ms']:.2f}x)")
     if c := report.get("concurrency"):
         print(f"{c['streams']} concurrent streams: {c['completed']} completed with [DONE], {c['rejected']} rejected, "
               f"{c['lost']} lost, in {c['wall_s']} s")

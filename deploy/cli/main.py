@@ -30,6 +30,8 @@ COMMANDS: list[tuple[tuple[str, ...], str, str, str]] = [
      "deploy.bench.serve", "add_arguments"),
     (("bench", "attention"), "attention over the paged KV cache: gather-then-SDPA vs the whole pool, per layer",
      "deploy.bench.attention", "add_arguments"),
+    (("bench", "start"), "time to first token from a fresh process: cold (converting GGUF) vs warm (cached)",
+     "deploy.bench.start", "add_arguments"),
     (("train-moe",), "train a small MoE model on CPU for the expert-parallel benchmarks", "deploy.bench.train_moe",
      "add_arguments"),
     (("serve",), "deploy the Serve application (HTTP + gRPC) onto a running cluster", "deploy.cli.serve_cmd",
