@@ -13,7 +13,9 @@ import torch
 
 from actors.model.convert import MANIFEST, CacheEntryInvalid, converted, verify
 from actors.model.loader import load_model
+from cluster.config import EngineConfig, ModelConfig
 from deploy import model_store
+from deploy.serve.fleet import resolved
 
 
 @pytest.fixture
@@ -123,3 +125,11 @@ def test_model_store_resolves_a_gguf_to_its_converted_folder(gguf_copy: Path, tm
     assert (folder / "config.json").is_file() and (folder / MANIFEST).is_file()
     with pytest.raises(ValueError, match="dtype"):
         model_store.resolve_model(str(gguf_copy), "fp16")
+
+
+def test_a_resolved_engine_keeps_the_name_clients_use(gguf_copy: Path, tmp_path: Path,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SPECFLEET_MODELS", str(tmp_path / "models"))
+    engine = resolved(EngineConfig(model=ModelConfig(target=str(gguf_copy), draft_layers=(0,))))
+    assert Path(engine.model.target).parent == model_store.converted_dir()
+    assert engine.model.served_name == gguf_copy.stem  # not the cache folder's "<sha256>-fp32"
