@@ -1,16 +1,18 @@
 """The instance engine: continuous batching with lossless speculative decoding; `step()` maps the data plane.
 
 Each step: the scheduler (actors/scheduler.py) admits and chunks work under the KV block and token
-budgets; the policy (actors/spec/policy.py) picks each emitting request's k; the draft proposes k
-tokens autoregressively (its first forward also catches up on tokens it has not seen: prefill chunks,
-the previous round's last accepted draft and the target's bonus token); the target scores every
-prefill chunk and all k+1 positions of every decode in one forward; greedy matching or rejection
-sampling accepts a prefix; rejected KV is cropped in both caches. See actors/spec/verify.py for the
-vocabulary (accepted, recovered, bonus).
+budgets; the policy (actors/spec/policy.py) picks each emitting request's k; the drafter
+(actors/spec/drafters.py: a draft model, or a model-free n-gram / suffix lookup) proposes up to k tokens
+per request (a draft model's first forward also catches up on the tokens it has not seen: the prompt,
+and every token since the request last drafted); the target scores every prefill chunk and all k+1
+positions of every decode in one forward; greedy matching or rejection sampling accepts a prefix;
+rejected KV is cropped in both caches. See actors/spec/verify.py for the vocabulary (accepted,
+recovered, bonus).
 
 KV invariants after every step, per running request with n = len(token_ids):
   target cache holds tokens [0, m), m <= n-1, with m = n-1 once its prompt is processed;
-  draft cache holds a prefix [0, d), d <= n-1 (it may lag; it catches up when it next drafts).
+  draft cache holds a prefix [0, d), d <= n-1 (it lags while the request does not draft, and catches
+  up when it next drafts: a request given k = 0 costs the draft no forward).
 The draft's KV is optional: when its cache is out of blocks a request simply drafts nothing that step.
 """
 
@@ -30,8 +32,9 @@ from actors.output import RequestOutput
 from actors.scheduler import Schedule, Scheduler, Work
 from actors.sequence import Sequence, SeqStatus
 from actors.spec.cost_model import ATTENTION_UNIT, ForwardShape, StepCostModel
+from actors.spec.drafters import Drafter, Proposal, make_drafter
 from actors.spec.policy import Acceptance, BatchBase, Candidate, make_policy
-from actors.spec.sampling import make_generator, probs_from_logits, sample
+from actors.spec.sampling import make_generator, probs_from_logits
 from actors.spec.verify import verify_greedy, verify_sampled
 from cluster.config import EngineConfig, SchedulerConfig, SpeculationConfig
 from cluster.request import FinishReason, InvalidRequest, Request, SamplingParams, SpecStats, TokenDelta, check_prompt
@@ -65,6 +68,7 @@ class Engine:
         scheduler: SchedulerConfig = SchedulerConfig(),
         max_model_len: int | None = None,
         cost_model: StepCostModel | None = None,
+        draft_quantized: bool = False,
     ) -> None:
         if draft is not None and draft.model.config.vocab_size != target.model.config.vocab_size:
             raise ValueError(
@@ -73,8 +77,10 @@ class Engine:
             )
         self.target, self.draft = target, draft
         self.device = target.device  # where the target's logits arrive: sampling and verification run here
+        self.drafter: Drafter | None = make_drafter(speculation, draft, draft_quantized, self.device)
         self.cost_model = cost_model or StepCostModel()
-        self.policy = make_policy(speculation, draft is not None, self.cost_model)
+        self.policy = make_policy(speculation, self.drafter is not None, self.cost_model,
+                                  draft_forwards=self.drafter is not None and self.drafter.runs_forwards)
         self.k = speculation.k if self.policy.name != "off" else 0  # the most drafts a request gets
         self.acceptance = Acceptance.prior(speculation.prior_acceptance, decay=speculation.acceptance_decay)
         self.scheduler = Scheduler(scheduler, target.cache, self.k, self._free, self._fail)
@@ -94,7 +100,8 @@ class Engine:
         from actors.local_stages import load_runners  # it builds on this module's neighbours, not on Engine
 
         target, draft = load_runners(cfg, None, device)
-        return cls(target[0], draft, cfg.speculation, cfg.scheduler, cfg.model.max_model_len)
+        return cls(target[0], draft, cfg.speculation, cfg.scheduler, cfg.model.max_model_len,
+                   draft_quantized=cfg.model.draft_quantization == "int8")
 
     @property
     def waiting(self) -> list[Sequence]:
@@ -176,119 +183,83 @@ class Engine:
         deltas, self._finished = self._finished, []
         if not plan.works:
             return deltas
-        follow = self._choose_k(plan)
+        self._choose_k(plan)
         t1 = time.perf_counter()
-        drafts, draft_probs, draft_shape = self._propose(plan.works, follow)
+        proposals, draft_shape = self._propose(plan.works)
         t2 = time.perf_counter()
-        target_logits, target_shape = self._score(plan.works, drafts)
+        target_logits, target_shape = self._score(plan.works, proposals)
         t3 = time.perf_counter()
         emitting = 0
-        for w, d, q, logits in zip(plan.works, drafts, draft_probs, target_logits):
+        for w, proposal, logits in zip(plan.works, proposals, target_logits, strict=True):
             if w.emits:
-                deltas.append(self._accept(w, d, q, logits))
+                deltas.append(self._accept(w, proposal, logits))
                 emitting += 1
         t4 = time.perf_counter()
+        # a lookup drafter runs no forward: its (small) time is part of the step's per-request overhead
+        lookup_s = t2 - t1 if self.drafter is not None and not self.drafter.runs_forwards else 0.0
         self.cost_model.observe(target_shape, t3 - t2, draft_shape, t2 - t1,
-                                requests=emitting, overhead_s=(t1 - t0) + (t4 - t3))
+                                requests=emitting, overhead_s=(t1 - t0) + (t4 - t3) + lookup_s)
         self._stats.record(plan, deltas, t4 - t0)
         return deltas
 
-    def _choose_k(self, plan: Schedule) -> bool:
-        """Set each emitting work's k from the policy and reserve KV for its drafts; returns whether the
-        draft follows this step's prefill chunks."""
-        follow = self.draft is not None and self.policy.draft_in_use(self.acceptance.rate)
+    def _choose_k(self, plan: Schedule) -> None:
+        """Set each emitting work's k from the policy, capped by what the drafter can propose and by the KV it
+        can reserve. The draft follows no prefill chunk: it catches up when a request next drafts, and the
+        policy is told each request's catch-up (its draft backlog) as part of that request's cost."""
         emitting = [w for w in plan.works if w.emits]
         if self.k == 0 or not emitting:
-            return follow
+            return
         chunks = [w for w in plan.works if not w.emits]
         tokens = sum(w.num_new for w in chunks)
         attention = sum(w.num_new * (w.start + w.num_new) for w in chunks) / ATTENTION_UNIT
-        base = BatchBase(ForwardShape(1, tokens, attention), tokens if follow else 0, attention if follow else 0.0)
-        cands = [
-            Candidate(w.seq.acceptance.rate, max(0, min(self.k, w.seq.remaining - 1)), w.num_new, w.start + w.num_new)
-            for w in emitting
-        ]
+        base = BatchBase(ForwardShape(1, tokens, attention))
+        cands = []
+        for w in emitting:
+            end = w.start + w.num_new
+            limit = max(0, min(self.k, w.seq.remaining - 1))
+            limit = self.drafter.lookahead(w.seq, limit) if limit else 0
+            cands.append(Candidate(w.seq.acceptance.rate, limit, w.num_new, end,
+                                   draft_backlog=self.drafter.backlog(w.seq, end), remaining=w.seq.remaining))
         for w, k in zip(emitting, self.policy.choose(cands, base, plan.draft_budget)):
             w.k = self._reserve_drafts(w, k)
-        return follow
 
     def _reserve_drafts(self, w: Work, k: int) -> int:
-        """Reserve KV for k drafts (target: n + k tokens, draft: n + k - 1); the k that fits."""
+        """Reserve KV for k drafts (target: n + k tokens; the drafter its own); the k that fits."""
         rid, n = w.seq.request_id, w.start + w.num_new
         while k > 0 and not self.target.reserve(rid, n + k):
             k -= 1
-        if k > 0 and not self.draft.reserve(rid, n + k - 1):
-            self.draft.cache.free(rid)  # draft KV is optional: drop it, catch up later
-            k = 0
-        return k
+        return self.drafter.reserve(w, k) if k > 0 else 0
 
-    def _propose(self, works: list[Work], follow: bool) -> tuple[list[list[int]], list[list[torch.Tensor]], ForwardShape]:
-        """Draft k tokens for each work, batched position by position; the first forward also feeds the
-        draft its backlog and, when it `follow`s, this step's prefill chunks.
+    def _propose(self, works: list[Work]) -> tuple[list[Proposal], ForwardShape]:
+        """Each work's proposal (empty where k = 0) and the shape of the draft's forwards for the cost model."""
+        if self.drafter is None or not any(w.k for w in works):
+            return [Proposal() for _ in works], ForwardShape()
+        return self.drafter.propose(works)
 
-        Returns per work the draft tokens and, for sampled requests, the draft distributions q (V,), and
-        the shape of the draft's work for the cost model.
-        """
-        drafts: list[list[int]] = [[] for _ in works]
-        probs: list[list[torch.Tensor]] = [[] for _ in works]
-        sizes: list[int] = []  # tokens fed by each draft forward
-        attention = 0.0
-        if self.draft is None:
-            return drafts, probs, ForwardShape()
-        for j in range(max([w.k for w in works] + [1 if follow else 0])):
-            rows_j, chunks = [], []
-            for i, w in enumerate(works):
-                rid, end = w.seq.request_id, w.start + w.num_new
-                if j == 0 and (w.k > 0 or (follow and w.is_prefill)):
-                    have = self.draft.cache.length(rid)
-                    if w.k == 0 and not self.draft.reserve(rid, end):
-                        self.draft.cache.free(rid)
-                        continue
-                    if have < end:
-                        chunks.append(SeqChunk(rid, tuple(w.seq.token_ids[have:end]), 1 if w.k > 0 else 0))
-                        rows_j.append(i)
-                elif 0 < j < w.k:
-                    chunks.append(SeqChunk(rid, (drafts[i][-1],)))
-                    rows_j.append(i)
-            if not chunks:
-                continue
-            logits = self.draft.forward(chunks)  # (number of works drafting at position j, V)
-            sizes.append(sum(len(c.token_ids) for c in chunks))
-            attention += sum(len(c.token_ids) * self.draft.cache.length(c.request_id) for c in chunks) / ATTENTION_UNIT
-            drafting = [i for i, c in zip(rows_j, chunks) if c.num_logits]
-            for i, row in zip(drafting, logits):
-                seq = works[i].seq
-                if seq.greedy:
-                    drafts[i].append(int(row.argmax()))
-                else:
-                    q = probs_from_logits(row[None].to(self.device), seq.request.params)  # (1, V) beside p
-                    drafts[i].append(int(sample(q, seq.generator)))
-                    probs[i].append(q[0])
-        return drafts, probs, ForwardShape(len(sizes), sum(sizes), attention, tuple(sizes))
-
-    def _score(self, works: list[Work], drafts: list[list[int]]) -> tuple[list[torch.Tensor], ForwardShape]:
+    def _score(self, works: list[Work], proposals: list[Proposal]) -> tuple[list[torch.Tensor], ForwardShape]:
         """One target forward over every work's chunk plus its drafts; logits (k+1, V) for emitting works."""
         chunks = [
-            SeqChunk(w.seq.request_id, tuple(w.seq.token_ids[w.start:w.start + w.num_new] + d),
-                     len(d) + 1 if w.emits else 0)
-            for w, d in zip(works, drafts)
+            SeqChunk(w.seq.request_id, tuple(w.seq.token_ids[w.start:w.start + w.num_new] + p.tokens),
+                     len(p.tokens) + 1 if w.emits else 0)
+            for w, p in zip(works, proposals, strict=True)
         ]
         logits = self.target.forward(chunks)  # (sum over emitting works of k+1, V)
         tokens = sum(len(c.token_ids) for c in chunks)
         attention = sum(len(c.token_ids) * self.target.cache.length(c.request_id) for c in chunks) / ATTENTION_UNIT
         return list(logits.split([c.num_logits for c in chunks])), ForwardShape(1, tokens, attention)
 
-    def _accept(self, w: Work, draft: list[int], q: list[torch.Tensor], logits: torch.Tensor) -> TokenDelta:
+    def _accept(self, w: Work, proposal: Proposal, logits: torch.Tensor) -> TokenDelta:
         """Verify one request's drafts, emit the accepted tokens plus one, and crop rejected KV."""
         seq = w.seq
         n_before = len(seq.token_ids)
-        d = torch.tensor(draft, dtype=torch.long, device=logits.device)
+        draft = proposal.tokens
+        d = torch.tensor(draft, dtype=torch.long, device=logits.device)  # (k,)
         if seq.greedy:
             accepted, extra = verify_greedy(d, logits)
         else:
             p = probs_from_logits(logits, seq.request.params)  # (k+1, V)
-            q_ = torch.stack(q) if q else p[:0]
-            accepted, extra = verify_sampled(d, q_, p, seq.generator)
+            q = proposal.q(p.shape[-1], p.device)  # (k, V)
+            accepted, extra = verify_sampled(d, q, p, seq.generator)
         seq.stats.k_history.append(len(draft))
         if draft:
             seq.stats.record(len(draft), accepted)
@@ -299,19 +270,20 @@ class Engine:
         rid = seq.request_id
         if seq.output.finish_reason is not None:
             self.scheduler.remove(rid)
-            self._free(seq)
             seq.status = SeqStatus.FINISHED
+            self._free(seq)
         else:
             self.target.cache.crop(rid, n_before + accepted)
-            if self.draft is not None and self.draft.cache.has(rid):
-                self.draft.cache.crop(rid, min(self.draft.cache.length(rid), n_before + accepted))
+            if self.drafter is not None:
+                self.drafter.accepted(seq, n_before + accepted)
         return TokenDelta(rid, tuple(taken), seq.output.text_delta(), seq.output.finish_reason)
 
     # ---- KV and errors ----------------------------------------------------------------------
     def _free(self, seq: Sequence) -> None:
+        """Free a request's KV (finished, aborted, failed or preempted) and what the drafter holds for it."""
         self.target.cache.free(seq.request_id)
-        if self.draft is not None:
-            self.draft.cache.free(seq.request_id)
+        if self.drafter is not None:
+            self.drafter.release(seq, finished=seq.status is SeqStatus.FINISHED and seq.output.finish_reason is not None)
 
     def _fail(self, seq: Sequence, message: str) -> None:
         seq.status = SeqStatus.FINISHED

@@ -93,8 +93,8 @@ def load_runners(cfg: EngineConfig, stages: Sequence[tuple[int, int]] | None = N
     last = len(bounds) - 1
     target = [ModelRunner(target_model, range(a, b), cfg.cache, first=i == 0, last=i == last)
               for i, (a, b) in enumerate(bounds)]
-    if cfg.speculation.policy == "off":
-        return target, None
+    if cfg.speculation.policy == "off" or cfg.speculation.method != "model":
+        return target, None  # no draft model: plain decoding, or a model-free (lookup) drafter
     if m.draft is not None:
         draft_model = load_model(m.draft, m.dtype, device)
         draft = ModelRunner(draft_model, range(draft_model.num_layers), cfg.cache)

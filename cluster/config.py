@@ -55,14 +55,41 @@ class ModelConfig(_Frozen):
         return self.name or Path(self.target).stem
 
 
-class SpeculationConfig(_Frozen):
-    """How many tokens the draft proposes per round (actors/spec/policy.py).
+class NgramConfig(_Frozen):
+    """Prompt lookup (actors/spec/lookup.py): match the last n tokens, max_n down to min_n, earlier in the request."""
 
+    min_n: int = Field(default=2, ge=1, le=16)
+    max_n: int = Field(default=4, ge=1, le=16)
+
+    @model_validator(mode="after")
+    def _ordered(self) -> "NgramConfig":
+        if self.min_n > self.max_n:
+            raise ValueError("ngram.min_n must not exceed ngram.max_n")
+        return self
+
+
+class SuffixConfig(_Frozen):
+    """Suffix-tree lookup (SuffixDecoding): trie depth, the least path probability drafted, and how many
+    recent outputs the shared tree keeps (0: the request's own prompt and output only)."""
+
+    depth: int = Field(default=24, ge=2, le=64)
+    min_prob: float = Field(default=0.1, ge=0.0, le=1.0)
+    cache_outputs: int = Field(default=64, ge=0, le=10_000)
+
+
+class SpeculationConfig(_Frozen):
+    """How drafts are made (`method`) and how many tokens the draft proposes per round (actors/spec/policy.py).
+
+    `method`: `model` drafts with the draft model (`model.draft` or `model.draft_layers`); `ngram` and
+    `suffix` draft without a model from the request's own tokens (actors/spec/lookup.py).
     `fixed`: k tokens for every request; `off`: plain decoding; `goodput`: per request 0..k, chosen each
     step for the most expected tokens per second (SmartSpec), from each request's acceptance estimate
     (starting at `prior_acceptance`, decayed by `acceptance_decay` per round) and the fitted step-time model.
     """
 
+    method: Literal["model", "ngram", "suffix"] = "model"
+    ngram: NgramConfig = NgramConfig()
+    suffix: SuffixConfig = SuffixConfig()
     policy: Literal["fixed", "off", "goodput"] = "fixed"
     k: int = Field(default=4, ge=0, le=16)
     prior_acceptance: float = Field(default=0.7, ge=0.0, le=1.0)

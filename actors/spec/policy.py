@@ -11,6 +11,14 @@ with alpha_i the request's estimated per-token acceptance and step_seconds from 
 policy turns speculation off by itself, per request. The search tries each cap c = 1..K (the cap fixes
 how many draft forwards run), starts every request at min(c, its own limit), then lowers single
 requests' k while that raises goodput (requests with poor acceptance drop first).
+
+What drafting costs depends on the draft kind: a draft model runs max(k) forwards per step (the cost
+model's `draft` part, fitted for that model, int8 or not); a lookup drafter (n-gram, suffix) runs none,
+its small cost is in the step's per-request overhead. A draft model does not follow a request while it
+gets k = 0; when drafting pays again it first catches up on the tokens it missed (its backlog). That
+catch-up is paid once and serves every later round, so the policy charges it spread over the rounds the
+request has left (remaining tokens / E(alpha, k)), so that a long pause is ended only if drafting
+will pay for its catch-up before the request ends.
 """
 
 from __future__ import annotations
@@ -67,15 +75,15 @@ class Candidate:
     max_k: int  # K, capped by the tokens it may still emit and the step's token budget
     new_tokens: int  # target tokens it feeds without drafts (1 for a decode, more for a final prefill chunk)
     context: int  # its context length after this step
+    draft_backlog: int = 0  # tokens the draft must catch up on before it drafts for this request
+    remaining: int = 1 << 30  # tokens the request may still emit
 
 
 @dataclass(frozen=True)
 class BatchBase:
-    """The rest of the step, whatever the ks: prefill chunks in the target, prefill rows in the draft."""
+    """The rest of the step, whatever the ks: prefill chunks in the target."""
 
     target: ForwardShape = ForwardShape()
-    draft_rows: int = 0
-    draft_attention: float = 0.0
 
 
 class FixedPolicy:
@@ -93,8 +101,6 @@ class FixedPolicy:
             budget -= ks[-1]
         return ks
 
-    def draft_in_use(self, acceptance: float) -> bool:
-        return self.k > 0
 
 
 class OffPolicy:
@@ -105,36 +111,41 @@ class OffPolicy:
     def choose(self, cands: list[Candidate], base: BatchBase, budget: int) -> list[int]:
         return [0] * len(cands)
 
-    def draft_in_use(self, acceptance: float) -> bool:
-        return False
-
 
 class GoodputPolicy:
     """Per request k in 0..K maximising expected emitted tokens per second of the whole batch (SmartSpec)."""
 
     name = "goodput"
 
-    def __init__(self, k: int, cost: StepCostModel) -> None:
+    def __init__(self, k: int, cost: StepCostModel, draft_forwards: bool = True) -> None:
         self.k = k
         self.cost = cost
+        self.draft_forwards = draft_forwards  # False: a lookup drafter, no draft forwards to pay for
+
+    def catch_up_seconds(self, c: Candidate, k: int) -> float:
+        """The share of this step in the draft's catch-up for `c`: its cost over the rounds the request has left."""
+        if not self.draft_forwards or k == 0 or c.draft_backlog <= 1:
+            return 0.0  # a backlog of one token (the last round's bonus) rides in the first draft forward
+        b = c.draft_backlog
+        seconds = self.cost.draft.predict(ForwardShape(1, b, b * c.context / ATTENTION_UNIT))
+        rounds = max(1.0, c.remaining / expected_tokens(c.acceptance, k))
+        return seconds / rounds
 
     def goodput(self, cands: list[Candidate], base: BatchBase, ks: list[int]) -> float:
         """Expected tokens per second of a step with these ks."""
         tokens, attention = base.target.tokens, base.target.attention
-        d_attention = base.draft_attention
+        d_attention, catch_up = 0.0, 0.0
         emitted = 0.0
         for c, k in zip(cands, ks):
             tokens += c.new_tokens + k
             attention += (c.new_tokens + k) * c.context / ATTENTION_UNIT
             d_attention += k * c.context / ATTENTION_UNIT
             emitted += expected_tokens(c.acceptance, k)
-        # draft forward j feeds one token of each request still drafting at position j; the first also
-        # takes the prefill rows it follows. Its catch-up (usually 1-2 tokens) is amortised, not charged here.
-        sizes = [sum(k > j for k in ks) for j in range(max(ks, default=0))] or ([0] if base.draft_rows else [])
-        if sizes:
-            sizes[0] += base.draft_rows
+            catch_up += self.catch_up_seconds(c, k)
+        # draft forward j feeds one token of each request still drafting at position j
+        sizes = [sum(k > j for k in ks) for j in range(max(ks, default=0))] if self.draft_forwards else []
         draft = ForwardShape(len(sizes), sum(sizes), d_attention, tuple(sizes))
-        seconds = self.cost.predict(ForwardShape(1, tokens, attention), draft, requests=len(cands))
+        seconds = self.cost.predict(ForwardShape(1, tokens, attention), draft, requests=len(cands)) + catch_up
         return emitted / max(seconds, 1e-9)
 
     def choose(self, cands: list[Candidate], base: BatchBase, budget: int) -> list[int]:
@@ -163,18 +174,15 @@ class GoodputPolicy:
                 best_ks, best = list(ks), value
         return best_ks
 
-    def draft_in_use(self, acceptance: float) -> bool:
-        """Whether the draft should follow prefill chunks: a lone decode at this acceptance would speculate."""
-        return self.k > 0 and any(self.choose([Candidate(acceptance, self.k, 1, 512)], BatchBase(), self.k))
-
 
 SpecPolicy = FixedPolicy | OffPolicy | GoodputPolicy
 
 
-def make_policy(cfg: SpeculationConfig, has_draft: bool, cost: StepCostModel) -> SpecPolicy:
-    """The policy the config names; without a draft every policy is `off`."""
+def make_policy(cfg: SpeculationConfig, has_draft: bool, cost: StepCostModel, draft_forwards: bool = True) -> SpecPolicy:
+    """The policy the config names; without a drafter every policy is `off`. `draft_forwards`: whether the
+    drafter runs forwards (a draft model) or not (a lookup)."""
     if not has_draft or cfg.policy == "off" or cfg.k == 0:
         return OffPolicy()
     if cfg.policy == "fixed":
         return FixedPolicy(cfg.k)
-    return GoodputPolicy(cfg.k, cost)
+    return GoodputPolicy(cfg.k, cost, draft_forwards)

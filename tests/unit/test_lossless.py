@@ -19,14 +19,17 @@ PROMPT_OFFSET = {1: 13, 4: 10, 8: 2}
 
 def make_engine(tiny_models, tiny_draft_models, family: str, draft: str, k: int, num_blocks: int = 256,
                 max_batch_size: int = 8, max_num_batched_tokens: int = 256, policy: str = "fixed") -> Engine:
-    """The target alone, with its perturbed copy as draft, or with its layers [0, 3] as a self-speculative draft."""
+    """The target alone, with its perturbed copy as draft, with its layers [0, 3] as a self-speculative draft, or
+    with a model-free drafter (n-gram prompt lookup, suffix tree)."""
     target = load(tiny_models[family])
     draft_runner = {
         "pair": lambda: runner(load(tiny_draft_models[family]), num_blocks=num_blocks),
         "layers": lambda: runner(target, [0, 3], num_blocks=num_blocks),
-        "none": lambda: None,
+        "none": lambda: None, "ngram": lambda: None, "suffix": lambda: None,
     }[draft]()
-    return Engine(runner(target, num_blocks=num_blocks), draft_runner, SpeculationConfig(policy=policy, k=k),
+    method = draft if draft in ("ngram", "suffix") else "model"
+    speculation = SpeculationConfig(policy=policy, k=k, method=method, ngram={"min_n": 1, "max_n": 3})
+    return Engine(runner(target, num_blocks=num_blocks), draft_runner, speculation,
                   SchedulerConfig(max_batch_size=max_batch_size, max_num_batched_tokens=max_num_batched_tokens))
 
 
@@ -60,7 +63,7 @@ def assert_matches_reference(engine: Engine, path, prompt: list[int], result, ma
 
 
 # ---- the promise ----------------------------------------------------------------------------------
-CASES = [(d, k) for d in ("pair", "layers") for k in (1, 3, 5)] + [("none", 0)]
+CASES = [(d, k) for d in ("pair", "layers", "ngram", "suffix") for k in (1, 3, 5)] + [("none", 0)]
 
 
 @pytest.mark.parametrize("batch_size", [1, 4, 8])
@@ -85,6 +88,8 @@ def test_greedy_output_equals_the_targets_own(tiny_models, tiny_draft_models, fa
         assert sum(s.accepted_per_position) == s.accepted
         if draft == "none":
             assert s.proposed == s.rounds == 0
+        elif draft in ("ngram", "suffix"):  # a lookup without a match proposes nothing: a step of one token
+            assert s.rounds <= len(s.k_history) and len(c.token_ids) <= s.accepted + len(s.k_history)
         elif c.finish_reason == FinishReason.LENGTH:  # rounds emit accepted + 1; only a last 1-token round is undrafted
             assert len(c.token_ids) - (s.accepted + s.rounds) in (0, 1)
 

@@ -1,0 +1,201 @@
+"""Draft kinds behind one interface: a draft model (plain, int8 or a layer subset of the target) and model-free lookups.
+
+The engine asks a drafter, per step, for a `Proposal` per emitting work: up to `work.k` tokens and, for
+sampled requests, the draft distribution q of each. A model drafter runs its own forwards over its own
+KV; its cache follows a request only while the request drafts: it catches up on the tokens it has not
+seen (lazily, in its first forward of the next round that drafts), so a request the policy gives k = 0
+costs it nothing. A lookup drafter (n-gram, suffix; actors/spec/lookup.py) runs no forward and holds no
+KV; its proposals are deterministic, so q is one-hot on the proposed token, with which rejection
+sampling (actors/spec/verify.py) still emits exactly the target's distribution.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal, Protocol
+
+import torch
+
+from actors.model.metadata import SeqChunk
+from actors.model.runner import ModelRunner
+from actors.scheduler import Work
+from actors.sequence import Sequence
+from actors.spec.cost_model import ATTENTION_UNIT, ForwardShape
+from actors.spec.lookup import NgramIndex, OutputCache, SuffixIndex, suffix_propose
+from actors.spec.sampling import probs_from_logits, sample
+from cluster.config import SpeculationConfig
+
+DraftKind = Literal["model", "model_int8", "ngram", "suffix"]
+
+
+@dataclass
+class Proposal:
+    """One work's draft for this step: tokens (k,) and, for a sampled request, q (k, V) (None: one-hot/greedy)."""
+
+    tokens: list[int] = field(default_factory=list)
+    probs: torch.Tensor | None = None
+
+    def q(self, vocab_size: int, device: torch.device) -> torch.Tensor:
+        """The draft distributions (k, V): the model's, or one-hot on each proposed token."""
+        if self.probs is not None:
+            return self.probs
+        index = torch.tensor(self.tokens, dtype=torch.long, device=device)[:, None]  # (k, 1)
+        return torch.zeros(len(self.tokens), vocab_size, device=device).scatter_(1, index, 1.0)
+
+
+class Drafter(Protocol):
+    """What the engine needs of a draft kind."""
+
+    kind: DraftKind
+    runs_forwards: bool  # whether proposing costs draft forwards (the cost model's `draft` part)
+
+    def lookahead(self, seq: Sequence, k: int) -> int:
+        """At most how many tokens it would propose for `seq` now (k for a model; the match for a lookup)."""
+        ...
+
+    def backlog(self, seq: Sequence, end: int) -> int:
+        """Tokens it must catch up on before drafting after position `end` (0 for a lookup)."""
+        ...
+
+    def reserve(self, w: Work, k: int) -> int:
+        """Room for k drafts of this work; returns the k that fits."""
+        ...
+
+    def propose(self, works: list[Work]) -> tuple[list[Proposal], ForwardShape]:
+        """A proposal of `w.k` tokens (fewer for a lookup without a match) per work, and the forwards it ran."""
+        ...
+
+    def accepted(self, seq: Sequence, length: int) -> None:
+        """The request's tokens [0, length) are final: drop what the drafter holds beyond them."""
+        ...
+
+    def release(self, seq: Sequence, finished: bool) -> None:
+        """The request left the engine (finished) or was preempted; free what the drafter holds for it."""
+        ...
+
+
+class ModelDrafter:
+    """A draft model with its own KV cache, drafting autoregressively, batched position by position."""
+
+    runs_forwards = True
+
+    def __init__(self, runner: ModelRunner, quantized: bool = False, device: torch.device | None = None) -> None:
+        self.runner = runner
+        self.device = device  # where the target's logits arrive: q must sit beside p
+        self.kind: DraftKind = "model_int8" if quantized else "model"
+
+    def lookahead(self, seq: Sequence, k: int) -> int:
+        return k
+
+    def backlog(self, seq: Sequence, end: int) -> int:
+        return max(0, end - self.runner.cache.length(seq.request_id))
+
+    def reserve(self, w: Work, k: int) -> int:
+        if k > 0 and not self.runner.reserve(w.seq.request_id, w.start + w.num_new + k - 1):
+            self.runner.cache.free(w.seq.request_id)  # draft KV is optional: drop it, catch up later
+            return 0
+        return k
+
+    def propose(self, works: list[Work]) -> tuple[list[Proposal], ForwardShape]:
+        """Forward j feeds each work still drafting at position j one token; the first also feeds each its
+        backlog (prompt chunks and accepted tokens it has not seen), so a request that paused catches up here."""
+        out = [Proposal() for _ in works]
+        probs: list[list[torch.Tensor]] = [[] for _ in works]
+        sizes: list[int] = []  # tokens fed by each draft forward
+        attention = 0.0
+        for j in range(max([w.k for w in works], default=0)):
+            rows, chunks = [], []
+            for i, w in enumerate(works):
+                if j >= w.k:
+                    continue
+                rid = w.seq.request_id
+                if j == 0:
+                    have, end = self.runner.cache.length(rid), w.start + w.num_new
+                    chunks.append(SeqChunk(rid, tuple(w.seq.token_ids[have:end])))
+                else:
+                    chunks.append(SeqChunk(rid, (out[i].tokens[-1],)))
+                rows.append(i)
+            logits = self.runner.forward(chunks)  # (number of works drafting at position j, V)
+            sizes.append(sum(len(c.token_ids) for c in chunks))
+            attention += sum(len(c.token_ids) * self.runner.cache.length(c.request_id) for c in chunks) / ATTENTION_UNIT
+            for i, row in zip(rows, logits):
+                seq = works[i].seq
+                if seq.greedy:
+                    out[i].tokens.append(int(row.argmax()))
+                else:
+                    q = probs_from_logits(row[None].to(self.device or row.device), seq.request.params)  # (1, V)
+                    out[i].tokens.append(int(sample(q, seq.generator)))
+                    probs[i].append(q[0])
+        for p, q in zip(out, probs):
+            if q:
+                p.probs = torch.stack(q)  # (k, V)
+        return out, ForwardShape(len(sizes), sum(sizes), attention, tuple(sizes))
+
+    def accepted(self, seq: Sequence, length: int) -> None:
+        rid = seq.request_id
+        if self.runner.cache.has(rid):
+            self.runner.cache.crop(rid, min(self.runner.cache.length(rid), length))
+
+    def release(self, seq: Sequence, finished: bool) -> None:
+        self.runner.cache.free(seq.request_id)
+
+
+class LookupDrafter:
+    """n-gram prompt lookup or suffix-tree lookup: proposals from the request's own tokens (and recent outputs)."""
+
+    runs_forwards = False
+
+    def __init__(self, kind: Literal["ngram", "suffix"], cfg: SpeculationConfig) -> None:
+        self.kind: DraftKind = kind
+        self.cfg = cfg
+        self.shared = OutputCache(cfg.suffix.depth, cfg.suffix.cache_outputs) if kind == "suffix" else None
+        self._ngrams: dict[str, NgramIndex] = {}
+        self._suffixes: dict[str, SuffixIndex] = {}
+        self._pending: dict[str, list[int]] = {}  # this step's lookahead, reused by propose
+
+    def _lookup(self, seq: Sequence, k: int) -> list[int]:
+        rid = seq.request_id
+        if self.kind == "ngram":
+            index = self._ngrams.setdefault(rid, NgramIndex(self.cfg.ngram.min_n, self.cfg.ngram.max_n))
+            return index.propose(seq.token_ids, k)
+        own = self._suffixes.setdefault(rid, SuffixIndex(self.cfg.suffix.depth))
+        return suffix_propose(own, self.shared, seq.token_ids, k, self.cfg.suffix.min_prob)
+
+    def lookahead(self, seq: Sequence, k: int) -> int:
+        tokens = self._lookup(seq, k) if k > 0 else []
+        self._pending[seq.request_id] = tokens
+        return len(tokens)
+
+    def backlog(self, seq: Sequence, end: int) -> int:
+        return 0
+
+    def reserve(self, w: Work, k: int) -> int:
+        return k
+
+    def propose(self, works: list[Work]) -> tuple[list[Proposal], ForwardShape]:
+        out = []
+        for w in works:
+            tokens = self._pending.pop(w.seq.request_id, None)
+            if tokens is None and w.k > 0:
+                tokens = self._lookup(w.seq, w.k)
+            out.append(Proposal(list((tokens or [])[:w.k])))
+        self._pending.clear()
+        return out, ForwardShape()
+
+    def accepted(self, seq: Sequence, length: int) -> None:
+        pass  # the indexes only ever read accepted tokens
+
+    def release(self, seq: Sequence, finished: bool) -> None:
+        rid = seq.request_id
+        self._ngrams.pop(rid, None)
+        self._suffixes.pop(rid, None)
+        if finished and self.shared is not None:
+            self.shared.add(seq.output.token_ids)
+
+
+def make_drafter(cfg: SpeculationConfig, draft: ModelRunner | None, quantized: bool = False,
+                 device: torch.device | None = None) -> Drafter | None:
+    """The drafter `cfg.method` names; None when there is nothing to draft with (method model, no draft runner)."""
+    if cfg.method in ("ngram", "suffix"):
+        return LookupDrafter(cfg.method, cfg)
+    return ModelDrafter(draft, quantized, device) if draft is not None else None
