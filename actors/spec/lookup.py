@@ -38,7 +38,7 @@ class NgramIndex:
 
     def propose(self, tokens: Sequence[int], k: int) -> list[int]:
         """Up to k tokens that followed the longest n-gram matching the end of `tokens`."""
-        self.sync(tokens[:-1])  # the final n-gram itself must not match its own position
+        self.sync(tokens)  # n-grams with a continuation: the final one itself is not indexed
         for n in range(min(self.max_n, len(tokens)), self.min_n - 1, -1):
             end = self.last.get(tuple(tokens[len(tokens) - n:]))
             if end is not None:
@@ -79,8 +79,9 @@ class SuffixTrie:
             active = nxt[-(self.depth - 1):] if self.depth > 1 else []
         return active
 
-    def match(self, context: Sequence[int], max_len: int) -> tuple[_Node, int]:
-        """The node of the longest suffix of `context` (at most max_len tokens) present in the trie, and its length."""
+    def match(self, context: Sequence[int], max_len: int, continued: bool = False) -> tuple[_Node, int]:
+        """The node of the longest suffix of `context` (at most max_len tokens) present in the trie, and its
+        length; with `continued`, the longest one that some occurrence continues (a node with children)."""
         for n in range(min(max_len, len(context)), 0, -1):
             node = self.root
             for t in context[len(context) - n:]:
@@ -88,7 +89,8 @@ class SuffixTrie:
                 if node is None:
                     break
             else:
-                return node, n
+                if node.children or not continued:
+                    return node, n
         return self.root, 0
 
     @staticmethod
@@ -140,15 +142,15 @@ class OutputCache:
 def suffix_propose(own: SuffixIndex, shared: OutputCache | None, tokens: Sequence[int], k: int,
                    min_prob: float) -> list[int]:
     """SuffixDecoding's choice between the request's own tree and the shared one: the longer match wins
-    (ties to the more probable path); the request's tree is synced to all of `tokens` but the last, which
-    is the pattern's end and has no continuation yet."""
-    own.sync(tokens[:-1])
+    (ties to the more probable path). The request's own tree holds `tokens` up to the end, so the pattern
+    always finds itself there: what counts is the longest suffix that an occurrence continues."""
+    own.sync(tokens)
     max_len = own.trie.depth - 1
     best, best_key = [], (0, 0.0)
     for trie in (own.trie, shared.trie if shared is not None else None):
         if trie is None:
             continue
-        node, n = trie.match(tokens, max_len)
+        node, n = trie.match(tokens, max_len, continued=True)
         if n == 0:
             continue
         path, prob = SuffixTrie.walk(node, k, min_prob)

@@ -33,6 +33,8 @@ def add_engine_flags(p: argparse.ArgumentParser, *, default_dtype: str | None = 
     g.add_argument("--dtype", choices=["fp32", "bf16"], default=default_dtype)
     g.add_argument("--k", type=int, help="draft tokens per round, the most with --policy goodput (0 = none)")
     g.add_argument("--policy", choices=["fixed", "off", "goodput"], help="speculation length policy")
+    g.add_argument("--method", choices=["model", "ngram", "suffix"],
+                   help="how drafts are made: the draft model, n-gram prompt lookup, or a suffix tree (no model)")
     g.add_argument("--max-batch-size", type=int)
     g.add_argument("--max-num-batched-tokens", type=int, help="target tokens per step (chunked prefill budget)")
 
@@ -57,6 +59,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         raw.setdefault("speculation", {})["k"] = args.k
     if args.policy is not None:
         raw.setdefault("speculation", {})["policy"] = args.policy
+    if getattr(args, "method", None) is not None:
+        raw.setdefault("speculation", {})["method"] = args.method
     for key in ("max_batch_size", "max_num_batched_tokens"):
         if getattr(args, key) is not None:
             raw.setdefault("scheduler", {})[key] = getattr(args, key)

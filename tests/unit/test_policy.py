@@ -108,3 +108,29 @@ def test_make_policy_by_name() -> None:
     assert make_policy(SpeculationConfig(policy="fixed", k=3), True, cost).name == "fixed"
     assert make_policy(SpeculationConfig(policy="fixed", k=3), False, cost).name == "off"  # no draft
     assert make_policy(SpeculationConfig(policy="goodput", k=0), True, cost).name == "off"
+
+
+def test_a_draft_backlog_is_caught_up_only_if_the_rest_of_the_request_pays_for_it() -> None:
+    """After a pause the draft must first feed the tokens it missed; the policy charges that once-only cost over the
+    rounds the request has left: a long remainder resumes drafting, a short one does not."""
+    # memory-bound, but a draft fed many tokens at once pays for each (0.2 ms a token)
+    policy = GoodputPolicy(4, StepCostModel.from_weights(target=[0.020, 0.00005, 0.0], draft=[0.002, 0.0002, 0.0]))
+    fresh = Candidate(0.8, 4, 1, 400, draft_backlog=1, remaining=200)
+    long_rest = Candidate(0.8, 4, 1, 400, draft_backlog=300, remaining=200)
+    short_rest = Candidate(0.8, 4, 1, 400, draft_backlog=300, remaining=5)
+    assert policy.choose([fresh], BatchBase(), 100) == [4]
+    assert policy.choose([long_rest], BatchBase(), 100)[0] > 0
+    assert policy.choose([short_rest], BatchBase(), 100) == [0]
+    assert policy.catch_up_seconds(short_rest, 4) > policy.catch_up_seconds(long_rest, 4) > 0
+    assert policy.catch_up_seconds(short_rest, 0) == 0  # no drafting, no catch-up
+
+
+def test_a_lookup_drafter_costs_no_draft_forwards() -> None:
+    """With draft_forwards=False (n-gram, suffix) drafting adds only the verified tokens to the target: on a
+    compute-bound device where a draft model does not pay at alpha 0.5, a lookup still does."""
+    c = cands([0.5])
+    model_draft = GoodputPolicy(4, COMPUTE_BOUND)
+    lookup = GoodputPolicy(4, COMPUTE_BOUND, draft_forwards=False)
+    assert lookup.goodput(c, BatchBase(), [2]) > model_draft.goodput(c, BatchBase(), [2])
+    assert sum(lookup.choose(c, BatchBase(), 100)) >= sum(model_draft.choose(c, BatchBase(), 100))
+    assert lookup.choose(c, BatchBase(), 100)[0] > 0

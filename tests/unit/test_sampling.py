@@ -9,6 +9,7 @@ import torch
 
 from actors.engine import Engine
 from actors.model.metadata import SeqChunk
+from actors.spec.drafters import Proposal
 from actors.spec.sampling import make_generator, probs_from_logits, sample
 from actors.spec.verify import verify_greedy, verify_sampled
 from cluster.config import SpeculationConfig
@@ -112,6 +113,27 @@ def test_the_statistic_rejects_wrong_procedures(bug: str, position: int, k: int)
     assert chi_square(counts[target > 0], target[target > 0])[1] < ALPHA
 
 
+@pytest.mark.parametrize("k", [1, 2])
+def test_a_deterministic_draft_with_one_hot_q_emits_the_target(k: int) -> None:
+    """Lookup drafters (n-gram, suffix) propose fixed tokens; with q one-hot on them the output is still p."""
+    p, _ = distributions(k, 3)
+    drafted = [int(p[j].argmax()) for j in range(k)]  # a likely draft, so that both paths are taken
+    q = Proposal(drafted).q(V, p.device)  # (k, V)
+    g = torch.Generator().manual_seed(7)
+    first, second = [], []
+    for _ in range(TRIALS):
+        a, extra = verify_sampled(torch.tensor(drafted), q, p, g)
+        out = drafted[:a] + [extra]
+        first.append(out[0])
+        if a >= 1:
+            second.append(out[1])
+
+    assert q.sum(-1).eq(1).all() and q[torch.arange(k), drafted].eq(1).all()
+    assert fit(torch.tensor(first), p[0]) > ALPHA
+    assert fit(torch.tensor(second), p[1]) > ALPHA
+    assert 0.2 * TRIALS < len(second) < 0.95 * TRIALS  # accepted about p[0][drafted[0]] of the time
+
+
 def test_greedy_verification_accepts_the_matching_prefix() -> None:
     logits = torch.full((4, V), -1.0)
     for j, best in enumerate([3, 5, 7, 9]):
@@ -200,6 +222,8 @@ def test_sample_draws_from_the_distribution() -> None:
 # ---- the engine ----------------------------------------------------------------------------------
 def sampling_engine(tiny_models, tiny_draft_models, family: str = "llama", draft: str = "pair", k: int = 3) -> Engine:
     target = load(tiny_models[family])
+    if draft in ("ngram", "suffix"):
+        return Engine(runner(target), None, SpeculationConfig(k=k, method=draft, ngram={"min_n": 1, "max_n": 3}))
     d = runner(load(tiny_draft_models[family])) if draft == "pair" else runner(target, [0, 3])
     return Engine(runner(target), d, SpeculationConfig(k=k))
 
@@ -266,6 +290,30 @@ def test_engine_first_token_follows_the_targets_distribution(tiny_models, tiny_d
     engine.draft.cache.free("probe")
     observed_q, expected_q, _ = bucket(first, q, n)
     assert chi_square(observed_q, expected_q)[1] < ALPHA
+
+
+@pytest.mark.parametrize("draft", ["ngram", "suffix"])
+def test_engine_with_a_lookup_draft_samples_the_targets_distribution(tiny_models, tiny_draft_models, draft) -> None:
+    """A prompt `half c half` makes the lookup propose c first, so every first token goes through verification;
+    c is picked so that the target accepts it about half the time (both paths of rejection sampling taken)."""
+    n = 1000
+    model = load(tiny_models["llama"])
+    half = text_prompts(model, 2)[1]
+    likely = target_next_token_probs(model, half + half).topk(20).indices.tolist()
+    c = min(likely, key=lambda c: abs(float(target_next_token_probs(model, [*half, c, *half])[c]) - 0.5))
+    prompt = [*half, c, *half]
+    params = SamplingParams(temperature=1.0, max_tokens=2)
+    engine = sampling_engine(tiny_models, tiny_draft_models, "llama", draft, k=1)
+
+    completions = engine.generate([prompt] * n, [params.model_copy(update={"seed": s}) for s in range(n)])
+
+    assert sum(c.stats.k_history[0] for c in completions) == n  # drafted for every first token
+    assert 0 < sum(c.stats.accepted for c in completions) < n
+    first = torch.tensor([c.token_ids[0] for c in completions])
+    p = target_next_token_probs(model, prompt)
+    observed, expected, kept = bucket(first, p, n)
+    assert kept >= 3
+    assert chi_square(observed, expected)[1] > ALPHA
 
 
 def test_engine_first_two_tokens_follow_the_targets_joint_distribution(tiny_models, tiny_draft_models) -> None:

@@ -1,0 +1,219 @@
+"""`specfleet bench default`: off vs fixed vs goodput for every draft kind, on the default model and the Qwen pair,
+at batch 1 and batch 8, in one run.
+
+For each setup (model pair and dtype) the target is loaded once and shared by every mode; a mode is a draft
+kind (the setup's draft model, n-gram lookup, suffix lookup) with a policy (fixed k, goodput), plus plain
+decoding (`off`). At batch 1 the modes run interleaved prompt by prompt, at batch 8 all prompts at once per
+mode, so drift in machine speed hits every mode alike. Ratios come from totals (generated tokens / wall
+seconds) within the run; agreement is against `off` at the same batch size (in fp32 it must be 1.0: the
+engine is lossless; in bf16 a different batch shape may round differently).
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from actors.engine import Engine
+from actors.model.loader import load_model
+from actors.model.quant import quantize_runner_int8
+from actors.model.runner import ModelRunner
+from actors.spec.cost_model import StepCostModel
+from cluster.config import CacheConfig, SchedulerConfig, SpeculationConfig
+from cluster.request import SamplingParams, SpecStats
+from deploy.bench.output import save
+from deploy.bench.prompts import DATASETS, load_prompts
+from deploy.bench.spec import _agreement
+from deploy.model_store import resolve_model
+
+# name -> (target, draft model or None for a layer self-draft of every target layer, int8 draft)
+SETUPS = {
+    "default": ("smollm2-135m-instruct", None, True),
+    "qwen": ("qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b", False),
+}
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--setups", nargs="+", choices=list(SETUPS), default=list(SETUPS),
+                   help="default: SmolLM2-135M with its int8 all-layer self-draft; qwen: Coder 1.5B with the 0.5B")
+    p.add_argument("--dtype", choices=["fp32", "bf16"], default="bf16")
+    p.add_argument("--prompts", type=Path, nargs="+",
+                   default=[DATASETS / "mt_bench_questions.jsonl", DATASETS / "HumanEval.jsonl.gz"],
+                   help="JSONL(.gz) files: MT-Bench ('turns') and/or HumanEval ('prompt'); taken in turn")
+    p.add_argument("--num-prompts", type=int, default=8, help="prompts per setup (batch 8 runs them at once)")
+    p.add_argument("--max-tokens", type=int, default=64, help="new tokens per prompt (default model)")
+    p.add_argument("--qwen-num-prompts", type=int, default=8)
+    p.add_argument("--qwen-max-tokens", type=int, default=32)
+    p.add_argument("--batches", type=int, nargs="+", default=[1, 8])
+    p.add_argument("--k", type=int, default=4)
+    p.add_argument("--kinds", nargs="+", choices=["model", "ngram", "suffix"], default=["model", "ngram", "suffix"])
+    p.add_argument("--json", type=Path, help="write the results here")
+
+
+@dataclass
+class Mode:
+    """One engine setting measured at one batch size."""
+
+    name: str
+    engine: Engine
+    tokens: int = 0
+    seconds: float = 0.0
+    stats: SpecStats = field(default_factory=SpecStats)
+    outputs: list[list[int]] = field(default_factory=list)
+
+    @property
+    def tok_s(self) -> float:
+        return self.tokens / self.seconds if self.seconds else 0.0
+
+
+def cpu_model() -> str:
+    """The CPU's model name and its bf16 flags (figures depend on them)."""
+    name, flags = platform.processor() or "?", set()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                name = line.split(":", 1)[1].strip()
+            elif line.startswith("flags"):
+                flags = set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    bf16 = sorted(f for f in flags if "bf16" in f or f == "amx_tile")
+    return f"{name} ({', '.join(bf16) or 'no bf16 flags'})"
+
+
+def _build(setup: str, args: argparse.Namespace, batch: int, costs: dict[str, StepCostModel]) -> dict[str, Engine]:
+    target_name, draft_name, int8 = SETUPS[setup]
+    max_tokens = args.qwen_max_tokens if setup == "qwen" else args.max_tokens
+    cache = CacheConfig(block_size=16, num_blocks=(args.num_prompts * (max_tokens + 1024)) // 16 + 64)
+    target, draft = _models(setup, args.dtype)
+    target_runner = ModelRunner(target, range(target.num_layers), cache)
+    sched = SchedulerConfig(max_batch_size=batch, max_num_batched_tokens=max(256, batch))
+    engines = {"off": Engine(target_runner, None, SpeculationConfig(policy="off"), sched)}
+    for kind in args.kinds:
+        runner = None
+        if kind == "model":
+            runner = ModelRunner(draft, range(draft.num_layers), cache)
+            if int8:
+                quantize_runner_int8(runner)
+        label = "int8 self-draft" if kind == "model" and int8 and not draft_name else \
+            ("draft model" if kind == "model" else kind)
+        for policy in ("fixed", "goodput"):
+            spec = SpeculationConfig(method=kind, policy=policy, k=args.k)
+            cost = costs.get(kind) if policy == "goodput" else None  # calibrated once per draft kind
+            e = Engine(target_runner, runner, spec, sched, cost_model=cost, draft_quantized=int8 and kind == "model")
+            if policy == "goodput":
+                costs[kind] = e.cost_model
+            engines[f"{label} {policy}"] = e
+    return engines
+
+
+_MODELS: dict = {}
+
+
+def _models(setup: str, dtype: str) -> tuple:
+    """The setup's (target, draft) LoadedModels, loaded once per run."""
+    if (setup, dtype) not in _MODELS:
+        target_name, draft_name, _ = SETUPS[setup]
+        t0 = time.perf_counter()
+        target = load_model(resolve_model(target_name, dtype), dtype)
+        draft = load_model(resolve_model(draft_name, dtype), dtype) if draft_name else target
+        _MODELS[(setup, dtype)] = (target, draft)
+        print(f"{setup}: loaded in {time.perf_counter() - t0:.0f}s", flush=True)
+    return _MODELS[(setup, dtype)]
+
+
+def _measure(setup: str, args: argparse.Namespace, prompts: list[list[int]], batch: int,
+             costs: dict[str, StepCostModel]) -> dict[str, Mode]:
+    max_tokens = args.qwen_max_tokens if setup == "qwen" else args.max_tokens
+    modes = {name: Mode(name, e) for name, e in _build(setup, args, batch, costs).items()}
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    for m in modes.values():  # warm-up: first-call kernel set-up is not what we measure
+        m.engine.generate([prompts[0][:8]] * min(batch, 2), SamplingParams(temperature=0.0, max_tokens=4))
+    groups = [prompts[i:i + batch] for i in range(0, len(prompts), batch)]
+    for group in groups:
+        for m in modes.values():
+            t = time.perf_counter()
+            done = m.engine.generate(group, params)
+            m.seconds += time.perf_counter() - t
+            for c in done:
+                m.tokens += len(c.token_ids)
+                m.stats.merge(c.stats)
+                m.outputs.append(c.token_ids)
+    print(f"{setup} batch {batch}: " + ", ".join(f"{n} {m.tok_s:.1f}" for n, m in modes.items()), flush=True)
+    return modes
+
+
+def run(args: argparse.Namespace) -> int:
+    torch.manual_seed(0)
+    report = {"command": "specfleet bench default", "dtype": args.dtype, "k": args.k, "cpu": cpu_model(),
+              "threads": torch.get_num_threads(), "setups": {}}
+    for setup in args.setups:
+        n = args.qwen_num_prompts if setup == "qwen" else args.num_prompts
+        target_name = SETUPS[setup][0]
+        prompts = [_models(setup, args.dtype)[0].encode(p, chat=True) for p in load_prompts(args.prompts, n)]
+        costs: dict[str, StepCostModel] = {}
+        rows = {}
+        for batch in args.batches:
+            modes = _measure(setup, args, prompts, batch, costs)
+            off = modes["off"]
+            rows[batch] = {}
+            for name, m in modes.items():
+                same, prefix = _agreement(off.outputs, m.outputs)
+                rows[batch][name] = {
+                    "tok_s": round(m.tok_s, 2), "vs_off": round(m.tok_s / off.tok_s, 3) if off.tok_s else None,
+                    "acceptance": round(m.stats.acceptance_rate, 3) if m.stats.proposed else None,
+                    "mean_k": round(sum(m.stats.k_history) / len(m.stats.k_history), 2) if m.stats.k_history else 0.0,
+                    "identical_to_off": same, "token_agreement": round(prefix, 4),
+                }
+            rows[batch]["_goodput_vs_best"] = _goodput_vs_best(rows[batch])
+        report["setups"][setup] = {"target": target_name, "num_prompts": n,
+                                   "max_tokens": args.qwen_max_tokens if setup == "qwen" else args.max_tokens,
+                                   "batches": rows}
+        if len(args.batches) > 1 and 1 in args.batches:
+            report["setups"][setup]["off_saturation"] = {
+                b: round(rows[b]["off"]["tok_s"] / rows[1]["off"]["tok_s"], 2) for b in args.batches if b != 1}
+    _print(report)
+    save(report, args.json, None, lambda *_: None)
+    return 0
+
+
+def _goodput_vs_best(rows: dict) -> dict[str, float]:
+    """Per draft kind: goodput's tokens/s over the better of off and fixed (the policy's promise: >= 0.95)."""
+    out = {}
+    for name, r in rows.items():
+        if name.endswith(" goodput"):
+            kind = name[: -len(" goodput")]
+            best = max(rows["off"]["tok_s"], rows[f"{kind} fixed"]["tok_s"])
+            out[kind] = round(r["tok_s"] / best, 3) if best else None
+    return out
+
+
+def _print(report: dict) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    console.print(f"[bold]bench default[/] {report['dtype']}, k <= {report['k']}, {report['threads']} threads, "
+                  f"CPU {report['cpu']}")
+    for setup, s in report["setups"].items():
+        for batch, rows in s["batches"].items():
+            t = Table(title=f"{setup} ({s['target']}), batch {batch}, {s['num_prompts']} prompts x "
+                            f"{s['max_tokens']} tokens")
+            for col in ("mode", "tok/s", "vs off", "accept", "mean k", "identical", "agreement"):
+                t.add_column(col, justify="left" if col == "mode" else "right")
+            for name, r in rows.items():
+                if name.startswith("_"):
+                    continue
+                acc = "-" if r["acceptance"] is None else f"{r['acceptance']:.2f}"
+                t.add_row(name, f"{r['tok_s']:.1f}", f"{r['vs_off']:.2f}x", acc, f"{r['mean_k']:.2f}",
+                          f"{r['identical_to_off']:.2f}", f"{r['token_agreement']:.3f}")
+            console.print(t)
+            console.print("goodput / best of (off, fixed): " +
+                          ", ".join(f"{k} {v:.2f}" for k, v in rows["_goodput_vs_best"].items()))
+        if "off_saturation" in s:
+            console.print(f"{setup}: off at batch b / batch 1: {s['off_saturation']}")

@@ -1,0 +1,70 @@
+"""Model-free drafters on plain token lists: n-gram prompt lookup and the suffix trie (actors/spec/lookup.py)."""
+
+from __future__ import annotations
+
+import random
+
+from actors.spec.lookup import NgramIndex, OutputCache, SuffixIndex, SuffixTrie, suffix_propose
+
+
+def brute_ngram(tokens: list[int], k: int, min_n: int, max_n: int) -> list[int]:
+    """The longest n (max_n..min_n) whose last-n pattern occurs earlier; the continuation of its latest occurrence."""
+    for n in range(min(max_n, len(tokens)), min_n - 1, -1):
+        pattern = tokens[-n:]
+        for end in range(len(tokens) - 1, n - 1, -1):  # occurrence tokens[end - n:end], not the final one
+            if tokens[end - n:end] == pattern:
+                return tokens[end:end + k]
+    return []
+
+
+def test_ngram_proposes_what_followed_the_latest_match() -> None:
+    index = NgramIndex(1, 3)
+    tokens = [1, 2, 3, 9, 1, 2, 3, 7, 5, 1, 2, 3]
+    assert index.propose(tokens, 2) == [7, 5]  # the latest earlier "1 2 3" was followed by 7 5
+    assert NgramIndex(1, 3).propose([4, 5, 6], 3) == []  # nothing repeats
+
+
+def test_ngram_matches_a_brute_force_search_as_tokens_grow() -> None:
+    rng = random.Random(0)
+    for _ in range(50):
+        index = NgramIndex(2, 4)
+        tokens = [rng.randrange(5) for _ in range(3)]
+        for _ in range(60):  # synced incrementally, as a request's tokens grow
+            assert index.propose(tokens, 3) == brute_ngram(tokens, 3, 2, 4)
+            tokens.append(rng.randrange(5))
+
+
+def count(tokens: list[int], pattern: list[int]) -> int:
+    return sum(tokens[i:i + len(pattern)] == pattern for i in range(len(tokens) - len(pattern) + 1))
+
+
+def test_suffix_trie_counts_every_substring_up_to_its_depth() -> None:
+    rng = random.Random(1)
+    tokens = [rng.randrange(4) for _ in range(80)]
+    trie = SuffixTrie(depth=5)
+    active = trie.add(tokens[:30])
+    trie.add(tokens[30:], active=active)  # streamed in two pieces, as a request's tokens arrive
+    for _ in range(200):
+        n, start = rng.randrange(1, 6), rng.randrange(0, 75)
+        pattern = tokens[start:start + n]
+        node, length = trie.match(pattern, 5)
+        assert length == n and node.count == count(tokens, pattern)
+    assert trie.match([9], 5) == (trie.root, 0)
+
+
+def test_suffix_walk_follows_the_most_frequent_continuation_while_probable() -> None:
+    own = SuffixIndex(depth=8)
+    tokens = [5, 6, 7, 5, 6, 7, 5, 6, 8, 1, 5, 6]  # after "5 6": 7 twice, 8 once
+    assert suffix_propose(own, None, tokens, 3, min_prob=0.0) == [7, 5, 6]
+    assert suffix_propose(SuffixIndex(8), None, tokens, 3, min_prob=0.7) == []  # p(7 | 5 6) = 2/3 < 0.7
+    assert suffix_propose(SuffixIndex(8), None, [1, 2, 3], 3, min_prob=0.0) == []
+
+
+def test_the_shared_tree_of_recent_outputs_drafts_and_forgets() -> None:
+    shared = OutputCache(depth=8, capacity=2)
+    shared.add([10, 11, 12, 13])
+    assert suffix_propose(SuffixIndex(8), shared, [1, 10, 11], 2, min_prob=0.0) == [12, 13]
+    shared.add([20, 21])
+    shared.add([30, 31])  # capacity 2: the first output is evicted, its counts removed
+    assert suffix_propose(SuffixIndex(8), shared, [1, 10, 11], 2, min_prob=0.0) == []
+    assert not shared.trie.root.children.keys() - {20, 21, 30, 31}
