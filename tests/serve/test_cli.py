@@ -131,6 +131,9 @@ def test_bench_serve(served_app: ServedApp, tmp_path: Path) -> None:
     assert report["concurrency"]["completed"] == 10 and report["concurrency"]["lost"] == 0
     o = report["overhead"]
     assert o["requests"] == 4 and isinstance(o["overhead_e2e_p50_ms"], float)
+    local = report["in_process"]  # the same instance in the bench's process, beside the served one
+    assert local["requests"] == 4 and 0 < local["ttft_p50_ms"] <= local["e2e_p50_ms"]
+    assert "in one process" in out.stdout
     run = report["runs"][0]
     assert run["rate"] == 4 and run["errors"] == 0 and run["completed"] == run["requests"] >= 1
     assert {"ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "e2e_p50_ms", "e2e_p99_ms", "throughput_tok_s"} <= set(run)
