@@ -52,6 +52,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batches", type=int, nargs="+", default=[1, 8])
     p.add_argument("--k", type=int, default=4)
     p.add_argument("--kinds", nargs="+", choices=["model", "ngram", "suffix"], default=["model", "ngram", "suffix"])
+    p.add_argument("--start", action="store_true",
+                   help="also time to first token from a cold and a warm start per setup (deploy/bench/start.py)")
     p.add_argument("--json", type=Path, help="write the results here")
 
 
@@ -132,8 +134,8 @@ def _measure(setup: str, args: argparse.Namespace, prompts: list[list[int]], bat
     max_tokens = args.qwen_max_tokens if setup == "qwen" else args.max_tokens
     modes = {name: Mode(name, e) for name, e in _build(setup, args, batch, costs).items()}
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-    for m in modes.values():  # warm-up: first-call kernel set-up is not what we measure
-        m.engine.generate([prompts[0][:8]] * min(batch, 2), SamplingParams(temperature=0.0, max_tokens=4))
+    for m in modes.values():  # warm-up on a real prompt: first-call kernel set-up is not what we measure
+        m.engine.generate([prompts[0]] * min(batch, 2), SamplingParams(temperature=0.0, max_tokens=4))
     groups = [prompts[i:i + batch] for i in range(0, len(prompts), batch)]
     for group in groups:
         for m in modes.values():
@@ -174,12 +176,27 @@ def run(args: argparse.Namespace) -> int:
         report["setups"][setup] = {"target": target_name, "num_prompts": n,
                                    "max_tokens": args.qwen_max_tokens if setup == "qwen" else args.max_tokens,
                                    "batches": rows}
+        if args.start:
+            report["setups"][setup]["start"] = _start_figures(setup, args.dtype, load_prompts(args.prompts, 1)[0])
         if len(args.batches) > 1 and 1 in args.batches:
             report["setups"][setup]["off_saturation"] = {
                 b: round(rows[b]["off"]["tok_s"] / rows[1]["off"]["tok_s"], 2) for b in args.batches if b != 1}
     _print(report)
     save(report, args.json, None, lambda *_: None)
     return 0
+
+
+def _start_figures(setup: str, dtype: str, prompt: str) -> dict[str, float]:
+    """Cold and warm time to first token of the setup with speculation off (helper `start`'s measure_start)."""
+    from cluster.config import EngineConfig
+    from deploy.bench.start import measure_start
+
+    target_name, draft_name, _ = SETUPS[setup]
+    cfg = EngineConfig.model_validate({"model": {"target": target_name, "draft": draft_name, "dtype": dtype},
+                                       "speculation": {"policy": "off"}})
+    figures = measure_start(cfg, prompt)
+    return {"cold_first_token_s": round(figures.cold.first_token_s, 2),
+            "warm_first_token_s": round(figures.warm.first_token_s, 2)}
 
 
 def _goodput_vs_best(rows: dict) -> dict[str, float]:
@@ -215,5 +232,8 @@ def _print(report: dict) -> None:
             console.print(t)
             console.print("goodput / best of (off, fixed): " +
                           ", ".join(f"{k} {v:.2f}" for k, v in rows["_goodput_vs_best"].items()))
+        if "start" in s:
+            console.print(f"{setup}: time to first token, cold {s['start']['cold_first_token_s']} s, "
+                          f"warm {s['start']['warm_first_token_s']} s")
         if "off_saturation" in s:
             console.print(f"{setup}: off at batch b / batch 1: {s['off_saturation']}")
