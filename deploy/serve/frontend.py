@@ -13,12 +13,13 @@ cancellation can skip it) hands the abort at the instance and the `finish` at th
 that await them and log a failure. A route whose caller is cancelled while it is under way is released when
 it completes. What still escapes (a process that dies) the router's reconciliation closes (cluster/router.py).
 
-Control calls (route, finish, abort) are submitted outside the request's context. When a client disconnects,
+Every Ray call (route, generate, finish, abort) is submitted outside the request's context. When a client disconnects,
 Serve cancels the replica's request with `ray.cancel`, which is recursive: every Ray call submitted from the
 request's context is a child of it and is cancelled too. That is how releases were lost (issue 12): the
 `finish` and `abort` sent while the request was being torn down (or just after its last token) were cancelled
 with it, so the router kept the request running while its instance had ended it. Ray tells parents from the
-caller's contextvars, so a call made in a fresh `contextvars.Context()` belongs to no request.
+caller's contextvars, so a call made in a fresh `contextvars.Context()` belongs to no request. (A cancelled
+`generate` also surfaced as a TaskCancelledError, so a client's disconnect was recorded as a failure.)
 """
 
 from __future__ import annotations
@@ -230,7 +231,9 @@ class Call:
         rid, (_, handle) = self.ids[index], self.routed[index]
         request = Request(rid, self.prep.prompt_ids, self.prep.params[index], self.prep.priority, time.time())
         try:
-            gen = handle.generate.options(num_returns="streaming").remote(request)
+            # outside the request's context too: a recursive ray.cancel would otherwise end this stream with a
+            # TaskCancelledError that reads as an instance failure; close() aborts it at the instance instead
+            gen = contextvars.Context().run(handle.generate.options(num_returns="streaming").remote, request)
             async for ref in gen:
                 item: StreamItem = await ref
                 await out.put((index, item))

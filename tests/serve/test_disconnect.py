@@ -135,6 +135,7 @@ async def storm(app: ServedApp, n_http: int, n_grpc: int, seed: int) -> list[Out
 
 
 def test_a_storm_of_streams_with_random_client_cuts_leaves_nothing_behind(served_app: ServedApp) -> None:
+    began = time.time()
     outcomes = asyncio.run(storm(served_app, n_http=36, n_grpc=12, seed=12))
     assert {o.cut for o in outcomes if o.transport == "http"} == set(HTTP_CUTS)
     for o in outcomes:
@@ -152,6 +153,10 @@ def test_a_storm_of_streams_with_random_client_cuts_leaves_nothing_behind(served
                 break
             assert time.monotonic() < deadline, (running, instances)
             time.sleep(0.2)
+        # a client that leaves is an abort, never a failure (a cancelled call once read as an instance failure)
+        rows = [r for r in c.get("/admin/requests").json()["requests"] if r["created_at"] >= began]
+        assert rows and {r["status"] for r in rows} <= {"finished", "aborted"}, [r for r in rows
+                                                                                if r["status"] == "failed"]
     # and the app still serves: a fresh stream completes
     with httpx.Client(base_url=served_app.url, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=120) as c:
         r = c.post("/v1/completions", json={"model": MODEL, "prompt": "after the storm", "max_tokens": 8,
