@@ -36,12 +36,10 @@ def test_default_config_loads() -> None:
     cfg = load_config(DEFAULT)
     model = cfg.engine.model
     assert model.target in CATALOG
-    assert model.draft is None and model.draft_layers  # a self-speculative draft
-    assert list(model.draft_layers) == sorted(set(model.draft_layers))
-    assert all(0 <= i < 30 for i in model.draft_layers)  # SmolLM2-135M has 30 layers
-    assert len(model.draft_layers) < 30 or model.draft_quantization == "int8"  # cheaper than the target
+    # speculation stays off until a draft kind is measured to pay on this model (the file says why)
+    assert model.draft is None and model.draft_layers is None
     assert model.dtype == "fp32"
-    assert cfg.engine.speculation == SpeculationConfig(policy="fixed", k=4)
+    assert cfg.engine.speculation == SpeculationConfig(policy="off", k=4)  # the string "off", not YAML's false
     assert cfg.engine.cache == CacheConfig(block_size=16, num_blocks=1024)
 
 
