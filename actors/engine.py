@@ -127,7 +127,7 @@ class Engine:
         out = RequestOutput(self.tokenizer, params, self.eos_token_ids, params.max_tokens)
         gen = None if params.greedy else make_generator(params, self.device)
         seq = Sequence(request, list(request.prompt_token_ids), out, gen, seqno=next(self._ids),
-                       acceptance=self.acceptance.copy())
+                       acceptance=Acceptance(0.0, 0.0, self.acceptance.decay))  # its own rounds only
         self.scheduler.add(seq)
         return seq
 
@@ -218,7 +218,10 @@ class Engine:
             end = w.start + w.num_new
             limit = max(0, min(self.k, w.seq.remaining - 1))
             limit = self.drafter.lookahead(w.seq, limit) if limit else 0
-            cands.append(Candidate(w.seq.acceptance.rate, limit, w.num_new, end,
+            # the request's own rounds over a prior that is the engine's current estimate (learnt from every
+            # request): a fixed prior outweighed one failed round, and a refit then made a random draft look worth it
+            rate = w.seq.acceptance.blend(self.acceptance.rate)
+            cands.append(Candidate(rate, limit, w.num_new, end,
                                    draft_backlog=self.drafter.backlog(w.seq, end), remaining=w.seq.remaining))
         for w, k in zip(emitting, self.policy.choose(cands, base, plan.draft_budget)):
             w.k = self._reserve_drafts(w, k)

@@ -62,6 +62,10 @@ class Acceptance:
         self.successes = self.decay * self.successes + accepted
         self.trials = self.decay * self.trials + accepted + (1 if accepted < proposed else 0)
 
+    def blend(self, prior_rate: float, weight: float = 2.0) -> float:
+        """This estimate's evidence over a prior of `weight` trials at `prior_rate`."""
+        return (self.successes + weight * prior_rate) / (self.trials + weight)
+
     def copy(self, weight: float = 2.0) -> "Acceptance":
         """A fresh estimate with this one's rate and a small weight (a new request's starting point)."""
         return Acceptance.prior(self.rate, weight, self.decay)
