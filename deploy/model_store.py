@@ -2,18 +2,18 @@
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import hashlib
 import os
 import subprocess
 import sys
 import tempfile
 import zipfile
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import MappingProxyType
+
+from actors.model.file_lock import file_lock
 
 __all__ = [
     "CATALOG",
@@ -171,7 +171,7 @@ def fetch_model(
         return dest
     say = progress or (lambda _msg: None)
     dest.parent.mkdir(parents=True, exist_ok=True)
-    with _locked(dest.with_name(dest.name + ".lock")):
+    with file_lock(dest.with_name(dest.name + ".lock")):
         if _is_complete(dest, entry):  # another process fetched it while we waited
             return dest
         with tempfile.TemporaryDirectory(prefix=".fetch-", dir=dest.parent) as work:
@@ -185,16 +185,6 @@ def fetch_model(
 
 def _is_complete(path: Path, entry: ModelEntry) -> bool:
     return path.is_file() and path.stat().st_size == entry.size_bytes
-
-
-@contextlib.contextmanager
-def _locked(lock_path: Path) -> Iterator[None]:
-    with open(lock_path, "a") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def _download(requirements: Sequence[str], into: Path, pip_args: Sequence[str]) -> list[Path]:

@@ -14,7 +14,6 @@ caller (deploy/model_store.py), so this module knows nothing of where models are
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import hashlib
 import json
 import logging
@@ -28,6 +27,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
+
+from actors.model.file_lock import file_lock
 
 log = logging.getLogger(__name__)
 
@@ -57,7 +58,7 @@ def converted(gguf: Path, cache_root: Path, dtype: str, sha256: str | None = Non
     dest = cache_root / key
     with contextlib.suppress(CacheEntryInvalid):
         return verify(dest, digest, dtype)
-    with _locked(cache_root / f".{key}.lock"):
+    with file_lock(cache_root / f".{key}.lock"):
         try:
             return verify(dest, digest, dtype)  # another process converted it while we waited
         except CacheEntryInvalid as why:
@@ -210,13 +211,3 @@ def _one_parse(gguf: Path) -> Iterator[list[int]]:
         yield parses
     finally:
         gguf_pkg.GGUFReader = real
-
-
-@contextlib.contextmanager
-def _locked(lock_path: Path) -> Iterator[None]:
-    with open(lock_path, "a") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
