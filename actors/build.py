@@ -70,7 +70,8 @@ def shard_specs(cfg: EngineConfig, layout: ShardLayout) -> tuple[list[ShardSpec]
     else:
         source, layer_ids = m.target, tuple(m.draft_layers or ())
     return stages, ShardSpec(source, m.dtype, layer_ids, first=True, last=True, cache=cfg.cache,
-                             quantization=m.draft_quantization, device=m.device)
+                             quantization=m.draft_quantization, device=m.device,
+                             draft_parallel=cfg.speculation.draft_parallel)
 
 
 def build_shards(cfg: EngineConfig, layout: ShardLayout, *, num_cpus: float = 1.0,

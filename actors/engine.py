@@ -21,7 +21,7 @@ from __future__ import annotations
 import itertools
 import time
 from collections.abc import Callable, Sequence as Seq
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from transformers import PreTrainedTokenizerBase
@@ -32,7 +32,7 @@ from actors.output import RequestOutput
 from actors.scheduler import Schedule, Scheduler, Work
 from actors.sequence import Sequence, SeqStatus
 from actors.spec.cost_model import ATTENTION_UNIT, ForwardShape, StepCostModel
-from actors.spec.drafters import Drafter, Proposal, make_drafter
+from actors.spec.drafters import Drafter, ModelDrafter, Proposal, make_drafter
 from actors.spec.policy import Acceptance, BatchBase, Candidate, make_policy
 from actors.spec.sampling import make_generator, probs_from_logits
 from actors.spec.verify import verify_greedy, verify_sampled
@@ -200,6 +200,10 @@ class Engine:
         self.cost_model.observe(target_shape, t3 - t2, draft_shape, t2 - t1,
                                 requests=emitting, overhead_s=(t1 - t0) + (t4 - t3) + lookup_s)
         self._stats.record(plan, deltas, t4 - t0)
+        drafted = sum(len(p.tokens) for p in proposals)
+        if drafted and self.drafter is not None and self.drafter.runs_forwards:
+            self._stats.drafted += drafted
+            self._stats.draft_s += t2 - t1
         return deltas
 
     def _choose_k(self, plan: Schedule) -> None:
@@ -265,6 +269,7 @@ class Engine:
             accepted, extra = verify_sampled(d, q, p, seq.generator)
         seq.stats.k_history.append(len(draft))
         if draft:
+            self._stats.by_position(len(draft), accepted)
             seq.stats.record(len(draft), accepted)
             seq.acceptance.update(len(draft), accepted)
             self.acceptance.update(len(draft), accepted)
@@ -321,6 +326,7 @@ class Engine:
     def stats(self) -> EngineStats:
         """Load and speed figures after the last step (what the router reads)."""
         c, tc = self._stats, self.target.cache
+        calibration = self.drafter.calibration if isinstance(self.drafter, ModelDrafter) else None
         dc = self.draft.cache if self.draft is not None else None
         return EngineStats(
             running=len(self.running), waiting=len(self.waiting),
@@ -330,6 +336,10 @@ class Engine:
             batch_size=c.batch_size, batch_tokens=c.batch_tokens, prefill_tokens=c.prefill_tokens,
             mean_k=c.mean_k, acceptance=self.acceptance.rate, tokens_emitted=c.tokens_emitted,
             num_preemptions=self.scheduler.num_preemptions, policy=self.policy.name,
+            draft_s_per_token=c.draft_s / c.drafted if c.drafted else 0.0,
+            acceptance_by_position=tuple(a / p for a, p in zip(c.accepted_at, c.proposed_at)),
+            calibration_tokens=calibration.tokens if calibration else 0,
+            calibration_s=calibration.seconds if calibration else 0.0,
         )
 
 
@@ -345,6 +355,19 @@ class _Counters:
     prefill_tokens: int = 0
     mean_k: float = 0.0
     tokens_emitted: int = 0
+    drafted: int = 0  # draft tokens proposed by a draft model, and the draft stage's seconds for them
+    draft_s: float = 0.0
+    proposed_at: list[int] = field(default_factory=list)  # per draft position: rounds that drafted it
+    accepted_at: list[int] = field(default_factory=list)  # and in how many it was accepted
+
+    def by_position(self, k: int, accepted: int) -> None:
+        """A round of k drafts of which the first `accepted` were taken."""
+        while len(self.proposed_at) < k:
+            self.proposed_at.append(0)
+            self.accepted_at.append(0)
+        for j in range(k):
+            self.proposed_at[j] += 1
+            self.accepted_at[j] += j < accepted
 
     def record(self, plan: Schedule, deltas: list[TokenDelta], seconds: float) -> None:
         self.steps += 1

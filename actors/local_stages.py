@@ -21,6 +21,7 @@ from actors.model.metadata import SeqChunk
 from actors.model.quant import quantize_runner_int8
 from actors.model.runner import ModelRunner
 from actors.pipeline import PipelineRunner, ShardFailure
+from actors.spec import easyspec
 from cluster.config import ConfigError, EngineConfig
 
 
@@ -37,7 +38,7 @@ class LocalStages:
         self.layer_ids = [tuple(r.layer_ids) for r in runners]
         self.calls = 0
 
-    def run(self, ops: list[CacheOp], chunks: list[SeqChunk]) -> torch.Tensor | None:
+    def run(self, ops: list[CacheOp], chunks: list[SeqChunk], parallel: bool = False) -> torch.Tensor | None:
         """Replay `ops` on every stage, then run `chunks` through them in order: logits (sum num_logits, V)."""
         self.calls += 1
         runners = self._replay(ops, "step")
@@ -46,7 +47,7 @@ class LocalStages:
         x = None
         for name, r in zip(self.names, runners):
             try:
-                x = r.forward(chunks, x)  # hidden (N, H), then logits (sum num_logits, V) from the last
+                x = r.forward(chunks, x, parallel)  # hidden (N, H), then logits (sum num_logits, V) from the last
             except Exception as e:  # noqa: BLE001 - any failure of a stage ends the instance, named
                 raise ShardFailure(f"step: {name} failed: {type(e).__name__}: {e}") from e
         return x
@@ -106,6 +107,7 @@ def load_runners(cfg: EngineConfig, stages: Sequence[tuple[int, int]] | None = N
         return target, None
     if m.draft_quantization == "int8":
         quantize_runner_int8(draft)
+    easyspec.enable(draft, cfg.speculation.draft_parallel)
     return target, draft
 
 

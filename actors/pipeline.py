@@ -33,8 +33,9 @@ class StageExecutor(Protocol):
 
     layer_ids: list[tuple[int, ...]]  # per stage, in pipeline order
 
-    def run(self, ops: list[CacheOp], chunks: list[SeqChunk]) -> torch.Tensor | None:
-        """One forward through every stage: the last stage's logits (sum num_logits, V); None if no chunks."""
+    def run(self, ops: list[CacheOp], chunks: list[SeqChunk], parallel: bool = False) -> torch.Tensor | None:
+        """One forward through every stage: the last stage's logits (sum num_logits, V); None if no chunks.
+        `parallel`: a draft's EasySpec layer groups run in parallel (ModelRunner.forward)."""
         ...
 
     def export(self, ops: list[CacheOp], request_id: str, start: int, end: int) -> list[KVExport]:
@@ -75,14 +76,15 @@ class PipelineRunner:
         """Make room for `total_tokens` tokens of a request (in every stage, from the next call on)."""
         return self.cache.reserve(request_id, total_tokens)
 
-    def forward(self, chunks: list[SeqChunk]) -> torch.Tensor:
-        """Run the new tokens of each chunk through all stages; logits (sum num_logits, V) in fp32."""
+    def forward(self, chunks: list[SeqChunk], parallel: bool = False) -> torch.Tensor:
+        """Run the new tokens of each chunk through all stages; logits (sum num_logits, V) in fp32 (`parallel`: see
+        ModelRunner.forward)."""
         if not chunks:
             return torch.empty(0, self.model.config.vocab_size, device=self.device)
         for c in chunks:
             if not self.cache.reserve(c.request_id, self.cache.length(c.request_id) + len(c.token_ids)):
                 raise CacheFull(f"no KV blocks for {c.request_id}")
-        logits = self.executor.run(self.cache.drain(), chunks)  # (sum num_logits, V)
+        logits = self.executor.run(self.cache.drain(), chunks, parallel)  # (sum num_logits, V)
         assert logits is not None
         for c in chunks:
             self.cache.set_length(c.request_id, self.cache.length(c.request_id) + len(c.token_ids))

@@ -33,8 +33,8 @@ class RayStages:
         self.layer_ids = [tuple(ids) for ids in layer_ids]
         self.timeout_s = timeout_s
 
-    def run(self, ops: list[CacheOp], chunks: list[SeqChunk]) -> torch.Tensor | None:
-        return self._gather([a.step.remote(ops, chunks) for a in self.actors], "step")[-1]
+    def run(self, ops: list[CacheOp], chunks: list[SeqChunk], parallel: bool = False) -> torch.Tensor | None:
+        return self._gather([a.step.remote(ops, chunks, parallel) for a in self.actors], "step")[-1]
 
     def export(self, ops: list[CacheOp], request_id: str, start: int, end: int) -> list[KVExport]:
         return self._gather([a.export.remote(ops, request_id, start, end) for a in self.actors], "KV export")

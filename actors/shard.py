@@ -22,7 +22,8 @@ from actors.model.metadata import SeqChunk
 from actors.model.quant import quantize_runner_int8
 from actors.model.runner import ModelRunner
 from actors.p2p import P2P, Transfer
-from cluster.config import CacheConfig
+from actors.spec import easyspec
+from cluster.config import CacheConfig, DraftParallelConfig
 
 MAX_TRANSFERS = 10_000  # transfer records a shard keeps for benchmarks
 
@@ -42,6 +43,7 @@ class ShardSpec:
     # where the last stage hands its logits to the driver: they cross processes through Ray's object store,
     # which is host memory, so the driver (which holds no GPU) reads them from the CPU
     logits_device: str = "cpu"
+    draft_parallel: DraftParallelConfig = DraftParallelConfig()  # a draft's EasySpec layer groups
 
 
 def load_shard(spec: ShardSpec) -> ModelRunner:
@@ -60,6 +62,7 @@ def load_shard(spec: ShardSpec) -> ModelRunner:
         model.hf_model.lm_head = None  # a tied head shares the embedding's tensor: it stays if this shard is first
     if spec.quantization == "int8":
         quantize_runner_int8(runner)
+    easyspec.enable(runner, spec.draft_parallel)
     return runner
 
 
@@ -101,7 +104,7 @@ class ShardWorker:
 
     # ---- the step ---------------------------------------------------------------------------
     @torch.inference_mode()
-    def step(self, ops: list[CacheOp], chunks: list[SeqChunk]) -> torch.Tensor | None:
+    def step(self, ops: list[CacheOp], chunks: list[SeqChunk], parallel: bool = False) -> torch.Tensor | None:
         """Replay `ops`, then run `chunks` through this stage: logits (sum num_logits, V) if last, else None."""
         replay(ops, self.runner.cache)
         if not chunks:
@@ -112,7 +115,7 @@ class ShardWorker:
             # (N, H), received straight onto this shard's device (NCCL between GPUs, gloo otherwise)
             hidden, t = self._p2p.recv((n, runner.model.config.hidden_size), runner.model.dtype, self._p2p.rank - 1)
             self.transfers.append(t)
-        out = runner.forward(chunks, hidden)  # logits (sum num_logits, V) if last, else hidden (N, H)
+        out = runner.forward(chunks, hidden, parallel)  # logits (sum num_logits, V) if last, else hidden (N, H)
         if runner.last:
             return out.to(self.logits_device)  # to the driver (see ShardSpec.logits_device); a no-op on a CPU shard
         self.transfers.append(self._p2p.send(out, self._p2p.rank + 1))

@@ -77,6 +77,29 @@ class SuffixConfig(_Frozen):
     cache_outputs: int = Field(default=64, ge=0, le=10_000)
 
 
+class DraftParallelConfig(_Frozen):
+    """EasySpec layer-parallel drafting (arXiv 2502.02493; actors/spec/easyspec.py).
+
+    The draft's first `sequential_head` and last `sequential_tail` layers run in order; the layers between run
+    in groups of `group_size` (1: plain sequential drafting). `mode: attention`: a group's members run their
+    attention on the same input, then their MLPs in order on the accumulated residual (the paper's best
+    variant); `mode: layer`: members run whole layers on the same input and their residual updates are summed.
+    `calibrate` (bonus calibration): after each verification the draft's KV is cut back to its exactly computed
+    prefix and the next round's first forward re-runs the accepted tokens in true layer order; off only to
+    show what it prevents (tests, benchmarks).
+    """
+
+    group_size: int = Field(default=1, ge=1, le=8)
+    sequential_head: int = Field(default=2, ge=0)
+    sequential_tail: int = Field(default=2, ge=0)
+    mode: Literal["attention", "layer"] = "attention"
+    calibrate: bool = True
+
+    @property
+    def enabled(self) -> bool:
+        return self.group_size > 1
+
+
 class SpeculationConfig(_Frozen):
     """How drafts are made (`method`) and how many tokens the draft proposes per round (actors/spec/policy.py).
 
@@ -94,6 +117,7 @@ class SpeculationConfig(_Frozen):
     k: int = Field(default=4, ge=0, le=16)
     prior_acceptance: float = Field(default=0.7, ge=0.0, le=1.0)
     acceptance_decay: float = Field(default=0.9, gt=0.0, le=1.0)
+    draft_parallel: DraftParallelConfig = DraftParallelConfig()  # EasySpec, for `method: model`
 
 
 class CacheConfig(_Frozen):

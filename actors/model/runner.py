@@ -16,6 +16,7 @@ from actors.kv_cache import KVCache
 from actors.model.layers import Attention, DecoderLayer, DenseMLP, MoE, rms_norm
 from actors.model.loader import SUPPORTED_ARCHITECTURES, LoadedModel
 from actors.model.metadata import AttentionMetadata, SeqChunk
+from actors.spec.easyspec import LayerParallel
 from cluster.config import CacheConfig
 
 
@@ -102,6 +103,7 @@ class ModelRunner:
         self.lm_head = hf.lm_head if last else None
         self.rotary = hf.model.rotary_emb
         attn = self.layers[0].attn
+        self.layer_parallel: LayerParallel | None = None  # EasySpec groups of a draft (actors/spec/easyspec.py)
         self.cache = KVCache(
             list(layer_ids), cache.num_blocks, cache.block_size, attn.num_kv_heads, attn.head_dim, model.dtype,
             device=self.device,
@@ -116,8 +118,11 @@ class ModelRunner:
         return self.cache.reserve(request_id, total_tokens)
 
     @torch.inference_mode()
-    def forward(self, chunks: list[SeqChunk], hidden: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, chunks: list[SeqChunk], hidden: torch.Tensor | None = None, parallel: bool = False) -> torch.Tensor:
         """Run the new tokens of each chunk through this runner's layers, appending their KV.
+
+        `parallel`: run the layer-parallel groups of `self.layer_parallel` (EasySpec), if it has any; otherwise
+        (and by default) every layer in true order.
 
         First runner: `hidden` is None and tokens are embedded. Others: hidden (N, H) from the previous
         stage, tokens packed in chunk order, on this runner's device. Returns logits (sum num_logits, V) in fp32
@@ -130,8 +135,11 @@ class ModelRunner:
         x = self.embed(meta.token_ids) if self.first else hidden  # (N, H)
         cos, sin = self.rotary(x, meta.positions[None])  # (1, N, hd) each
         cos, sin = cos[0], sin[0]  # (N, hd)
-        for layer in self.layers:
-            x = layer(x, cos, sin, meta, self.cache)
+        if self.layer_parallel is not None:
+            x = self.layer_parallel.run(self.layers, x, parallel, cos, sin, meta, self.cache)
+        else:
+            for layer in self.layers:
+                x = layer(x, cos, sin, meta, self.cache)
         for c in chunks:
             self.cache.set_length(c.request_id, self.cache.length(c.request_id) + len(c.token_ids))
         if not self.last:

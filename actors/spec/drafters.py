@@ -11,6 +11,7 @@ sampling (actors/spec/verify.py) still emits exactly the target's distribution.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
@@ -23,7 +24,7 @@ from actors.sequence import Sequence
 from actors.spec.cost_model import ATTENTION_UNIT, ForwardShape
 from actors.spec.lookup import NgramIndex, OutputCache, SuffixIndex, suffix_propose
 from actors.spec.sampling import probs_from_logits, sample
-from cluster.config import SpeculationConfig
+from cluster.config import DraftParallelConfig, SpeculationConfig
 
 DraftKind = Literal["model", "model_int8", "ngram", "suffix"]
 
@@ -79,10 +80,18 @@ class ModelDrafter:
 
     runs_forwards = True
 
-    def __init__(self, runner: ModelRunner, quantized: bool = False, device: torch.device | None = None) -> None:
+    def __init__(self, runner: ModelRunner, quantized: bool = False, device: torch.device | None = None,
+                 parallel: DraftParallelConfig = DraftParallelConfig()) -> None:
         self.runner = runner
         self.device = device  # where the target's logits arrive: q must sit beside p
         self.kind: DraftKind = "model_int8" if quantized else "model"
+        # EasySpec (actors/spec/easyspec.py): forwards after a round's first run the layer groups in parallel; with
+        # bonus calibration the first runs in true order and the KV of the parallel ones is dropped after verifying
+        self.parallel = parallel.enabled
+        self.calibrate = parallel.calibrate or not parallel.enabled
+        self._exact: dict[str, int] = {}  # per request, the prefix of its draft KV computed in true layer order
+        self._drafted: dict[str, int] = {}  # per request, how far its last round's forwards wrote draft KV
+        self.calibration = Calibration()
 
     def lookahead(self, seq: Sequence, k: int) -> int:
         return k
@@ -104,6 +113,7 @@ class ModelDrafter:
         sizes: list[int] = []  # tokens fed by each draft forward
         attention = 0.0
         for j in range(max([w.k for w in works], default=0)):
+            exact = j == 0 and self.calibrate  # a round's first forward re-runs what the parallel ones approximated
             rows, chunks = [], []
             for i, w in enumerate(works):
                 if j >= w.k:
@@ -111,11 +121,19 @@ class ModelDrafter:
                 rid = w.seq.request_id
                 if j == 0:
                     have, end = self.runner.cache.length(rid), w.start + w.num_new
+                    if self.parallel and exact:
+                        self.calibration.tokens += max(0, min(end, self._drafted.get(rid, have)) - have)
                     chunks.append(SeqChunk(rid, tuple(w.seq.token_ids[have:end])))
                 else:
                     chunks.append(SeqChunk(rid, (out[i].tokens[-1],)))
                 rows.append(i)
-            logits = self.runner.forward(chunks)  # (number of works drafting at position j, V)
+            t0 = time.perf_counter()
+            logits = self.runner.forward(chunks, parallel=self.parallel and not exact)  # (works drafting at j, V)
+            if exact:
+                for c in chunks:
+                    self._exact[c.request_id] = self.runner.cache.length(c.request_id)
+                if self.parallel:
+                    self.calibration.seconds += time.perf_counter() - t0
             sizes.append(sum(len(c.token_ids) for c in chunks))
             attention += sum(len(c.token_ids) * self.runner.cache.length(c.request_id) for c in chunks) / ATTENTION_UNIT
             for i, row in zip(rows, logits):
@@ -126,18 +144,35 @@ class ModelDrafter:
                     q = probs_from_logits(row[None].to(self.device or row.device), seq.request.params)  # (1, V)
                     out[i].tokens.append(int(sample(q, seq.generator)))
                     probs[i].append(q[0])
-        for p, q in zip(out, probs):
+        for w, p, q in zip(works, out, probs):
             if q:
                 p.probs = torch.stack(q)  # (k, V)
+            if p.tokens:
+                self._drafted[w.seq.request_id] = w.start + w.num_new + len(p.tokens) - 1  # draft KV written up to
         return out, ForwardShape(len(sizes), sum(sizes), attention, tuple(sizes))
 
     def accepted(self, seq: Sequence, length: int) -> None:
+        """Keep the draft KV of the accepted prefix; with calibration, only as far as it was computed exactly."""
         rid = seq.request_id
         if self.runner.cache.has(rid):
-            self.runner.cache.crop(rid, min(self.runner.cache.length(rid), length))
+            keep = min(self.runner.cache.length(rid), length)
+            if self.calibrate:
+                keep = min(keep, self._exact.get(rid, 0))
+            self.runner.cache.crop(rid, keep)
 
     def release(self, seq: Sequence, finished: bool) -> None:
         self.runner.cache.free(seq.request_id)
+        self._exact.pop(seq.request_id, None)
+        self._drafted.pop(seq.request_id, None)
+
+
+@dataclass
+class Calibration:
+    """Bonus calibration's running cost: tokens re-run in true order after a parallel round, and the seconds of
+    the rounds' first (exact) forwards that carried them."""
+
+    tokens: int = 0
+    seconds: float = 0.0
 
 
 class LookupDrafter:
@@ -198,4 +233,4 @@ def make_drafter(cfg: SpeculationConfig, draft: ModelRunner | None, quantized: b
     """The drafter `cfg.method` names; None when there is nothing to draft with (method model, no draft runner)."""
     if cfg.method in ("ngram", "suffix"):
         return LookupDrafter(cfg.method, cfg)
-    return ModelDrafter(draft, quantized, device) if draft is not None else None
+    return ModelDrafter(draft, quantized, device, cfg.draft_parallel) if draft is not None else None
