@@ -10,7 +10,7 @@ group removed before the error propagates.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import ray
 from ray.actor import ActorHandle
@@ -19,9 +19,10 @@ from ray.util.placement_group import PlacementGroup
 from actors.instance import Instance
 from actors.model.loader import load_config, load_metadata
 from actors.pipeline import PipelineRunner
-from actors.ray_stages import RayStages, gather
+from actors.ray_stages import GroupStages, RayStages, gather
 from actors.shard import ShardSpec
 from actors.shard_actor import ShardActor
+from actors.spec import draft_group
 from cluster.config import EngineConfig
 from placement import realize
 from placement.layout import ShardLayout
@@ -35,6 +36,7 @@ class StageGroup:
     actors: tuple[ActorHandle, ...]
     names: tuple[str, ...]
     layer_ids: tuple[tuple[int, ...], ...]
+    group: bool = False  # an EasySpec draft group: the actors are its ranks, the first holds the whole draft
 
 
 @dataclass(frozen=True)
@@ -86,28 +88,30 @@ def build_shards(cfg: EngineConfig, layout: ShardLayout, *, num_cpus: float = 1.
     pg = realize.reserve(layout.bundles(num_cpus), name=name, timeout_s=ready_timeout_s)
     actors: list[ActorHandle] = []
     try:
+        ranks = draft_group.world_size(draft_spec.draft_parallel, len(draft_spec.layer_ids)) if draft_spec else 1
+        shared = {(rank - 1) % len(layout.stages) for rank in range(1, ranks)}  # stages hosting a draft member
         names = [f"stage {i} on {s.node}:{s.device} (layers {s.layers[0]}-{s.layers[1] - 1})"
                  for i, s in enumerate(layout.stages)]
         for i, spec in enumerate(stage_specs):
-            actors.append(ShardActor.spawn(spec, pg, i, num_cpus=num_cpus, num_gpus=layout.stages[i].gpus,
+            gpus = layout.stages[i].gpus / (2 if i in shared else 1)  # a draft member shares its GPU (_spawn_members)
+            actors.append(ShardActor.spawn(spec, pg, i, num_cpus=num_cpus, num_gpus=gpus,
                                            name=f"{name}/stage-{i}" if name else None))
         draft = None
         if draft_spec is not None:
             actors.append(ShardActor.spawn(draft_spec, pg, layout.draft_bundle, num_cpus=num_cpus,
                                            num_gpus=layout.draft_gpus,
                                            name=f"{name}/draft" if name else None))
-            draft = StageGroup((actors[-1],), (f"draft on {layout.draft_node}:{layout.draft_device}",),
-                               (draft_spec.layer_ids,))
-        all_names = names + ([draft.names[0]] if draft else [])
+            members = [(actors[-1], f"draft on {layout.draft_node}:{layout.draft_device}")]
+            members += _spawn_members(draft_spec, layout, pg, name)  # EasySpec ranks 1.., if any
+            actors += [a for a, _ in members[1:]]
+            draft = StageGroup(tuple(a for a, _ in members), tuple(n for _, n in members), (draft_spec.layer_ids,),
+                               group=len(members) > 1)
+        all_names = names + (list(draft.names) if draft else [])
         gather([a.ready.remote() for a in actors], all_names, "load", ready_timeout_s)
+        if draft is not None and draft.group:
+            _join(list(draft.actors), list(draft.names), ready_timeout_s, group_timeout_s)
         stages = actors[:len(stage_specs)]
-        backend = None
-        if len(stages) > 1:
-            [address] = gather([stages[0].rendezvous_address.remote()], names[:1], "rendezvous", ready_timeout_s)
-            devices = gather([a.device.remote() for a in stages], names, "device", ready_timeout_s)
-            group = "nccl" if all(d.startswith("cuda") for d in devices) else "gloo"  # gloo if any stage is on a CPU
-            joins = [a.join.remote(address, rank, len(stages), group_timeout_s, group) for rank, a in enumerate(stages)]
-            backend = gather(joins, names, "process group", group_timeout_s + 30)[0]
+        backend = _join(stages, names, ready_timeout_s, group_timeout_s) if len(stages) > 1 else None
         target = StageGroup(tuple(stages), tuple(names), tuple(s.layer_ids for s in stage_specs))
         return Shards(target, draft, layout, pg, backend)
     except BaseException:
@@ -115,6 +119,36 @@ def build_shards(cfg: EngineConfig, layout: ShardLayout, *, num_cpus: float = 1.
             ray.kill(actor, no_restart=True)
         realize.release(pg)
         raise
+
+
+def _join(actors: list[ActorHandle], names: list[str], ready_timeout_s: float, group_timeout_s: float) -> str:
+    """Join `actors` into one process group, ranks in order (rank 0 hosts the rendezvous); returns its backend."""
+    [address] = gather([actors[0].rendezvous_address.remote()], names[:1], "rendezvous", ready_timeout_s)
+    devices = gather([a.device.remote() for a in actors], names, "device", ready_timeout_s)
+    backend = "nccl" if all(d.startswith("cuda") for d in devices) else "gloo"  # gloo if any member is on a CPU
+    joins = [a.join.remote(address, rank, len(actors), group_timeout_s, backend) for rank, a in enumerate(actors)]
+    return gather(joins, names, "process group", group_timeout_s + 30)[0]
+
+
+def _spawn_members(draft: ShardSpec, layout: ShardLayout, pg: PlacementGroup,
+                   name: str) -> list[tuple[ActorHandle, str]]:
+    """The EasySpec group members beyond the draft shard (rank 0), each with the layers it runs, on the devices of
+    the instance's target stages (idle while the draft runs): member r beside stage (r - 1) mod stages, taking no
+    CPU of its own (on a GPU it shares the stage's device)."""
+    cfg = draft.draft_parallel
+    if not cfg.enabled:
+        return []
+    owner = draft_group.group_owners(cfg, draft.layer_ids)
+    out = []
+    for rank in range(1, draft_group.world_size(cfg, len(draft.layer_ids))):
+        stage = (rank - 1) % len(layout.stages)
+        spec = replace(draft, layer_ids=tuple(i for i in draft.layer_ids if owner[i] == rank), first=False,
+                       last=False, group_rank=rank, group_layers=draft.layer_ids)
+        slot = layout.stages[stage]
+        actor = ShardActor.spawn(spec, pg, stage, num_cpus=0, num_gpus=slot.gpus / 2 if slot.gpus else 0.0,
+                                 name=f"{name}/draft-{rank}" if name else None)
+        out.append((actor, f"draft member {rank} on {slot.node}:{slot.device}"))
+    return out
 
 
 def ray_instance(cfg: EngineConfig, layout: ShardLayout, *, num_cpus: float = 1.0,
@@ -143,4 +177,6 @@ def ray_instance(cfg: EngineConfig, layout: ShardLayout, *, num_cpus: float = 1.
 
 
 def _stages(group: StageGroup, timeout_s: float) -> RayStages:
+    if group.group:
+        return GroupStages(group.actors, group.names, group.layer_ids[0], timeout_s)
     return RayStages(group.actors, group.names, group.layer_ids, timeout_s)

@@ -56,6 +56,32 @@ class RayStages:
         return gather(refs, self.names, what, self.timeout_s)
 
 
+class GroupStages(RayStages):
+    """An EasySpec draft group (actors/spec/draft_group.py) as one stage: every member runs each call, rank 0
+    (the first actor) returns the logits; its layers are the whole draft's."""
+
+    def __init__(self, actors: Sequence[ActorHandle], names: Sequence[str], layer_ids: Sequence[int],
+                 timeout_s: float) -> None:
+        super().__init__(actors, names, [tuple(layer_ids)] + [()] * (len(actors) - 1), timeout_s)
+        self.layer_ids = [tuple(layer_ids)]
+
+    def run(self, ops: list[CacheOp], chunks: list[SeqChunk], parallel: bool = False) -> torch.Tensor | None:
+        return self._gather([a.step.remote(ops, chunks, parallel) for a in self.actors], "step")[0]
+
+    def cache_usage(self, ops: list[CacheOp]) -> list[tuple[int, int]]:
+        """Rank 0's (used, free) blocks; every member replays the same ops, so each holds the same block count."""
+        usage = self._gather([a.cache_usage.remote(ops) for a in self.actors], "cache usage")
+        if len(set(usage)) > 1:
+            raise ShardFailure(f"cache usage: the draft group's members disagree: {usage}")
+        return usage[:1]
+
+    def export(self, ops: list[CacheOp], request_id: str, start: int, end: int) -> list[KVExport]:
+        raise NotImplementedError("a layer-parallel draft's KV is spread over its group; it is rebuilt, not moved")
+
+    def import_(self, ops: list[CacheOp], exports: list[KVExport]) -> bool:
+        raise NotImplementedError("a layer-parallel draft's KV is spread over its group; it is rebuilt, not moved")
+
+
 def gather(refs: list[ray.ObjectRef], names: Sequence[str], what: str, timeout_s: float,
            grace_s: float = 2.0) -> list:
     """Every call's result, in order; ShardFailure naming the actor as soon as one fails, or at the deadline.

@@ -22,7 +22,7 @@ from actors.model.metadata import SeqChunk
 from actors.model.quant import quantize_runner_int8
 from actors.model.runner import ModelRunner
 from actors.p2p import P2P, Transfer
-from actors.spec import easyspec
+from actors.spec import draft_group, easyspec
 from cluster.config import CacheConfig, DraftParallelConfig
 
 MAX_TRANSFERS = 10_000  # transfer records a shard keeps for benchmarks
@@ -44,6 +44,14 @@ class ShardSpec:
     # which is host memory, so the driver (which holds no GPU) reads them from the CPU
     logits_device: str = "cpu"
     draft_parallel: DraftParallelConfig = DraftParallelConfig()  # a draft's EasySpec layer groups
+    # an EasySpec group member other than the draft shard itself (rank 0): its rank, and the whole draft's layers
+    # (its own `layer_ids` are the layers it runs; actors/spec/draft_group.py)
+    group_rank: int = 0
+    group_layers: tuple[int, ...] = ()
+
+    @property
+    def follower(self) -> bool:
+        return self.group_rank > 0
 
 
 def load_shard(spec: ShardSpec) -> ModelRunner:
@@ -62,7 +70,8 @@ def load_shard(spec: ShardSpec) -> ModelRunner:
         model.hf_model.lm_head = None  # a tied head shares the embedding's tensor: it stays if this shard is first
     if spec.quantization == "int8":
         quantize_runner_int8(runner)
-    easyspec.enable(runner, spec.draft_parallel)
+    if not spec.follower:  # a follower walks rank 0's schedule (ShardWorker.step), it has none of its own
+        easyspec.enable(runner, spec.draft_parallel)
     return runner
 
 
@@ -75,6 +84,7 @@ class ShardWorker:
         self.runner = load_shard(spec)
         self.logits_device = torch.device(spec.logits_device)
         self.p2p: P2P | None = None
+        self.owner: dict[int, int] = {}  # EasySpec: draft layer -> the group rank that runs it
         self.transfers: deque[Transfer] = deque(maxlen=MAX_TRANSFERS)
 
     # ---- setup ------------------------------------------------------------------------------
@@ -82,6 +92,12 @@ class ShardWorker:
         """Join the instance's process group as `rank` (the stage index) with `backend` (default: this stage's
         device's); returns the backend."""
         self.p2p = P2P(init_method, rank, world_size, timeout_s, self.runner.device, backend)
+        if self.spec.draft_parallel.enabled:  # an EasySpec draft group: its members exchange over this group
+            layers = self.spec.group_layers or self.spec.layer_ids
+            self.owner = draft_group.group_owners(self.spec.draft_parallel, layers)
+            if not self.spec.follower:
+                assert self.runner.layer_parallel is not None
+                self.runner.layer_parallel.members = draft_group.GroupMembers(self.owner, self.p2p)
         return self.p2p.backend
 
     def device(self) -> str:
@@ -108,6 +124,12 @@ class ShardWorker:
         """Replay `ops`, then run `chunks` through this stage: logits (sum num_logits, V) if last, else None."""
         replay(ops, self.runner.cache)
         if not chunks:
+            return None
+        if self.spec.follower:  # an EasySpec member: its layers' part of rank 0's forward
+            cfg, layers = self.spec.draft_parallel, self.spec.group_layers
+            schedule = easyspec.LayerParallel(len(layers), cfg.group_size, cfg.sequential_head, cfg.sequential_tail,
+                                              cfg.mode)
+            draft_group.follow(self.runner, schedule, layers, self.owner, self._p2p, chunks, parallel)
             return None
         runner, hidden = self.runner, None
         if not runner.first:
