@@ -10,6 +10,7 @@ group removed before the error propagates.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import ray
@@ -63,17 +64,34 @@ def shard_specs(cfg: EngineConfig, layout: ShardLayout) -> tuple[list[ShardSpec]
     last = len(layout.stages) - 1
     stages = [ShardSpec(m.target, m.dtype, s.layer_ids, first=i == 0, last=i == last, cache=cfg.cache,
                         device=m.device) for i, s in enumerate(layout.stages)]
-    if cfg.speculation.policy == "off" or (m.draft is None and m.draft_layers is None):
-        return stages, None
-    if layout.draft_node is None:
+    draft = draft_spec(cfg)
+    if draft is not None and layout.draft_node is None:
         raise PlacementError("the engine config names a draft, but the layout places none (draft_node)")
+    return stages, draft
+
+
+def draft_spec(cfg: EngineConfig) -> ShardSpec | None:
+    """What the draft shard loads (rank 0 of an EasySpec group); None when the config drafts with no model."""
+    m = cfg.model
+    if cfg.speculation.policy == "off" or (m.draft is None and m.draft_layers is None):
+        return None
     if m.draft is not None:
         source, layer_ids = m.draft, tuple(range(load_config(m.draft).num_hidden_layers))
     else:
         source, layer_ids = m.target, tuple(m.draft_layers or ())
-    return stages, ShardSpec(source, m.dtype, layer_ids, first=True, last=True, cache=cfg.cache,
-                             quantization=m.draft_quantization, device=m.device,
-                             draft_parallel=cfg.speculation.draft_parallel)
+    return ShardSpec(source, m.dtype, layer_ids, first=True, last=True, cache=cfg.cache,
+                     quantization=m.draft_quantization, device=m.device, draft_parallel=cfg.speculation.draft_parallel)
+
+
+def member_specs(draft: ShardSpec) -> list[ShardSpec]:
+    """The EasySpec group members beyond the draft shard, ranks 1.. in order, each with the layers it runs."""
+    cfg = draft.draft_parallel
+    if not cfg.enabled:
+        return []
+    owner = draft_group.group_owners(cfg, draft.layer_ids)
+    return [replace(draft, layer_ids=tuple(i for i in draft.layer_ids if owner[i] == rank), first=False, last=False,
+                    group_rank=rank, group_layers=draft.layer_ids)
+            for rank in range(1, draft_group.world_size(cfg, len(draft.layer_ids)))]
 
 
 def build_shards(cfg: EngineConfig, layout: ShardLayout, *, num_cpus: float = 1.0,
@@ -82,14 +100,14 @@ def build_shards(cfg: EngineConfig, layout: ShardLayout, *, num_cpus: float = 1.
 
     With a `name`, the placement group is called so and the actors f"{name}/stage-{i}" and f"{name}/draft".
     """
-    stage_specs, draft_spec = shard_specs(cfg, layout)
-    if draft_spec is None:
+    stage_specs, draft_shard = shard_specs(cfg, layout)
+    if draft_shard is None:
         layout = layout.model_copy(update={"draft_node": None})
     pg = realize.reserve(layout.bundles(num_cpus), name=name, timeout_s=ready_timeout_s)
     actors: list[ActorHandle] = []
     try:
-        ranks = draft_group.world_size(draft_spec.draft_parallel, len(draft_spec.layer_ids)) if draft_spec else 1
-        shared = {(rank - 1) % len(layout.stages) for rank in range(1, ranks)}  # stages hosting a draft member
+        # stages that host a draft member (_spawn_members)
+        shared = {(s.group_rank - 1) % len(layout.stages) for s in (member_specs(draft_shard) if draft_shard else [])}
         names = [f"stage {i} on {s.node}:{s.device} (layers {s.layers[0]}-{s.layers[1] - 1})"
                  for i, s in enumerate(layout.stages)]
         for i, spec in enumerate(stage_specs):
@@ -97,14 +115,14 @@ def build_shards(cfg: EngineConfig, layout: ShardLayout, *, num_cpus: float = 1.
             actors.append(ShardActor.spawn(spec, pg, i, num_cpus=num_cpus, num_gpus=gpus,
                                            name=f"{name}/stage-{i}" if name else None))
         draft = None
-        if draft_spec is not None:
-            actors.append(ShardActor.spawn(draft_spec, pg, layout.draft_bundle, num_cpus=num_cpus,
+        if draft_shard is not None:
+            actors.append(ShardActor.spawn(draft_shard, pg, layout.draft_bundle, num_cpus=num_cpus,
                                            num_gpus=layout.draft_gpus,
                                            name=f"{name}/draft" if name else None))
             members = [(actors[-1], f"draft on {layout.draft_node}:{layout.draft_device}")]
-            members += _spawn_members(draft_spec, layout, pg, name)  # EasySpec ranks 1.., if any
+            members += _spawn_members(draft_shard, layout, pg, name)  # EasySpec ranks 1.., if any
             actors += [a for a, _ in members[1:]]
-            draft = StageGroup(tuple(a for a, _ in members), tuple(n for _, n in members), (draft_spec.layer_ids,),
+            draft = StageGroup(tuple(a for a, _ in members), tuple(n for _, n in members), (draft_shard.layer_ids,),
                                group=len(members) > 1)
         all_names = names + (list(draft.names) if draft else [])
         gather([a.ready.remote() for a in actors], all_names, "load", ready_timeout_s)
@@ -118,6 +136,34 @@ def build_shards(cfg: EngineConfig, layout: ShardLayout, *, num_cpus: float = 1.
         for actor in actors:
             ray.kill(actor, no_restart=True)
         realize.release(pg)
+        raise
+
+
+def draft_group_runner(cfg: EngineConfig, *, num_cpus: float = 1.0, timeout_s: float = 300.0,
+                       step_timeout_s: float = 60.0) -> tuple[PipelineRunner, Callable[[], None]]:
+    """`cfg`'s draft as shard actors anywhere in the connected Ray cluster (no layout: benchmarks on one machine):
+    the draft shard and, for EasySpec groups, its members, each with `num_cpus` CPUs (its torch threads). Returns
+    the draft's runner, for an Engine in this process, and the function that stops the actors."""
+    m = cfg.model
+    spec = draft_spec(cfg)
+    if spec is None:
+        raise ValueError("the config has no draft model to run")
+    specs = [spec] + member_specs(spec)
+    actors = [ShardActor.spawn(s, None, 0, num_cpus=num_cpus) for s in specs]
+    names = ["draft"] + [f"draft member {rank}" for rank in range(1, len(specs))]
+
+    def stop() -> None:
+        for actor in actors:
+            ray.kill(actor, no_restart=True)
+    try:
+        gather([a.ready.remote() for a in actors], names, "load", timeout_s)
+        if len(actors) > 1:
+            _join(actors, names, timeout_s, timeout_s)
+        group = StageGroup(tuple(actors), tuple(names), (spec.layer_ids,), group=len(actors) > 1)
+        model = load_metadata(m.draft, m.dtype) if m.draft is not None else load_metadata(m.target, m.dtype)
+        return PipelineRunner(model, cfg.cache, _stages(group, step_timeout_s)), stop
+    except BaseException:
+        stop()
         raise
 
 
@@ -135,15 +181,10 @@ def _spawn_members(draft: ShardSpec, layout: ShardLayout, pg: PlacementGroup,
     """The EasySpec group members beyond the draft shard (rank 0), each with the layers it runs, on the devices of
     the instance's target stages (idle while the draft runs): member r beside stage (r - 1) mod stages, taking no
     CPU of its own (on a GPU it shares the stage's device)."""
-    cfg = draft.draft_parallel
-    if not cfg.enabled:
-        return []
-    owner = draft_group.group_owners(cfg, draft.layer_ids)
     out = []
-    for rank in range(1, draft_group.world_size(cfg, len(draft.layer_ids))):
+    for spec in member_specs(draft):
+        rank = spec.group_rank
         stage = (rank - 1) % len(layout.stages)
-        spec = replace(draft, layer_ids=tuple(i for i in draft.layer_ids if owner[i] == rank), first=False,
-                       last=False, group_rank=rank, group_layers=draft.layer_ids)
         slot = layout.stages[stage]
         actor = ShardActor.spawn(spec, pg, stage, num_cpus=0, num_gpus=slot.gpus / 2 if slot.gpus else 0.0,
                                  name=f"{name}/draft-{rank}" if name else None)

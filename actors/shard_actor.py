@@ -27,11 +27,12 @@ class ShardActor(ShardWorker):
         return True
 
     @classmethod
-    def spawn(cls, spec: ShardSpec, placement_group: PlacementGroup, bundle_index: int, *, num_cpus: float,
+    def spawn(cls, spec: ShardSpec, placement_group: PlacementGroup | None, bundle_index: int, *, num_cpus: float,
               num_gpus: float = 0.0, name: str | None = None) -> ActorHandle:
-        """Start a shard actor in bundle `bundle_index` of `placement_group`; it loads its checkpoint at once."""
-        strategy = PlacementGroupSchedulingStrategy(placement_group=placement_group,
-                                                    placement_group_bundle_index=bundle_index)
+        """Start a shard actor in bundle `bundle_index` of `placement_group` (None: wherever Ray finds room, as in
+        benchmarks on one machine); it loads its checkpoint at once."""
+        strategy = None if placement_group is None else PlacementGroupSchedulingStrategy(
+            placement_group=placement_group, placement_group_bundle_index=bundle_index)
         actor_cls = ray.remote(cls).options(num_cpus=num_cpus, num_gpus=num_gpus, scheduling_strategy=strategy,
                                             max_restarts=0, name=name)
         return actor_cls.remote(spec, threads=max(1, math.ceil(num_cpus)))  # torch threads: its CPU share, rounded up

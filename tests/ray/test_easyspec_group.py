@@ -6,12 +6,13 @@ import pytest
 import ray
 from ray._private import state as ray_state
 
-from actors.build import ray_instance
+from actors.build import draft_group_runner, ray_instance
+from actors.engine import Engine
 from actors.local_stages import local_instance
 from cluster.config import DraftParallelConfig
 from cluster.request import SamplingParams
-from tests.ray.test_pipeline_instance import CPUS, NEW_TOKENS, TWO_STAGES, engine_config
-from tests.unit.helpers import load, reference_greedy, text_prompts
+from tests.ray.test_pipeline_instance import CACHE, CPUS, NEW_TOKENS, TWO_STAGES, engine_config
+from tests.unit.helpers import load, reference_greedy, runner, text_prompts
 
 SETTINGS = [(2, "attention"), (3, "layer"), (2, "layer"), (3, "attention")]
 
@@ -52,3 +53,24 @@ def test_layer_parallel_draft_group_is_lossless(ray_driver, tiny_models, tiny_dr
         assert inst.health().healthy
     finally:
         inst.shutdown()
+
+
+def test_draft_group_runner_drafts_for_an_engine_in_this_process(ray_driver, tiny_models, tiny_draft_models) -> None:
+    """The benchmark's shape: the target in this process, the draft group as actors wherever they fit."""
+    parallel = DraftParallelConfig(group_size=2, sequential_head=1, sequential_tail=0, mode="layer")
+    base = engine_config(tiny_models["llama"], tiny_draft_models["llama"])
+    cfg = base.model_copy(update={"speculation": base.speculation.model_copy(update={"draft_parallel": parallel})})
+    draft, stop = draft_group_runner(cfg, num_cpus=CPUS)
+    try:
+        assert len(draft.executor.actors) == 2
+        engine = Engine(runner(load(tiny_models["llama"]), block_size=CACHE.block_size), draft, cfg.speculation,
+                        cfg.scheduler)
+        prompts = text_prompts(load(tiny_models["llama"]), 3, offset=10)
+
+        completions = engine.generate(prompts, SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS))
+
+        for prompt, c in zip(prompts, completions):
+            assert c.token_ids == reference_greedy(tiny_models["llama"], prompt, NEW_TOKENS)
+        assert engine.stats().calibration_tokens > 0
+    finally:
+        stop()
