@@ -171,7 +171,9 @@ def run_status(args: argparse.Namespace) -> int:
           f"and queue {load['waiting']}; KV blocks {load['kv_blocks_used']}/{load['kv_blocks_total']} used")
     acc = "-" if load["acceptance"] is None else f"{load['acceptance']:.2f}"
     k = "-" if load["mean_k"] is None else f"{load['mean_k']:.2f}"
-    print(f"speculation: acceptance {acc}, mean k {k} (mean over instances)")
+    draft_ms = "-" if load["draft_ms_per_token"] is None else f"{load['draft_ms_per_token']:.2f}"
+    print(f"speculation: acceptance {acc}, mean k {k}, draft {draft_ms} ms per drafted token (mean over instances); "
+          f"calibration re-ran {load['calibration_tokens']} tokens in {load['calibration_s']:.2f} s")
     for p in problems:
         print(f"UNHEALTHY: {p}")
     return 0 if not problems else 1
@@ -286,7 +288,10 @@ def _load(inst: Instances) -> dict:
             "kv_blocks_used": sum(s.kv_blocks_used for s in stats),
             "kv_blocks_total": sum(s.kv_blocks_used + s.kv_blocks_free for s in stats),
             "acceptance": round(sum(s.acceptance for s in spec) / len(spec), 4) if spec else None,
-            "mean_k": round(sum(s.mean_k for s in spec) / len(spec), 3) if spec else None}
+            "mean_k": round(sum(s.mean_k for s in spec) / len(spec), 3) if spec else None,
+            "draft_ms_per_token": round(1e3 * sum(s.draft_s_per_token for s in spec) / len(spec), 3) if spec else None,
+            "calibration_tokens": sum(s.calibration_tokens for s in spec),
+            "calibration_s": round(sum(s.calibration_s for s in spec), 3)}
 
 
 def _print_instances(inst: Instances, names: dict[str, str]) -> None:

@@ -56,6 +56,13 @@ class Metrics:
         self.router_pending = Gauge("specfleet:router_requests_pending",
                                     "Requests the router counts as pending over all instances (the 429 limit's count)",
                                     m, registry=r)
+        self.draft_s_per_token = Gauge("specfleet:spec_decode_draft_seconds_per_token",
+                                       "Draft-stage seconds per drafted token since the instance started", inst,
+                                       registry=r)
+        self.calibration_tokens = Gauge("specfleet:spec_decode_calibration_tokens",
+                                        "Tokens EasySpec bonus calibration re-ran in true layer order", inst, registry=r)
+        self.calibration_s = Gauge("specfleet:spec_decode_calibration_seconds",
+                                   "Seconds of the calibrating draft forwards (each round's first)", inst, registry=r)
         self.healthy_instances = Gauge("specfleet:healthy_instances", "Instances the router dispatches to", m,
                                        registry=r)
 
@@ -73,7 +80,8 @@ class Metrics:
 
     def set_instances(self, instances: list[InstanceRow]) -> None:
         """Refresh the load gauges from the router's `instances()` rows."""
-        for g in (self.running, self.waiting, self.kv_usage, self.preemptions, self.router_in_flight):
+        for g in (self.running, self.waiting, self.kv_usage, self.preemptions, self.router_in_flight,
+                  self.draft_s_per_token, self.calibration_tokens, self.calibration_s):
             g.clear()
         healthy = 0
         for row in instances:
@@ -88,6 +96,9 @@ class Metrics:
             total = s.kv_blocks_used + s.kv_blocks_free
             self.kv_usage.labels(*labels).set(s.kv_blocks_used / total if total else 0.0)
             self.preemptions.labels(*labels).set(s.num_preemptions)
+            self.draft_s_per_token.labels(*labels).set(s.draft_s_per_token)
+            self.calibration_tokens.labels(*labels).set(s.calibration_tokens)
+            self.calibration_s.labels(*labels).set(s.calibration_s)
         self.healthy_instances.labels(self.model).set(healthy)
         self.router_pending.labels(self.model).set(sum(row.in_flight for row in instances))
 

@@ -301,6 +301,8 @@ def test_health_and_metrics_parse_and_their_counters_move(served_app: ServedApp)
     assert moved("specfleet:spec_decode_num_accepted_tokens_per_pos_total,position=0") > 0
     gauges = [k for k in after if k.startswith("specfleet:num_requests_running")]
     assert len(gauges) == 2  # one per instance
+    draft_s = [v for k, v in after.items() if k.startswith("specfleet:spec_decode_draft_seconds_per_token,")]
+    assert len(draft_s) == 2 and max(draft_s) > 0  # the draft's time per drafted token, per instance
     # the router's own counts beside the instances' (they agree once the requests have been released)
     assert len([k for k in after if k.startswith("specfleet:router_requests_in_flight,instance=")]) == 2
     assert "specfleet:router_requests_pending" in after
