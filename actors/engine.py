@@ -18,6 +18,7 @@ The draft's KV is optional: when its cache is out of blocks a request simply dra
 
 from __future__ import annotations
 
+import copy
 import itertools
 import time
 from collections.abc import Callable, Sequence as Seq
@@ -37,7 +38,9 @@ from actors.spec.policy import Acceptance, BatchBase, Candidate, make_policy
 from actors.spec.sampling import make_generator, probs_from_logits
 from actors.spec.verify import verify_greedy, verify_sampled
 from cluster.config import EngineConfig, SchedulerConfig, SpeculationConfig
-from cluster.request import FinishReason, InvalidRequest, Request, SamplingParams, SpecStats, TokenDelta, check_prompt
+from actors.kv_cache import KVExport
+from cluster.request import (FinishReason, InvalidRequest, Request, Resume, SamplingParams, SpecStats, TokenDelta,
+                             check_prompt)
 from cluster.stats import EngineStats
 
 
@@ -122,12 +125,20 @@ class Engine:
         self._enqueue(request)
 
     def _enqueue(self, request: Request) -> Sequence:
-        """Queue an already checked request."""
-        params = request.params
+        """Queue an already checked request (one that resumes carries on from its tokens, text and sampler)."""
+        params, resume = request.params, request.resume
         out = RequestOutput(self.tokenizer, params, self.eos_token_ids, params.max_tokens)
         gen = None if params.greedy else make_generator(params, self.device)
-        seq = Sequence(request, list(request.prompt_token_ids), out, gen, seqno=next(self._ids),
+        tokens = list(request.prompt_token_ids)
+        if resume is not None:
+            out.restore(list(resume.token_ids), resume.text_chars)
+            tokens += resume.token_ids
+            if gen is not None and resume.generator_state is not None:
+                gen.set_state(torch.frombuffer(bytearray(resume.generator_state), dtype=torch.uint8))
+        seq = Sequence(request, tokens, out, gen, seqno=next(self._ids),
                        acceptance=Acceptance(0.0, 0.0, self.acceptance.decay))  # its own rounds only
+        if resume is not None and resume.stats is not None:
+            seq.stats = copy.deepcopy(resume.stats)
         self.scheduler.add(seq)
         return seq
 
@@ -285,6 +296,47 @@ class Engine:
             if self.drafter is not None:
                 self.drafter.accepted(seq, n_before + accepted)
         return TokenDelta(rid, tuple(taken), seq.output.text_delta(), seq.output.finish_reason)
+
+    # ---- live migration (actors/migration.py drives these between steps) ----------------------
+    def kv_length(self, request_id: str) -> int:
+        """Tokens of a request whose target KV this engine holds."""
+        return self.target.cache.length(request_id)
+
+    def export_kv(self, request_id: str, start: int) -> list[KVExport]:
+        """The request's target KV from token `start` to what it holds now, one export per stage."""
+        return self.target.export_kv(request_id, start, self.target.cache.length(request_id))
+
+    def reserve_incoming(self, request_id: str, tokens: int) -> bool:
+        """The migration handshake: hold KV blocks for `tokens` tokens of a request about to arrive, or refuse."""
+        if any(s.request_id == request_id for s in self.waiting + self.running):
+            return False
+        return self.target.reserve(request_id, tokens)
+
+    def import_kv(self, exports: list[KVExport]) -> bool:
+        """Append an arriving request's KV (exported by any split of the same model); False if out of blocks."""
+        return self.target.import_kv(exports)
+
+    def drop_incoming(self, request_id: str) -> None:
+        """An arriving request was not committed: free what was reserved and imported for it."""
+        if not any(s.request_id == request_id for s in self.waiting + self.running):
+            self.target.cache.free(request_id)
+
+    def detach(self, request_id: str) -> tuple[Sequence, Resume] | None:
+        """Take a request out of the step loop, keeping its KV, and say where it stands; None if not here."""
+        seq = self.scheduler.remove(request_id)
+        if seq is None:
+            return None
+        state = seq.generator.get_state().numpy().tobytes() if seq.generator is not None else None
+        return seq, Resume(tuple(seq.output.token_ids), seq.output.emitted, state, copy.deepcopy(seq.stats))
+
+    def reattach(self, seq: Sequence) -> None:
+        """A detached request carries on here (its migration was aborted): its KV never left."""
+        seq.status = SeqStatus.WAITING
+        self.scheduler.add(seq)
+
+    def release_detached(self, seq: Sequence) -> None:
+        """A detached request now runs elsewhere: free its KV here."""
+        self._free(seq)
 
     # ---- KV and errors ----------------------------------------------------------------------
     def _free(self, seq: Sequence) -> None:

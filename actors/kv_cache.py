@@ -12,6 +12,7 @@ engine then queues or preempts.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -196,3 +197,22 @@ class KVCache(BlockPool):
         self.v.view(flat)[:, slots] = export.v.to(self.v.dtype)
         self._seqs[export.request_id].length = export.end
         return True
+
+
+def reshard(exports: Sequence[KVExport], layer_ids: Sequence[Sequence[int]]) -> list[KVExport]:
+    """Regroup exports of one request's token range by layer into the stages `layer_ids` (any split to any split)."""
+    if not exports:
+        raise ValueError("nothing to import")
+    first = exports[0]
+    if any((e.request_id, e.start, e.end) != (first.request_id, first.start, first.end) for e in exports):
+        raise ValueError("exports of different requests or token ranges cannot be merged")
+    k = {layer: e.k[i] for e in exports for i, layer in enumerate(e.layer_ids)}  # layer -> (T, kvh, hd)
+    v = {layer: e.v[i] for e in exports for i, layer in enumerate(e.layer_ids)}
+    missing = sorted({i for ids in layer_ids for i in ids} - k.keys())
+    if missing:
+        raise ValueError(f"{first.request_id}: the exports lack layers {missing}")
+    return [
+        KVExport(first.request_id, tuple(ids), first.start, first.end,
+                 torch.stack([k[i] for i in ids]), torch.stack([v[i] for i in ids]))  # each (L, T, kvh, hd)
+        for ids in layer_ids
+    ]

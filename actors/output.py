@@ -36,6 +36,12 @@ class RequestOutput:
         self.finish_reason: FinishReason | None = None
         self._hold = max((len(s) for s in params.stop), default=1) - 1
 
+    def restore(self, token_ids: list[int], text_chars: int) -> None:
+        """Continue a request generated elsewhere: its tokens so far, of whose text `text_chars` were released."""
+        self.token_ids = list(token_ids)
+        self._update_text()
+        self.emitted = min(text_chars, len(self.text))
+
     def append(self, tokens: list[int]) -> list[int]:
         """Add tokens in order until one ends the request; returns the tokens actually taken."""
         taken: list[int] = []

@@ -15,7 +15,7 @@ from typing import Protocol
 
 import torch
 
-from actors.kv_cache import KVExport
+from actors.kv_cache import KVExport, reshard
 from actors.kv_ledger import CacheOp, KVLedger
 from actors.model.loader import LoadedModel
 from actors.model.metadata import SeqChunk
@@ -119,22 +119,3 @@ class PipelineRunner:
             raise ShardFailure(f"{rid}: a stage had no room for imported KV its ledger had reserved")
         self.cache.set_length(rid, end)
         return True
-
-
-def reshard(exports: Sequence[KVExport], layer_ids: Sequence[Sequence[int]]) -> list[KVExport]:
-    """Regroup exports of one request's token range by layer into the stages `layer_ids` (any split to any split)."""
-    if not exports:
-        raise ValueError("nothing to import")
-    first = exports[0]
-    if any((e.request_id, e.start, e.end) != (first.request_id, first.start, first.end) for e in exports):
-        raise ValueError("exports of different requests or token ranges cannot be merged")
-    k = {layer: e.k[i] for e in exports for i, layer in enumerate(e.layer_ids)}  # layer -> (T, kvh, hd)
-    v = {layer: e.v[i] for e in exports for i, layer in enumerate(e.layer_ids)}
-    missing = sorted({i for ids in layer_ids for i in ids} - k.keys())
-    if missing:
-        raise ValueError(f"{first.request_id}: the exports lack layers {missing}")
-    return [
-        KVExport(first.request_id, tuple(ids), first.start, first.end,
-                 torch.stack([k[i] for i in ids]), torch.stack([v[i] for i in ids]))  # each (L, T, kvh, hd)
-        for ids in layer_ids
-    ]

@@ -107,8 +107,9 @@ class Scheduler:
         for seq in sorted(self.waiting, key=Sequence.order_key):  # 3: admit new and preempted requests
             if left <= 0 or len(self.running) >= self.cfg.max_batch_size:
                 break
-            n = min(len(seq.token_ids), left)
-            if not self.kv.reserve(seq.request_id, n):
+            start = self.kv.length(seq.request_id)  # 0, or the KV a migrated request brought along
+            n = min(len(seq.token_ids) - start, left)
+            if not self.kv.reserve(seq.request_id, start + n):
                 self._release(seq)
                 if not self.running:  # alone in an empty cache and still no room: it never fits
                     self.waiting.remove(seq)
@@ -118,7 +119,7 @@ class Scheduler:
             self.waiting.remove(seq)
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)
-            works.append(Work(seq, 0, n))
+            works.append(Work(seq, start, n))
             left -= n
         used = sum(w.num_new for w in works)
         return Schedule(works, budget - used)

@@ -112,14 +112,26 @@ class RequestStatus(str, enum.Enum):
 
 
 @dataclass(frozen=True)
+class Resume:
+    """Where a request picks up on another instance (live migration, failover): the tokens it generated so far,
+    how many characters of their text its client already has, and its sampler's state (None: a fresh one)."""
+
+    token_ids: tuple[int, ...]
+    text_chars: int
+    generator_state: bytes | None = None  # torch.Generator.get_state(), as bytes
+    stats: SpecStats | None = None
+
+
+@dataclass(frozen=True)
 class Request:
-    """A tokenized request as the engine receives it."""
+    """A tokenized request as the engine receives it; `resume` continues one that began elsewhere."""
 
     request_id: str
     prompt_token_ids: tuple[int, ...]
     params: SamplingParams
     priority: int = 0  # higher is served first
     arrival_time: float = 0.0
+    resume: Resume | None = None
 
 
 @dataclass

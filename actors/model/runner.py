@@ -12,7 +12,7 @@ from collections.abc import Sequence
 import torch
 from transformers.activations import ACT2FN
 
-from actors.kv_cache import KVCache
+from actors.kv_cache import KVCache, KVExport, reshard
 from actors.model.layers import Attention, DecoderLayer, DenseMLP, MoE, rms_norm
 from actors.model.loader import SUPPORTED_ARCHITECTURES, LoadedModel
 from actors.model.metadata import AttentionMetadata, SeqChunk
@@ -116,6 +116,14 @@ class ModelRunner:
     def reserve(self, request_id: str, total_tokens: int) -> bool:
         """Make room in this runner's cache for `total_tokens` tokens of a request."""
         return self.cache.reserve(request_id, total_tokens)
+
+    def export_kv(self, request_id: str, start: int = 0, end: int | None = None) -> list[KVExport]:
+        """KV of tokens [start, end) of a request (the PipelineRunner interface: one export per stage)."""
+        return [self.cache.export(request_id, start, end)]
+
+    def import_kv(self, exports: Sequence[KVExport]) -> bool:
+        """Append exported KV (of any split of this model's layers) after the request's KV; False if no room."""
+        return self.cache.import_(reshard(exports, [self.layer_ids])[0])
 
     @torch.inference_mode()
     def forward(self, chunks: list[SeqChunk], hidden: torch.Tensor | None = None, parallel: bool = False) -> torch.Tensor:

@@ -1,0 +1,180 @@
+"""Live migration of one running request between instances, staged as in Llumnix (Sun et al., OSDI '24, arXiv 2406.03243).
+
+    result = await migrate(request_id, source, destination, MigrationConfig())
+
+Handshake: the destination reserves KV blocks for what the request holds now, or refuses. Stages: copy the
+request's target KV produced so far while the source keeps decoding; copy again what it produced meanwhile;
+once what is left is at most `stop_copy_tokens` (or after `max_stages`), stop the request at the source, copy
+the rest (the only downtime), commit at the destination (the request resumes there with its tokens, streamed
+text, sampler state and stats), and release it at the source (its KV freed, its stream told where it went).
+The draft's KV is not moved: the destination's draft catches up on its first drafting round, as it does for
+any request it has not followed (actors/spec/drafters.py). Any failure before the commit leaves the request
+running at the source, nothing lost, and frees what the destination reserved.
+
+An `Endpoint` is an instance as the coordinator sees it: actors/instance_server.py implements it as Ray
+methods (wrapped by `RayEndpoint`), tests with engines in this process.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import time
+from dataclasses import dataclass
+from typing import Protocol
+
+from actors.kv_cache import KVExport
+from cluster.request import Request
+
+log = logging.getLogger(__name__)
+
+
+class MigrationStatus(str, enum.Enum):
+    FINISHED = "finished"  # committed at the destination, released at the source
+    ABORTED_SRC = "aborted_src"  # the source could not go on (request ended there first, source failed)
+    ABORTED_DST = "aborted_dst"  # the destination refused or failed; the request runs on at the source
+
+
+@dataclass(frozen=True)
+class MigrationConfig:
+    """How a migration copies: at most `max_stages` copies while the source decodes (0: stop and copy at once),
+    stopping early once at most `stop_copy_tokens` are left to copy."""
+
+    max_stages: int = 4
+    stop_copy_tokens: int = 16
+
+
+@dataclass(frozen=True)
+class MigrationResult:
+    request_id: str
+    status: MigrationStatus
+    reason: str = ""
+    stages: int = 0  # copies made while the source kept decoding
+    tokens_copied: int = 0  # KV tokens moved, all stages
+    downtime_s: float = 0.0  # from stopping at the source to the commit at the destination
+    total_s: float = 0.0
+
+
+class Endpoint(Protocol):
+    """One instance's side of a migration (every method is awaited; each runs between two engine steps)."""
+
+    async def migrate_length(self, request_id: str) -> int | None:
+        """Source: tokens of the request's KV now; None if it does not run here."""
+        ...
+
+    async def migrate_reserve(self, request_id: str, tokens: int) -> bool:
+        """Destination: hold blocks for `tokens` tokens of the request, or refuse."""
+        ...
+
+    async def migrate_export(self, request_id: str, start: int) -> list[KVExport] | None:
+        """Source: the request's KV from `start` to now; None if it ended meanwhile."""
+        ...
+
+    async def migrate_import(self, exports: list[KVExport]) -> bool:
+        """Destination: append KV; False if out of blocks."""
+        ...
+
+    async def migrate_stop(self, request_id: str, start: int) -> tuple[Request, list[KVExport]] | None:
+        """Source: take the request out of its step loop (KV kept) and return it, as a request that resumes,
+        with its KV from `start`; None if it ended meanwhile."""
+        ...
+
+    async def migrate_commit(self, request: Request) -> bool:
+        """Destination: the request resumes here on the KV imported for it; its stream waits for its client."""
+        ...
+
+    async def migrate_release(self, request_id: str, committed: bool, destination: object) -> None:
+        """Source: committed: free the request's KV and end its stream pointing at `destination`; else resume it."""
+        ...
+
+    async def migrate_drop(self, request_id: str) -> None:
+        """Destination: forget a request that was not committed (free its KV)."""
+        ...
+
+
+class RayEndpoint:
+    """An Endpoint over an instance actor's handle (actors/instance_server.py)."""
+
+    def __init__(self, handle) -> None:
+        self.handle = handle
+
+    def __getattr__(self, name: str):
+        method = getattr(self.handle, name)
+        return lambda *args: method.remote(*args)
+
+
+async def migrate(request_id: str, src: Endpoint, dst: Endpoint, cfg: MigrationConfig = MigrationConfig(),
+                  destination: object = None) -> MigrationResult:
+    """Move a running request from `src` to `dst`; `destination` is what the source's stream is told (the
+    destination instance's id and handle, for the client's stream to follow)."""
+    t0 = time.perf_counter()
+    stages = copied = 0
+
+    def result(status: MigrationStatus, reason: str = "", downtime: float = 0.0) -> MigrationResult:
+        return MigrationResult(request_id, status, reason, stages, copied, downtime, time.perf_counter() - t0)
+
+    try:
+        length = await src.migrate_length(request_id)
+    except Exception as e:  # noqa: BLE001 - the source failed: nothing was reserved anywhere
+        return result(MigrationStatus.ABORTED_SRC, f"source: {type(e).__name__}: {e}")
+    if length is None:
+        return result(MigrationStatus.ABORTED_SRC, "the request does not run at the source")
+    try:
+        if not await dst.migrate_reserve(request_id, length + cfg.stop_copy_tokens):
+            return result(MigrationStatus.ABORTED_DST, "the destination has no room")
+    except Exception as e:  # noqa: BLE001
+        return result(MigrationStatus.ABORTED_DST, f"destination: {type(e).__name__}: {e}")
+    stopped = False
+    side = "source"
+    try:
+        while stages < cfg.max_stages:  # copy while the source keeps decoding
+            side = "source"
+            exports = await src.migrate_export(request_id, copied)
+            if exports is None:
+                await _drop(dst, request_id)
+                return result(MigrationStatus.ABORTED_SRC, "the request ended at the source first")
+            side = "destination"
+            if not await dst.migrate_import(exports):
+                await _drop(dst, request_id)
+                return result(MigrationStatus.ABORTED_DST, "the destination ran out of KV blocks")
+            copied, stages = exports[0].end, stages + 1
+            side = "source"
+            now = await src.migrate_length(request_id)
+            if now is None:
+                await _drop(dst, request_id)
+                return result(MigrationStatus.ABORTED_SRC, "the request ended at the source first")
+            if now - copied <= cfg.stop_copy_tokens:
+                break
+        side = "source"
+        t_stop = time.perf_counter()
+        stopped_at = await src.migrate_stop(request_id, copied)
+        if stopped_at is None:
+            await _drop(dst, request_id)
+            return result(MigrationStatus.ABORTED_SRC, "the request ended at the source first")
+        stopped = True
+        request, rest = stopped_at
+        side = "destination"
+        if not await dst.migrate_import(rest) or not await dst.migrate_commit(request):
+            raise RuntimeError("the destination refused the request's last KV or its commit")
+        copied = rest[0].end
+        downtime = time.perf_counter() - t_stop
+        side = "source"
+        await src.migrate_release(request_id, True, destination)
+        return result(MigrationStatus.FINISHED, downtime=downtime)
+    except Exception as e:  # noqa: BLE001 - any failure before the commit: the request stays at the source
+        await _drop(dst, request_id)
+        if stopped and side == "destination":
+            try:
+                await src.migrate_release(request_id, False, None)
+            except Exception:  # noqa: BLE001 - the source is gone too: failover picks the request up
+                log.exception("resuming %s at its source failed", request_id)
+                return result(MigrationStatus.ABORTED_SRC, f"source lost after {side} failed: {e}")
+        status = MigrationStatus.ABORTED_DST if side == "destination" else MigrationStatus.ABORTED_SRC
+        return result(status, f"{side}: {type(e).__name__}: {e}")
+
+
+async def _drop(dst: Endpoint, request_id: str) -> None:
+    try:
+        await dst.migrate_drop(request_id)
+    except Exception as e:  # noqa: BLE001 - a dead destination holds nothing; a live one frees it on its own abort
+        log.warning("dropping %s at the destination failed (%s: %s)", request_id, type(e).__name__, e)

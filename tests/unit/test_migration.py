@@ -1,0 +1,187 @@
+"""Live migration between two engines in this process: staged copies, commit, and every abort path (actors/migration.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+
+import pytest
+
+from actors.engine import Engine
+from actors.migration import MigrationConfig, MigrationStatus, migrate
+from cluster.config import SchedulerConfig, SpeculationConfig
+from cluster.request import Request, Resume, SamplingParams
+from tests.unit.helpers import Result, drain, load, reference_greedy, runner, text_prompts
+from tests.unit.test_pipeline import pipeline
+
+TOKENS = 24
+GREEDY = SamplingParams(temperature=0.0, max_tokens=TOKENS, ignore_eos=True)
+SAMPLED = SamplingParams(temperature=0.9, top_p=0.95, seed=7, max_tokens=TOKENS, ignore_eos=True)
+
+
+def engine(tiny_models, tiny_draft_models, *, split: bool = False, num_blocks: int = 256) -> Engine:
+    """The tiny llama with its perturbed copy as draft (k = 3); `split`: the target as two stages."""
+    path = tiny_models["llama"]
+    target = pipeline(path, [[0, 1], [2, 3]]) if split else runner(load(path), num_blocks=num_blocks)
+    return Engine(target, runner(load(tiny_draft_models["llama"])), SpeculationConfig(policy="fixed", k=3),
+                  SchedulerConfig(max_batch_size=4))
+
+
+class EngineEndpoint:
+    """An Endpoint over an engine in this process; the source takes `steps` engine steps per export (it keeps
+    decoding while its KV is copied), collecting its deltas into `results`."""
+
+    def __init__(self, engine: Engine, results: dict[str, Result], steps: int = 0, fail_on: str = "") -> None:
+        self.engine, self.results, self.steps, self.fail_on = engine, results, steps, fail_on
+        self.detached = {}
+
+    def _here(self, rid: str) -> bool:
+        return any(s.request_id == rid for s in self.engine.waiting + self.engine.running)
+
+    def _maybe_fail(self, name: str) -> None:
+        if name == self.fail_on:
+            raise ConnectionError(f"{name}: the instance died")
+
+    async def migrate_length(self, rid):
+        self._maybe_fail("length")
+        return self.engine.kv_length(rid) if self._here(rid) else None
+
+    async def migrate_reserve(self, rid, tokens):
+        return self.engine.reserve_incoming(rid, tokens)
+
+    async def migrate_export(self, rid, start):
+        self._maybe_fail("export")
+        drain(self.engine, self.results, steps=self.steps)
+        return self.engine.export_kv(rid, start) if self._here(rid) else None
+
+    async def migrate_import(self, exports):
+        self._maybe_fail("import")
+        return self.engine.import_kv(exports)
+
+    async def migrate_stop(self, rid, start):
+        detached = self.engine.detach(rid)
+        if detached is None:
+            return None
+        seq, resume = detached
+        self.detached[rid] = seq
+        return dataclasses.replace(seq.request, resume=resume), self.engine.export_kv(rid, start)
+
+    async def migrate_commit(self, request):
+        self._maybe_fail("commit")
+        self.engine.add_request(request)
+        return True
+
+    async def migrate_release(self, rid, committed, destination):
+        seq = self.detached.pop(rid)
+        if committed:
+            self.engine.release_detached(seq)
+        else:
+            self.engine.reattach(seq)
+
+    async def migrate_drop(self, rid):
+        self.engine.drop_incoming(rid)
+
+
+def run_migration(src: Engine, dst: Engine, params: SamplingParams, prompts, *, steps_before: int = 3,
+                  cfg: MigrationConfig = MigrationConfig(max_stages=3, stop_copy_tokens=2), fail_on: str = "",
+                  src_steps: int = 1):
+    """Start every prompt at `src`, migrate request r0 to `dst` after `steps_before` steps, run both to the end."""
+    results: dict[str, Result] = {}
+    for i, p in enumerate(prompts):
+        src.add_request(Request(f"r{i}", tuple(p), params))
+    drain(src, results, steps=steps_before)
+    a = EngineEndpoint(src, results, steps=src_steps)
+    b = EngineEndpoint(dst, results, fail_on=fail_on)
+    outcome = asyncio.run(migrate("r0", a, b, cfg))
+    drain(src, results)
+    drain(dst, results)
+    return outcome, results
+
+
+def assert_no_kv_left(*engines: Engine) -> None:
+    for e in engines:
+        assert e.target.cache.num_used_blocks == 0 and e.draft.cache.num_used_blocks == 0
+
+
+@pytest.mark.parametrize("split", [False, True], ids=["same split", "two-stage destination"])
+@pytest.mark.parametrize("cfg", [MigrationConfig(max_stages=3, stop_copy_tokens=2), MigrationConfig(max_stages=0)],
+                         ids=["staged", "stop-and-copy"])
+def test_a_migrated_greedy_request_equals_the_targets_own(tiny_models, tiny_draft_models, split, cfg) -> None:
+    src, dst = engine(tiny_models, tiny_draft_models), engine(tiny_models, tiny_draft_models, split=split)
+    prompts = text_prompts(src.target.model, 3, offset=2)
+
+    outcome, results = run_migration(src, dst, GREEDY, prompts, cfg=cfg)
+
+    assert outcome.status is MigrationStatus.FINISHED, outcome
+    assert outcome.stages == cfg.max_stages or cfg.max_stages and outcome.stages >= 1
+    assert outcome.tokens_copied >= len(prompts[0])
+    for i, p in enumerate(prompts):
+        r = results[f"r{i}"]
+        assert r.token_ids == reference_greedy(tiny_models["llama"], p, TOKENS)[:TOKENS], f"r{i}"
+        assert r.text == src.tokenizer.decode(r.token_ids, skip_special_tokens=True)
+    assert_no_kv_left(src, dst)
+
+
+def test_a_seeded_sampled_request_gives_the_same_output_migrated_or_not(tiny_models, tiny_draft_models) -> None:
+    prompts = text_prompts(load(tiny_models["llama"]), 2, offset=5)
+    alone = engine(tiny_models, tiny_draft_models).generate(prompts, SAMPLED)
+
+    outcome, results = run_migration(engine(tiny_models, tiny_draft_models), engine(tiny_models, tiny_draft_models),
+                                     SAMPLED, prompts)
+
+    assert outcome.status is MigrationStatus.FINISHED
+    assert [results[f"r{i}"].token_ids for i in range(2)] == [c.token_ids for c in alone]
+
+
+@pytest.mark.parametrize("fail_on", ["import", "commit"])
+def test_a_destination_that_fails_leaves_the_request_running_at_the_source(tiny_models, tiny_draft_models,
+                                                                          fail_on) -> None:
+    src, dst = engine(tiny_models, tiny_draft_models), engine(tiny_models, tiny_draft_models)
+    prompts = text_prompts(src.target.model, 2, offset=2)
+
+    outcome, results = run_migration(src, dst, GREEDY, prompts, fail_on=fail_on)
+
+    assert outcome.status is MigrationStatus.ABORTED_DST, outcome
+    for i, p in enumerate(prompts):
+        assert results[f"r{i}"].token_ids == reference_greedy(tiny_models["llama"], p, TOKENS)
+    assert_no_kv_left(src, dst)
+
+
+def test_a_destination_without_room_refuses(tiny_models, tiny_draft_models) -> None:
+    src, dst = engine(tiny_models, tiny_draft_models), engine(tiny_models, tiny_draft_models, num_blocks=3)
+    prompts = text_prompts(src.target.model, 1, offset=2)
+
+    outcome, results = run_migration(src, dst, GREEDY, prompts)
+
+    assert outcome.status is MigrationStatus.ABORTED_DST and "no room" in outcome.reason
+    assert results["r0"].token_ids == reference_greedy(tiny_models["llama"], prompts[0], TOKENS)
+    assert_no_kv_left(src, dst)
+
+
+def test_a_request_that_ends_at_the_source_first_aborts_the_migration(tiny_models, tiny_draft_models) -> None:
+    src, dst = engine(tiny_models, tiny_draft_models), engine(tiny_models, tiny_draft_models)
+    prompts = text_prompts(src.target.model, 1, offset=2)
+    short = GREEDY.model_copy(update={"max_tokens": 6})
+
+    outcome, results = run_migration(src, dst, short, prompts, steps_before=1, src_steps=10,
+                                     cfg=MigrationConfig(max_stages=4, stop_copy_tokens=0))
+
+    assert outcome.status is MigrationStatus.ABORTED_SRC and "ended at the source" in outcome.reason
+    assert results["r0"].token_ids == reference_greedy(tiny_models["llama"], prompts[0], 6)
+    assert_no_kv_left(src, dst)
+
+
+def test_failover_resumes_from_the_tokens_alone(tiny_models, tiny_draft_models) -> None:
+    """No KV and no engine state: the prompt and the tokens streamed so far (KV recomputed) give the same output."""
+    src, dst = engine(tiny_models, tiny_draft_models), engine(tiny_models, tiny_draft_models)
+    prompt = text_prompts(src.target.model, 1, offset=3)[0]
+    src.add_request(Request("r", tuple(prompt), GREEDY))
+    before = drain(src, steps=4)["r"]
+    assert 0 < len(before.token_ids) < TOKENS
+
+    dst.add_request(Request("r", tuple(prompt), GREEDY, resume=Resume(tuple(before.token_ids), len(before.text))))
+    after = drain(dst)["r"]
+
+    assert before.token_ids + after.token_ids == reference_greedy(tiny_models["llama"], prompt, TOKENS)
+    assert before.text + after.text == dst.tokenizer.decode(before.token_ids + after.token_ids,
+                                                            skip_special_tokens=True)
