@@ -297,7 +297,7 @@ class Engine:
                 self.drafter.accepted(seq, n_before + accepted)
         return TokenDelta(rid, tuple(taken), seq.output.text_delta(), seq.output.finish_reason)
 
-    # ---- live migration (actors/migration.py drives these between steps) ----------------------
+    # ---- live migration (cluster/migration.py drives these between steps) ----------------------
     def kv_length(self, request_id: str) -> int:
         """Tokens of a request whose target KV this engine holds."""
         return self.target.cache.length(request_id)

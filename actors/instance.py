@@ -146,5 +146,5 @@ class Instance:
             final = self.engine.abort(seq.request_id)  # frees its KV in the ledgers; nothing reaches the shards
             text = final.text if final is not None else ""
             deltas.append(TokenDelta(seq.request_id, (), text, FinishReason.ERROR,
-                                     error=f"the instance lost a shard: {message}"))
+                                     error=f"the instance lost a shard: {message}", instance_failure=True))
         return deltas

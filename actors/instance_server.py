@@ -17,6 +17,7 @@ stream (it was cancelled), the request is aborted and its KV freed.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -27,6 +28,8 @@ from ray.actor import ActorHandle
 from actors.build import ray_instance
 from actors.engine import RequestError
 from actors.instance import Instance, InstanceUnhealthy
+from actors.kv_cache import KVExport
+from actors.sequence import Sequence
 from actors.local_stages import local_instance
 from actors.serving import ServingLoop, StreamItem
 from cluster.request import FinishReason, Request, RequestStatus, TokenDelta
@@ -71,6 +74,8 @@ class InstanceServer:
         self.spec = spec
         self.instance = build(spec)
         self.loop = ServingLoop(self.instance, name=f"engine-loop-{spec.instance_id}")
+        self._detached: dict[str, Sequence] = {}  # migrating out: stopped here, KV kept until the commit
+        self._handed_in: dict[str, asyncio.Queue[StreamItem]] = {}  # migrated in: items until the client follows
 
     async def generate(self, request: Request):
         """Stream the request's StreamItems until its final one (finish, abort or error)."""
@@ -95,6 +100,89 @@ class InstanceServer:
         finally:
             if not finished:  # the consumer went away (client disconnect, cancellation): free its KV
                 self.loop.abort(request.request_id)
+
+    async def resume_stream(self, request_id: str):
+        """The stream of a request that migrated here (cluster/migration.py), from its first token here on: what the
+        client's stream follows after the source's `migrated_to` item."""
+        items = self._handed_in.get(request_id)
+        if items is None:
+            raise KeyError(f"no request {request_id!r} migrated to this instance")
+        finished = False
+        try:
+            while True:
+                item = await items.get()
+                finished = item.delta.finished or item.migrated_to is not None
+                yield item
+                if finished:
+                    return
+        finally:
+            self._handed_in.pop(request_id, None)
+            if not finished:
+                self.loop.abort(request_id)
+
+    # ---- live migration: the Endpoint of cluster/migration.py; each step runs on the loop thread, between steps
+    async def migrate_length(self, request_id: str) -> int | None:
+        return await self._on_loop(lambda: self.instance.engine.kv_length(request_id) if self._holds(request_id)
+                                   else None)
+
+    async def migrate_reserve(self, request_id: str, tokens: int) -> bool:
+        return await self._on_loop(lambda: self.instance.engine.reserve_incoming(request_id, tokens))
+
+    async def migrate_export(self, request_id: str, start: int) -> tuple[list[KVExport], int] | None:
+        engine = self.instance.engine
+        return await self._on_loop(lambda: (engine.export_kv(request_id, start), engine.kv_length(request_id))
+                                   if self._holds(request_id) else None)
+
+    async def migrate_import(self, exports: list[KVExport]) -> bool:
+        return await self._on_loop(lambda: self.instance.engine.import_kv(exports))
+
+    async def migrate_stop(self, request_id: str, start: int) -> tuple[Request, list[KVExport], int] | None:
+        engine = self.instance.engine
+
+        def stop():
+            detached = engine.detach(request_id)
+            if detached is None:
+                return None
+            seq, resume = detached
+            self._detached[request_id] = seq
+            return (dataclasses.replace(seq.request, resume=resume), engine.export_kv(request_id, start),
+                    engine.kv_length(request_id))
+        return await self._on_loop(stop)
+
+    async def migrate_commit(self, request: Request) -> bool:
+        loop = asyncio.get_running_loop()
+        items: asyncio.Queue[StreamItem] = asyncio.Queue()  # held until the client's stream comes (resume_stream)
+        self._handed_in[request.request_id] = items
+        try:
+            await asyncio.wrap_future(
+                self.loop.submit(request, lambda item: loop.call_soon_threadsafe(items.put_nowait, item)))
+        except BaseException:
+            self._handed_in.pop(request.request_id, None)
+            raise
+        return True
+
+    async def migrate_release(self, request_id: str, committed: bool, destination: tuple[str, object] | None) -> None:
+        def release() -> None:
+            seq = self._detached.pop(request_id, None)
+            if seq is None:
+                return
+            if committed:
+                self.instance.engine.release_detached(seq)
+            else:
+                self.instance.engine.reattach(seq)
+        await self._on_loop(release)
+        if committed:
+            await asyncio.wrap_future(self.loop.hand_over(request_id, destination))
+
+    async def migrate_drop(self, request_id: str) -> None:
+        await self._on_loop(lambda: self.instance.engine.drop_incoming(request_id))
+
+    def _holds(self, request_id: str) -> bool:
+        engine = self.instance.engine
+        return any(s.request_id == request_id for s in engine.waiting + engine.running)
+
+    async def _on_loop(self, fn):
+        return await asyncio.wrap_future(self.loop.call(fn))
 
     async def abort(self, request_id: str) -> bool:
         """Cancel a request; its stream ends with finish_reason "abort". False if it was not in flight."""

@@ -30,6 +30,9 @@ class StreamItem:
     stats: SpecStats | None = None  # set on the final item
     queue_s: float | None = None  # from submission to first being scheduled; set on the first item that has it
     rejected: bool = False  # the engine refused the request (delta.error says why); nothing was generated
+    # the request moved to another instance (live migration): (instance id, its actor handle) to follow; the
+    # stream ends here without a finish, and the destination's `resume_stream` carries on from the next token
+    migrated_to: tuple[str, object] | None = None
 
 
 Sink = Callable[[StreamItem], None]
@@ -83,6 +86,15 @@ class ServingLoop:
         """Cancel a request; the future resolves to whether it was in flight. Its sink gets a final ABORT item."""
         return self._post("abort", request_id)
 
+    def call(self, fn: Callable[[], object]) -> Future:
+        """Run `fn` on the loop thread between two steps (it may use the engine); the future has its result."""
+        return self._post("call", fn)
+
+    def hand_over(self, request_id: str, destination: tuple[str, object]) -> Future:
+        """A request left for another instance (migration): its stream ends with a `migrated_to` item, and the loop
+        forgets it (it is neither running nor ended here)."""
+        return self._post("hand_over", (request_id, destination))
+
     def close(self, timeout_s: float = 10.0) -> None:
         """Stop the loop; requests in flight end with an ABORT item."""
         self._stop.set()
@@ -129,7 +141,7 @@ class ServingLoop:
             log.exception("the engine loop failed")
             self.error = e
             self._fail_inbox()
-            self._end_all(FinishReason.ERROR, f"the engine loop failed: {type(e).__name__}: {e}")
+            self._end_all(FinishReason.ERROR, f"the engine loop failed: {type(e).__name__}: {e}", failure=True)
             return
         self._fail_inbox()
         self._end_all(FinishReason.ABORT, "the instance is shutting down")
@@ -161,6 +173,14 @@ class ServingLoop:
                 raise
             self._tracked[request.request_id] = _Tracked(sink, time.monotonic(), stats=self._stats_of(request))
             return None
+        if op == "call":
+            return arg()
+        if op == "hand_over":
+            rid, destination = arg
+            t = self._tracked.pop(rid, None)
+            if t is not None:
+                t.sink(StreamItem(TokenDelta(rid, (), ""), migrated_to=destination))
+            return t is not None
         if op == "abort":
             tracked = self._tracked.get(arg)
             final = self.engine.abort(arg)
@@ -197,10 +217,10 @@ class ServingLoop:
                 self._end(delta.request_id, RequestStatus.of(delta.finish_reason))
             t.sink(StreamItem(delta, stats=t.stats if delta.finished else None, queue_s=queue_s))
 
-    def _end_all(self, reason: FinishReason, message: str) -> None:
+    def _end_all(self, reason: FinishReason, message: str, failure: bool = False) -> None:
         for rid, t in list(self._tracked.items()):
             self._end(rid, RequestStatus.of(reason))
-            t.sink(StreamItem(TokenDelta(rid, (), "", reason, error=message), stats=t.stats))
+            t.sink(StreamItem(TokenDelta(rid, (), "", reason, error=message, instance_failure=failure), stats=t.stats))
 
     def _end(self, request_id: str, status: RequestStatus) -> None:
         """A tracked request ended: recorded as ended first, then untracked (see `states`)."""

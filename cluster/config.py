@@ -181,6 +181,14 @@ class ServeConfig(_Frozen):
     auth: AuthConfig = AuthConfig()
 
 
+class MigrationConfig(_Frozen):
+    """Live migration (cluster/migration.py): at most `max_stages` KV copies while the source keeps decoding (0:
+    stop and copy at once), stopping early once at most `stop_copy_tokens` are left to copy."""
+
+    max_stages: int = Field(default=4, ge=0, le=64)
+    stop_copy_tokens: int = Field(default=16, ge=0)
+
+
 class RouterConfig(_Frozen):
     """The router actor (cluster/router.py) and the instances it dispatches to."""
 
@@ -197,6 +205,7 @@ class RouterConfig(_Frozen):
     # custom Ray resources each instance's engine actor needs, e.g. an accelerator kind of the inventory
     # (placement/inventory.py, ray_resources) to pin instances to a worker group
     instance_resources: dict[str, float] = {}
+    migration: MigrationConfig = MigrationConfig()
 
     def __hash__(self) -> int:  # frozen, but a dict field is unhashable: hash the canonical JSON instead
         return hash(self.model_dump_json())

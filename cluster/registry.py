@@ -184,6 +184,39 @@ class Registry:
             closed.append(Reconciled(rid, instance_id, status, seen_by_instance=state is not None))
         return closed
 
+    def choose(self, exclude: set[str], model: str | None = None) -> str:
+        """Where dispatch would send a request now, leaving out `exclude`; NoInstanceAvailable if nowhere."""
+        views = [e.view() for e in self.instances.values()
+                 if e.accepting and e.instance_id not in exclude and (model is None or e.model == model)]
+        if not views:
+            raise NoInstanceAvailable(self._why_none(model) if len(exclude) < len(self.instances)
+                                      else "no other instance is left")
+        return self.policy.choose(views)
+
+    def rehome(self, request_id: str, instance_id: str) -> None:
+        """A request now runs at `instance_id` (it migrated there, or resumed there after a failure)."""
+        entry = self.requests[request_id]
+        old = self.instances.get(entry.instance_id)
+        if old is not None:
+            old.in_flight.discard(request_id)
+        self.instances[instance_id].in_flight.add(request_id)
+        entry.instance_id, entry.ended_at_instance = instance_id, None
+
+    def reroute(self, request_id: str, exclude: set[str], now: float, model: str | None = None) -> str:
+        """Failover: choose another instance for a request whose instance failed, and move it there (running
+        again if the failure had already closed it). NoInstanceAvailable if none is left."""
+        entry = self.requests.get(request_id)
+        if entry is None:
+            raise KeyError(request_id)
+        instance_id = self.choose(exclude, model)
+        if entry.status != RequestStatus.RUNNING:
+            if request_id in self._finished_order:
+                self._finished_order.remove(request_id)
+            entry.status, entry.finished_at = RequestStatus.RUNNING, None
+        self.rehome(request_id, instance_id)
+        entry.created_at = now  # the grace before reconciliation counts from here
+        return instance_id
+
     def pending(self) -> int:
         """Requests routed and not finished, over all instances (the backpressure count)."""
         return sum(len(e.in_flight) for e in self.instances.values())

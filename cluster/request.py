@@ -198,6 +198,9 @@ class TokenDelta:
     text: str
     finish_reason: FinishReason | None = None
     error: str | None = None
+    # the error is the instance's (it lost a shard, its loop failed), not the request's: the request may resume
+    # on another instance from its tokens (failover)
+    instance_failure: bool = False
 
     @property
     def finished(self) -> bool:

@@ -16,7 +16,8 @@ import time
 import ray
 from ray.actor import ActorHandle
 
-from cluster.config import RouterConfig
+from cluster.migration import MigrationResult, MigrationStatus, RayEndpoint, migrate
+from cluster.config import MigrationConfig, RouterConfig
 from cluster.dispatch import make_dispatch
 from cluster.instances import InstancePlace, InstanceRow
 from cluster.registry import NoInstanceAvailable, Registry, RequestStatus
@@ -24,6 +25,23 @@ from cluster.registry import NoInstanceAvailable, Registry, RequestStatus
 ROUTER_NAME = "specfleet-router"
 NAMESPACE = "specfleet"
 log = logging.getLogger(__name__)
+
+
+class MigrationCounters:
+    """Migrations by outcome and the downtime of the finished ones (for /metrics and `specfleet status`)."""
+
+    def __init__(self) -> None:
+        self.by_status = {s.value: 0 for s in MigrationStatus}
+        self.downtime_s: list[float] = []
+
+    def record(self, result: MigrationResult) -> None:
+        self.by_status[result.status.value] += 1
+        if result.status is MigrationStatus.FINISHED:
+            self.downtime_s.append(result.downtime_s)
+            del self.downtime_s[:-1000]
+
+    def as_dict(self) -> dict:
+        return {"migrations": dict(self.by_status), "downtime_s": list(self.downtime_s)}
 
 
 class Overloaded(RuntimeError):
@@ -39,6 +57,9 @@ class Router:
         self.health_timeout_s = health_timeout_s
         self.removed: list[InstanceRow] = []  # instances taken out for failing health, newest last
         self._poller: asyncio.Task | None = None
+        self._migrating: set[str] = set()
+        self.migrations = MigrationCounters()
+        self.failovers = 0
 
     async def configure(self, cfg: RouterConfig) -> None:
         """Take a redeployed app's router config (the actor outlives app redeploys; the registry stays)."""
@@ -100,6 +121,71 @@ class Router:
 
     async def finish(self, request_id: str, status: str) -> None:
         self.registry.finish(request_id, RequestStatus(status), time.time())
+
+    # ---- live migration and failover ----------------------------------------------------------------
+    async def migrate(self, request_id: str, to: str | None = None,
+                      cfg: MigrationConfig | None = None) -> MigrationResult:
+        """Move a running request to instance `to` (default: where dispatch would send a new request) with the
+        staged coordinator (cluster/migration.py); its client's stream follows it."""
+        entry = self.registry.requests.get(request_id)
+        if entry is None or entry.status != RequestStatus.RUNNING:
+            raise ValueError(f"no running request {request_id!r}")
+        src = entry.instance_id
+        if to is None:
+            to = self.registry.choose(exclude={src}, model=self.registry.instances[src].model)
+        if to == src or to not in self.handles or not self.registry.instances[to].accepting:
+            raise ValueError(f"instance {to!r} cannot take request {request_id!r}: it is its own, unknown, "
+                             "draining or unhealthy")
+        if request_id in self._migrating:
+            raise ValueError(f"request {request_id!r} is already migrating")
+        self._migrating.add(request_id)
+        try:
+            result = await migrate(request_id, RayEndpoint(self.handles[src]), RayEndpoint(self.handles[to]),
+                                   cfg or self.cfg.migration, destination=(to, self.handles[to]))
+        finally:
+            self._migrating.discard(request_id)
+        self.migrations.record(result)
+        if result.status is MigrationStatus.FINISHED:
+            still = self.registry.requests.get(request_id)
+            if still is not None and still.status == RequestStatus.RUNNING:
+                self.registry.rehome(request_id, to)
+            else:  # its client left while it moved: stop it where it now runs
+                await self.handles[to].abort.remote(request_id)
+        log.info("migration of %s from %s to %s: %s %s", request_id, src, to, result.status.value, result.reason)
+        return result
+
+    async def drain_migrate(self, instance_id: str) -> dict:
+        """Stop dispatching to an instance and migrate every request running there to the others; the instance
+        ends empty (scale it down, or undrain it). Returns the counts and any request that could not move."""
+        await self.drain(instance_id)
+        moved, stuck = 0, []
+        for rid in sorted(self.registry.instances[instance_id].in_flight):
+            try:
+                result = await self.migrate(rid)
+            except (ValueError, NoInstanceAvailable) as e:
+                stuck.append(f"{rid}: {e}")
+                continue
+            if result.status is MigrationStatus.FINISHED:
+                moved += 1
+            elif result.status is MigrationStatus.ABORTED_DST:
+                stuck.append(f"{rid}: {result.reason}")
+        return {"instance_id": instance_id, "migrated": moved, "not_moved": stuck,
+                "running": len(self.registry.instances[instance_id].in_flight)}
+
+    async def failover(self, request_id: str, failed_instance: str) -> tuple[str, ActorHandle]:
+        """A request's instance failed under it: the instance where it resumes (from its tokens), recorded as
+        running there. Raises NoInstanceAvailable when no other instance is left."""
+        entry = self.registry.requests.get(request_id)
+        model = self.registry.instances[failed_instance].model if failed_instance in self.registry.instances else None
+        instance_id = self.registry.reroute(request_id, {failed_instance}, time.time(), model)
+        self.failovers += 1
+        log.warning("request %s resumes on %s after %s failed (was %s)", request_id, instance_id, failed_instance,
+                    entry.status.value if entry else "?")
+        return instance_id, self.handles[instance_id]
+
+    async def migration_stats(self) -> dict:
+        """Migrations by outcome, their downtime, and failovers, since the router started."""
+        return {**self.migrations.as_dict(), "failovers": self.failovers}
 
     async def abort(self, request_id: str) -> bool:
         """Cancel a running request at its instance; False if it is not running."""

@@ -73,8 +73,20 @@ class AbortResult(_Row):
 class DrainResult(_Row):
     instance_id: str
     draining: bool
-    running: int = 0  # requests in flight on it when the drain began
+    running: int = 0  # requests in flight on it when the drain began (after a migrating drain: still there)
     aborted: bool = False
+    migrated: int = 0  # requests moved to other instances (a migrating drain)
+    not_moved: list[str] = []  # and those that could not move, with why
+
+
+class MigrateResult(_Row):
+    request_id: str
+    status: str  # finished | aborted_src | aborted_dst (cluster/migration.py)
+    reason: str = ""
+    stages: int = 0
+    tokens_copied: int = 0
+    downtime_s: float = 0.0
+    total_s: float = 0.0
 
 
 class AdminClient:
@@ -112,9 +124,13 @@ class AdminClient:
     def abort(self, request_id: str) -> AbortResult:
         return AbortResult.model_validate(self._call("POST", f"/admin/requests/{request_id}/abort"))
 
-    def drain(self, instance_id: str, abort: bool = False) -> DrainResult:
-        params = {"abort": "true"} if abort else None
+    def drain(self, instance_id: str, abort: bool = False, migrate: bool = False) -> DrainResult:
+        params = {"abort": "true"} if abort else {"migrate": "true"} if migrate else None
         return DrainResult.model_validate(self._call("POST", f"/admin/instances/{instance_id}/drain", params=params))
+
+    def migrate(self, request_id: str, to: str | None = None) -> MigrateResult:
+        params = {"to": to} if to else None
+        return MigrateResult.model_validate(self._call("POST", f"/admin/requests/{request_id}/migrate", params=params))
 
     def undrain(self, instance_id: str) -> DrainResult:
         return DrainResult.model_validate(self._call("POST", f"/admin/instances/{instance_id}/undrain"))

@@ -123,9 +123,20 @@ def add_drain(p: argparse.ArgumentParser, undo: bool = False) -> None:
     add_endpoint_flags(p)
     p.add_argument("instance_id", metavar="INSTANCE")
     if not undo:
-        p.add_argument("--abort", action="store_true", help="also abort the requests running there")
+        how = p.add_mutually_exclusive_group()
+        how.add_argument("--abort", action="store_true", help="abort the requests running there instead of "
+                         "migrating them")
+        how.add_argument("--wait", action="store_true", help="leave the requests running there to finish")
     p.add_argument("--json", action="store_true")
     p.set_defaults(run=_guard(run_undrain if undo else run_drain))
+
+
+def add_migrate(p: argparse.ArgumentParser) -> None:
+    add_endpoint_flags(p)
+    p.add_argument("request_id", metavar="REQUEST")
+    p.add_argument("--to", metavar="INSTANCE", help="the destination (default: where dispatch would send it)")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(run=_guard(run_migrate))
 
 
 def add_undrain(p: argparse.ArgumentParser) -> None:
@@ -213,14 +224,31 @@ def run_abort(args: argparse.Namespace) -> int:
 
 
 def run_drain(args: argparse.Namespace) -> int:
+    migrate = not args.abort and not args.wait
     with client(args) as c:
-        result = c.drain(args.instance_id, abort=args.abort)
+        result = c.drain(args.instance_id, abort=args.abort, migrate=migrate)
     if args.json:
         print(json.dumps(result.model_dump()))
+    elif migrate:
+        print(f"drained {result.instance_id}: no new requests go there; {result.migrated} migrated away, "
+              f"{result.running} still there" + "".join(f"\n  not moved: {m}" for m in result.not_moved))
     else:
         what = "aborted" if result.aborted else "left to finish"
         print(f"draining {result.instance_id}: no new requests go there; {result.running} running ({what})")
-    return 0
+    return 0 if not migrate or result.running == 0 else 1
+
+
+def run_migrate(args: argparse.Namespace) -> int:
+    with client(args) as c:
+        r = c.migrate(args.request_id, args.to)
+    if args.json:
+        print(json.dumps(r.model_dump()))
+    elif r.status == "finished":
+        print(f"migrated {r.request_id}: {r.tokens_copied} KV tokens in {r.stages} stage(s) while it decoded, "
+              f"downtime {r.downtime_s * 1e3:.1f} ms, {r.total_s * 1e3:.1f} ms in all")
+    else:
+        print(f"{r.request_id} stays where it runs: {r.status} ({r.reason})")
+    return 0 if r.status == "finished" else 1
 
 
 def run_undrain(args: argparse.Namespace) -> int:

@@ -45,7 +45,9 @@ COMMANDS: list[tuple[tuple[str, ...], str, str, str]] = [
     (("instances",), "the engine instances and their load", "deploy.cli.admin_cmd", "add_instances"),
     (("requests",), "the router's request table", "deploy.cli.admin_cmd", "add_requests"),
     (("abort",), "abort a running request", "deploy.cli.admin_cmd", "add_abort"),
-    (("drain",), "stop sending new requests to an instance", "deploy.cli.admin_cmd", "add_drain"),
+    (("drain",), "stop sending new requests to an instance and migrate its requests away", "deploy.cli.admin_cmd",
+     "add_drain"),
+    (("migrate",), "live-migrate a running request to another instance", "deploy.cli.admin_cmd", "add_migrate"),
     (("undrain",), "let a drained instance take requests again", "deploy.cli.admin_cmd", "add_undrain"),
     (("models",), "the model catalog: list, fetch", "deploy.cli.admin_cmd", "add_models"),
 ]

@@ -141,6 +141,10 @@ class SpecfleetAPI(HttpRoutes, GrpcMethods):
     async def admin_abort(self, request_id: str, request: Request) -> Response:
         return await self._admin_abort(request_id, request)
 
+    @http_app.post("/admin/requests/{request_id}/migrate")
+    async def admin_migrate(self, request_id: str, request: Request) -> Response:
+        return await self._admin_migrate(request_id, request)
+
     @http_app.post("/admin/instances/{instance_id}/drain")
     async def admin_drain(self, instance_id: str, request: Request) -> Response:
         return await self._admin_drain(instance_id, request)

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import dataclasses
 import logging
 import time
 import uuid
@@ -41,13 +42,18 @@ from actors.model.loader import load_metadata
 from actors.serving import StreamItem
 from cluster.config import SpecfleetConfig
 from cluster.registry import NoInstanceAvailable
-from cluster.request import (FinishReason, InvalidRequest, Request, RequestStatus, SamplingParams, SpecStats,
-                             TokenDelta, check_prompt)
+from cluster.request import (FinishReason, InvalidRequest, Request, RequestStatus, Resume, SamplingParams,
+                             SpecStats, TokenDelta, check_prompt)
 from cluster.router import Overloaded
 from deploy.serve.metrics import Metrics
 from deploy.serve.openai_api import APIError, from_validation_error
 
 log = logging.getLogger(__name__)
+MAX_FAILOVERS = 3  # instances one request may resume on after failures, before its stream ends in an error
+
+
+class InstanceFailed(RuntimeError):
+    """The instance ended a stream with its own failure (a lost shard, a failed loop), not the request's."""
 
 
 @dataclass(frozen=True)
@@ -206,6 +212,11 @@ class Frontend:
             log.error("telling the router that request %s ended (%s) failed (%s: %s); its next poll closes it",
                       rid, status.value, type(e).__name__, e)
 
+    async def failover(self, rid: str, failed_instance: str) -> tuple[str, ActorHandle]:
+        """Where a request whose instance failed resumes (the router records it there)."""
+        ref = contextvars.Context().run(self.router.failover.remote, rid, failed_instance)
+        return await asyncio.wrap_future(ref.future())
+
     def _supervise(self, coro, rid: str) -> None:
         """Run a release in its own task, in a fresh context: its Ray calls are no children of the request."""
         task = asyncio.get_running_loop().create_task(coro, name=f"release-{rid}", context=contextvars.Context())
@@ -228,21 +239,49 @@ class Call:
         self._closed = False
 
     async def _one(self, index: int, out: asyncio.Queue) -> None:
-        rid, (_, handle) = self.ids[index], self.routed[index]
+        """Stream one choice from its instance; follow it when it migrates, resume it elsewhere when its instance
+        fails (failover: the prompt plus the tokens streamed so far, KV recomputed there)."""
+        rid = self.ids[index]
         request = Request(rid, self.prep.prompt_ids, self.prep.params[index], self.prep.priority, time.time())
-        try:
-            # outside the request's context too: a recursive ray.cancel would otherwise end this stream with a
-            # TaskCancelledError that reads as an instance failure; close() aborts it at the instance instead
-            gen = contextvars.Context().run(handle.generate.options(num_returns="streaming").remote, request)
-            async for ref in gen:
-                item: StreamItem = await ref
-                await out.put((index, item))
-                if item.delta.finished:
-                    return
-            raise RuntimeError("the stream ended without a final item")
-        except (RayError, RuntimeError) as e:  # the instance died or failed mid-stream
-            await out.put((index, StreamItem(TokenDelta(rid, (), "", FinishReason.ERROR,
-                                                        error=f"the instance failed: {type(e).__name__}: {e}"))))
+        tokens: list[int] = []
+        chars = 0
+        method = "generate"
+        args: tuple = (request,)
+        for attempt in range(MAX_FAILOVERS + 1):
+            instance_id, handle = self.routed[index]
+            try:
+                # outside the request's context too: a recursive ray.cancel would otherwise end this stream with
+                # a TaskCancelledError that reads as an instance failure; close() aborts it at the instance instead
+                gen = contextvars.Context().run(getattr(handle, method).options(num_returns="streaming").remote,
+                                                *args)
+                async for ref in gen:
+                    item: StreamItem = await ref
+                    if item.migrated_to is not None:  # live migration: the rest comes from the destination
+                        self.routed[index] = item.migrated_to
+                        method, args = "resume_stream", (rid,)
+                        break
+                    if item.delta.finished and item.delta.instance_failure:
+                        raise InstanceFailed(item.delta.error or "the instance failed")
+                    tokens.extend(item.delta.token_ids)
+                    chars += len(item.delta.text)
+                    await out.put((index, item))
+                    if item.delta.finished:
+                        return
+                else:
+                    raise RuntimeError("the stream ended without a final item")
+                continue  # followed a migration: not a failure
+            except (RayError, RuntimeError) as e:  # the instance died or failed mid-stream
+                error = f"the instance failed: {type(e).__name__}: {e}"
+            try:
+                self.routed[index] = await self.f.failover(rid, instance_id)
+            except (NoInstanceAvailable, RayError, KeyError) as e:
+                await out.put((index, StreamItem(TokenDelta(rid, (), "", FinishReason.ERROR,
+                                                            error=f"{error}; no instance to resume on: {e}"))))
+                return
+            method = "generate"
+            args = (dataclasses.replace(request, resume=Resume(tuple(tokens), chars)),)
+        await out.put((index, StreamItem(TokenDelta(rid, (), "", FinishReason.ERROR,
+                                                    error=f"gave up after {MAX_FAILOVERS} failovers"))))
 
     async def __aiter__(self) -> AsyncIterator[tuple[int, StreamItem]]:
         if self._closed:

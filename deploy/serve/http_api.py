@@ -8,6 +8,7 @@ Streams are server-sent events ending with `data: [DONE]`.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import time
@@ -20,6 +21,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from cluster.request import FinishReason, SpecStats
 from deploy.serve.frontend import Call
+from cluster.registry import NoInstanceAvailable
 from deploy.serve.metrics import CONTENT_TYPE
 from deploy.serve.openai_api import (APIError, ChatCompletionRequest, CompletionRequest, choice, chunk_body,
                                completion_body, from_validation_error, model_list, usage, usage_chunk)
@@ -259,13 +261,32 @@ class HttpRoutes:
         return JSONResponse({"request_id": request_id, "aborted": True})
 
     async def _admin_drain(self, instance_id: str, request: Request) -> JSONResponse:
+        """Stop dispatching to an instance; `migrate=true` moves its running requests to the others (live
+        migration), `abort=true` aborts them, neither leaves them to finish there."""
         self._auth(request, admin=True)
-        abort = request.query_params.get("abort", "false").lower() in ("1", "true", "yes")
+        flag = lambda name: request.query_params.get(name, "false").lower() in ("1", "true", "yes")  # noqa: E731
+        abort, migrate = flag("abort"), flag("migrate")
+        if abort and migrate:
+            raise APIError(400, "choose migrate or abort, not both", param="migrate")
         try:
+            if migrate:
+                moved = await self.router.drain_migrate.remote(instance_id)
+                return JSONResponse({**moved, "draining": True, "aborted": False})
             running = await self.router.drain.remote(instance_id, abort)
         except ValueError as e:
             raise APIError(404, str(e), param="instance_id", code="instance_not_found") from None
         return JSONResponse({"instance_id": instance_id, "draining": True, "running": running, "aborted": abort})
+
+    async def _admin_migrate(self, request_id: str, request: Request) -> JSONResponse:
+        """Live-migrate a running request (`to`: the destination instance; default: where dispatch would send it)."""
+        self._auth(request, admin=True)
+        try:
+            result = await self.router.migrate.remote(request_id, request.query_params.get("to"))
+        except ValueError as e:
+            raise APIError(404, str(e), param="request_id", code="request_not_found") from None
+        except NoInstanceAvailable as e:
+            raise APIError(409, f"no instance can take it: {e}", param="to", code="no_destination") from None
+        return JSONResponse({**dataclasses.asdict(result), "status": result.status.value})
 
     async def _admin_undrain(self, instance_id: str, request: Request) -> JSONResponse:
         self._auth(request, admin=True)

@@ -1,4 +1,4 @@
-"""Live migration between two engines in this process: staged copies, commit, and every abort path (actors/migration.py)."""
+"""Live migration between two engines in this process: staged copies, commit, and every abort path (cluster/migration.py)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,8 @@ import dataclasses
 import pytest
 
 from actors.engine import Engine
-from actors.migration import MigrationConfig, MigrationStatus, migrate
+from cluster.config import MigrationConfig
+from cluster.migration import MigrationStatus, migrate
 from cluster.config import SchedulerConfig, SpeculationConfig
 from cluster.request import Request, Resume, SamplingParams
 from tests.unit.helpers import Result, drain, load, reference_greedy, runner, text_prompts
@@ -52,7 +53,7 @@ class EngineEndpoint:
     async def migrate_export(self, rid, start):
         self._maybe_fail("export")
         drain(self.engine, self.results, steps=self.steps)
-        return self.engine.export_kv(rid, start) if self._here(rid) else None
+        return (self.engine.export_kv(rid, start), self.engine.kv_length(rid)) if self._here(rid) else None
 
     async def migrate_import(self, exports):
         self._maybe_fail("import")
@@ -64,7 +65,7 @@ class EngineEndpoint:
             return None
         seq, resume = detached
         self.detached[rid] = seq
-        return dataclasses.replace(seq.request, resume=resume), self.engine.export_kv(rid, start)
+        return dataclasses.replace(seq.request, resume=resume), self.engine.export_kv(rid, start), self.engine.kv_length(rid)
 
     async def migrate_commit(self, request):
         self._maybe_fail("commit")

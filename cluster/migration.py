@@ -12,7 +12,9 @@ any request it has not followed (actors/spec/drafters.py). Any failure before th
 running at the source, nothing lost, and frees what the destination reserved.
 
 An `Endpoint` is an instance as the coordinator sees it: actors/instance_server.py implements it as Ray
-methods (wrapped by `RayEndpoint`), tests with engines in this process.
+methods (wrapped by `RayEndpoint`), tests with engines in this process. The KV travels as an opaque payload
+(a list of actors.kv_cache.KVExport, one per stage) with the token position it reaches: the coordinator
+only sequences the calls, so it lives beside the router that runs it and imports nothing from actors/.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import time
 from dataclasses import dataclass
 from typing import Protocol
 
-from actors.kv_cache import KVExport
+from cluster.config import MigrationConfig
 from cluster.request import Request
 
 log = logging.getLogger(__name__)
@@ -33,15 +35,6 @@ class MigrationStatus(str, enum.Enum):
     FINISHED = "finished"  # committed at the destination, released at the source
     ABORTED_SRC = "aborted_src"  # the source could not go on (request ended there first, source failed)
     ABORTED_DST = "aborted_dst"  # the destination refused or failed; the request runs on at the source
-
-
-@dataclass(frozen=True)
-class MigrationConfig:
-    """How a migration copies: at most `max_stages` copies while the source decodes (0: stop and copy at once),
-    stopping early once at most `stop_copy_tokens` are left to copy."""
-
-    max_stages: int = 4
-    stop_copy_tokens: int = 16
 
 
 @dataclass(frozen=True)
@@ -66,17 +59,17 @@ class Endpoint(Protocol):
         """Destination: hold blocks for `tokens` tokens of the request, or refuse."""
         ...
 
-    async def migrate_export(self, request_id: str, start: int) -> list[KVExport] | None:
-        """Source: the request's KV from `start` to now; None if it ended meanwhile."""
+    async def migrate_export(self, request_id: str, start: int) -> tuple[object, int] | None:
+        """Source: the request's KV from `start` to now, and where it ends; None if it ended meanwhile."""
         ...
 
-    async def migrate_import(self, exports: list[KVExport]) -> bool:
+    async def migrate_import(self, kv: object) -> bool:
         """Destination: append KV; False if out of blocks."""
         ...
 
-    async def migrate_stop(self, request_id: str, start: int) -> tuple[Request, list[KVExport]] | None:
+    async def migrate_stop(self, request_id: str, start: int) -> tuple[Request, object, int] | None:
         """Source: take the request out of its step loop (KV kept) and return it, as a request that resumes,
-        with its KV from `start`; None if it ended meanwhile."""
+        with its KV from `start` and where that ends; None if it ended meanwhile."""
         ...
 
     async def migrate_commit(self, request: Request) -> bool:
@@ -129,15 +122,16 @@ async def migrate(request_id: str, src: Endpoint, dst: Endpoint, cfg: MigrationC
     try:
         while stages < cfg.max_stages:  # copy while the source keeps decoding
             side = "source"
-            exports = await src.migrate_export(request_id, copied)
-            if exports is None:
+            exported = await src.migrate_export(request_id, copied)
+            if exported is None:
                 await _drop(dst, request_id)
                 return result(MigrationStatus.ABORTED_SRC, "the request ended at the source first")
             side = "destination"
-            if not await dst.migrate_import(exports):
+            kv, end = exported
+            if not await dst.migrate_import(kv):
                 await _drop(dst, request_id)
                 return result(MigrationStatus.ABORTED_DST, "the destination ran out of KV blocks")
-            copied, stages = exports[0].end, stages + 1
+            copied, stages = end, stages + 1
             side = "source"
             now = await src.migrate_length(request_id)
             if now is None:
@@ -152,11 +146,11 @@ async def migrate(request_id: str, src: Endpoint, dst: Endpoint, cfg: MigrationC
             await _drop(dst, request_id)
             return result(MigrationStatus.ABORTED_SRC, "the request ended at the source first")
         stopped = True
-        request, rest = stopped_at
+        request, rest, end = stopped_at
         side = "destination"
         if not await dst.migrate_import(rest) or not await dst.migrate_commit(request):
             raise RuntimeError("the destination refused the request's last KV or its commit")
-        copied = rest[0].end
+        copied = end
         downtime = time.perf_counter() - t_stop
         side = "source"
         await src.migrate_release(request_id, True, destination)

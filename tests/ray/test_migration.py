@@ -1,0 +1,190 @@
+"""Live migration, migrating drains and failover on the real local cluster: instance actors, a router, and the API's
+frontend in this process, whose streams follow a request wherever it goes."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable, Iterator
+from dataclasses import dataclass, field
+
+import pytest
+import ray
+
+from actors.instance_server import InstanceServer
+from cluster.config import (CacheConfig, EngineConfig, ModelConfig, RouterConfig, SchedulerConfig, SpecfleetConfig,
+                            SpeculationConfig)
+from cluster.request import FinishReason
+from cluster.router import Router
+from deploy.serve.frontend import Frontend
+from placement.fleet import InstanceSpec
+from tests.fixtures.tiny_models import build_tiny_model, perturbed_copy
+from tests.ray.test_instance_server import CPUS, LAYOUTS
+from tests.unit.helpers import load, text_prompts
+
+TOKENS = 600  # long enough (several hundred engine steps) that a migration lands mid-stream
+
+
+@dataclass
+class Fleet:
+    router: ray.actor.ActorHandle
+    frontend: Frontend
+    servers: dict[str, ray.actor.ActorHandle] = field(default_factory=dict)
+    cfg: EngineConfig | None = None
+
+    def start(self, instance_id: str) -> None:
+        spec = InstanceSpec(instance_id=instance_id, layout=LAYOUTS["local"], executor="local", num_cpus=CPUS,
+                            engine=self.cfg)
+        server = InstanceServer.spawn(spec)
+        info = ray.get(server.info.remote(), timeout=300)
+        ray.get(self.router.register.remote(instance_id, server, info.model, info.max_model_len, info.node_id))
+        self.servers[instance_id] = server
+
+
+@pytest.fixture(scope="module")
+def fleet(ray_driver, tmp_path_factory) -> Iterator[Fleet]:
+    """Two instances of a tiny llama with a long context (and its perturbed copy as draft), a router, a frontend."""
+    root = tmp_path_factory.mktemp("long-llama")
+    target = build_tiny_model("llama", root / "target", max_position_embeddings=2048)
+    draft = perturbed_copy(target, root / "draft", 0.02)
+    cfg = EngineConfig(model=ModelConfig(target=str(target), draft=str(draft), name="long-llama"),
+                       speculation=SpeculationConfig(policy="fixed", k=3), scheduler=SchedulerConfig(max_batch_size=8),
+                       cache=CacheConfig(block_size=16, num_blocks=1024))
+    router = ray.remote(Router).options(max_concurrency=100, num_cpus=0).remote(RouterConfig(stats_interval_s=0.2))
+    fl = Fleet(router, Frontend(SpecfleetConfig(engine=cfg), router), cfg=cfg)
+    try:
+        for name in ("mig-a", "mig-b"):
+            fl.start(name)
+        yield fl
+    finally:
+        for server in fl.servers.values():
+            ray.kill(server)
+        ray.kill(router)
+
+
+@dataclass
+class Streamed:
+    tokens: list[int] = field(default_factory=list)
+    text: str = ""
+    finish: FinishReason | None = None
+    error: str | None = None
+    instance: str = ""  # where it ended
+
+
+async def stream(fleet: Fleet, prompt: list[int], *, temperature: float = 0.0, seed: int | None = None,
+                 after: int | None = None, during: Callable[[str, str], Awaitable] | None = None) -> Streamed:
+    """One completion through the frontend; once `after` tokens have arrived, `during(request_id, instance)` runs
+    (the stream keeps buffering meanwhile)."""
+    prep = fleet.frontend.prepare(prompt, max_tokens=TOKENS, temperature=temperature, top_p=1.0, top_k=0, seed=seed,
+                                  stop=(), n=1, priority=0, ignore_eos=True)
+    call = await fleet.frontend.start(prep)
+    out = Streamed()
+    async for _, item in call:
+        out.tokens += item.delta.token_ids
+        out.text += item.delta.text
+        if item.delta.finished:
+            out.finish, out.error = item.delta.finish_reason, item.delta.error
+        if during is not None and after is not None and len(out.tokens) >= after:
+            await during(prep.request_id, call.routed[0][0])
+            during = None
+    out.instance = call.routed[0][0]
+    await asyncio.sleep(0.05)  # the release calls the frontend sent when the stream ended
+    return out
+
+
+def wait_no_pending(fleet: Fleet, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while ray.get(fleet.router.pending.remote()):
+        assert time.monotonic() < deadline, ray.get(fleet.router.requests.remote("running"))
+        time.sleep(0.1)
+
+
+def kv_free(fleet: Fleet) -> None:
+    for name, server in fleet.servers.items():
+        assert ray.get(server.kv_blocks_used.remote(), timeout=30) == (0, 0), name
+
+
+def other(fleet: Fleet, instance: str) -> str:
+    return next(n for n in fleet.servers if n != instance)
+
+
+def row(fleet: Fleet, rid: str) -> dict:
+    return next(r for r in ray.get(fleet.router.requests.remote()) if r["request_id"] == rid)
+
+
+@pytest.mark.parametrize("seed", [None, 11], ids=["greedy", "seeded sampling"])
+def test_a_stream_follows_its_request_through_migrations(fleet, seed) -> None:
+    prompt = text_prompts(load(fleet.cfg.model.target), 1, offset=6)[0]
+    temperature = 0.0 if seed is None else 0.8
+    alone = asyncio.run(stream(fleet, prompt, temperature=temperature, seed=seed))
+    results = []
+
+    async def migrate_twice(rid: str, instance: str) -> None:
+        for _ in range(2):  # there and back
+            to = other(fleet, instance)
+            results.append(await fleet.router.migrate.remote(rid, to))
+            instance = to
+
+    moved = asyncio.run(stream(fleet, prompt, temperature=temperature, seed=seed, after=20, during=migrate_twice))
+
+    assert [r.status.value for r in results] == ["finished", "finished"], results
+    assert all(r.stages >= 1 and r.tokens_copied > len(prompt) for r in results)
+    assert moved.finish is FinishReason.LENGTH and len(moved.tokens) == TOKENS
+    assert moved.tokens == alone.tokens and moved.text == alone.text  # no gap, no duplicate, same output
+    stats = ray.get(fleet.router.migration_stats.remote())
+    assert stats["migrations"]["finished"] >= 2 and len(stats["downtime_s"]) >= 2
+    kv_free(fleet)
+    wait_no_pending(fleet)
+
+
+def test_a_migrating_drain_empties_the_instance(fleet) -> None:
+    prompts = text_prompts(load(fleet.cfg.model.target), 3, offset=2)
+    drained = {}
+
+    async def run() -> list[Streamed]:
+        async def drain_when_running() -> None:
+            await asyncio.sleep(0.3)  # every stream has begun
+            running = [r["instance_id"] for r in await fleet.router.requests.remote("running")]
+            victim = max(fleet.servers, key=running.count)
+            drained.update(await fleet.router.drain_migrate.remote(victim))
+        tasks = [asyncio.create_task(stream(fleet, p)) for p in prompts]
+        await drain_when_running()
+        return await asyncio.gather(*tasks)
+
+    alone = [asyncio.run(stream(fleet, p)) for p in prompts]
+    try:
+        results = asyncio.run(run())
+        assert drained["migrated"] >= 1 and drained["running"] == 0 and not drained["not_moved"], drained
+        for got, want in zip(results, alone):
+            assert got.tokens == want.tokens and got.finish is FinishReason.LENGTH
+            assert got.instance != drained["instance_id"]
+    finally:
+        if drained:
+            ray.get(fleet.router.undrain.remote(drained["instance_id"]))
+    kv_free(fleet)
+
+
+def test_killing_an_instance_under_load_loses_no_request(fleet) -> None:
+    """Failover: the streams of a killed instance resume elsewhere from their tokens; output as if nothing happened."""
+    prompts = text_prompts(load(fleet.cfg.model.target), 3, offset=9)
+    alone = [asyncio.run(stream(fleet, p)) for p in prompts]
+    fleet.start("mig-victim")
+    for name in ("mig-a", "mig-b"):  # new requests go to the victim only
+        ray.get(fleet.router.drain.remote(name))
+
+    async def run() -> list[Streamed]:
+        tasks = [asyncio.create_task(stream(fleet, p)) for p in prompts]
+        await asyncio.sleep(0.3)
+        for name in ("mig-a", "mig-b"):
+            await fleet.router.undrain.remote(name)
+        ray.kill(fleet.servers.pop("mig-victim"), no_restart=True)
+        return await asyncio.gather(*tasks)
+
+    results = asyncio.run(run())
+
+    for got, want in zip(results, alone):
+        assert got.error is None and got.finish is FinishReason.LENGTH
+        assert got.tokens == want.tokens and got.text == want.text
+        assert got.instance in ("mig-a", "mig-b")
+    assert ray.get(fleet.router.migration_stats.remote())["failovers"] >= 1
+    kv_free(fleet)
