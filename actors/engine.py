@@ -41,6 +41,7 @@ from cluster.config import EngineConfig, SchedulerConfig, SpeculationConfig
 from actors.kv_cache import KVExport
 from cluster.request import (FinishReason, InvalidRequest, Request, Resume, SamplingParams, SpecStats, TokenDelta,
                              check_prompt)
+from cluster.migration_policy import InstanceLoad, RunningRequest
 from cluster.stats import EngineStats
 
 
@@ -374,6 +375,14 @@ class Engine:
                 seconds = time.perf_counter() - t0
                 model.observe(ForwardShape(1, new, new * (ctx + new) / ATTENTION_UNIT), seconds, pinned=True)
             runner.cache.free(rid)
+
+    def load(self, instance_id: str) -> InstanceLoad:
+        """This engine's load in target KV blocks, per request, for the router's migration policies."""
+        tc = self.target.cache
+        running = tuple(RunningRequest(s.request_id, tc.blocks_for(tc.length(s.request_id)), s.request.priority,
+                                       len(s.token_ids)) for s in self.running if tc.has(s.request_id))
+        waiting = tuple(tc.blocks_for(len(s.token_ids) + 1) for s in sorted(self.waiting, key=Sequence.order_key))
+        return InstanceLoad(instance_id, tc.num_used_blocks + tc.num_free_blocks, running, waiting)
 
     def stats(self) -> EngineStats:
         """Load and speed figures after the last step (what the router reads)."""

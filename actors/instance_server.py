@@ -33,6 +33,7 @@ from actors.sequence import Sequence
 from actors.local_stages import local_instance
 from actors.serving import ServingLoop, StreamItem
 from cluster.request import FinishReason, Request, RequestStatus, TokenDelta
+from cluster.migration_policy import InstanceLoad
 from cluster.stats import EngineStats
 from placement.fleet import InstanceSpec
 from placement.layout import PIN_UNITS
@@ -195,6 +196,10 @@ class InstanceServer:
 
     async def stats(self) -> EngineStats:
         return self.instance.stats()
+
+    async def load(self) -> InstanceLoad:
+        """Per-request KV blocks and queued demand, read between two steps (the router's migration policies)."""
+        return await self._on_loop(lambda: self.instance.engine.load(self.spec.instance_id))
 
     async def health(self) -> HealthReport:
         shards = self.instance.health()

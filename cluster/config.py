@@ -12,6 +12,8 @@ from typing import Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, model_validator
 
+from cluster.migration_policy import MigrationPolicyConfig
+
 
 class _Frozen(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -183,10 +185,15 @@ class ServeConfig(_Frozen):
 
 class MigrationConfig(_Frozen):
     """Live migration (cluster/migration.py): at most `max_stages` KV copies while the source keeps decoding (0:
-    stop and copy at once), stopping early once at most `stop_copy_tokens` are left to copy."""
+    stop and copy at once), stopping early once at most `stop_copy_tokens` are left to copy. The router runs
+    the named `policies` (cluster/migration_policy.py) every `interval_s` and when an instance joins or drains;
+    none by default (a single instance has nowhere to move a request to; the fleet config turns them on)."""
 
     max_stages: int = Field(default=4, ge=0, le=64)
     stop_copy_tokens: int = Field(default=16, ge=0)
+    policies: tuple[Literal["drain", "defrag", "balance"], ...] = ()
+    interval_s: float = Field(default=1.0, gt=0.0)
+    thresholds: MigrationPolicyConfig = MigrationPolicyConfig()
 
 
 class RouterConfig(_Frozen):

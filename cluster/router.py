@@ -5,6 +5,10 @@ router polls each instance's stats and health every `stats_interval_s`; an insta
 or does not answer within `health_timeout_s` is removed, and its requests in flight are marked failed (their
 streams end with the instance's error). The API (deploy/serve/app.py) asks `route` where a request goes, then
 streams from that instance directly; the router stays off the token path.
+
+The router also moves running requests between instances (Llumnix's global scheduler): on demand
+(`migrate`, `drain_migrate`), and when `router.migration.policies` are set, every `interval_s` and whenever an
+instance joins or drains (`plan_migrations`). A request whose instance died resumes elsewhere (`failover`).
 """
 
 from __future__ import annotations
@@ -12,36 +16,22 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from dataclasses import replace
 
 import ray
 from ray.actor import ActorHandle
 
-from cluster.migration import MigrationResult, MigrationStatus, RayEndpoint, migrate
 from cluster.config import MigrationConfig, RouterConfig
+from cluster.migration import MigrationResult, MigrationStatus, RayEndpoint, migrate
+from cluster.migration_policy import InstanceLoad, make_planner
 from cluster.dispatch import make_dispatch
 from cluster.instances import InstancePlace, InstanceRow
 from cluster.registry import NoInstanceAvailable, Registry, RequestStatus
+from cluster.stats import MigrationStats
 
 ROUTER_NAME = "specfleet-router"
 NAMESPACE = "specfleet"
 log = logging.getLogger(__name__)
-
-
-class MigrationCounters:
-    """Migrations by outcome and the downtime of the finished ones (for /metrics and `specfleet status`)."""
-
-    def __init__(self) -> None:
-        self.by_status = {s.value: 0 for s in MigrationStatus}
-        self.downtime_s: list[float] = []
-
-    def record(self, result: MigrationResult) -> None:
-        self.by_status[result.status.value] += 1
-        if result.status is MigrationStatus.FINISHED:
-            self.downtime_s.append(result.downtime_s)
-            del self.downtime_s[:-1000]
-
-    def as_dict(self) -> dict:
-        return {"migrations": dict(self.by_status), "downtime_s": list(self.downtime_s)}
 
 
 class Overloaded(RuntimeError):
@@ -57,9 +47,10 @@ class Router:
         self.health_timeout_s = health_timeout_s
         self.removed: list[InstanceRow] = []  # instances taken out for failing health, newest last
         self._poller: asyncio.Task | None = None
+        self._planner: asyncio.Task | None = None
+        self._replan = asyncio.Event()  # an instance joined or is draining: plan migrations now
         self._migrating: set[str] = set()
-        self.migrations = MigrationCounters()
-        self.failovers = 0
+        self.migration_figures = MigrationStats({s.value: 0 for s in MigrationStatus})
 
     async def configure(self, cfg: RouterConfig) -> None:
         """Take a redeployed app's router config (the actor outlives app redeploys; the registry stays)."""
@@ -75,6 +66,8 @@ class Router:
         self.max_model_len[model] = max_model_len
         if self._poller is None:
             self._poller = asyncio.get_running_loop().create_task(self._poll_forever())
+            self._planner = asyncio.get_running_loop().create_task(self._plan_forever())
+        self._replan.set()
 
     async def deregister(self, instance_id: str) -> bool:
         self.handles.pop(instance_id, None)
@@ -100,6 +93,7 @@ class Router:
         except KeyError:
             raise ValueError(f"no instance {instance_id!r}") from None
         running = sorted(entry.in_flight)
+        self._replan.set()
         if abort_running:
             await asyncio.gather(*(self.abort(rid) for rid in running))
         return len(running)
@@ -109,6 +103,7 @@ class Router:
             self.registry.set_draining(instance_id, False)
         except KeyError:
             raise ValueError(f"no instance {instance_id!r}") from None
+        self._replan.set()
 
     # ---- requests -----------------------------------------------------------------------------------
     async def route(self, request_id: str, priority: int = 0, model: str | None = None,
@@ -134,17 +129,18 @@ class Router:
         if to is None:
             to = self.registry.choose(exclude={src}, model=self.registry.instances[src].model)
         if to == src or to not in self.handles or not self.registry.instances[to].accepting:
-            raise ValueError(f"instance {to!r} cannot take request {request_id!r}: it is its own, unknown, "
-                             "draining or unhealthy")
+            raise NoInstanceAvailable(f"instance {to!r} cannot take request {request_id!r}: it is the request's "
+                                      "own, unknown, draining or unhealthy")
         if request_id in self._migrating:
-            raise ValueError(f"request {request_id!r} is already migrating")
+            raise NoInstanceAvailable(f"request {request_id!r} is already migrating")
         self._migrating.add(request_id)
         try:
             result = await migrate(request_id, RayEndpoint(self.handles[src]), RayEndpoint(self.handles[to]),
                                    cfg or self.cfg.migration, destination=(to, self.handles[to]))
         finally:
             self._migrating.discard(request_id)
-        self.migrations.record(result)
+        finished = result.status is MigrationStatus.FINISHED
+        self.migration_figures.record(result.status.value, result.downtime_s if finished else None)
         if result.status is MigrationStatus.FINISHED:
             still = self.registry.requests.get(request_id)
             if still is not None and still.status == RequestStatus.RUNNING:
@@ -178,14 +174,58 @@ class Router:
         entry = self.registry.requests.get(request_id)
         model = self.registry.instances[failed_instance].model if failed_instance in self.registry.instances else None
         instance_id = self.registry.reroute(request_id, {failed_instance}, time.time(), model)
-        self.failovers += 1
+        self.migration_figures.failovers += 1
         log.warning("request %s resumes on %s after %s failed (was %s)", request_id, instance_id, failed_instance,
                     entry.status.value if entry else "?")
         return instance_id, self.handles[instance_id]
 
-    async def migration_stats(self) -> dict:
+    async def plan_migrations(self) -> list[MigrationResult]:
+        """One round of the global scheduler: read every instance's load, ask the configured policies
+        (cluster/migration_policy.py) which requests move where, and migrate them side by side."""
+        cfg = self.cfg.migration
+        if not cfg.policies or len(self.handles) < 2:
+            return []
+        loads = await self._loads()
+        moves = make_planner(cfg.policies, cfg.thresholds).plan(loads, frozenset(self._migrating))
+        results = await asyncio.gather(*(self.migrate(m.request_id, m.destination) for m in moves),
+                                       return_exceptions=True)
+        done = []
+        for move, result in zip(moves, results):
+            if isinstance(result, BaseException):  # it ended or its instance left since the loads were read
+                log.info("planned migration %s (%s) not started: %s", move.request_id, move.reason, result)
+            else:
+                log.info("planned migration %s %s -> %s (%s): %s", move.request_id, move.source,
+                         move.destination, move.reason, result.status.value)
+                done.append(result)
+        return done
+
+    async def _loads(self) -> list[InstanceLoad]:
+        ids = [i for i in self.handles if i in self.registry.instances]
+        got = await asyncio.gather(*(asyncio.wait_for(self.handles[i].load.remote(), self.health_timeout_s)
+                                     for i in ids), return_exceptions=True)
+        loads = []
+        for instance_id, load in zip(ids, got):
+            entry = self.registry.instances.get(instance_id)
+            if isinstance(load, BaseException) or entry is None:
+                continue  # health polling deals with an instance that does not answer
+            loads.append(replace(load, draining=entry.draining, accepting=entry.accepting))
+        return loads
+
+    async def _plan_forever(self) -> None:
+        while True:
+            try:
+                await asyncio.wait_for(self._replan.wait(), self.cfg.migration.interval_s)
+            except asyncio.TimeoutError:
+                pass
+            self._replan.clear()
+            try:
+                await self.plan_migrations()
+            except Exception:  # noqa: BLE001 - a failed round must not stop planning; the next one retries
+                log.exception("planning migrations failed")
+
+    async def migration_stats(self) -> MigrationStats:
         """Migrations by outcome, their downtime, and failovers, since the router started."""
-        return {**self.migrations.as_dict(), "failovers": self.failovers}
+        return self.migration_figures
 
     async def abort(self, request_id: str) -> bool:
         """Cancel a running request at its instance; False if it is not running."""

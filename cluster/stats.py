@@ -35,3 +35,42 @@ class EngineStats:
 
     def as_dict(self) -> dict:
         return asdict(self)
+
+
+DOWNTIME_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)  # seconds
+
+
+@dataclass
+class MigrationStats:
+    """The router's migration figures since it started: migrations by outcome, failovers, and the downtime of
+    the finished migrations as a cumulative histogram (`downtime_buckets[i]` counts those <= DOWNTIME_BUCKETS[i])."""
+
+    by_status: dict[str, int]
+    failovers: int = 0
+    downtime_count: int = 0
+    downtime_sum_s: float = 0.0
+    downtime_max_s: float = 0.0
+    downtime_buckets: list[int] | None = None
+
+    def __post_init__(self) -> None:
+        if self.downtime_buckets is None:
+            self.downtime_buckets = [0] * len(DOWNTIME_BUCKETS)
+
+    def record(self, status: str, downtime_s: float | None) -> None:
+        """One migration ended with `status`; `downtime_s` for a finished one."""
+        self.by_status[status] = self.by_status.get(status, 0) + 1
+        if downtime_s is None:
+            return
+        self.downtime_count += 1
+        self.downtime_sum_s += downtime_s
+        self.downtime_max_s = max(self.downtime_max_s, downtime_s)
+        for i, le in enumerate(DOWNTIME_BUCKETS):
+            if downtime_s <= le:
+                self.downtime_buckets[i] += 1
+
+    @property
+    def downtime_mean_s(self) -> float:
+        return self.downtime_sum_s / self.downtime_count if self.downtime_count else 0.0
+
+    def as_dict(self) -> dict:
+        return asdict(self)

@@ -89,6 +89,16 @@ class MigrateResult(_Row):
     total_s: float = 0.0
 
 
+class Migrations(_Row):
+    """The router's migration figures since it started (GET /admin/migrations)."""
+
+    by_status: dict[str, int]  # finished | aborted_src | aborted_dst
+    failovers: int
+    downtime_count: int
+    downtime_mean_s: float
+    downtime_max_s: float
+
+
 class AdminClient:
     """Typed calls to one app; `admin_key` opens /admin, `api_key` /v1 (models)."""
 
@@ -116,6 +126,9 @@ class AdminClient:
 
     def instances(self) -> Instances:
         return Instances.model_validate(self._call("GET", "/admin/instances"))
+
+    def migrations(self) -> Migrations:
+        return Migrations.model_validate(self._call("GET", "/admin/migrations"))
 
     def requests(self, status: str | None = None) -> list[RequestRow]:
         params = {"status": status} if status else None

@@ -158,6 +158,7 @@ def run_status(args: argparse.Namespace) -> int:
     with client(args) as c:
         health = c.health()
         inst = c.instances()
+        moves = c.migrations()
     nodes, node_problem = _nodes(args.state)
     names = {n["node_id"]: n["name"] for n in nodes or [] if n.get("name")}
     problems = [f"/health: {health.status}"] if not health.ok else []
@@ -166,7 +167,7 @@ def run_status(args: argparse.Namespace) -> int:
     problems += [f"node {n['name']}: not alive" for n in nodes or [] if not n["alive"]]
     report = {"url": c.url, "healthy": not problems, "problems": problems, "health": health.model_dump(),
               "nodes": nodes, "load": _load(inst), "instances": [_row(i, names) for i in inst.instances],
-              "removed": [_row(i, names) for i in inst.removed]}
+              "removed": [_row(i, names) for i in inst.removed], "migrations": moves.model_dump()}
     if args.json:
         print(json.dumps(report))
         return 0 if not problems else 1
@@ -185,6 +186,10 @@ def run_status(args: argparse.Namespace) -> int:
     draft_ms = "-" if load["draft_ms_per_token"] is None else f"{load['draft_ms_per_token']:.2f}"
     print(f"speculation: acceptance {acc}, mean k {k}, draft {draft_ms} ms per drafted token (mean over instances); "
           f"calibration re-ran {load['calibration_tokens']} tokens in {load['calibration_s']:.2f} s")
+    by = moves.by_status
+    print(f"migrations: {by.get('finished', 0)} finished, {by.get('aborted_src', 0)} aborted at the source, "
+          f"{by.get('aborted_dst', 0)} at the destination; downtime mean {moves.downtime_mean_s * 1e3:.1f} ms, "
+          f"max {moves.downtime_max_s * 1e3:.1f} ms; {moves.failovers} request(s) failed over")
     for p in problems:
         print(f"UNHEALTHY: {p}")
     return 0 if not problems else 1

@@ -133,6 +133,10 @@ class SpecfleetAPI(HttpRoutes, GrpcMethods):
     async def admin_instances(self, request: Request) -> Response:
         return await self._admin_instances(request)
 
+    @http_app.get("/admin/migrations")
+    async def admin_migrations(self, request: Request) -> Response:
+        return await self._admin_migrations(request)
+
     @http_app.get("/admin/requests")
     async def admin_requests(self, request: Request) -> Response:
         return await self._admin_requests(request)

@@ -7,6 +7,7 @@ RESOURCE_EXHAUSTED when too many requests are pending, UNAVAILABLE when no insta
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 
 import grpc
@@ -131,3 +132,14 @@ class GrpcMethods:
             grpc_context.set_code(grpc.StatusCode.UNAVAILABLE)
             grpc_context.set_details("no healthy instance")
         return pb.HealthResponse(healthy=healthy > 0, healthy_instances=healthy)
+
+    async def FleetStats(self, request: pb.FleetStatsRequest, grpc_context) -> pb.FleetStatsResponse:  # noqa: N802
+        try:
+            self._grpc_auth(grpc_context)
+        except APIError as e:
+            self._fail(grpc_context, e)
+            return pb.FleetStatsResponse()
+        instances, m = await asyncio.gather(self.router.instances.remote(), self.router.migration_stats.remote())
+        return pb.FleetStatsResponse(healthy_instances=sum(i.accepting for i in instances), migrations=m.by_status,
+                                     failovers=m.failovers, downtime_mean_s=m.downtime_mean_s,
+                                     downtime_max_s=m.downtime_max_s)

@@ -236,7 +236,10 @@ class HttpRoutes:
                             status_code=200 if healthy else 503)
 
     async def _metrics(self) -> Response:
-        self.frontend.metrics.set_instances(await self.router.instances.remote())
+        instances, migrations = await asyncio.gather(self.router.instances.remote(),
+                                                     self.router.migration_stats.remote())
+        self.frontend.metrics.set_instances(instances)
+        self.frontend.metrics.migration_figures = migrations
         return Response(self.frontend.metrics.render(), media_type=CONTENT_TYPE)
 
     # ---- admin ----------------------------------------------------------------------------------------
@@ -245,6 +248,12 @@ class HttpRoutes:
         rows, removed = await self.router.instances.remote(), await self.router.removed_instances.remote()
         return JSONResponse({"instances": [r.model_dump(mode="json") for r in rows],
                              "removed": [r.model_dump(mode="json") for r in removed]})
+
+    async def _admin_migrations(self, request: Request) -> JSONResponse:
+        """The router's migration and failover figures (cluster/stats.py, MigrationStats)."""
+        self._auth(request, admin=True)
+        figures = await self.router.migration_stats.remote()
+        return JSONResponse({**figures.as_dict(), "downtime_mean_s": figures.downtime_mean_s})
 
     async def _admin_requests(self, request: Request) -> JSONResponse:
         self._auth(request, admin=True)
@@ -274,7 +283,7 @@ class HttpRoutes:
                 return JSONResponse({**moved, "draining": True, "aborted": False})
             running = await self.router.drain.remote(instance_id, abort)
         except ValueError as e:
-            raise APIError(404, str(e), param="instance_id", code="instance_not_found") from None
+            raise APIError(404, _reason(e), param="instance_id", code="instance_not_found") from None
         return JSONResponse({"instance_id": instance_id, "draining": True, "running": running, "aborted": abort})
 
     async def _admin_migrate(self, request_id: str, request: Request) -> JSONResponse:
@@ -283,9 +292,9 @@ class HttpRoutes:
         try:
             result = await self.router.migrate.remote(request_id, request.query_params.get("to"))
         except ValueError as e:
-            raise APIError(404, str(e), param="request_id", code="request_not_found") from None
+            raise APIError(404, _reason(e), param="request_id", code="request_not_found") from None
         except NoInstanceAvailable as e:
-            raise APIError(409, f"no instance can take it: {e}", param="to", code="no_destination") from None
+            raise APIError(409, f"no instance can take it: {_reason(e)}", param="to", code="no_destination") from None
         return JSONResponse({**dataclasses.asdict(result), "status": result.status.value})
 
     async def _admin_undrain(self, instance_id: str, request: Request) -> JSONResponse:
@@ -293,5 +302,10 @@ class HttpRoutes:
         try:
             await self.router.undrain.remote(instance_id)
         except ValueError as e:
-            raise APIError(404, str(e), param="instance_id", code="instance_not_found") from None
+            raise APIError(404, _reason(e), param="instance_id", code="instance_not_found") from None
         return JSONResponse({"instance_id": instance_id, "draining": False})
+
+
+def _reason(e: BaseException) -> str:
+    """An error's own message: a router call's error arrives wrapped in Ray's RayTaskError, traceback and all."""
+    return str(getattr(e, "cause", None) or e)

@@ -5,16 +5,19 @@ gap between consecutive token-bearing deltas: one engine step, which may carry s
 end-to-end latency, and queue time (submission to first scheduling, as the engine reports it). Gauges of
 load come from the router's latest stats of each instance when /metrics is scraped, beside the router's own
 request table (its pending count and each instance's requests in flight), so a divergence between what the
-router counts and what the instances run shows.
+router counts and what the instances run shows. Migration and failover counts are the router's own
+(cluster-wide, since the router started), exposed as counters and a downtime histogram.
 """
 
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from cluster.instances import InstanceRow
 from cluster.request import SpecStats
+from cluster.stats import DOWNTIME_BUCKETS, MigrationStats
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0)
 CONTENT_TYPE = CONTENT_TYPE_LATEST
@@ -65,6 +68,8 @@ class Metrics:
                                    "Seconds of the calibrating draft forwards (each round's first)", inst, registry=r)
         self.healthy_instances = Gauge("specfleet:healthy_instances", "Instances the router dispatches to", m,
                                        registry=r)
+        self.migration_figures: MigrationStats | None = None  # the router's, as of the last scrape
+        r.register(_MigrationCollector(self))
 
     def finished(self, reason: str, prompt_tokens: int, stats: SpecStats | None) -> None:
         """A choice ended (its generated tokens were counted as they streamed, in the frontend's _Timer)."""
@@ -104,3 +109,29 @@ class Metrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class _MigrationCollector:
+    """specfleet:migrations_total{status}, specfleet:failovers_total and specfleet:migration_downtime_seconds,
+    from the router's MigrationStats (cumulative at the router, so they are counters for every replica)."""
+
+    def __init__(self, metrics: Metrics) -> None:
+        self.metrics = metrics
+
+    def describe(self):
+        return []  # collected at scrape time only
+
+    def collect(self):
+        s = self.metrics.migration_figures
+        if s is None:
+            return
+        migrations = CounterMetricFamily("specfleet:migrations", "Live migrations by outcome", labels=["status"])
+        for status, n in sorted(s.by_status.items()):
+            migrations.add_metric([status], n)
+        yield migrations
+        yield CounterMetricFamily("specfleet:failovers", "Requests resumed on another instance after theirs failed",
+                                  value=s.failovers)
+        buckets = [(str(le), n) for le, n in zip(DOWNTIME_BUCKETS, s.downtime_buckets)] + [("+Inf", s.downtime_count)]
+        yield HistogramMetricFamily("specfleet:migration_downtime_seconds",
+                                    "A finished migration's downtime: the request stopped at its source until its "
+                                    "commit at the destination", buckets=buckets, sum_value=s.downtime_sum_s)

@@ -12,8 +12,9 @@ import pytest
 import ray
 
 from actors.instance_server import InstanceServer
-from cluster.config import (CacheConfig, EngineConfig, ModelConfig, RouterConfig, SchedulerConfig, SpecfleetConfig,
-                            SpeculationConfig)
+from cluster.config import (CacheConfig, EngineConfig, MigrationConfig, ModelConfig, RouterConfig, SchedulerConfig,
+                            SpecfleetConfig, SpeculationConfig)
+from cluster.migration_policy import MigrationPolicyConfig
 from cluster.request import FinishReason
 from cluster.router import Router
 from deploy.serve.frontend import Frontend
@@ -132,7 +133,7 @@ def test_a_stream_follows_its_request_through_migrations(fleet, seed) -> None:
     assert moved.finish is FinishReason.LENGTH and len(moved.tokens) == TOKENS
     assert moved.tokens == alone.tokens and moved.text == alone.text  # no gap, no duplicate, same output
     stats = ray.get(fleet.router.migration_stats.remote())
-    assert stats["migrations"]["finished"] >= 2 and len(stats["downtime_s"]) >= 2
+    assert stats.by_status["finished"] >= 2 and stats.downtime_count >= 2 and stats.downtime_sum_s > 0
     kv_free(fleet)
     wait_no_pending(fleet)
 
@@ -164,6 +165,46 @@ def test_a_migrating_drain_empties_the_instance(fleet) -> None:
     kv_free(fleet)
 
 
+@pytest.mark.parametrize("policy", ["balance", "drain"])
+def test_the_router_migrates_on_its_own_by_policy(fleet, policy) -> None:
+    """With `router.migration.policies` set, the router's planning loop moves requests: `balance` spreads four
+    requests that all started on one instance; `drain` empties an instance as soon as it is drained."""
+    prompts = text_prompts(load(fleet.cfg.model.target), 4, offset=13)
+    alone = [asyncio.run(stream(fleet, p)) for p in prompts]
+    full, empty = "mig-a", "mig-b"
+    before = ray.get(fleet.router.migration_stats.remote()).by_status["finished"]
+    planned = RouterConfig(stats_interval_s=0.2, migration=MigrationConfig(
+        policies=(policy,), interval_s=0.2, thresholds=MigrationPolicyConfig(high_water=0.001, low_water=0.5)))
+    ray.get(fleet.router.drain.remote(empty))  # every request starts on `full`
+
+    async def run() -> list[Streamed]:
+        tasks = [asyncio.create_task(stream(fleet, p)) for p in prompts]
+        await asyncio.sleep(0.3)
+        assert {r["instance_id"] for r in await fleet.router.requests.remote("running")} == {full}
+        await fleet.router.configure.remote(planned)
+        await fleet.router.undrain.remote(empty)
+        if policy == "drain":
+            await fleet.router.drain.remote(full)
+        return await asyncio.gather(*tasks)
+
+    try:
+        results = asyncio.run(run())
+    finally:
+        ray.get(fleet.router.configure.remote(RouterConfig(stats_interval_s=0.2)))
+        for name in fleet.servers:
+            ray.get(fleet.router.undrain.remote(name))
+    moved = ray.get(fleet.router.migration_stats.remote()).by_status["finished"] - before
+    ended_on = [r.instance for r in results]
+    if policy == "balance":
+        assert moved >= 1 and empty in ended_on and full in ended_on, (moved, ended_on)
+    else:
+        assert moved == len(prompts) and set(ended_on) == {empty}, (moved, ended_on)
+    for got, want in zip(results, alone):
+        assert got.tokens == want.tokens and got.finish is FinishReason.LENGTH
+    kv_free(fleet)
+    wait_no_pending(fleet)
+
+
 def test_killing_an_instance_under_load_loses_no_request(fleet) -> None:
     """Failover: the streams of a killed instance resume elsewhere from their tokens; output as if nothing happened."""
     prompts = text_prompts(load(fleet.cfg.model.target), 3, offset=9)
@@ -186,5 +227,5 @@ def test_killing_an_instance_under_load_loses_no_request(fleet) -> None:
         assert got.error is None and got.finish is FinishReason.LENGTH
         assert got.tokens == want.tokens and got.text == want.text
         assert got.instance in ("mig-a", "mig-b")
-    assert ray.get(fleet.router.migration_stats.remote())["failovers"] >= 1
+    assert ray.get(fleet.router.migration_stats.remote()).failovers >= 1
     kv_free(fleet)

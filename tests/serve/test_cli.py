@@ -96,6 +96,48 @@ def test_abort_a_running_request(served_app: ServedApp, capsys: pytest.CaptureFi
     assert rc == 2 and "no running request" in err
 
 
+def test_migrate_a_running_request(served_app: ServedApp, capsys: pytest.CaptureFixture) -> None:
+    """`specfleet migrate` moves a streaming request between two pipeline instances mid-stream: the client's text is
+    the unmigrated run's, and the migration shows in `status` and /metrics."""
+    body = {"model": MODEL, "prompt": "the migrating tale", "max_tokens": 240, "ignore_eos": True, "temperature": 0}
+    with served_app.client() as c:
+        alone = c.post("/v1/completions", json=body).json()["choices"][0]["text"]
+    got: list[tuple[str, str | None]] = []
+
+    def stream() -> None:
+        text, reason = "", None
+        with served_app.client() as c, c.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    for choice in json.loads(line[6:]).get("choices", []):
+                        text += choice["text"]
+                        reason = choice["finish_reason"] or reason
+        got.append((text, reason))
+
+    t = threading.Thread(target=stream)
+    t.start()
+    deadline = time.monotonic() + 30
+    running: list[dict] = []
+    while not running and not got:
+        assert time.monotonic() < deadline, "the request never showed up as running"
+        running = json.loads(cli(served_app, capsys, "requests", "--status", "running", "--json")[1])["requests"]
+    assert running, "the request finished before it could be migrated"
+    rc, out, err = cli(served_app, capsys, "migrate", running[0]["request_id"], "--json")
+    t.join(timeout=60)
+    assert rc == 0 and json.loads(out)["status"] == "finished", out + err
+    assert got == [(alone, "length")]
+    _, out, _ = cli(served_app, capsys, "requests", "--status", "finished", "--json")
+    row = next(r for r in json.loads(out)["requests"] if r["request_id"] == running[0]["request_id"])
+    assert row["instance_id"] != running[0]["instance_id"]  # the router's table followed the request
+    report = json.loads(specfleet("status", "--json", "--config", str(served_app.config_path)).stdout)
+    assert report["migrations"]["by_status"]["finished"] >= 1 and report["migrations"]["downtime_max_s"] > 0
+    assert 'specfleet:migrations_total{status="finished"}' in httpx.get(f"{served_app.url}/metrics").text
+    rc, _, err = cli(served_app, capsys, "migrate", "cmpl-nope")
+    assert rc == 2 and "no running request" in err and "Traceback" not in err, err
+    rc, _, err = cli(served_app, capsys, "migrate", running[0]["request_id"])  # it has ended
+    assert rc == 2 and "no running request" in err, err
+
+
 def test_drain_and_undrain(served_app: ServedApp, capsys: pytest.CaptureFixture) -> None:
     _, out, _ = cli(served_app, capsys, "instances", "--json")
     victim = json.loads(out)["instances"][0]["instance_id"]

@@ -45,6 +45,11 @@ def test_list_models_and_health(stub) -> None:
     assert [(m.id, m.max_model_len) for m in models.models] == [(MODEL, 256)]
     health = stub.Health(pb.HealthRequest(), timeout=30)
     assert health.healthy and health.healthy_instances == 2
+    fleet = stub.FleetStats(pb.FleetStatsRequest(), metadata=AUTH, timeout=30)
+    assert fleet.healthy_instances == 2 and set(fleet.migrations) == {"finished", "aborted_src", "aborted_dst"}
+    with pytest.raises(grpc.RpcError) as err:
+        stub.FleetStats(pb.FleetStatsRequest(), timeout=30)
+    assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
 
 
 @pytest.mark.parametrize(("metadata", "request_", "code"), [

@@ -186,3 +186,20 @@ def test_failover_resumes_from_the_tokens_alone(tiny_models, tiny_draft_models) 
     assert before.token_ids + after.token_ids == reference_greedy(tiny_models["llama"], prompt, TOKENS)
     assert before.text + after.text == dst.tokenizer.decode(before.token_ids + after.token_ids,
                                                             skip_special_tokens=True)
+
+
+def test_the_engine_reports_its_load_per_request_for_the_policies(tiny_models, tiny_draft_models) -> None:
+    """Engine.load: each running request's target blocks, queued demand head of line first, and the capacity."""
+    e = engine(tiny_models, tiny_draft_models, num_blocks=64)
+    prompts = text_prompts(e.target.model, 6, offset=1)
+    for i, p in enumerate(prompts):
+        e.add_request(Request(f"q{i}", tuple(p), GREEDY, priority=1 if i == 5 else 0))
+    drain(e, steps=3)
+    load_ = e.load("me")
+    cache = e.target.cache
+    assert load_.instance_id == "me" and load_.capacity_blocks == cache.num_used_blocks + cache.num_free_blocks
+    assert {r.request_id: r.blocks for r in load_.running} == {
+        s.request_id: -(-e.kv_length(s.request_id) // cache.block_size) for s in e.running}
+    assert len(load_.running) == 4 and len(load_.waiting_blocks) == 2  # max_batch_size 4
+    assert all(b >= 1 for b in load_.waiting_blocks)
+    assert next(r for r in load_.running if r.request_id == "q5").priority == 1  # the high-priority one runs
