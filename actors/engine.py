@@ -303,9 +303,10 @@ class Engine:
         """Tokens of a request whose target KV this engine holds."""
         return self.target.cache.length(request_id)
 
-    def export_kv(self, request_id: str, start: int) -> list[KVExport]:
-        """The request's target KV from token `start` to what it holds now, one export per stage."""
-        return self.target.export_kv(request_id, start, self.target.cache.length(request_id))
+    def export_kv(self, request_id: str, start: int, end: int | None = None) -> list[KVExport]:
+        """The request's target KV from token `start` to `end` (default: what it holds now), one export per stage."""
+        have = self.target.cache.length(request_id)
+        return self.target.export_kv(request_id, start, have if end is None else min(end, have))
 
     def reserve_incoming(self, request_id: str, tokens: int) -> bool:
         """The migration handshake: hold KV blocks for `tokens` tokens of a request about to arrive, or refuse."""

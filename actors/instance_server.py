@@ -18,7 +18,9 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 import math
+import time
 from dataclasses import dataclass
 
 import ray
@@ -29,6 +31,8 @@ from actors.build import ray_instance
 from actors.engine import RequestError
 from actors.instance import Instance, InstanceUnhealthy
 from actors.kv_cache import KVExport
+from actors.kv_channel import ChannelPayload, KVChannel, KVHeader
+from actors.p2p import free_address
 from actors.sequence import Sequence
 from actors.local_stages import local_instance
 from actors.serving import ServingLoop, StreamItem
@@ -37,6 +41,8 @@ from cluster.migration_policy import InstanceLoad
 from cluster.stats import EngineStats
 from placement.fleet import InstanceSpec
 from placement.layout import PIN_UNITS
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -77,6 +83,8 @@ class InstanceServer:
         self.loop = ServingLoop(self.instance, name=f"engine-loop-{spec.instance_id}")
         self._detached: dict[str, Sequence] = {}  # migrating out: stopped here, KV kept until the commit
         self._handed_in: dict[str, asyncio.Queue[StreamItem]] = {}  # migrated in: items until the client follows
+        self._channels: dict[str, KVChannel] = {}  # open KV channels of migrations, by the other instance's id
+        self._sending: dict[str, asyncio.Task] = {}  # the last KV send to each, chained behind the ones before
 
     async def generate(self, request: Request):
         """Stream the request's StreamItems until its final one (finish, abort or error)."""
@@ -129,26 +137,73 @@ class InstanceServer:
     async def migrate_reserve(self, request_id: str, tokens: int) -> bool:
         return await self._on_loop(lambda: self.instance.engine.reserve_incoming(request_id, tokens))
 
-    async def migrate_export(self, request_id: str, start: int) -> tuple[list[KVExport], int] | None:
+    async def migrate_export(self, request_id: str, start: int, end: int, via: str | None = None
+                             ) -> tuple[list[KVExport] | ChannelPayload, int] | None:
         engine = self.instance.engine
-        return await self._on_loop(lambda: (engine.export_kv(request_id, start), engine.kv_length(request_id))
-                                   if self._holds(request_id) else None)
 
-    async def migrate_import(self, exports: list[KVExport]) -> bool:
-        return await self._on_loop(lambda: self.instance.engine.import_kv(exports))
+        def export():
+            if not self._holds(request_id):
+                return None
+            end_ = min(end, engine.kv_length(request_id))
+            return engine.export_kv(request_id, start, end_), end_
+        got = await self._on_loop(export)
+        return None if got is None else (self._ship(got[0], via), got[1])
 
-    async def migrate_stop(self, request_id: str, start: int) -> tuple[Request, list[KVExport], int] | None:
+    async def migrate_import(self, kv: list[KVExport] | ChannelPayload) -> bool:
+        if isinstance(kv, ChannelPayload):  # the tensors come over the channel from the source
+            channel = self._channels[kv.peer]
+            kv = await asyncio.to_thread(channel.recv, kv.headers)
+        return await self._on_loop(lambda: self.instance.engine.import_kv(kv))
+
+    async def migrate_stop(self, request_id: str, start: int, via: str | None = None
+                           ) -> tuple[Request, list[KVExport] | ChannelPayload, int, float] | None:
         engine = self.instance.engine
+        asked = time.perf_counter()
 
         def stop():
+            waited = time.perf_counter() - asked  # the step under way went on: the request still decoded
             detached = engine.detach(request_id)
             if detached is None:
                 return None
             seq, resume = detached
             self._detached[request_id] = seq
             return (dataclasses.replace(seq.request, resume=resume), engine.export_kv(request_id, start),
-                    engine.kv_length(request_id))
-        return await self._on_loop(stop)
+                    engine.kv_length(request_id), waited)
+        got = await self._on_loop(stop)
+        return None if got is None else (got[0], self._ship(got[1], via), got[2], got[3])
+
+    # ---- the KV channel of a migration (actors/kv_channel.py): opened for one migration, closed after it
+    async def channel_address(self) -> str:
+        """A rendezvous address on this node for a channel this instance will host (as rank 0)."""
+        return free_address(ray.util.get_node_ip_address())
+
+    async def channel_open(self, peer: str, address: str, rank: int, timeout_s: float = 30.0) -> None:
+        """Join the channel to instance `peer` at `address` (both ends call this at once)."""
+        self._channels[peer] = await asyncio.to_thread(KVChannel, address, rank, timeout_s)
+
+    async def channel_close(self, peer: str) -> None:
+        """Forget the channel to `peer`. After a migration that finished, every send has been received; after one
+        that failed, a send still under way ends with the channel's timeout (and is logged), without being waited
+        for here."""
+        self._channels.pop(peer, None)
+        pending = self._sending.pop(peer, None)
+        if pending is not None:
+            pending.add_done_callback(lambda t: t.cancelled() or t.exception() is None or
+                                      log.warning("a KV send to %s failed: %s", peer, t.exception()))
+
+    def _ship(self, exports: list[KVExport], via: str | None) -> list[KVExport] | ChannelPayload:
+        """The KV as the coordinator carries it: itself (through Ray's object store), or with `via` (the receiving
+        instance) its headers, its tensors sent over the channel behind anything sent before."""
+        if via is None:
+            return exports
+        channel, before = self._channels[via], self._sending.get(via)
+
+        async def send() -> None:
+            if before is not None:
+                await before
+            await asyncio.to_thread(channel.send, exports)
+        self._sending[via] = asyncio.get_running_loop().create_task(send())
+        return ChannelPayload(self.spec.instance_id, tuple(KVHeader.of(e) for e in exports))
 
     async def migrate_commit(self, request: Request) -> bool:
         loop = asyncio.get_running_loop()

@@ -193,8 +193,8 @@ class KVCache(BlockPool):
             return False
         slots = self.slots(export.request_id, export.start, export.end)
         flat = (len(self.layer_ids), -1, *self.k.shape[-2:])
-        self.k.view(flat)[:, slots] = export.k.to(self.k.dtype)
-        self.v.view(flat)[:, slots] = export.v.to(self.v.dtype)
+        self.k.view(flat)[:, slots] = export.k.to(self.k.device, self.k.dtype)  # from any device (a KV channel: host)
+        self.v.view(flat)[:, slots] = export.v.to(self.v.device, self.v.dtype)
         self._seqs[export.request_id].length = export.end
         return True
 

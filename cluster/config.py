@@ -191,6 +191,13 @@ class MigrationConfig(_Frozen):
 
     max_stages: int = Field(default=4, ge=0, le=64)
     stop_copy_tokens: int = Field(default=16, ge=0)
+    # a stage copies in chunks of at most this many tokens, each between two of the source's steps (a copy
+    # stalls the source's loop while it runs: bounded chunks keep each stall short)
+    chunk_tokens: int = Field(default=256, ge=1)
+    # how the KV travels: "torch", a torch.distributed (gloo) channel opened between the two instances for the
+    # migration (falling back to the object store if it cannot be opened); "object_store", Ray's object store
+    transfer: Literal["torch", "object_store"] = "torch"
+    channel_timeout_s: float = Field(default=30.0, gt=0.0)
     policies: tuple[Literal["drain", "defrag", "balance"], ...] = ()
     interval_s: float = Field(default=1.0, gt=0.0)
     thresholds: MigrationPolicyConfig = MigrationPolicyConfig()

@@ -3,7 +3,9 @@
     result = await migrate(request_id, source, destination, MigrationConfig())
 
 Handshake: the destination reserves KV blocks for what the request holds now, or refuses. Stages: copy the
-request's target KV produced so far while the source keeps decoding; copy again what it produced meanwhile;
+request's target KV produced so far while the source keeps decoding (in chunks of at most `chunk_tokens`, each
+between two of the source's steps, so that no copy stalls its decoding for long); copy again what it produced
+meanwhile;
 once what is left is at most `stop_copy_tokens` (or after `max_stages`), stop the request at the source, copy
 the rest (the only downtime), commit at the destination (the request resumes there with its tokens, streamed
 text, sampler state and stats), and release it at the source (its KV freed, its stream told where it went).
@@ -19,6 +21,8 @@ only sequences the calls, so it lives beside the router that runs it and imports
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 import enum
 import logging
 import time
@@ -44,8 +48,9 @@ class MigrationResult:
     reason: str = ""
     stages: int = 0  # copies made while the source kept decoding
     tokens_copied: int = 0  # KV tokens moved, all stages
-    downtime_s: float = 0.0  # from stopping at the source to the commit at the destination
+    downtime_s: float = 0.0  # from the request's stop at the source (its last step there done) to its commit
     total_s: float = 0.0
+    transfer: str = "object_store"  # how the KV went: "object_store" or "torch" (a torch.distributed channel)
 
 
 class Endpoint(Protocol):
@@ -59,17 +64,21 @@ class Endpoint(Protocol):
         """Destination: hold blocks for `tokens` tokens of the request, or refuse."""
         ...
 
-    async def migrate_export(self, request_id: str, start: int) -> tuple[object, int] | None:
-        """Source: the request's KV from `start` to now, and where it ends; None if it ended meanwhile."""
+    async def migrate_export(self, request_id: str, start: int, end: int, via: str | None = None
+                             ) -> tuple[object, int] | None:
+        """Source: the request's KV from `start` to `end` (or to what it holds, if less), and where that ends;
+        None if it ended meanwhile. With `via` (the destination's id) its tensors go over their channel."""
         ...
 
     async def migrate_import(self, kv: object) -> bool:
         """Destination: append KV; False if out of blocks."""
         ...
 
-    async def migrate_stop(self, request_id: str, start: int) -> tuple[Request, object, int] | None:
+    async def migrate_stop(self, request_id: str, start: int, via: str | None = None
+                           ) -> tuple[Request, object, int, float] | None:
         """Source: take the request out of its step loop (KV kept) and return it, as a request that resumes,
-        with its KV from `start` and where that ends; None if it ended meanwhile."""
+        with its KV from `start`, where that ends, and the seconds the stop waited for the step under way to
+        end (the request still decoded meanwhile); None if it ended meanwhile."""
         ...
 
     async def migrate_commit(self, request: Request) -> bool:
@@ -82,6 +91,18 @@ class Endpoint(Protocol):
 
     async def migrate_drop(self, request_id: str) -> None:
         """Destination: forget a request that was not committed (free its KV)."""
+        ...
+
+    async def channel_address(self) -> str:
+        """Source: where the KV channel it hosts will meet its peer (only with `transfer: torch`)."""
+        ...
+
+    async def channel_open(self, peer: str, address: str, rank: int, timeout_s: float) -> None:
+        """Both: join the channel to instance `peer` (the source as rank 0); both ends are called at once."""
+        ...
+
+    async def channel_close(self, peer: str) -> None:
+        """Both: finish sending to `peer` and forget the channel."""
         ...
 
 
@@ -97,9 +118,24 @@ class RayEndpoint:
 
 
 async def migrate(request_id: str, src: Endpoint, dst: Endpoint, cfg: MigrationConfig = MigrationConfig(),
-                  destination: object = None) -> MigrationResult:
+                  destination: object = None, ids: tuple[str, str] | None = None) -> MigrationResult:
     """Move a running request from `src` to `dst`; `destination` is what the source's stream is told (the
-    destination instance's id and handle, for the client's stream to follow)."""
+    destination instance's id and handle, for the client's stream to follow). With `cfg.transfer == "torch"`
+    and the two instances' `ids`, the KV goes over a torch.distributed channel between them, opened for this
+    migration (the object store if it cannot be opened)."""
+    t0 = time.perf_counter()
+    via = await _open_channel(src, dst, ids, cfg) if cfg.transfer == "torch" and ids else None
+    try:
+        result = await _migrate(request_id, src, dst, cfg, destination, via)
+    finally:
+        if via is not None:
+            await _close_channel(src, dst, ids)
+    return dataclasses.replace(result, transfer="torch" if via else "object_store",
+                               total_s=time.perf_counter() - t0)
+
+
+async def _migrate(request_id: str, src: Endpoint, dst: Endpoint, cfg: MigrationConfig, destination: object,
+                   via: str | None) -> MigrationResult:
     t0 = time.perf_counter()
     stages = copied = 0
 
@@ -120,18 +156,21 @@ async def migrate(request_id: str, src: Endpoint, dst: Endpoint, cfg: MigrationC
     stopped = False
     side = "source"
     try:
-        while stages < cfg.max_stages:  # copy while the source keeps decoding
-            side = "source"
-            exported = await src.migrate_export(request_id, copied)
-            if exported is None:
-                await _drop(dst, request_id)
-                return result(MigrationStatus.ABORTED_SRC, "the request ended at the source first")
-            side = "destination"
-            kv, end = exported
-            if not await dst.migrate_import(kv):
-                await _drop(dst, request_id)
-                return result(MigrationStatus.ABORTED_DST, "the destination ran out of KV blocks")
-            copied, stages = end, stages + 1
+        now = length
+        while stages < cfg.max_stages:  # copy while the source keeps decoding: what it held at the stage's start,
+            while copied < now:  # in chunks, each between two of its steps
+                side = "source"
+                exported = await src.migrate_export(request_id, copied, min(now, copied + cfg.chunk_tokens), via)
+                if exported is None:
+                    await _drop(dst, request_id)
+                    return result(MigrationStatus.ABORTED_SRC, "the request ended at the source first")
+                side = "destination"
+                kv, end = exported
+                if not await dst.migrate_import(kv):
+                    await _drop(dst, request_id)
+                    return result(MigrationStatus.ABORTED_DST, "the destination ran out of KV blocks")
+                copied = end
+            stages += 1
             side = "source"
             now = await src.migrate_length(request_id)
             if now is None:
@@ -141,17 +180,17 @@ async def migrate(request_id: str, src: Endpoint, dst: Endpoint, cfg: MigrationC
                 break
         side = "source"
         t_stop = time.perf_counter()
-        stopped_at = await src.migrate_stop(request_id, copied)
+        stopped_at = await src.migrate_stop(request_id, copied, via)
         if stopped_at is None:
             await _drop(dst, request_id)
             return result(MigrationStatus.ABORTED_SRC, "the request ended at the source first")
         stopped = True
-        request, rest, end = stopped_at
+        request, rest, end, waited = stopped_at
         side = "destination"
         if not await dst.migrate_import(rest) or not await dst.migrate_commit(request):
             raise RuntimeError("the destination refused the request's last KV or its commit")
         copied = end
-        downtime = time.perf_counter() - t_stop
+        downtime = time.perf_counter() - t_stop - waited
         side = "source"
         await src.migrate_release(request_id, True, destination)
         return result(MigrationStatus.FINISHED, downtime=downtime)
@@ -165,6 +204,32 @@ async def migrate(request_id: str, src: Endpoint, dst: Endpoint, cfg: MigrationC
                 return result(MigrationStatus.ABORTED_SRC, f"source lost after {side} failed: {e}")
         status = MigrationStatus.ABORTED_DST if side == "destination" else MigrationStatus.ABORTED_SRC
         return result(status, f"{side}: {type(e).__name__}: {e}")
+
+
+async def _open_channel(src: Endpoint, dst: Endpoint, ids: tuple[str, str], cfg: MigrationConfig) -> str | None:
+    """Open the KV channel between the two instances; the destination's id (what the source sends `via`), or
+    None to fall back to the object store."""
+    src_id, dst_id = ids
+    try:
+        address = await src.channel_address()
+        await asyncio.wait_for(asyncio.gather(src.channel_open(dst_id, address, 0, cfg.channel_timeout_s),
+                                              dst.channel_open(src_id, address, 1, cfg.channel_timeout_s)),
+                               cfg.channel_timeout_s + 5)
+        return dst_id
+    except Exception as e:  # noqa: BLE001 - the object store still carries the KV
+        log.warning("no KV channel %s -> %s (%s: %s); the KV goes through the object store", src_id, dst_id,
+                    type(e).__name__, e)
+        await _close_channel(src, dst, ids)
+        return None
+
+
+async def _close_channel(src: Endpoint, dst: Endpoint, ids: tuple[str, str]) -> None:
+    src_id, dst_id = ids
+    for end, peer in ((src, dst_id), (dst, src_id)):
+        try:
+            await end.channel_close(peer)
+        except Exception as e:  # noqa: BLE001 - a dead end holds no channel; a send that failed was already reported
+            log.warning("closing the KV channel to %s failed (%s: %s)", peer, type(e).__name__, e)
 
 
 async def _drop(dst: Endpoint, request_id: str) -> None:

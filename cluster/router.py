@@ -136,7 +136,7 @@ class Router:
         self._migrating.add(request_id)
         try:
             result = await migrate(request_id, RayEndpoint(self.handles[src]), RayEndpoint(self.handles[to]),
-                                   cfg or self.cfg.migration, destination=(to, self.handles[to]))
+                                   cfg or self.cfg.migration, destination=(to, self.handles[to]), ids=(src, to))
         finally:
             self._migrating.discard(request_id)
         finished = result.status is MigrationStatus.FINISHED

@@ -113,8 +113,9 @@ def row(fleet: Fleet, rid: str) -> dict:
     return next(r for r in ray.get(fleet.router.requests.remote()) if r["request_id"] == rid)
 
 
-@pytest.mark.parametrize("seed", [None, 11], ids=["greedy", "seeded sampling"])
-def test_a_stream_follows_its_request_through_migrations(fleet, seed) -> None:
+@pytest.mark.parametrize(("seed", "transfer"), [(None, "torch"), (11, "torch"), (None, "object_store")],
+                         ids=["greedy", "seeded sampling", "greedy through the object store"])
+def test_a_stream_follows_its_request_through_migrations(fleet, seed, transfer) -> None:
     prompt = text_prompts(load(fleet.cfg.model.target), 1, offset=6)[0]
     temperature = 0.0 if seed is None else 0.8
     alone = asyncio.run(stream(fleet, prompt, temperature=temperature, seed=seed))
@@ -123,13 +124,13 @@ def test_a_stream_follows_its_request_through_migrations(fleet, seed) -> None:
     async def migrate_twice(rid: str, instance: str) -> None:
         for _ in range(2):  # there and back
             to = other(fleet, instance)
-            results.append(await fleet.router.migrate.remote(rid, to))
+            results.append(await fleet.router.migrate.remote(rid, to, MigrationConfig(transfer=transfer)))
             instance = to
 
     moved = asyncio.run(stream(fleet, prompt, temperature=temperature, seed=seed, after=20, during=migrate_twice))
 
     assert [r.status.value for r in results] == ["finished", "finished"], results
-    assert all(r.stages >= 1 and r.tokens_copied > len(prompt) for r in results)
+    assert all(r.stages >= 1 and r.tokens_copied > len(prompt) and r.transfer == transfer for r in results)
     assert moved.finish is FinishReason.LENGTH and len(moved.tokens) == TOKENS
     assert moved.tokens == alone.tokens and moved.text == alone.text  # no gap, no duplicate, same output
     stats = ray.get(fleet.router.migration_stats.remote())

@@ -35,6 +35,7 @@ class EngineEndpoint:
     def __init__(self, engine: Engine, results: dict[str, Result], steps: int = 0, fail_on: str = "") -> None:
         self.engine, self.results, self.steps, self.fail_on = engine, results, steps, fail_on
         self.detached = {}
+        self.exports: list[tuple[int, int]] = []  # the (start, end) asked of each export
 
     def _here(self, rid: str) -> bool:
         return any(s.request_id == rid for s in self.engine.waiting + self.engine.running)
@@ -50,22 +51,27 @@ class EngineEndpoint:
     async def migrate_reserve(self, rid, tokens):
         return self.engine.reserve_incoming(rid, tokens)
 
-    async def migrate_export(self, rid, start):
+    async def migrate_export(self, rid, start, end, via=None):
         self._maybe_fail("export")
+        self.exports.append((start, end))
         drain(self.engine, self.results, steps=self.steps)
-        return (self.engine.export_kv(rid, start), self.engine.kv_length(rid)) if self._here(rid) else None
+        if not self._here(rid):
+            return None
+        end = min(end, self.engine.kv_length(rid))
+        return self.engine.export_kv(rid, start, end), end
 
     async def migrate_import(self, exports):
         self._maybe_fail("import")
         return self.engine.import_kv(exports)
 
-    async def migrate_stop(self, rid, start):
+    async def migrate_stop(self, rid, start, via=None):
         detached = self.engine.detach(rid)
         if detached is None:
             return None
         seq, resume = detached
         self.detached[rid] = seq
-        return dataclasses.replace(seq.request, resume=resume), self.engine.export_kv(rid, start), self.engine.kv_length(rid)
+        return (dataclasses.replace(seq.request, resume=resume), self.engine.export_kv(rid, start),
+                self.engine.kv_length(rid), 0.0)
 
     async def migrate_commit(self, request):
         self._maybe_fail("commit")
@@ -105,8 +111,9 @@ def assert_no_kv_left(*engines: Engine) -> None:
 
 
 @pytest.mark.parametrize("split", [False, True], ids=["same split", "two-stage destination"])
-@pytest.mark.parametrize("cfg", [MigrationConfig(max_stages=3, stop_copy_tokens=2), MigrationConfig(max_stages=0)],
-                         ids=["staged", "stop-and-copy"])
+@pytest.mark.parametrize("cfg", [MigrationConfig(max_stages=3, stop_copy_tokens=2), MigrationConfig(max_stages=0),
+                                 MigrationConfig(max_stages=2, stop_copy_tokens=2, chunk_tokens=16)],
+                         ids=["staged", "stop-and-copy", "staged in chunks of 16"])
 def test_a_migrated_greedy_request_equals_the_targets_own(tiny_models, tiny_draft_models, split, cfg) -> None:
     src, dst = engine(tiny_models, tiny_draft_models), engine(tiny_models, tiny_draft_models, split=split)
     prompts = text_prompts(src.target.model, 3, offset=2)
@@ -203,3 +210,25 @@ def test_the_engine_reports_its_load_per_request_for_the_policies(tiny_models, t
     assert len(load_.running) == 4 and len(load_.waiting_blocks) == 2  # max_batch_size 4
     assert all(b >= 1 for b in load_.waiting_blocks)
     assert next(r for r in load_.running if r.request_id == "q5").priority == 1  # the high-priority one runs
+
+
+def test_a_stage_copies_in_chunks_between_the_sources_steps(tiny_models, tiny_draft_models) -> None:
+    """Each export asks for at most `chunk_tokens`, the chunks tile the KV with no gap or overlap, and the source
+    steps between them (it keeps decoding while a long prefix is copied)."""
+    src, dst = engine(tiny_models, tiny_draft_models), engine(tiny_models, tiny_draft_models)
+    prompt = text_prompts(src.target.model, 1, offset=4)[0]
+    longer = SamplingParams(temperature=0.0, max_tokens=96, ignore_eos=True)
+    src.add_request(Request("r0", tuple(prompt), longer))
+    results: dict[str, Result] = {}
+    drain(src, results, steps=2)
+    a, b = EngineEndpoint(src, results, steps=1), EngineEndpoint(dst, results)
+    cfg = MigrationConfig(max_stages=2, stop_copy_tokens=1, chunk_tokens=8)
+
+    outcome = asyncio.run(migrate("r0", a, b, cfg))
+    drain(dst, results)
+
+    assert outcome.status is MigrationStatus.FINISHED and outcome.stages >= 1, outcome
+    assert len(a.exports) >= len(prompt) // 8 and all(0 < e - s <= 8 for s, e in a.exports), a.exports
+    assert [s for s, _ in a.exports[1:]] == [e for _, e in a.exports[:-1]]  # contiguous: no gap, no overlap
+    assert results["r0"].token_ids == reference_greedy(tiny_models["llama"], prompt, 96)
+    assert_no_kv_left(src, dst)

@@ -1,0 +1,95 @@
+"""A torch.distributed channel between two instances' processes that carries a migrating request's KV.
+
+A migration (cluster/migration.py) opens one for its duration: the source's process hosts a TCP store at a
+free port of its node and is rank 0, the destination's is rank 1, and a two-rank gloo group connects them
+(`ProcessGroupGloo` made directly over the store, so it leaves each process's default group, the pipeline's
+(actors/p2p.py), alone). The KV's tensors go over it in order; their headers (request, layers, token range,
+shape, dtype) go with the coordinator's calls, so the receiver knows what to allocate. Every operation is
+bounded by the channel's timeout: a peer that died fails the transfer, never hangs it.
+
+Tensors cross in host memory: a KV cache on a GPU is copied to the host and back (an NCCL group between two
+GPU instances would move them device to device; it is not built yet).
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from actors.kv_cache import KVExport
+
+
+class ChannelError(RuntimeError):
+    """The channel could not be opened, or a transfer over it failed or timed out."""
+
+
+@dataclass(frozen=True)
+class KVHeader:
+    """What a KVExport is without its tensors: enough to receive them."""
+
+    request_id: str
+    layer_ids: tuple[int, ...]
+    start: int
+    end: int
+    shape: tuple[int, ...]  # of k and of v: (L, end - start, kv_heads, head_dim)
+    dtype: str  # e.g. "float32"
+
+    @classmethod
+    def of(cls, e: KVExport) -> "KVHeader":
+        return cls(e.request_id, e.layer_ids, e.start, e.end, tuple(e.k.shape), str(e.k.dtype).removeprefix("torch."))
+
+
+@dataclass(frozen=True)
+class ChannelPayload:
+    """A migration's KV as the coordinator carries it when the tensors go over a channel: headers only."""
+
+    peer: str  # the sending instance (the receiver's channel is keyed by it)
+    headers: tuple[KVHeader, ...]
+
+
+class KVChannel:
+    """One end of a two-rank gloo group; `send` and `recv` block (run them off the event loop)."""
+
+    def __init__(self, address: str, rank: int, timeout_s: float) -> None:
+        host, port = address.removeprefix("tcp://").rsplit(":", 1)
+        self.rank, self.timeout = rank, timedelta(seconds=timeout_s)
+        try:
+            self.store = dist.TCPStore(host, int(port), 2, rank == 0, self.timeout)
+            self.group = dist.ProcessGroupGloo(self.store, rank, 2, self.timeout)
+        except RuntimeError as e:
+            raise ChannelError(f"opening the KV channel at {address} as rank {rank} failed: {e}") from None
+        self._lock = threading.Lock()  # one transfer at a time, in the order they were asked for
+
+    def send(self, exports: list[KVExport]) -> int:
+        """Send each export's K and V to the other end; returns the bytes sent."""
+        sent = 0
+        with self._lock:
+            for e in exports:
+                for t in (e.k, e.v):
+                    buf = t.detach().to("cpu").contiguous()
+                    self._wait(self.group.send([buf], 1 - self.rank, 0), "send")
+                    sent += buf.numel() * buf.element_size()
+        return sent
+
+    def recv(self, headers: tuple[KVHeader, ...]) -> list[KVExport]:
+        """Receive the tensors the headers describe, in order, into host memory (the cache's import moves them)."""
+        out = []
+        with self._lock:
+            for h in headers:
+                kv = []
+                for _ in range(2):
+                    buf = torch.empty(h.shape, dtype=getattr(torch, h.dtype))
+                    self._wait(self.group.recv([buf], 1 - self.rank, 0), "receive")
+                    kv.append(buf)
+                out.append(KVExport(h.request_id, h.layer_ids, h.start, h.end, kv[0], kv[1]))
+        return out
+
+    def _wait(self, work, what: str) -> None:
+        try:
+            work.wait(self.timeout)
+        except RuntimeError as e:  # a dead peer or a timeout
+            raise ChannelError(f"rank {self.rank}: KV {what} failed: {e}") from None

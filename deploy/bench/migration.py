@@ -1,0 +1,373 @@
+"""`specfleet bench migration`: live migration against stopping and failing over, on instances of the local cluster.
+
+Three parts, each side by side in one run, through the API's own frontend (its streams follow a migrated
+request and fail over a dead instance's; deploy/serve/frontend.py) and a router actor:
+
+1. Downtime by context length: a request of C prompt tokens is migrated after a few decoded tokens, staged
+   (copies while it decodes, then a short stop) and stop-and-copy (`max_stages: 0`), its KV over a
+   torch.distributed channel (the default) and through Ray's object store; for each, the
+   coordinator's downtime (stop at the source to commit at the destination) and the gap the client saw
+   (the longest wait between two tokens after the migration began), beside the unmigrated run's median
+   inter-token gap. Every migrated output is compared token for token with the unmigrated one.
+2. Failover: an instance running several requests is killed mid-stream; requests lost (the goal is none),
+   whether each output equals its uninterrupted run, the latency the failover added to each, and the gap
+   its client saw while it resumed elsewhere (KV recomputed from the prompt and the tokens so far).
+3. Skewed load: Poisson arrivals of real prompts that all land on one instance until, halfway through, a
+   second one opens (a scale-out: it was drained until then); time to first token, end-to-end latency and
+   throughput with the router's migration policies off and on (`defrag`, `balance`), on instances whose
+   KV cache holds a few requests each, so that queued requests wait for room.
+
+Run `specfleet cluster up` first (`make serve` does). Figures: docs/migration.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import random
+import statistics
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import ray
+
+from actors.instance_server import InstanceServer
+from actors.model.loader import load_model
+from cluster.config import (CacheConfig, EngineConfig, MigrationConfig, ModelConfig, RouterConfig, SchedulerConfig,
+                            SpecfleetConfig, SpeculationConfig)
+from cluster.migration_policy import MigrationPolicyConfig
+from cluster.router import Router
+from deploy.bench.output import pct, save
+from deploy.bench.prompts import DATASETS, load_prompts
+from deploy.cli.flags import UsageError
+from deploy.infra import local_cluster
+from deploy.model_store import resolve_model
+from deploy.serve.frontend import Frontend
+from placement.fleet import InstanceSpec
+from placement.layout import ShardLayout, StageSlot
+
+STAGED = MigrationConfig()  # the defaults: up to 4 stages in chunks of 256 tokens, over a torch.distributed channel
+MODES = {  # part 1's ways to migrate, side by side
+    "staged": STAGED,
+    "stop_and_copy": STAGED.model_copy(update={"max_stages": 0}),
+    "staged_object_store": STAGED.model_copy(update={"transfer": "object_store"}),
+    "stop_and_copy_object_store": STAGED.model_copy(update={"max_stages": 0, "transfer": "object_store"}),
+}
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="smollm2-135m-instruct", help="target model (catalog name, GGUF, folder)")
+    p.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
+    p.add_argument("--contexts", default="256,1024,4096", help="prompt lengths in tokens, comma-separated")
+    p.add_argument("--repeats", type=int, default=3, help="migrations per context length and mode")
+    p.add_argument("--max-tokens", type=int, default=48, help="tokens each request generates")
+    p.add_argument("--migrate-after", type=int, default=8, help="tokens streamed before the migration starts")
+    p.add_argument("--failover-requests", type=int, default=3, help="requests on the instance that is killed")
+    p.add_argument("--failover-context", type=int, default=1024, help="their prompt length in tokens")
+    p.add_argument("--skew-requests", type=int, default=12, help="requests of the skewed load (0: skip part 3)")
+    p.add_argument("--skew-rate", type=float, default=1.0, help="their Poisson arrival rate (requests/s)")
+    p.add_argument("--skew-prompt-tokens", type=int, default=256)
+    p.add_argument("--skew-max-tokens", type=int, default=96)
+    p.add_argument("--skew-fits", type=int, default=3, help="requests whose KV one instance holds at once (part 3)")
+    p.add_argument("--seed", type=int, default=0, help="of the arrival times")
+    p.add_argument("--num-cpus", type=float, default=1.0, help="CPUs per instance")
+    p.add_argument("--state", type=Path, default=local_cluster.DEFAULT_STATE, help="the local cluster's state file")
+    p.add_argument("--json", type=Path)
+    p.add_argument("--plot", type=Path, help="a PNG of downtime by context length and the skewed load's latencies")
+
+
+@dataclass
+class Streamed:
+    """One client stream: its tokens, when each delta arrived, and where it ended."""
+
+    tokens: list[int] = field(default_factory=list)
+    arrivals: list[float] = field(default_factory=list)  # perf_counter of each token-bearing delta
+    start: float = 0.0
+    finish: str | None = None
+    error: str | None = None
+    instance: str = ""
+    side: object = None  # what `during` returned
+
+    @property
+    def ttft_s(self) -> float:
+        return self.arrivals[0] - self.start
+
+    def gaps_after(self, t: float) -> list[float]:
+        """Waits between consecutive deltas, counting those that end after `t`."""
+        times = [self.start] + self.arrivals
+        return [b - a for a, b in zip(times, times[1:]) if b > t]
+
+
+class Bench:
+    """Instances on the local cluster's nodes, a router and a frontend in this process."""
+
+    def __init__(self, cfg: EngineConfig, num_layers: int, num_cpus: float, router_cfg: RouterConfig) -> None:
+        self.cfg, self.num_layers, self.num_cpus = cfg, num_layers, num_cpus
+        self.router = ray.remote(Router).options(num_cpus=0, max_concurrency=1000).remote(router_cfg)
+        self.frontend = Frontend(SpecfleetConfig(engine=cfg), self.router)
+        self.servers: dict[str, ray.actor.ActorHandle] = {}
+
+    def start(self, instance_id: str, node: str) -> None:
+        layout = ShardLayout(stages=(StageSlot(node=node, layers=(0, self.num_layers)),))
+        spec = InstanceSpec(instance_id=instance_id, layout=layout, executor="local", num_cpus=self.num_cpus,
+                            engine=self.cfg, step_timeout_s=600)
+        server = InstanceServer.spawn(spec)
+        info = ray.get(server.info.remote(), timeout=600)
+        ray.get(self.router.register.remote(instance_id, server, info.model, info.max_model_len, info.node_id))
+        self.servers[instance_id] = server
+
+    def close(self) -> None:
+        for server in self.servers.values():
+            ray.kill(server)
+        ray.kill(self.router)
+
+    async def stream(self, prompt: list[int], max_tokens: int, *, after: int | None = None, during=None) -> Streamed:
+        """One greedy completion; once `after` tokens have arrived, `during(request_id, instance_id)` is started
+        beside the stream (which keeps being read)."""
+        prep = self.frontend.prepare(prompt, max_tokens=max_tokens, temperature=0.0, top_p=1.0, top_k=0, seed=None,
+                                     stop=(), n=1, priority=0, ignore_eos=True)
+        out = Streamed(start=time.perf_counter())
+        call = await self.frontend.start(prep)
+        side = None
+        async for _, item in call:
+            if item.delta.token_ids:
+                out.tokens += item.delta.token_ids
+                out.arrivals.append(time.perf_counter())
+            if item.delta.finished:
+                out.finish, out.error = item.delta.finish_reason.value, item.delta.error
+            if during is not None and after is not None and len(out.tokens) >= after and side is None:
+                side = asyncio.get_running_loop().create_task(during(prep.request_id, call.routed[0][0]))
+        out.instance = call.routed[0][0]
+        if side is not None:
+            out.side = await side
+        return out
+
+
+def long_prompt(tokenizer_model, length: int) -> list[int]:
+    """`length` tokens of real text: MT-Bench questions one after another, repeated as needed."""
+    ids: list[int] = []
+    texts = load_prompts([DATASETS / "mt_bench_questions.jsonl"], 80)
+    while len(ids) < length:
+        for t in texts:
+            ids += tokenizer_model.encode(t)
+    return ids[:length]
+
+
+async def downtime_part(b: Bench, prompt: list[int], args) -> dict:
+    """Part 1 at one context length: unmigrated, staged and stop-and-copy runs, interleaved repeat by repeat."""
+    rows: dict[str, list[dict]] = {mode: [] for mode in MODES}
+    alone_gaps: list[float] = []
+    alone_tokens = None
+    for _ in range(args.repeats):
+        alone = await b.stream(prompt, args.max_tokens)
+        alone_tokens = alone.tokens
+        alone_gaps += alone.gaps_after(alone.arrivals[0])
+        for mode, mcfg in MODES.items():
+            began: list[float] = []
+
+            async def move(rid: str, instance: str, mcfg=mcfg, began=began):
+                to = next(n for n in b.servers if n != instance)
+                began.append(time.perf_counter())
+                return await b.router.migrate.remote(rid, to, mcfg)
+
+            s = await b.stream(prompt, args.max_tokens, after=args.migrate_after, during=move)
+            r = s.side
+            rows[mode].append({"status": r.status.value, "reason": r.reason, "downtime_ms": r.downtime_s * 1e3, "total_ms": r.total_s * 1e3,
+                               "stages": r.stages, "tokens_copied": r.tokens_copied, "transfer": r.transfer,
+                               "client_gap_ms": max(s.gaps_after(began[0]), default=0.0) * 1e3,
+                               "identical": s.tokens == alone_tokens})
+    itl = statistics.median(alone_gaps) * 1e3
+    out = {"context": len(prompt), "itl_median_ms": itl}
+    for mode, rs in rows.items():
+        ok = [r for r in rs if r["status"] == "finished"]
+        out[mode] = {"finished": len(ok), "of": len(rs), "identical": all(r["identical"] for r in rs),
+                     "downtime_ms_median": statistics.median(r["downtime_ms"] for r in ok) if ok else None,
+                     "client_gap_ms_median": statistics.median(r["client_gap_ms"] for r in ok) if ok else None,
+                     "total_ms_median": statistics.median(r["total_ms"] for r in ok) if ok else None,
+                     "stages_median": statistics.median(r["stages"] for r in ok) if ok else None, "runs": rs}
+    return out
+
+
+async def failover_part(b: Bench, prompts: list[list[int]], args, victim_node: str) -> dict:
+    """Part 2: every request runs on one instance, which is killed mid-stream; each resumes elsewhere."""
+    alone = await asyncio.gather(*(b.stream(p, args.max_tokens) for p in prompts))
+    b.start("bench-victim", victim_node)
+    others = [n for n in b.servers if n != "bench-victim"]
+    for name in others:
+        await b.router.drain.remote(name)
+    killed: list[float] = []
+
+    async def kill(rid: str, instance: str) -> None:
+        for name in others:
+            await b.router.undrain.remote(name)
+        killed.append(time.perf_counter())
+        ray.kill(b.servers.pop(instance), no_restart=True)
+
+    tasks = [asyncio.create_task(b.stream(p, args.max_tokens)) for p in prompts[1:]]
+    first = await b.stream(prompts[0], args.max_tokens, after=args.migrate_after, during=kill)
+    done = [first] + list(await asyncio.gather(*tasks))
+    added = [(s.arrivals[-1] - s.start) - (a.arrivals[-1] - a.start) for s, a in zip(done, alone)]
+    lost = sum(s.finish != "length" for s in done)
+    return {"context": len(prompts[0]), "requests": len(done), "lost": lost,
+            "identical": all(s.tokens == a.tokens for s, a in zip(done, alone)),
+            "errors": [s.error for s in done if s.error], "resumed_on": sorted({s.instance for s in done}),
+            "added_latency_ms_mean": statistics.mean(added) * 1e3, "added_latency_ms_max": max(added) * 1e3,
+            "client_gap_ms_max": max(max(s.gaps_after(killed[0]), default=0.0) for s in done) * 1e3}
+
+
+async def skew_part(b: Bench, prompts: list[list[int]], gaps: list[float], args, policies: tuple[str, ...]) -> dict:
+    """Part 3: Poisson arrivals (`gaps` between them) that land on the first instance until half have arrived,
+    when the second one opens; the router's migration policies as given."""
+    planned = MigrationConfig(policies=policies, interval_s=0.2,
+                              thresholds=MigrationPolicyConfig(high_water=0.6, low_water=0.4))
+    await b.router.configure.remote(RouterConfig(stats_interval_s=0.2, migration=planned))
+    first, second = list(b.servers)
+    await b.router.drain.remote(second)
+    before = (await b.router.migration_stats.remote()).by_status["finished"]
+    t0 = time.perf_counter()
+    tasks = []
+    for i, (p, gap) in enumerate(zip(prompts, gaps)):
+        await asyncio.sleep(gap)
+        if i == len(prompts) // 2:
+            await b.router.undrain.remote(second)  # the scale-out
+        tasks.append(asyncio.create_task(b.stream(p, args.skew_max_tokens)))
+    done = await asyncio.gather(*tasks)
+    makespan = time.perf_counter() - t0
+    moved = (await b.router.migration_stats.remote()).by_status["finished"] - before
+    ttft = [s.ttft_s * 1e3 for s in done]
+    e2e = [(s.arrivals[-1] - s.start) * 1e3 for s in done]
+    return {"policies": list(policies) or ["off"], "requests": len(done), "migrations": moved,
+            "ttft_ms_p50": pct(ttft, 50), "ttft_ms_p99": pct(ttft, 99), "e2e_ms_p50": pct(e2e, 50),
+            "e2e_ms_p99": pct(e2e, 99), "makespan_s": makespan,
+            "throughput_tok_s": sum(len(s.tokens) for s in done) / makespan,
+            "completed": sum(s.finish == "length" for s in done), "outputs": [s.tokens for s in done],
+            "per_request": [{"ttft_ms": round(s.ttft_s * 1e3, 1), "e2e_ms": round((s.arrivals[-1] - s.start) * 1e3, 1),
+                             "ended_on": s.instance} for s in done]}
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        contexts = [int(c) for c in args.contexts.split(",") if c]
+    except ValueError:
+        raise UsageError(f"--contexts: expected lengths like 256,1024, got {args.contexts!r}") from None
+    state = local_cluster.read_state(args.state)
+    nodes = [n.spec.name for n in state.nodes]
+    if len(nodes) < 3:
+        raise UsageError(f"bench migration needs 3 nodes (two instances and a failover victim); the local cluster "
+                         f"has {len(nodes)}: `specfleet cluster up --nodes 3`")
+    for key, value in local_cluster.RAY_ENV.items():
+        os.environ[key] = value
+    ray.init(address=state.address, logging_level="ERROR", log_to_driver=False)
+    target = resolve_model(args.model, args.dtype)
+    tok = load_model(target, args.dtype)
+    report: dict = {"model": target, "dtype": args.dtype, "max_tokens": args.max_tokens,
+                    "migrate_after": args.migrate_after, "modes": {m: c.model_dump() for m, c in MODES.items()},
+                    "downtime": []}
+    try:
+        longest = max(contexts) + args.max_tokens + 64
+        cfg = EngineConfig(model=ModelConfig(target=target, dtype=args.dtype), speculation=SpeculationConfig(policy="off"),
+                           scheduler=SchedulerConfig(max_batch_size=8, max_num_batched_tokens=512),
+                           cache=CacheConfig(block_size=16, num_blocks=2 * longest // 16 + 16))
+        b = Bench(cfg, tok.num_layers, args.num_cpus, RouterConfig(stats_interval_s=0.5))
+        try:
+            b.start("bench-a", nodes[0])
+            b.start("bench-b", nodes[1])
+            asyncio.run(b.stream(long_prompt(tok, 32), 4))  # warm-up
+            for c in contexts:
+                part = asyncio.run(downtime_part(b, long_prompt(tok, c), args))
+                report["downtime"].append(part)
+                st, sc = part["staged"], part["stop_and_copy"]
+                so, sco = part["staged_object_store"], part["stop_and_copy_object_store"]
+                print(f"context {c}: downtime staged {_ms(st['downtime_ms_median'])} vs stop-and-copy "
+                      f"{_ms(sc['downtime_ms_median'])} ({_ratio(sc['downtime_ms_median'], st['downtime_ms_median'])}); "
+                      f"client gap {_ms(st['client_gap_ms_median'])} vs {_ms(sc['client_gap_ms_median'])}, "
+                      f"median ITL {part['itl_median_ms']:.1f} ms; through the object store: downtime "
+                      f"{_ms(so['downtime_ms_median'])} staged, {_ms(sco['downtime_ms_median'])} stop-and-copy "
+                      f"({_ratio(sco['downtime_ms_median'], sc['downtime_ms_median'])} the channel's); identical "
+                      f"{all(part[m]['identical'] for m in MODES)}", flush=True)
+            text = long_prompt(tok, args.failover_context + 8 * args.failover_requests)
+            prompts = [text[8 * i:8 * i + args.failover_context] for i in range(args.failover_requests)]
+            f = asyncio.run(failover_part(b, prompts, args, nodes[2]))
+            report["failover"] = f
+            print(f"failover of {f['requests']} requests at context {f['context']}: {f['lost']} lost, identical "
+                  f"{f['identical']}; added latency mean {f['added_latency_ms_mean']:.0f} ms, max "
+                  f"{f['added_latency_ms_max']:.0f} ms; longest client gap {f['client_gap_ms_max']:.0f} ms", flush=True)
+        finally:
+            b.close()
+        if args.skew_requests:
+            report["skew"] = _skew(args, target, tok, nodes)
+    finally:
+        ray.shutdown()
+    save(report, args.json, args.plot, _plot)
+    return 0
+
+
+def _skew(args, target: str, tok, nodes: list[str]) -> dict:
+    per_request = args.skew_prompt_tokens + args.skew_max_tokens + 16
+    cfg = EngineConfig(model=ModelConfig(target=target, dtype=args.dtype), speculation=SpeculationConfig(policy="off"),
+                       scheduler=SchedulerConfig(max_batch_size=8, max_num_batched_tokens=512),
+                       cache=CacheConfig(block_size=16, num_blocks=args.skew_fits * per_request // 16 + 1))
+    texts = load_prompts([DATASETS / "mt_bench_questions.jsonl", DATASETS / "HumanEval.jsonl.gz"], args.skew_requests)
+    prompts = [(tok.encode(t) * 64)[:args.skew_prompt_tokens] for t in texts]
+    rng = random.Random(args.seed)
+    gaps = [0.0] + [rng.expovariate(args.skew_rate) for _ in prompts[1:]]  # the same arrivals for off and on
+    runs = []
+    for policies in ((), ("defrag", "balance")):
+        b = Bench(cfg, tok.num_layers, args.num_cpus, RouterConfig(stats_interval_s=0.2))
+        try:
+            b.start("skew-a", nodes[0])
+            b.start("skew-b", nodes[1])
+            asyncio.run(b.stream(prompts[0][:32], 4))  # warm-up
+            runs.append(asyncio.run(skew_part(b, prompts, gaps, args, policies)))
+        finally:
+            b.close()
+    off, on = runs
+    identical = off.pop("outputs") == on.pop("outputs")
+    print(f"skewed Poisson load, {args.skew_requests} requests at {args.skew_rate:g}/s: p99 TTFT "
+          f"{on['ttft_ms_p99']:.0f} ms with migration ({on['migrations']} moves) vs {off['ttft_ms_p99']:.0f} ms "
+          f"without ({_ratio(off['ttft_ms_p99'], on['ttft_ms_p99'])} better); p99 e2e {on['e2e_ms_p99']:.0f} vs "
+          f"{off['e2e_ms_p99']:.0f} ms ({_ratio(off['e2e_ms_p99'], on['e2e_ms_p99'])}); throughput "
+          f"{on['throughput_tok_s']:.1f} vs {off['throughput_tok_s']:.1f} tok/s "
+          f"({_ratio(on['throughput_tok_s'], off['throughput_tok_s'])}); identical outputs {identical}", flush=True)
+    return {"off": off, "on": on, "identical": identical, "rate": args.skew_rate}
+
+
+def _plot(report: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    parts = report["downtime"]
+    contexts = [p["context"] for p in parts]
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
+    for mode, label in (("staged", "staged"), ("stop_and_copy", "stop and copy"),
+                        ("stop_and_copy_object_store", "stop and copy, object store")):
+        axes[0].plot(contexts, [p[mode]["downtime_ms_median"] for p in parts], "o-", label=f"{label}: downtime")
+        axes[0].plot(contexts, [p[mode]["client_gap_ms_median"] for p in parts], "x--", label=f"{label}: client gap")
+    axes[0].set_xscale("log", base=2)
+    axes[0].set_xlabel("context (tokens)")
+    axes[0].set_ylabel("ms (median)")
+    axes[0].legend(fontsize=7)
+    if skew := report.get("skew"):
+        keys = ("ttft_ms_p50", "ttft_ms_p99", "e2e_ms_p50", "e2e_ms_p99")
+        xs = range(len(keys))
+        axes[1].bar([x - 0.2 for x in xs], [skew["off"][k] for k in keys], 0.4, label="migration off")
+        axes[1].bar([x + 0.2 for x in xs], [skew["on"][k] for k in keys], 0.4, label="migration on")
+        axes[1].set_xticks(list(xs), [k.replace("_ms_", " ") for k in keys])
+        axes[1].set_ylabel("ms")
+        axes[1].legend(fontsize=7)
+    fig.suptitle(f"{Path(report['model']).name}: live migration (left), skewed load (right)")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+
+
+def _ms(v: float | None) -> str:
+    return "-" if v is None else f"{v:.1f} ms"
+
+
+def _ratio(a: float | None, b: float | None) -> str:
+    return "-" if not a or not b else f"{a / b:.2f}x"

@@ -1,0 +1,55 @@
+"""The KV channel of a migration (actors/kv_channel.py): two ends in two threads of this process, over real gloo."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+from actors.kv_cache import KVExport
+from actors.kv_channel import ChannelError, KVChannel, KVHeader
+from actors.p2p import free_address
+
+
+def exports(n: int) -> list[KVExport]:
+    g = torch.Generator().manual_seed(n)
+    return [KVExport("r", (i, i + 1), 4 * i, 4 * i + 4, torch.randn(2, 4, 3, 8, generator=g),
+                     torch.randn(2, 4, 3, 8, generator=g)) for i in range(n)]
+
+
+def open_pair(timeout_s: float = 10.0) -> tuple[KVChannel, KVChannel]:
+    address, ends = free_address("127.0.0.1"), {}
+    threads = [threading.Thread(target=lambda r=r: ends.__setitem__(r, KVChannel(address, r, timeout_s)))
+               for r in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    return ends[0], ends[1]
+
+
+def test_exports_arrive_whole_and_in_order() -> None:
+    src, dst = open_pair()
+    sent = exports(3)
+    sender = threading.Thread(target=src.send, args=(sent,))
+    sender.start()
+    got = dst.recv(tuple(KVHeader.of(e) for e in sent))
+    sender.join(10)
+    assert [(e.layer_ids, e.start, e.end) for e in got] == [(e.layer_ids, e.start, e.end) for e in sent]
+    assert all(torch.equal(a.k, b.k) and torch.equal(a.v, b.v) for a, b in zip(got, sent))
+    assert KVHeader.of(sent[0]).dtype == "float32" and got[0].k.dtype == torch.float32
+
+
+def test_a_peer_that_never_comes_fails_within_the_timeout() -> None:
+    t0 = time.monotonic()
+    with pytest.raises(ChannelError, match="opening the KV channel"):
+        KVChannel(free_address("127.0.0.1"), 1, timeout_s=2.0)
+    assert time.monotonic() - t0 < 20
+
+
+def test_a_receive_with_no_sender_times_out() -> None:
+    _, dst = open_pair(timeout_s=2.0)
+    with pytest.raises(ChannelError, match="receive failed"):
+        dst.recv((KVHeader.of(exports(1)[0]),))
