@@ -323,6 +323,27 @@ class Engine:
         if not any(s.request_id == request_id for s in self.waiting + self.running):
             self.target.cache.free(request_id)
 
+    def export_out(self, request_id: str, start: int, end: int) -> tuple[list[KVExport], int] | None:
+        """A migration's copy: the request's KV from `start` to `end` (or to what it holds), and where that ends;
+        None if it is not here, or holds less than `start` (preempted since its copy began: its KV was freed)."""
+        if not self.holds(request_id) or self.kv_length(request_id) < start:
+            return None
+        end = min(end, self.kv_length(request_id))
+        return self.export_kv(request_id, start, end), end
+
+    def stop_out(self, request_id: str, start: int) -> tuple[Sequence, Resume, list[KVExport], int] | None:
+        """A migration's stop: the rest of the request's KV from `start`, then the request taken out of the step
+        loop (KV kept until released); None, and the request left running, if `export_out` would give None."""
+        exported = self.export_out(request_id, start, self.kv_length(request_id))
+        if exported is None:
+            return None
+        seq, resume = self.detach(request_id)
+        return seq, resume, *exported
+
+    def holds(self, request_id: str) -> bool:
+        """Whether the request is queued or running here."""
+        return any(s.request_id == request_id for s in self.waiting + self.running)
+
     def detach(self, request_id: str) -> tuple[Sequence, Resume] | None:
         """Take a request out of the step loop, keeping its KV, and say where it stands; None if not here."""
         seq = self.scheduler.remove(request_id)

@@ -131,22 +131,15 @@ class InstanceServer:
 
     # ---- live migration: the Endpoint of cluster/migration.py; each step runs on the loop thread, between steps
     async def migrate_length(self, request_id: str) -> int | None:
-        return await self._on_loop(lambda: self.instance.engine.kv_length(request_id) if self._holds(request_id)
-                                   else None)
+        engine = self.instance.engine
+        return await self._on_loop(lambda: engine.kv_length(request_id) if engine.holds(request_id) else None)
 
     async def migrate_reserve(self, request_id: str, tokens: int) -> bool:
         return await self._on_loop(lambda: self.instance.engine.reserve_incoming(request_id, tokens))
 
     async def migrate_export(self, request_id: str, start: int, end: int, via: str | None = None
                              ) -> tuple[list[KVExport] | ChannelPayload, int] | None:
-        engine = self.instance.engine
-
-        def export():
-            if not self._holds(request_id):
-                return None
-            end_ = min(end, engine.kv_length(request_id))
-            return engine.export_kv(request_id, start, end_), end_
-        got = await self._on_loop(export)
+        got = await self._on_loop(lambda: self.instance.engine.export_out(request_id, start, end))
         return None if got is None else (self._ship(got[0], via), got[1])
 
     async def migrate_import(self, kv: list[KVExport] | ChannelPayload) -> bool:
@@ -157,18 +150,16 @@ class InstanceServer:
 
     async def migrate_stop(self, request_id: str, start: int, via: str | None = None
                            ) -> tuple[Request, list[KVExport] | ChannelPayload, int, float] | None:
-        engine = self.instance.engine
         asked = time.perf_counter()
 
         def stop():
             waited = time.perf_counter() - asked  # the step under way went on: the request still decoded
-            detached = engine.detach(request_id)
-            if detached is None:
+            stopped = self.instance.engine.stop_out(request_id, start)
+            if stopped is None:
                 return None
-            seq, resume = detached
+            seq, resume, exports, end = stopped
             self._detached[request_id] = seq
-            return (dataclasses.replace(seq.request, resume=resume), engine.export_kv(request_id, start),
-                    engine.kv_length(request_id), waited)
+            return dataclasses.replace(seq.request, resume=resume), exports, end, waited
         got = await self._on_loop(stop)
         return None if got is None else (got[0], self._ship(got[1], via), got[2], got[3])
 
@@ -232,10 +223,6 @@ class InstanceServer:
 
     async def migrate_drop(self, request_id: str) -> None:
         await self._on_loop(lambda: self.instance.engine.drop_incoming(request_id))
-
-    def _holds(self, request_id: str) -> bool:
-        engine = self.instance.engine
-        return any(s.request_id == request_id for s in engine.waiting + engine.running)
 
     async def _on_loop(self, fn):
         return await asyncio.wrap_future(self.loop.call(fn))

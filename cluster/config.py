@@ -197,7 +197,7 @@ class MigrationConfig(_Frozen):
     # how the KV travels: "torch", a torch.distributed (gloo) channel opened between the two instances for the
     # migration (falling back to the object store if it cannot be opened); "object_store", Ray's object store
     transfer: Literal["torch", "object_store"] = "torch"
-    channel_timeout_s: float = Field(default=30.0, gt=0.0)
+    channel_timeout_s: float = Field(default=10.0, gt=0.0)
     policies: tuple[Literal["drain", "defrag", "balance"], ...] = ()
     interval_s: float = Field(default=1.0, gt=0.0)
     thresholds: MigrationPolicyConfig = MigrationPolicyConfig()

@@ -71,7 +71,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--skew-prompt-tokens", type=int, default=256)
     p.add_argument("--skew-max-tokens", type=int, default=96)
     p.add_argument("--skew-fits", type=int, default=3, help="requests whose KV one instance holds at once (part 3)")
+    p.add_argument("--skew-open-at", type=float, default=0.5,
+                   help="the fraction of the arrivals after which the second instance opens")
     p.add_argument("--seed", type=int, default=0, help="of the arrival times")
+    p.add_argument("--parts", default="downtime,failover,skew", help="which parts to run, comma-separated")
     p.add_argument("--num-cpus", type=float, default=1.0, help="CPUs per instance")
     p.add_argument("--state", type=Path, default=local_cluster.DEFAULT_STATE, help="the local cluster's state file")
     p.add_argument("--json", type=Path)
@@ -230,7 +233,7 @@ async def skew_part(b: Bench, prompts: list[list[int]], gaps: list[float], args,
     tasks = []
     for i, (p, gap) in enumerate(zip(prompts, gaps)):
         await asyncio.sleep(gap)
-        if i == len(prompts) // 2:
+        if i == int(len(prompts) * args.skew_open_at):
             await b.router.undrain.remote(second)  # the scale-out
         tasks.append(asyncio.create_task(b.stream(p, args.skew_max_tokens)))
     done = await asyncio.gather(*tasks)
@@ -252,6 +255,9 @@ def run(args: argparse.Namespace) -> int:
         contexts = [int(c) for c in args.contexts.split(",") if c]
     except ValueError:
         raise UsageError(f"--contexts: expected lengths like 256,1024, got {args.contexts!r}") from None
+    parts = set(args.parts.split(","))
+    if not parts <= {"downtime", "failover", "skew"}:
+        raise UsageError(f"--parts: choose from downtime, failover, skew; got {args.parts!r}")
     state = local_cluster.read_state(args.state)
     nodes = [n.spec.name for n in state.nodes]
     if len(nodes) < 3:
@@ -266,42 +272,51 @@ def run(args: argparse.Namespace) -> int:
                     "migrate_after": args.migrate_after, "modes": {m: c.model_dump() for m, c in MODES.items()},
                     "downtime": []}
     try:
-        longest = max(contexts) + args.max_tokens + 64
-        cfg = EngineConfig(model=ModelConfig(target=target, dtype=args.dtype), speculation=SpeculationConfig(policy="off"),
-                           scheduler=SchedulerConfig(max_batch_size=8, max_num_batched_tokens=512),
-                           cache=CacheConfig(block_size=16, num_blocks=2 * longest // 16 + 16))
-        b = Bench(cfg, tok.num_layers, args.num_cpus, RouterConfig(stats_interval_s=0.5))
-        try:
-            b.start("bench-a", nodes[0])
-            b.start("bench-b", nodes[1])
-            asyncio.run(b.stream(long_prompt(tok, 32), 4))  # warm-up
-            for c in contexts:
-                part = asyncio.run(downtime_part(b, long_prompt(tok, c), args))
-                report["downtime"].append(part)
-                st, sc = part["staged"], part["stop_and_copy"]
-                so, sco = part["staged_object_store"], part["stop_and_copy_object_store"]
-                print(f"context {c}: downtime staged {_ms(st['downtime_ms_median'])} vs stop-and-copy "
-                      f"{_ms(sc['downtime_ms_median'])} ({_ratio(sc['downtime_ms_median'], st['downtime_ms_median'])}); "
-                      f"client gap {_ms(st['client_gap_ms_median'])} vs {_ms(sc['client_gap_ms_median'])}, "
-                      f"median ITL {part['itl_median_ms']:.1f} ms; through the object store: downtime "
-                      f"{_ms(so['downtime_ms_median'])} staged, {_ms(sco['downtime_ms_median'])} stop-and-copy "
-                      f"({_ratio(sco['downtime_ms_median'], sc['downtime_ms_median'])} the channel's); identical "
-                      f"{all(part[m]['identical'] for m in MODES)}", flush=True)
-            text = long_prompt(tok, args.failover_context + 8 * args.failover_requests)
-            prompts = [text[8 * i:8 * i + args.failover_context] for i in range(args.failover_requests)]
-            f = asyncio.run(failover_part(b, prompts, args, nodes[2]))
-            report["failover"] = f
-            print(f"failover of {f['requests']} requests at context {f['context']}: {f['lost']} lost, identical "
-                  f"{f['identical']}; added latency mean {f['added_latency_ms_mean']:.0f} ms, max "
-                  f"{f['added_latency_ms_max']:.0f} ms; longest client gap {f['client_gap_ms_max']:.0f} ms", flush=True)
-        finally:
-            b.close()
-        if args.skew_requests:
+        if parts & {"downtime", "failover"}:
+            _downtime_and_failover(args, parts, contexts, target, tok, nodes, report)
+        if "skew" in parts and args.skew_requests:
             report["skew"] = _skew(args, target, tok, nodes)
     finally:
         ray.shutdown()
     save(report, args.json, args.plot, _plot)
     return 0
+
+
+def _downtime_and_failover(args, parts: set[str], contexts: list[int], target: str, tok, nodes: list[str],
+                           report: dict) -> None:
+    """Parts 1 and 2 on two instances (and a third, the failover's victim) sized for the longest context."""
+    longest = max(contexts) + args.max_tokens + 64
+    cfg = EngineConfig(model=ModelConfig(target=target, dtype=args.dtype), speculation=SpeculationConfig(policy="off"),
+                       scheduler=SchedulerConfig(max_batch_size=8, max_num_batched_tokens=512),
+                       cache=CacheConfig(block_size=16, num_blocks=2 * longest // 16 + 16))
+    b = Bench(cfg, tok.num_layers, args.num_cpus, RouterConfig(stats_interval_s=0.5))
+    try:
+        b.start("bench-a", nodes[0])
+        b.start("bench-b", nodes[1])
+        asyncio.run(b.stream(long_prompt(tok, 32), 4))  # warm-up
+        for c in contexts if "downtime" in parts else ():
+            part = asyncio.run(downtime_part(b, long_prompt(tok, c), args))
+            report["downtime"].append(part)
+            st, sc = part["staged"], part["stop_and_copy"]
+            so, sco = part["staged_object_store"], part["stop_and_copy_object_store"]
+            print(f"context {c}: downtime staged {_ms(st['downtime_ms_median'])} vs stop-and-copy "
+                  f"{_ms(sc['downtime_ms_median'])} ({_ratio(sc['downtime_ms_median'], st['downtime_ms_median'])}); "
+                  f"client gap {_ms(st['client_gap_ms_median'])} vs {_ms(sc['client_gap_ms_median'])}, "
+                  f"median ITL {part['itl_median_ms']:.1f} ms; through the object store: downtime "
+                  f"{_ms(so['downtime_ms_median'])} staged, {_ms(sco['downtime_ms_median'])} stop-and-copy "
+                  f"({_ratio(sco['downtime_ms_median'], sc['downtime_ms_median'])} the channel's); identical "
+                  f"{all(part[m]['identical'] for m in MODES)}", flush=True)
+        if "failover" not in parts:
+            return
+        text = long_prompt(tok, args.failover_context + 8 * args.failover_requests)
+        prompts = [text[8 * i:8 * i + args.failover_context] for i in range(args.failover_requests)]
+        f = asyncio.run(failover_part(b, prompts, args, nodes[2]))
+        report["failover"] = f
+        print(f"failover of {f['requests']} requests at context {f['context']}: {f['lost']} lost, identical "
+              f"{f['identical']}; added latency mean {f['added_latency_ms_mean']:.0f} ms, max "
+              f"{f['added_latency_ms_max']:.0f} ms; longest client gap {f['client_gap_ms_max']:.0f} ms", flush=True)
+    finally:
+        b.close()
 
 
 def _skew(args, target: str, tok, nodes: list[str]) -> dict:
@@ -341,7 +356,7 @@ def _plot(report: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     parts = report["downtime"]
-    contexts = [p["context"] for p in parts]
+    contexts = [p["context"] for p in parts]  # (none when only part 3 ran)
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
     for mode, label in (("staged", "staged"), ("stop_and_copy", "stop and copy"),
                         ("stop_and_copy_object_store", "stop and copy, object store")):

@@ -28,6 +28,8 @@ COMMANDS: list[tuple[tuple[str, ...], str, str, str]] = [
      "deploy.bench.load", "add_arguments"),
     (("bench", "pipeline"), "one process vs the target split over 2, 3... stages on the local cluster",
      "deploy.bench.pipeline", "add_arguments"),
+    (("bench", "easyspec"), "sequential vs EasySpec layer-parallel drafting (group sizes, modes, calibration on/off)",
+     "deploy.bench.easyspec", "add_arguments"),
     (("bench", "migration"), "live migration's downtime (staged vs stop-and-copy) by context length, failover, and "
      "migration policies under skewed load, on the local cluster", "deploy.bench.migration", "add_arguments"),
     (("bench", "serve"), "load through the served app over HTTP: latency, router overhead, concurrency",

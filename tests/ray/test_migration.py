@@ -33,8 +33,8 @@ class Fleet:
     servers: dict[str, ray.actor.ActorHandle] = field(default_factory=dict)
     cfg: EngineConfig | None = None
 
-    def start(self, instance_id: str) -> None:
-        spec = InstanceSpec(instance_id=instance_id, layout=LAYOUTS["local"], executor="local", num_cpus=CPUS,
+    def start(self, instance_id: str, executor: str = "local") -> None:
+        spec = InstanceSpec(instance_id=instance_id, layout=LAYOUTS[executor], executor=executor, num_cpus=CPUS,
                             engine=self.cfg)
         server = InstanceServer.spawn(spec)
         info = ray.get(server.info.remote(), timeout=300)
@@ -229,4 +229,32 @@ def test_killing_an_instance_under_load_loses_no_request(fleet) -> None:
         assert got.tokens == want.tokens and got.text == want.text
         assert got.instance in ("mig-a", "mig-b")
     assert ray.get(fleet.router.migration_stats.remote()).failovers >= 1
+    kv_free(fleet)
+
+
+def test_killing_one_shard_of_an_instance_under_load_loses_no_request(fleet) -> None:
+    """Failover from a shard: one stage actor of a two-stage instance dies; its streams resume elsewhere, unchanged."""
+    prompts = text_prompts(load(fleet.cfg.model.target), 2, offset=17)
+    alone = [asyncio.run(stream(fleet, p)) for p in prompts]
+    fleet.start("mig-shards", executor="ray")
+    for name in ("mig-a", "mig-b"):  # new requests go to the two-stage instance only
+        ray.get(fleet.router.drain.remote(name))
+
+    async def run() -> list[Streamed]:
+        tasks = [asyncio.create_task(stream(fleet, p)) for p in prompts]
+        await asyncio.sleep(0.5)
+        assert {r["instance_id"] for r in await fleet.router.requests.remote("running")} == {"mig-shards"}
+        for name in ("mig-a", "mig-b"):
+            await fleet.router.undrain.remote(name)
+        ray.kill(ray.get_actor("mig-shards/stage-1"), no_restart=True)
+        return await asyncio.gather(*tasks)
+
+    try:
+        results = asyncio.run(run())
+    finally:
+        ray.kill(fleet.servers.pop("mig-shards"), no_restart=True)
+    for got, want in zip(results, alone):
+        assert got.error is None and got.finish is FinishReason.LENGTH
+        assert got.tokens == want.tokens and got.text == want.text
+        assert got.instance in ("mig-a", "mig-b")
     kv_free(fleet)

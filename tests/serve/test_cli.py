@@ -65,33 +65,46 @@ def test_status(served_app: ServedApp) -> None:
     assert text.returncode == 0 and "the router holds 0 pending" in text.stdout, text.stdout + text.stderr
 
 
-def test_abort_a_running_request(served_app: ServedApp, capsys: pytest.CaptureFixture) -> None:
-    finish: list[str | None] = []
+def stream_in_background(app: ServedApp, body: dict) -> tuple[threading.Thread, list[tuple[str, str | None]]]:
+    """A streamed completion in a thread; once it ends, its (text, finish reason) is in the list."""
+    got: list[tuple[str, str | None]] = []
 
     def stream() -> None:
-        body = {"model": MODEL, "prompt": "once upon a time", "max_tokens": 240, "ignore_eos": True, "stream": True}
-        reason = None
-        with served_app.client() as c, c.stream("POST", "/v1/completions", json=body) as r:
+        text, reason = "", None
+        with app.client() as c, c.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
             for line in r.iter_lines():
                 if line.startswith("data: {"):
                     for choice in json.loads(line[6:]).get("choices", []):
+                        text += choice["text"]
                         reason = choice["finish_reason"] or reason
-        finish.append(reason)
+        got.append((text, reason))
 
     t = threading.Thread(target=stream)
     t.start()
+    return t, got
+
+
+def wait_running(app: ServedApp, capsys: pytest.CaptureFixture, got: list) -> list[dict]:
+    """The router's running requests, once there are some (empty if the stream ended first)."""
     deadline = time.monotonic() + 30
     running: list[dict] = []
-    while not running and not finish:
+    while not running and not got:
         assert time.monotonic() < deadline, "the request never showed up as running"
-        rc, out, _ = cli(served_app, capsys, "requests", "--status", "running", "--json")
+        rc, out, _ = cli(app, capsys, "requests", "--status", "running", "--json")
         assert rc == 0
         running = json.loads(out)["requests"]
-    assert running, f"the request finished ({finish}) before it could be aborted"
+    return running
+
+
+def test_abort_a_running_request(served_app: ServedApp, capsys: pytest.CaptureFixture) -> None:
+    body = {"model": MODEL, "prompt": "once upon a time", "max_tokens": 240, "ignore_eos": True}
+    t, got = stream_in_background(served_app, body)
+    running = wait_running(served_app, capsys, got)
+    assert running, f"the request finished ({got}) before it could be aborted"
     rc, out, err = cli(served_app, capsys, "abort", running[0]["request_id"])
     assert rc == 0, err
     t.join(timeout=30)
-    assert finish == ["abort"]
+    assert [reason for _, reason in got] == ["abort"]
     rc, out, err = cli(served_app, capsys, "abort", running[0]["request_id"])
     assert rc == 2 and "no running request" in err
 
@@ -102,25 +115,8 @@ def test_migrate_a_running_request(served_app: ServedApp, capsys: pytest.Capture
     body = {"model": MODEL, "prompt": "the migrating tale", "max_tokens": 240, "ignore_eos": True, "temperature": 0}
     with served_app.client() as c:
         alone = c.post("/v1/completions", json=body).json()["choices"][0]["text"]
-    got: list[tuple[str, str | None]] = []
-
-    def stream() -> None:
-        text, reason = "", None
-        with served_app.client() as c, c.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
-            for line in r.iter_lines():
-                if line.startswith("data: {"):
-                    for choice in json.loads(line[6:]).get("choices", []):
-                        text += choice["text"]
-                        reason = choice["finish_reason"] or reason
-        got.append((text, reason))
-
-    t = threading.Thread(target=stream)
-    t.start()
-    deadline = time.monotonic() + 30
-    running: list[dict] = []
-    while not running and not got:
-        assert time.monotonic() < deadline, "the request never showed up as running"
-        running = json.loads(cli(served_app, capsys, "requests", "--status", "running", "--json")[1])["requests"]
+    t, got = stream_in_background(served_app, body)
+    running = wait_running(served_app, capsys, got)
     assert running, "the request finished before it could be migrated"
     rc, out, err = cli(served_app, capsys, "migrate", running[0]["request_id"], "--json")
     t.join(timeout=60)

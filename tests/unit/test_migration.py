@@ -36,9 +36,8 @@ class EngineEndpoint:
         self.engine, self.results, self.steps, self.fail_on = engine, results, steps, fail_on
         self.detached = {}
         self.exports: list[tuple[int, int]] = []  # the (start, end) asked of each export
-
-    def _here(self, rid: str) -> bool:
-        return any(s.request_id == rid for s in self.engine.waiting + self.engine.running)
+        self.between_steps = lambda: None  # what else happens at the source after its steps, before an export
+        self.before_stop = lambda: None  # and before the stop
 
     def _maybe_fail(self, name: str) -> None:
         if name == self.fail_on:
@@ -46,7 +45,7 @@ class EngineEndpoint:
 
     async def migrate_length(self, rid):
         self._maybe_fail("length")
-        return self.engine.kv_length(rid) if self._here(rid) else None
+        return self.engine.kv_length(rid) if self.engine.holds(rid) else None
 
     async def migrate_reserve(self, rid, tokens):
         return self.engine.reserve_incoming(rid, tokens)
@@ -55,23 +54,21 @@ class EngineEndpoint:
         self._maybe_fail("export")
         self.exports.append((start, end))
         drain(self.engine, self.results, steps=self.steps)
-        if not self._here(rid):
-            return None
-        end = min(end, self.engine.kv_length(rid))
-        return self.engine.export_kv(rid, start, end), end
+        self.between_steps()
+        return self.engine.export_out(rid, start, end)
 
     async def migrate_import(self, exports):
         self._maybe_fail("import")
         return self.engine.import_kv(exports)
 
     async def migrate_stop(self, rid, start, via=None):
-        detached = self.engine.detach(rid)
-        if detached is None:
+        self.before_stop()
+        stopped = self.engine.stop_out(rid, start)
+        if stopped is None:
             return None
-        seq, resume = detached
+        seq, resume, exports, end = stopped
         self.detached[rid] = seq
-        return (dataclasses.replace(seq.request, resume=resume), self.engine.export_kv(rid, start),
-                self.engine.kv_length(rid), 0.0)
+        return dataclasses.replace(seq.request, resume=resume), exports, end, 0.0
 
     async def migrate_commit(self, request):
         self._maybe_fail("commit")
@@ -231,4 +228,41 @@ def test_a_stage_copies_in_chunks_between_the_sources_steps(tiny_models, tiny_dr
     assert len(a.exports) >= len(prompt) // 8 and all(0 < e - s <= 8 for s, e in a.exports), a.exports
     assert [s for s, _ in a.exports[1:]] == [e for _, e in a.exports[:-1]]  # contiguous: no gap, no overlap
     assert results["r0"].token_ids == reference_greedy(tiny_models["llama"], prompt, 96)
+    assert_no_kv_left(src, dst)
+
+
+@pytest.mark.parametrize("when", ["during a copy", "just before the stop"])
+def test_a_request_preempted_while_it_migrates_stays_and_finishes_at_the_source(tiny_models, tiny_draft_models,
+                                                                                 when) -> None:
+    """Preemption frees the KV already copied: the stop must not take the request (it would be lost), the migration
+    aborts at the source, and the request recomputes and finishes there; no block leaks on either side."""
+    src, dst = engine(tiny_models, tiny_draft_models), engine(tiny_models, tiny_draft_models)
+    prompts = text_prompts(src.target.model, 2, offset=5)
+    longer = SamplingParams(temperature=0.0, max_tokens=96, ignore_eos=True)
+    for i, p in enumerate(prompts):
+        src.add_request(Request(f"r{i}", tuple(p), longer))
+    results: dict[str, Result] = {}
+    drain(src, results, steps=3)
+    a, b = EngineEndpoint(src, results, steps=1), EngineEndpoint(dst, results)
+    exports_seen = []
+
+    def preempt() -> None:
+        src.scheduler.preempt(next(s for s in src.running if s.request_id == "r0"))
+
+    def preempt_at_the_second_copy() -> None:
+        exports_seen.append(1)
+        if len(exports_seen) == 2:
+            preempt()
+    if when == "during a copy":
+        a.between_steps = preempt_at_the_second_copy
+    else:
+        a.before_stop = preempt
+
+    outcome = asyncio.run(migrate("r0", a, b, MigrationConfig(max_stages=1, stop_copy_tokens=0, chunk_tokens=16)))
+    drain(src, results)
+
+    assert outcome.status is MigrationStatus.ABORTED_SRC and outcome.stages == (when != "during a copy"), outcome
+    assert src.holds("r0") is False and not a.detached  # it ran to its end at the source, never taken out
+    for i, p in enumerate(prompts):
+        assert results[f"r{i}"].token_ids == reference_greedy(tiny_models["llama"], p, 96), f"r{i}"
     assert_no_kv_left(src, dst)
