@@ -83,8 +83,8 @@ class InstanceServer:
         self.loop = ServingLoop(self.instance, name=f"engine-loop-{spec.instance_id}")
         self._detached: dict[str, Sequence] = {}  # migrating out: stopped here, KV kept until the commit
         self._handed_in: dict[str, asyncio.Queue[StreamItem]] = {}  # migrated in: items until the client follows
-        self._channels: dict[str, KVChannel] = {}  # open KV channels of migrations, by the other instance's id
-        self._sending: dict[str, asyncio.Task] = {}  # the last KV send to each, chained behind the ones before
+        self._channels: dict[str, KVChannel] = {}  # the open KV channel of each migration, by its id
+        self._sending: dict[str, asyncio.Task] = {}  # the last KV send over each, chained behind the ones before
 
     async def generate(self, request: Request):
         """Stream the request's StreamItems until its final one (finish, abort or error)."""
@@ -144,7 +144,7 @@ class InstanceServer:
 
     async def migrate_import(self, kv: list[KVExport] | ChannelPayload) -> bool:
         if isinstance(kv, ChannelPayload):  # the tensors come over the channel from the source
-            channel = self._channels[kv.peer]
+            channel = self._channels[kv.channel]
             kv = await asyncio.to_thread(channel.recv, kv.headers)
         return await self._on_loop(lambda: self.instance.engine.import_kv(kv))
 
@@ -168,23 +168,28 @@ class InstanceServer:
         """A rendezvous address on this node for a channel this instance will host (as rank 0)."""
         return free_address(ray.util.get_node_ip_address())
 
-    async def channel_open(self, peer: str, address: str, rank: int, timeout_s: float = 30.0) -> None:
-        """Join the channel to instance `peer` at `address` (both ends call this at once)."""
-        self._channels[peer] = await asyncio.to_thread(KVChannel, address, rank, timeout_s)
+    async def kv_device(self) -> str:
+        """The device type its KV exports are on ("cuda" or "cpu"): the migration picks the channel's backend."""
+        return self.instance.engine.device.type
 
-    async def channel_close(self, peer: str) -> None:
-        """Forget the channel to `peer`. After a migration that finished, every send has been received; after one
+    async def channel_open(self, channel: str, address: str, rank: int, timeout_s: float = 30.0,
+                           backend: str = "gloo") -> None:
+        """Join a migration's channel `channel` at `address` (both ends call this at once)."""
+        self._channels[channel] = await asyncio.to_thread(KVChannel, address, rank, timeout_s, backend)
+
+    async def channel_close(self, channel: str) -> None:
+        """Forget a migration's channel. After a migration that finished, every send has been received; after one
         that failed, a send still under way ends with the channel's timeout (and is logged), without being waited
         for here."""
-        self._channels.pop(peer, None)
-        pending = self._sending.pop(peer, None)
+        self._channels.pop(channel, None)
+        pending = self._sending.pop(channel, None)
         if pending is not None:
             pending.add_done_callback(lambda t: t.cancelled() or t.exception() is None or
-                                      log.warning("a KV send to %s failed: %s", peer, t.exception()))
+                                      log.warning("a KV send over %s failed: %s", channel, t.exception()))
 
     def _ship(self, exports: list[KVExport], via: str | None) -> list[KVExport] | ChannelPayload:
-        """The KV as the coordinator carries it: itself (through Ray's object store), or with `via` (the receiving
-        instance) its headers, its tensors sent over the channel behind anything sent before."""
+        """The KV as the coordinator carries it: itself (through Ray's object store), or with `via` (the migration's
+        channel) its headers, its tensors sent over that channel behind anything sent on it before."""
         if via is None:
             return exports
         channel, before = self._channels[via], self._sending.get(via)
@@ -194,7 +199,7 @@ class InstanceServer:
                 await before
             await asyncio.to_thread(channel.send, exports)
         self._sending[via] = asyncio.get_running_loop().create_task(send())
-        return ChannelPayload(self.spec.instance_id, tuple(KVHeader.of(e) for e in exports))
+        return ChannelPayload(via, tuple(KVHeader.of(e) for e in exports))
 
     async def migrate_commit(self, request: Request) -> bool:
         loop = asyncio.get_running_loop()

@@ -1,14 +1,15 @@
 """A torch.distributed channel between two instances' processes that carries a migrating request's KV.
 
-A migration (cluster/migration.py) opens one for its duration: the source's process hosts a TCP store at a
-free port of its node and is rank 0, the destination's is rank 1, and a two-rank gloo group connects them
-(`ProcessGroupGloo` made directly over the store, so it leaves each process's default group, the pipeline's
-(actors/p2p.py), alone). The KV's tensors go over it in order; their headers (request, layers, token range,
+A migration (cluster/migration.py) opens one of its own for its duration (two migrations between the same
+instances each have theirs): the source's process hosts a TCP store at a
+free port of its node and is rank 0, the destination's is rank 1, and a two-rank group connects them (made
+directly over the store, so it leaves each process's default group, the pipeline's (actors/p2p.py), alone):
+NCCL when both instances keep their KV on GPUs, gloo otherwise. The KV's tensors go over it in order; their headers (request, layers, token range,
 shape, dtype) go with the coordinator's calls, so the receiver knows what to allocate. Every operation is
 bounded by the channel's timeout: a peer that died fails the transfer, never hangs it.
 
-Tensors cross in host memory: a KV cache on a GPU is copied to the host and back (an NCCL group between two
-GPU instances would move them device to device; it is not built yet).
+Tensors cross on the backend's wire device: NCCL sends them GPU to GPU from where the cache holds them; gloo
+carries host memory, so only a GPU instance migrating to or from a CPU instance stages its KV on the host.
 """
 
 from __future__ import annotations
@@ -47,19 +48,28 @@ class KVHeader:
 class ChannelPayload:
     """A migration's KV as the coordinator carries it when the tensors go over a channel: headers only."""
 
-    peer: str  # the sending instance (the receiver's channel is keyed by it)
+    channel: str  # the migration's channel id (source -> destination / request): the receiver's key for it
     headers: tuple[KVHeader, ...]
 
 
 class KVChannel:
-    """One end of a two-rank gloo group; `send` and `recv` block (run them off the event loop)."""
+    """One end of a two-rank group; `send` and `recv` block (run them off the event loop)."""
 
-    def __init__(self, address: str, rank: int, timeout_s: float) -> None:
+    def __init__(self, address: str, rank: int, timeout_s: float, backend: str = "gloo") -> None:
+        if backend not in ("gloo", "nccl"):
+            raise ChannelError(f"unknown KV channel backend {backend!r} (gloo or nccl)")
         host, port = address.removeprefix("tcp://").rsplit(":", 1)
         self.rank, self.timeout = rank, timedelta(seconds=timeout_s)
+        # where tensors must be to cross: the current GPU for NCCL, host memory for gloo
+        self.wire = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
         try:
             self.store = dist.TCPStore(host, int(port), 2, rank == 0, self.timeout)
-            self.group = dist.ProcessGroupGloo(self.store, rank, 2, self.timeout)
+            if backend == "nccl":
+                options = dist.ProcessGroupNCCL.Options()
+                options._timeout = self.timeout
+                self.group = dist.ProcessGroupNCCL(self.store, rank, 2, options)
+            else:
+                self.group = dist.ProcessGroupGloo(self.store, rank, 2, self.timeout)
         except RuntimeError as e:
             raise ChannelError(f"opening the KV channel at {address} as rank {rank} failed: {e}") from None
         self._lock = threading.Lock()  # one transfer at a time, in the order they were asked for
@@ -70,19 +80,20 @@ class KVChannel:
         with self._lock:
             for e in exports:
                 for t in (e.k, e.v):
-                    buf = t.detach().to("cpu").contiguous()
+                    buf = t.detach().to(self.wire).contiguous()  # no copy when the cache is on the wire device
                     self._wait(self.group.send([buf], 1 - self.rank, 0), "send")
                     sent += buf.numel() * buf.element_size()
         return sent
 
     def recv(self, headers: tuple[KVHeader, ...]) -> list[KVExport]:
-        """Receive the tensors the headers describe, in order, into host memory (the cache's import moves them)."""
+        """Receive the tensors the headers describe, in order, onto the wire device (the cache's import moves them
+        to its own device if that differs)."""
         out = []
         with self._lock:
             for h in headers:
                 kv = []
                 for _ in range(2):
-                    buf = torch.empty(h.shape, dtype=getattr(torch, h.dtype))
+                    buf = torch.empty(h.shape, dtype=getattr(torch, h.dtype), device=self.wire)
                     self._wait(self.group.recv([buf], 1 - self.rank, 0), "receive")
                     kv.append(buf)
                 out.append(KVExport(h.request_id, h.layer_ids, h.start, h.end, kv[0], kv[1]))

@@ -67,7 +67,7 @@ class Endpoint(Protocol):
     async def migrate_export(self, request_id: str, start: int, end: int, via: str | None = None
                              ) -> tuple[object, int] | None:
         """Source: the request's KV from `start` to `end` (or to what it holds, if less), and where that ends;
-        None if it ended meanwhile. With `via` (the destination's id) its tensors go over their channel."""
+        None if it ended meanwhile. With `via` (this migration's channel) its tensors go over that channel."""
         ...
 
     async def migrate_import(self, kv: object) -> bool:
@@ -97,12 +97,17 @@ class Endpoint(Protocol):
         """Source: where the KV channel it hosts will meet its peer (only with `transfer: torch`)."""
         ...
 
-    async def channel_open(self, peer: str, address: str, rank: int, timeout_s: float) -> None:
-        """Both: join the channel to instance `peer` (the source as rank 0); both ends are called at once."""
+    async def kv_device(self) -> str:
+        """Both: the device type ("cuda" or "cpu") its KV exports are on (only with `transfer: torch`)."""
         ...
 
-    async def channel_close(self, peer: str) -> None:
-        """Both: finish sending to `peer` and forget the channel."""
+    async def channel_open(self, channel: str, address: str, rank: int, timeout_s: float, backend: str) -> None:
+        """Both: join the migration's channel `channel` (the source as rank 0) over `backend` (gloo or nccl); both
+        ends are called at once."""
+        ...
+
+    async def channel_close(self, channel: str) -> None:
+        """Both: finish sending over `channel` and forget it."""
         ...
 
 
@@ -122,14 +127,15 @@ async def migrate(request_id: str, src: Endpoint, dst: Endpoint, cfg: MigrationC
     """Move a running request from `src` to `dst`; `destination` is what the source's stream is told (the
     destination instance's id and handle, for the client's stream to follow). With `cfg.transfer == "torch"`
     and the two instances' `ids`, the KV goes over a torch.distributed channel between them, opened for this
-    migration (the object store if it cannot be opened)."""
+    migration alone (the object store if it cannot be opened): migrations between the same two instances may
+    run side by side, each over its own channel."""
     t0 = time.perf_counter()
-    via = await _open_channel(src, dst, ids, cfg) if cfg.transfer == "torch" and ids else None
+    via = await _open_channel(src, dst, ids, request_id, cfg) if cfg.transfer == "torch" and ids else None
     try:
         result = await _migrate(request_id, src, dst, cfg, destination, via)
     finally:
         if via is not None:
-            await _close_channel(src, dst, ids)
+            await _close_channel(src, dst, via)
     return dataclasses.replace(result, transfer="torch" if via else "object_store",
                                total_s=time.perf_counter() - t0)
 
@@ -206,30 +212,36 @@ async def _migrate(request_id: str, src: Endpoint, dst: Endpoint, cfg: Migration
         return result(status, f"{side}: {type(e).__name__}: {e}")
 
 
-async def _open_channel(src: Endpoint, dst: Endpoint, ids: tuple[str, str], cfg: MigrationConfig) -> str | None:
-    """Open the KV channel between the two instances; the destination's id (what the source sends `via`), or
+async def _open_channel(src: Endpoint, dst: Endpoint, ids: tuple[str, str], request_id: str,
+                        cfg: MigrationConfig) -> str | None:
+    """Open a KV channel between the two instances for this migration; its id (what the source sends `via`), or
     None to fall back to the object store."""
     src_id, dst_id = ids
+    channel = f"{src_id}->{dst_id}/{request_id}"
     try:
-        address = await src.channel_address()
-        await asyncio.wait_for(asyncio.gather(src.channel_open(dst_id, address, 0, cfg.channel_timeout_s),
-                                              dst.channel_open(src_id, address, 1, cfg.channel_timeout_s)),
+        address, backend = await src.channel_address(), await channel_backend(src, dst)
+        await asyncio.wait_for(asyncio.gather(src.channel_open(channel, address, 0, cfg.channel_timeout_s, backend),
+                                              dst.channel_open(channel, address, 1, cfg.channel_timeout_s, backend)),
                                cfg.channel_timeout_s + 5)
-        return dst_id
+        return channel
     except Exception as e:  # noqa: BLE001 - the object store still carries the KV
-        log.warning("no KV channel %s -> %s (%s: %s); the KV goes through the object store", src_id, dst_id,
-                    type(e).__name__, e)
-        await _close_channel(src, dst, ids)
+        log.warning("no KV channel %s (%s: %s); the KV goes through the object store", channel, type(e).__name__, e)
+        await _close_channel(src, dst, channel)
         return None
 
 
-async def _close_channel(src: Endpoint, dst: Endpoint, ids: tuple[str, str]) -> None:
-    src_id, dst_id = ids
-    for end, peer in ((src, dst_id), (dst, src_id)):
+async def channel_backend(src: Endpoint, dst: Endpoint) -> str:
+    """NCCL when both instances keep their KV on GPUs (device to device), gloo otherwise (host memory)."""
+    devices = await asyncio.gather(src.kv_device(), dst.kv_device())
+    return "nccl" if all(d == "cuda" for d in devices) else "gloo"
+
+
+async def _close_channel(src: Endpoint, dst: Endpoint, channel: str) -> None:
+    for end in (src, dst):
         try:
-            await end.channel_close(peer)
+            await end.channel_close(channel)
         except Exception as e:  # noqa: BLE001 - a dead end holds no channel; a send that failed was already reported
-            log.warning("closing the KV channel to %s failed (%s: %s)", peer, type(e).__name__, e)
+            log.warning("closing the KV channel %s failed (%s: %s)", channel, type(e).__name__, e)
 
 
 async def _drop(dst: Endpoint, request_id: str) -> None:

@@ -73,10 +73,11 @@ class Streamed:
 
 
 async def stream(fleet: Fleet, prompt: list[int], *, temperature: float = 0.0, seed: int | None = None,
-                 after: int | None = None, during: Callable[[str, str], Awaitable] | None = None) -> Streamed:
+                 after: int | None = None, during: Callable[[str, str], Awaitable] | None = None,
+                 tokens: int = TOKENS) -> Streamed:
     """One completion through the frontend; once `after` tokens have arrived, `during(request_id, instance)` runs
     (the stream keeps buffering meanwhile)."""
-    prep = fleet.frontend.prepare(prompt, max_tokens=TOKENS, temperature=temperature, top_p=1.0, top_k=0, seed=seed,
+    prep = fleet.frontend.prepare(prompt, max_tokens=tokens, temperature=temperature, top_p=1.0, top_k=0, seed=seed,
                                   stop=(), n=1, priority=0, ignore_eos=True)
     call = await fleet.frontend.start(prep)
     out = Streamed()
@@ -139,6 +140,36 @@ def test_a_stream_follows_its_request_through_migrations(fleet, seed, transfer) 
     wait_no_pending(fleet)
 
 
+def test_migrations_between_the_same_two_instances_run_side_by_side(fleet) -> None:
+    """Each migration opens its own KV channel: three at once from one instance to the other all land, each
+    request with its own KV (a shared channel would cross their tensors or fail them)."""
+    prompts = text_prompts(load(fleet.cfg.model.target), 3, offset=21)
+    alone = [asyncio.run(stream(fleet, p)) for p in prompts]
+    full, empty = "mig-a", "mig-b"
+    ray.get(fleet.router.drain.remote(empty))  # every request starts on `full`
+
+    async def run() -> tuple[list[Streamed], list]:
+        tasks = [asyncio.create_task(stream(fleet, p)) for p in prompts]
+        await asyncio.sleep(0.3)
+        running = await fleet.router.requests.remote("running")
+        assert {r["instance_id"] for r in running} == {full} and len(running) == len(prompts)
+        await fleet.router.undrain.remote(empty)
+        moves = await asyncio.gather(*(fleet.router.migrate.remote(r["request_id"], empty,
+                                                                   MigrationConfig(transfer="torch"))
+                                       for r in running))
+        return await asyncio.gather(*tasks), moves
+
+    try:
+        results, moves = asyncio.run(run())
+    finally:
+        ray.get(fleet.router.undrain.remote(empty))
+    assert [(m.status.value, m.transfer) for m in moves] == [("finished", "torch")] * len(prompts), moves
+    for got, want in zip(results, alone):
+        assert got.instance == empty and got.tokens == want.tokens
+    kv_free(fleet)
+    wait_no_pending(fleet)
+
+
 def test_a_migrating_drain_empties_the_instance(fleet) -> None:
     prompts = text_prompts(load(fleet.cfg.model.target), 3, offset=2)
     drained = {}
@@ -179,7 +210,8 @@ def test_the_router_migrates_on_its_own_by_policy(fleet, policy) -> None:
     ray.get(fleet.router.drain.remote(empty))  # every request starts on `full`
 
     async def run() -> list[Streamed]:
-        tasks = [asyncio.create_task(stream(fleet, p)) for p in prompts]
+        # twice as long as usual: the policy moves one request per round, and each must still be running then
+        tasks = [asyncio.create_task(stream(fleet, p, tokens=2 * TOKENS)) for p in prompts]
         await asyncio.sleep(0.3)
         assert {r["instance_id"] for r in await fleet.router.requests.remote("running")} == {full}
         await fleet.router.configure.remote(planned)
@@ -194,14 +226,16 @@ def test_the_router_migrates_on_its_own_by_policy(fleet, policy) -> None:
         ray.get(fleet.router.configure.remote(RouterConfig(stats_interval_s=0.2)))
         for name in fleet.servers:
             ray.get(fleet.router.undrain.remote(name))
-    moved = ray.get(fleet.router.migration_stats.remote()).by_status["finished"] - before
+    after = ray.get(fleet.router.migration_stats.remote())
+    moved = after.by_status["finished"] - before
     ended_on = [r.instance for r in results]
     if policy == "balance":
-        assert moved >= 1 and empty in ended_on and full in ended_on, (moved, ended_on)
+        assert moved >= 1 and empty in ended_on and full in ended_on, (moved, ended_on, after)
     else:
-        assert moved == len(prompts) and set(ended_on) == {empty}, (moved, ended_on)
-    for got, want in zip(results, alone):
-        assert got.tokens == want.tokens and got.finish is FinishReason.LENGTH
+        assert moved == len(prompts) and set(ended_on) == {empty}, (moved, ended_on, after)
+    for got, want in zip(results, alone):  # greedy: the first TOKENS tokens are the unmigrated run's
+        assert got.tokens[:TOKENS] == want.tokens and len(got.tokens) == 2 * TOKENS
+        assert got.finish is FinishReason.LENGTH
     kv_free(fleet)
     wait_no_pending(fleet)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 
@@ -11,6 +12,7 @@ import torch
 from actors.kv_cache import KVExport
 from actors.kv_channel import ChannelError, KVChannel, KVHeader
 from actors.p2p import free_address
+from cluster.migration import channel_backend
 
 
 def exports(n: int) -> list[KVExport]:
@@ -53,3 +55,27 @@ def test_a_receive_with_no_sender_times_out() -> None:
     _, dst = open_pair(timeout_s=2.0)
     with pytest.raises(ChannelError, match="receive failed"):
         dst.recv((KVHeader.of(exports(1)[0]),))
+
+
+class _End:
+    def __init__(self, device: str) -> None:
+        self.device = device
+
+    async def kv_device(self) -> str:
+        return self.device
+
+
+@pytest.mark.parametrize(("src", "dst", "backend"), [("cuda", "cuda", "nccl"), ("cuda", "cpu", "gloo"),
+                                                     ("cpu", "cuda", "gloo"), ("cpu", "cpu", "gloo")])
+def test_nccl_carries_the_kv_only_between_two_gpu_instances(src: str, dst: str, backend: str) -> None:
+    assert asyncio.run(channel_backend(_End(src), _End(dst))) == backend
+
+
+def test_an_unknown_backend_is_refused_before_anything_opens() -> None:
+    with pytest.raises(ChannelError, match="unknown KV channel backend 'mpi'"):
+        KVChannel(free_address("127.0.0.1"), 0, timeout_s=1.0, backend="mpi")
+
+
+def test_gloo_carries_host_tensors_without_a_copy() -> None:
+    src, dst = open_pair()
+    assert src.wire == dst.wire == torch.device("cpu")
