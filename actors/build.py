@@ -17,6 +17,7 @@ import ray
 from ray.actor import ActorHandle
 from ray.util.placement_group import PlacementGroup
 
+from actors.ep_stages import EPStages, placer
 from actors.instance import Instance
 from actors.model.loader import load_config, load_metadata
 from actors.pipeline import PipelineRunner
@@ -38,6 +39,7 @@ class StageGroup:
     names: tuple[str, ...]
     layer_ids: tuple[tuple[int, ...], ...]
     group: bool = False  # an EasySpec draft group: the actors are its ranks, the first holds the whole draft
+    experts: bool = False  # expert-parallel ranks (actors/ep_stages.py), each with every layer
 
 
 @dataclass(frozen=True)
@@ -59,15 +61,28 @@ class Shards:
 
 def shard_specs(cfg: EngineConfig, layout: ShardLayout) -> tuple[list[ShardSpec], ShardSpec | None]:
     """What each target stage and the draft load; PlacementError if the layout does not fit the config."""
-    m = cfg.model
-    layout.check(load_config(m.target).num_hidden_layers)
+    m, ep = cfg.model, cfg.experts
+    num_layers = load_config(m.target).num_hidden_layers
+    layout.check(num_layers)
     last = len(layout.stages) - 1
-    stages = [ShardSpec(m.target, m.dtype, s.layer_ids, first=i == 0, last=i == last, cache=cfg.cache,
-                        device=m.device) for i, s in enumerate(layout.stages)]
+    if ep.enabled:  # expert parallelism: each slot of the layout is one rank, holding every layer
+        if len(layout.stages) != ep.ranks:
+            raise PlacementError(f"experts.ranks is {ep.ranks}, the layout has {len(layout.stages)} slots for them")
+        stages = expert_rank_specs(cfg, num_layers)
+    else:
+        stages = [ShardSpec(m.target, m.dtype, s.layer_ids, first=i == 0, last=i == last, cache=cfg.cache,
+                            device=m.device) for i, s in enumerate(layout.stages)]
     draft = draft_spec(cfg)
     if draft is not None and layout.draft_node is None:
         raise PlacementError("the engine config names a draft, but the layout places none (draft_node)")
     return stages, draft
+
+
+def expert_rank_specs(cfg: EngineConfig, num_layers: int) -> list[ShardSpec]:
+    """What each expert-parallel rank of the target loads: every layer, its slice of the (planned) experts."""
+    m, ep = cfg.model, cfg.experts
+    return [ShardSpec(m.target, m.dtype, tuple(range(num_layers)), first=True, last=True, cache=cfg.cache,
+                      device=m.device, ep_rank=i, ep_size=ep.ranks, ep_plan=ep.plan) for i in range(ep.ranks)]
 
 
 def draft_spec(cfg: EngineConfig) -> ShardSpec | None:
@@ -108,7 +123,8 @@ def build_shards(cfg: EngineConfig, layout: ShardLayout, *, num_cpus: float = 1.
     try:
         # stages that host a draft member (_spawn_members)
         shared = {(s.group_rank - 1) % len(layout.stages) for s in (member_specs(draft_shard) if draft_shard else [])}
-        names = [f"stage {i} on {s.node}:{s.device} (layers {s.layers[0]}-{s.layers[1] - 1})"
+        names = [f"expert rank {i} on {s.node}:{s.device}" if cfg.experts.enabled else
+                 f"stage {i} on {s.node}:{s.device} (layers {s.layers[0]}-{s.layers[1] - 1})"
                  for i, s in enumerate(layout.stages)]
         for i, spec in enumerate(stage_specs):
             gpus = layout.stages[i].gpus / (2 if i in shared else 1)  # a draft member shares its GPU (_spawn_members)
@@ -130,7 +146,8 @@ def build_shards(cfg: EngineConfig, layout: ShardLayout, *, num_cpus: float = 1.
             _join(list(draft.actors), list(draft.names), ready_timeout_s, group_timeout_s)
         stages = actors[:len(stage_specs)]
         backend = _join(stages, names, ready_timeout_s, group_timeout_s) if len(stages) > 1 else None
-        target = StageGroup(tuple(stages), tuple(names), tuple(s.layer_ids for s in stage_specs))
+        target = StageGroup(tuple(stages), tuple(names), tuple(s.layer_ids for s in stage_specs),
+                            experts=cfg.experts.enabled)
         return Shards(target, draft, layout, pg, backend)
     except BaseException:
         for actor in actors:
@@ -162,6 +179,31 @@ def draft_group_runner(cfg: EngineConfig, *, num_cpus: float = 1.0, timeout_s: f
         group = StageGroup(tuple(actors), tuple(names), (spec.layer_ids,), group=len(actors) > 1)
         model = load_metadata(m.draft, m.dtype) if m.draft is not None else load_metadata(m.target, m.dtype)
         return PipelineRunner(model, cfg.cache, _stages(group, step_timeout_s)), stop
+    except BaseException:
+        stop()
+        raise
+
+
+def expert_parallel_runner(cfg: EngineConfig, *, num_cpus: float = 1.0, timeout_s: float = 300.0
+                           ) -> tuple[PipelineRunner, Callable[[], None]]:
+    """`cfg`'s MoE target as `cfg.experts.ranks` expert-parallel rank actors anywhere in the connected Ray cluster
+    (no layout: benchmarks on one machine), each with `num_cpus` CPUs. Returns the target's runner, for an
+    Engine in this process, and the function that stops the actors."""
+    if not cfg.experts.enabled:
+        raise ValueError("the config asks for no expert parallelism (experts.ranks is 1)")
+    model = load_metadata(cfg.model.target, cfg.model.dtype)
+    specs = expert_rank_specs(cfg, model.num_layers)
+    actors = [ShardActor.spawn(s, None, 0, num_cpus=num_cpus) for s in specs]
+    names = [f"expert rank {i}" for i in range(len(specs))]
+
+    def stop() -> None:
+        for actor in actors:
+            ray.kill(actor, no_restart=True)
+    try:
+        gather([a.ready.remote() for a in actors], names, "load", timeout_s)
+        _join(actors, names, timeout_s, timeout_s)
+        stages = EPStages(actors, names, model.num_layers, timeout_s, placer(cfg.experts))
+        return PipelineRunner(model, cfg.cache, stages), stop
     except BaseException:
         stop()
         raise
@@ -206,7 +248,10 @@ def ray_instance(cfg: EngineConfig, layout: ShardLayout, *, num_cpus: float = 1.
     try:
         m = cfg.model
         target_model = load_metadata(m.target, m.dtype)
-        target = PipelineRunner(target_model, cfg.cache, _stages(shards.target, step_timeout_s))
+        target_stages = (EPStages(shards.target.actors, shards.target.names, target_model.num_layers, step_timeout_s,
+                                  placer(cfg.experts)) if shards.target.experts else
+                         _stages(shards.target, step_timeout_s))
+        target = PipelineRunner(target_model, cfg.cache, target_stages)
         draft = None
         if shards.draft is not None:
             draft_model = load_metadata(m.draft, m.dtype) if m.draft is not None else target_model

@@ -411,6 +411,8 @@ class Engine:
         c, tc = self._stats, self.target.cache
         calibration = self.drafter.calibration if isinstance(self.drafter, ModelDrafter) else None
         dc = self.draft.cache if self.draft is not None else None
+        expert_stats = getattr(self.target, "expert_stats", None)  # an expert-parallel target (PipelineRunner)
+        ep = expert_stats() if expert_stats is not None else None
         return EngineStats(
             running=len(self.running), waiting=len(self.waiting),
             kv_blocks_used=tc.num_used_blocks, kv_blocks_free=tc.num_free_blocks,
@@ -423,6 +425,9 @@ class Engine:
             acceptance_by_position=tuple(a / p for a, p in zip(c.accepted_at, c.proposed_at)),
             calibration_tokens=calibration.tokens if calibration else 0,
             calibration_s=calibration.seconds if calibration else 0.0,
+            moe_local_rate=ep.local_rate if ep else 0.0,
+            moe_alltoall_bytes_per_token=ep.bytes_per_token if ep else 0.0,
+            moe_s_per_token=ep.seconds_per_token if ep else 0.0,
         )
 
 

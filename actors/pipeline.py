@@ -90,6 +90,11 @@ class PipelineRunner:
             self.cache.set_length(c.request_id, self.cache.length(c.request_id) + len(c.token_ids))
         return logits
 
+    def expert_stats(self):
+        """Expert-parallel figures since the start (actors/moe/ep.py EPStats) when the stages are expert-parallel
+        ranks (actors/ep_stages.py), else None."""
+        return getattr(self.executor, "totals", None)
+
     def flush(self) -> None:
         """Ship the ops recorded since the last call (frees after the last step) to every stage now."""
         if self.cache.pending:

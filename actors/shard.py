@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -21,9 +22,12 @@ from actors.model.loader import load_model
 from actors.model.metadata import SeqChunk
 from actors.model.quant import quantize_runner_int8
 from actors.model.runner import ModelRunner
+from actors.moe import ep
+from actors.moe.permute import apply_plan
 from actors.p2p import P2P, Transfer
 from actors.spec import draft_group, easyspec
 from cluster.config import CacheConfig, DraftParallelConfig
+from placement.experts import ExpertPlan
 
 MAX_TRANSFERS = 10_000  # transfer records a shard keeps for benchmarks
 
@@ -48,6 +52,11 @@ class ShardSpec:
     # (its own `layer_ids` are the layers it runs; actors/spec/draft_group.py)
     group_rank: int = 0
     group_layers: tuple[int, ...] = ()
+    # expert parallelism (actors/moe/ep.py): this rank of `ep_size`, all layers, a slice of each MoE layer's
+    # experts, after reordering them by the ExpertPlan JSON `ep_plan` (None: contiguous)
+    ep_rank: int = 0
+    ep_size: int = 1
+    ep_plan: str | None = None
 
     @property
     def follower(self) -> bool:
@@ -68,6 +77,8 @@ def load_shard(spec: ShardSpec) -> ModelRunner:
     if not spec.last:
         hf.norm = None
         model.hf_model.lm_head = None  # a tied head shares the embedding's tensor: it stays if this shard is first
+    if spec.ep_plan is not None:
+        apply_plan(runner, ExpertPlan.model_validate_json(Path(spec.ep_plan).read_text()))
     if spec.quantization == "int8":
         quantize_runner_int8(runner)
     if not spec.follower:  # a follower walks rank 0's schedule (ShardWorker.step), it has none of its own
@@ -86,6 +97,7 @@ class ShardWorker:
         self.p2p: P2P | None = None
         self.owner: dict[int, int] = {}  # EasySpec: draft layer -> the group rank that runs it
         self.transfers: deque[Transfer] = deque(maxlen=MAX_TRANSFERS)
+        self.ep_stats: ep.EPStats | None = None  # an expert-parallel rank's figures, from `join` on
 
     # ---- setup ------------------------------------------------------------------------------
     def join(self, init_method: str, rank: int, world_size: int, timeout_s: float, backend: str | None = None) -> str:
@@ -98,6 +110,8 @@ class ShardWorker:
             if not self.spec.follower:
                 assert self.runner.layer_parallel is not None
                 self.runner.layer_parallel.members = draft_group.GroupMembers(self.owner, self.p2p)
+        if self.spec.ep_size > 1:  # an expert-parallel rank: its MoE layers exchange tokens over this group
+            self.ep_stats = ep.enable(self.runner, ep.DistComm(self.p2p.wire))
         return self.p2p.backend
 
     def device(self) -> str:
@@ -142,6 +156,31 @@ class ShardWorker:
             return out.to(self.logits_device)  # to the driver (see ShardSpec.logits_device); a no-op on a CPU shard
         self.transfers.append(self._p2p.send(out, self._p2p.rank + 1))
         return None
+
+    @torch.inference_mode()
+    def ep_step(self, ops: list[CacheOp], chunks: list[SeqChunk], active: bool
+                ) -> tuple[torch.Tensor | None, ep.EPStats]:
+        """An expert-parallel rank's step: replay `ops`, run its own requests' `chunks` through the whole model
+        (logits (sum num_logits, V)); with none of its own while other ranks run (`active`), take part in
+        every MoE layer's exchange with no tokens. Also returns the step's expert-parallel figures."""
+        replay(ops, self.runner.cache)
+        out = None
+        if chunks:
+            out = self.runner.forward(chunks).to(self.logits_device)
+        elif active:
+            cfg = self.runner.model.config
+            ep.idle(self.runner, cfg.hidden_size, self.runner.model.dtype)
+        return out, self.take_ep_stats()
+
+    def take_ep_stats(self) -> ep.EPStats:
+        """The expert-parallel figures since the last call (each step's go back with it: ep_step)."""
+        if self.ep_stats is None:
+            raise RuntimeError("this shard is not an expert-parallel rank (or has not joined its group)")
+        out, self.ep_stats = self.ep_stats, ep.EPStats()
+        for layer in self.runner.layers:
+            if isinstance(layer.ffn, ep.ExpertParallelMoE):
+                layer.ffn.stats = self.ep_stats
+        return out
 
     @property
     def _p2p(self) -> P2P:

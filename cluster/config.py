@@ -143,13 +143,35 @@ class SchedulerConfig(_Frozen):
         return self
 
 
+class ExpertParallelConfig(_Frozen):
+    """Expert parallelism for a MoE target (actors/moe/ep.py, Speculative MoE arXiv 2503.04398).
+
+    With `ranks` > 1 the instance's target runs as that many rank actors, one per slot of its layout, each
+    with every layer's attention and a slice of every MoE layer's experts; a request's KV lives on one rank.
+    `plan` (an ExpertPlan JSON, `specfleet experts plan`) groups co-activated experts on one rank (default:
+    contiguous slices); `stats` (routing statistics, `specfleet experts profile`) places each new request on
+    the rank its predicted experts favour, among ranks within `slack` requests of the lightest (default: the
+    lightest rank).
+    """
+
+    ranks: int = Field(default=1, ge=1)
+    plan: str | None = None
+    stats: str | None = None
+    slack: int = Field(default=2, ge=0)
+
+    @property
+    def enabled(self) -> bool:
+        return self.ranks > 1
+
+
 class EngineConfig(_Frozen):
-    """One instance's engine: its model pair, speculation, scheduler and cache."""
+    """One instance's engine: its model pair, speculation, scheduler, cache and expert parallelism."""
 
     model: ModelConfig
     speculation: SpeculationConfig = SpeculationConfig()
     scheduler: SchedulerConfig = SchedulerConfig()
     cache: CacheConfig = CacheConfig()
+    experts: ExpertParallelConfig = ExpertParallelConfig()
 
 
 class AuthConfig(_Frozen):
@@ -194,8 +216,9 @@ class MigrationConfig(_Frozen):
     # a stage copies in chunks of at most this many tokens, each between two of the source's steps (a copy
     # stalls the source's loop while it runs: bounded chunks keep each stall short)
     chunk_tokens: int = Field(default=256, ge=1)
-    # how the KV travels: "torch", a torch.distributed (gloo) channel opened between the two instances for the
-    # migration (falling back to the object store if it cannot be opened); "object_store", Ray's object store
+    # how the KV travels: "torch", a torch.distributed channel (NCCL between two GPU instances, gloo otherwise)
+    # opened between the two instances for the migration (falling back to the object store if it cannot be
+    # opened); "object_store", Ray's object store
     transfer: Literal["torch", "object_store"] = "torch"
     channel_timeout_s: float = Field(default=10.0, gt=0.0)
     policies: tuple[Literal["drain", "defrag", "balance"], ...] = ()
@@ -231,6 +254,15 @@ class SpecfleetConfig(_Frozen):
     engine: EngineConfig
     router: RouterConfig = RouterConfig()
     serve: ServeConfig = ServeConfig()
+
+    @model_validator(mode="after")
+    def _expert_ranks_have_slots(self) -> "SpecfleetConfig":
+        ranks = self.engine.experts.ranks
+        if ranks > 1 and self.router.pipeline_stages != ranks:
+            raise ValueError(f"engine.experts.ranks is {ranks}: the fleet plan places one expert-parallel rank per "
+                             f"planned slot, so set router.pipeline_stages to {ranks} too "
+                             f"(it is {self.router.pipeline_stages})")
+        return self
 
 
 def load_config(path: str | Path) -> SpecfleetConfig:

@@ -32,6 +32,11 @@ class EngineStats:
     acceptance_by_position: tuple[float, ...] = ()
     calibration_tokens: int = 0
     calibration_s: float = 0.0
+    # expert parallelism (Speculative MoE figures: actors/moe/ep.py) since start: share of (token, expert) pairs
+    # served on the token's own rank, all-to-all bytes and MoE-layer seconds per token; zeros without it
+    moe_local_rate: float = 0.0
+    moe_alltoall_bytes_per_token: float = 0.0
+    moe_s_per_token: float = 0.0
 
     def as_dict(self) -> dict:
         return asdict(self)

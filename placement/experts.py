@@ -172,3 +172,27 @@ def _shares(num_experts: int, num_ranks: int) -> list[int]:
 def _check(num_experts: int, num_ranks: int) -> None:
     if not 1 <= num_ranks <= num_experts:
         raise ValueError(f"{num_ranks} ranks for {num_experts} experts: need 1 <= ranks <= experts")
+
+
+def rank_mass(plan: ExpertPlan, token_expert: np.ndarray, token_ids: Sequence[int]) -> np.ndarray:
+    """Speculative MoE's request-level prediction: how much of a prompt's expected expert use each rank holds.
+
+    token_expert (L, V, E): per MoE layer, how often each token id chose each expert (actors/moe/profile.py).
+    Each prompt token contributes its profiled expert distribution per layer (nothing if never seen); the
+    result (R,) sums that mass over the experts each rank holds, over layers and tokens.
+    """
+    rows = np.asarray(token_expert)[:, np.asarray(token_ids, dtype=np.int64), :].astype(np.float64)  # (L, n, E)
+    dist = rows / np.maximum(rows.sum(-1, keepdims=True), 1.0)  # per token and layer, sums to 1 (or 0: unseen)
+    per_expert = dist.sum(1)  # (L, E)
+    table = np.asarray(plan.ranks)  # (L, E)
+    return np.array([per_expert[table == r].sum() for r in range(plan.num_ranks)])
+
+
+def place_request(mass: np.ndarray | None, loads: Sequence[int], slack: int) -> int:
+    """The home rank of a new request: among ranks within `slack` requests of the lightest, the one holding
+    most of its predicted expert mass (ties and no prediction: the lightest, then the lowest rank)."""
+    lightest = min(loads)
+    candidates = [r for r, n in enumerate(loads) if n <= lightest + slack]
+    if mass is None or not np.asarray(mass).any():
+        return min(candidates, key=lambda r: (loads[r], r))
+    return max(candidates, key=lambda r: (mass[r], -loads[r], -r))

@@ -186,6 +186,10 @@ def run_status(args: argparse.Namespace) -> int:
     draft_ms = "-" if load["draft_ms_per_token"] is None else f"{load['draft_ms_per_token']:.2f}"
     print(f"speculation: acceptance {acc}, mean k {k}, draft {draft_ms} ms per drafted token (mean over instances); "
           f"calibration re-ran {load['calibration_tokens']} tokens in {load['calibration_s']:.2f} s")
+    if load["moe_local_rate"] is not None:
+        print(f"expert parallelism: {load['moe_local_rate']:.1%} of expert activations local, "
+              f"{load['moe_bytes_per_token']:.0f} all-to-all bytes and {load['moe_ms_per_token']:.2f} MoE-layer ms "
+              "per token (mean over expert-parallel instances)")
     by = moves.by_status
     print(f"migrations: {by.get('finished', 0)} finished, {by.get('aborted_src', 0)} aborted at the source, "
           f"{by.get('aborted_dst', 0)} at the destination; downtime mean {moves.downtime_mean_s * 1e3:.1f} ms, "
@@ -324,7 +328,16 @@ def _load(inst: Instances) -> dict:
             "mean_k": round(sum(s.mean_k for s in spec) / len(spec), 3) if spec else None,
             "draft_ms_per_token": round(1e3 * sum(s.draft_s_per_token for s in spec) / len(spec), 3) if spec else None,
             "calibration_tokens": sum(s.calibration_tokens for s in spec),
-            "calibration_s": round(sum(s.calibration_s for s in spec), 3)}
+            "calibration_s": round(sum(s.calibration_s for s in spec), 3),
+            **_expert_load([s for s in stats if s.moe_alltoall_bytes_per_token or s.moe_local_rate])}
+
+
+def _expert_load(ep: list) -> dict:
+    """Expert-parallel figures, mean over the instances that have them (None without any)."""
+    mean = lambda f: round(sum(f(s) for s in ep) / len(ep), 4) if ep else None  # noqa: E731
+    return {"moe_local_rate": mean(lambda s: s.moe_local_rate),
+            "moe_bytes_per_token": mean(lambda s: s.moe_alltoall_bytes_per_token),
+            "moe_ms_per_token": mean(lambda s: 1e3 * s.moe_s_per_token)}
 
 
 def _print_instances(inst: Instances, names: dict[str, str]) -> None:

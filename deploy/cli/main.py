@@ -32,6 +32,8 @@ COMMANDS: list[tuple[tuple[str, ...], str, str, str]] = [
      "deploy.bench.easyspec", "add_arguments"),
     (("bench", "migration"), "live migration's downtime (staged vs stop-and-copy) by context length, failover, and "
      "migration policies under skewed load, on the local cluster", "deploy.bench.migration", "add_arguments"),
+    (("bench", "moe"), "plain expert parallelism vs Speculative MoE's expert grouping and request placement, on "
+     "the local cluster", "deploy.bench.moe", "add_arguments"),
     (("bench", "serve"), "load through the served app over HTTP: latency, router overhead, concurrency",
      "deploy.bench.serve", "add_arguments"),
     (("bench", "attention"), "attention over the paged KV cache: gather-then-SDPA vs the whole pool, per layer",
@@ -40,6 +42,8 @@ COMMANDS: list[tuple[tuple[str, ...], str, str, str]] = [
      "deploy.bench.start", "add_arguments"),
     (("train-moe",), "train a small MoE model on CPU for the expert-parallel benchmarks", "deploy.bench.train_moe",
      "add_arguments"),
+    (("experts",), "expert parallelism: profile routing, plan and apply expert groups, status",
+     "deploy.cli.experts_cmd", "add_arguments"),
     (("serve",), "deploy the Serve application (HTTP + gRPC) onto a running cluster", "deploy.cli.serve_cmd",
      "add_arguments"),
     (("cluster",), "a local multi-node Ray cluster on this machine: up, status, down", "deploy.cli.cluster_cmd",

@@ -66,6 +66,14 @@ class Metrics:
                                         "Tokens EasySpec bonus calibration re-ran in true layer order", inst, registry=r)
         self.calibration_s = Gauge("specfleet:spec_decode_calibration_seconds",
                                    "Seconds of the calibrating draft forwards (each round's first)", inst, registry=r)
+        self.moe_local_rate = Gauge("specfleet:moe_local_activation_rate",
+                                    "Share of (token, expert) pairs served on the token's own expert-parallel rank",
+                                    inst, registry=r)
+        self.moe_bytes = Gauge("specfleet:moe_alltoall_bytes_per_token",
+                               "Expert all-to-all bytes per token (over every MoE layer) since the instance started",
+                               inst, registry=r)
+        self.moe_s = Gauge("specfleet:moe_layer_seconds_per_token",
+                           "MoE-layer seconds per token (over every MoE layer, all-to-all included)", inst, registry=r)
         self.healthy_instances = Gauge("specfleet:healthy_instances", "Instances the router dispatches to", m,
                                        registry=r)
         self.migration_figures: MigrationStats | None = None  # the router's, as of the last scrape
@@ -86,7 +94,8 @@ class Metrics:
     def set_instances(self, instances: list[InstanceRow]) -> None:
         """Refresh the load gauges from the router's `instances()` rows."""
         for g in (self.running, self.waiting, self.kv_usage, self.preemptions, self.router_in_flight,
-                  self.draft_s_per_token, self.calibration_tokens, self.calibration_s):
+                  self.draft_s_per_token, self.calibration_tokens, self.calibration_s, self.moe_local_rate,
+                  self.moe_bytes, self.moe_s):
             g.clear()
         healthy = 0
         for row in instances:
@@ -104,6 +113,10 @@ class Metrics:
             self.draft_s_per_token.labels(*labels).set(s.draft_s_per_token)
             self.calibration_tokens.labels(*labels).set(s.calibration_tokens)
             self.calibration_s.labels(*labels).set(s.calibration_s)
+            if s.moe_alltoall_bytes_per_token or s.moe_local_rate:  # an expert-parallel instance
+                self.moe_local_rate.labels(*labels).set(s.moe_local_rate)
+                self.moe_bytes.labels(*labels).set(s.moe_alltoall_bytes_per_token)
+                self.moe_s.labels(*labels).set(s.moe_s_per_token)
         self.healthy_instances.labels(self.model).set(healthy)
         self.router_pending.labels(self.model).set(sum(row.in_flight for row in instances))
 

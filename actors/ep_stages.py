@@ -1,0 +1,141 @@
+"""The Ray executor of an expert-parallel target: rank actors that each hold whole requests (data-parallel attention).
+
+To the engine this is one stage over every layer (a StageExecutor under a PipelineRunner). Each request gets a
+home rank when first seen (placement/experts.py place_request: Speculative MoE's request-level pre-scheduling,
+or the lightest rank); its cache ops, chunks and KV go to that rank only. A step calls every rank at once:
+ranks with chunks run them, the others join each MoE layer's all-to-all with no tokens (actors/moe/ep.py).
+The logits come back per rank and are put back in the chunks' order.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import ray
+import torch
+from ray.actor import ActorHandle
+
+from actors.kv_cache import KVExport
+from actors.kv_ledger import CacheOp, Free
+from actors.model.metadata import SeqChunk
+from actors.moe.ep import EPStats
+from actors.moe.profile import RoutingStats
+from actors.ray_stages import gather
+from cluster.config import ExpertParallelConfig
+from placement.experts import ExpertPlan, contiguous_plan, place_request, rank_mass
+
+# (a new request's prompt tokens, or None when only its KV arrives; requests homed on each rank) -> its rank
+Placer = Callable[[Sequence[int] | None, list[int]], int]
+
+
+def lightest(_tokens: Sequence[int] | None, loads: list[int]) -> int:
+    """The rank with the fewest requests (the lowest on a tie): plain expert parallelism's placement."""
+    return min(range(len(loads)), key=lambda r: (loads[r], r))
+
+
+def placer(cfg: ExpertParallelConfig) -> Placer:
+    """The config's request placement: by predicted experts when it names routing statistics, else the lightest."""
+    if cfg.stats is None:
+        return lightest
+    stats = RoutingStats.load_file(Path(cfg.stats))
+    plan = (ExpertPlan.model_validate_json(Path(cfg.plan).read_text()) if cfg.plan is not None
+            else contiguous_plan(stats.layers, stats.num_experts, cfg.ranks))
+    if plan.num_ranks != cfg.ranks:
+        raise ValueError(f"the expert plan {cfg.plan} is for {plan.num_ranks} ranks, the config asks for {cfg.ranks}")
+    table = stats.token_expert.numpy()  # (L, V, E), on the host: placement is a control-plane decision
+
+    def place(tokens: Sequence[int] | None, loads: list[int]) -> int:
+        return place_request(rank_mass(plan, table, tokens) if tokens else None, loads, cfg.slack)
+    return place
+
+
+class EPStages:
+    """StageExecutor over expert-parallel rank actors (ShardActor with `ep_size` > 1), in rank order."""
+
+    def __init__(self, actors: Sequence[ActorHandle], names: Sequence[str], num_layers: int, timeout_s: float,
+                 place: Placer = lightest) -> None:
+        self.actors, self.names = list(actors), list(names)
+        self.layer_ids = [tuple(range(num_layers))]  # one stage, every layer: the ranks split requests, not layers
+        self.timeout_s, self.place = timeout_s, place
+        self.home: dict[str, int] = {}  # request -> its rank
+        self.pending: list[list[CacheOp]] = [[] for _ in self.actors]  # ops not yet shipped, per rank
+        self.since = [EPStats() for _ in self.actors]  # each rank's figures since the last ep_stats()
+        self.totals = EPStats()  # every rank's, since the start (Engine.stats)
+
+    @property
+    def loads(self) -> list[int]:
+        out = [0] * len(self.actors)
+        for r in self.home.values():
+            out[r] += 1
+        return out
+
+    def run(self, ops: list[CacheOp], chunks: list[SeqChunk], parallel: bool = False) -> torch.Tensor | None:
+        for c in chunks:
+            self._rank(c.request_id, c.token_ids)
+        self._route(ops)
+        mine: list[list[SeqChunk]] = [[] for _ in self.actors]
+        for c in chunks:
+            mine[self.home[c.request_id]].append(c)
+        active = bool(chunks)
+        refs = [a.ep_step.remote(self._take(r), mine[r], active) for r, a in enumerate(self.actors)]
+        logits = []
+        for r, (out, stats) in enumerate(gather(refs, self.names, "step", self.timeout_s)):
+            logits.append(out)
+            self.since[r].add(stats)
+            self.totals.add(stats)
+        if not chunks:
+            return None
+        rows, taken = [], [0] * len(self.actors)  # put each rank's rows back in the chunks' order
+        for c in chunks:
+            r = self.home[c.request_id]
+            rows.append(logits[r][taken[r]:taken[r] + c.num_logits])
+            taken[r] += c.num_logits
+        return torch.cat(rows)
+
+    def export(self, ops: list[CacheOp], request_id: str, start: int, end: int) -> list[KVExport]:
+        self._route(ops)
+        r = self.home[request_id]
+        return gather([self.actors[r].export.remote(self._take(r), request_id, start, end)], self.names[r:r + 1],
+                      "KV export", self.timeout_s)
+
+    def import_(self, ops: list[CacheOp], exports: list[KVExport]) -> bool:
+        [e] = exports
+        self._rank(e.request_id, None)
+        self._route(ops)
+        r = self.home[e.request_id]
+        return gather([self.actors[r].import_.remote(self._take(r), e)], self.names[r:r + 1], "KV import",
+                      self.timeout_s)[0]
+
+    def cache_usage(self, ops: list[CacheOp]) -> list[tuple[int, int]]:
+        """(used, free) blocks over every rank's cache, as one stage."""
+        self._route(ops)
+        usage = gather([a.cache_usage.remote(self._take(r)) for r, a in enumerate(self.actors)], self.names,
+                       "cache usage", self.timeout_s)
+        return [(sum(u for u, _ in usage), sum(f for _, f in usage))]
+
+    def ep_stats(self) -> list[EPStats]:
+        """Each rank's expert-parallel figures since the last call."""
+        out, self.since = self.since, [EPStats() for _ in self.actors]
+        return out
+
+    def kill(self, stages: Sequence[int] | None = None) -> None:
+        for actor in self.actors:  # one stage: every rank
+            ray.kill(actor, no_restart=True)
+
+    def _rank(self, request_id: str, tokens: Sequence[int] | None) -> int:
+        if request_id not in self.home:
+            self.home[request_id] = self.place(tokens, self.loads)
+        return self.home[request_id]
+
+    def _route(self, ops: list[CacheOp]) -> None:
+        """Queue each op for its request's rank; a freed request forgets its home."""
+        for op in ops:
+            r = self._rank(op.request_id, None)
+            self.pending[r].append(op)
+            if isinstance(op, Free):
+                del self.home[op.request_id]
+
+    def _take(self, rank: int) -> list[CacheOp]:
+        out, self.pending[rank] = self.pending[rank], []
+        return out

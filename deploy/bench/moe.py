@@ -1,0 +1,226 @@
+"""`specfleet bench moe`: plain expert parallelism vs Speculative MoE's grouping and request placement, in one run.
+
+Routing statistics are profiled on one part of the prompts (actors/moe/profile.py); the figures come from
+another part (held out). For each rank count, the MoE model runs as expert-parallel rank actors on the local
+cluster (gloo all-to-all between processes) under three settings, one after another, on the same prompts:
+
+    plain        contiguous experts per rank, each request on the lightest rank
+    grouped      experts grouped by co-activation and affinity (placement/experts.py), lightest rank
+    grouped+pre  grouped, and each request on the rank its prompt's predicted experts favour (within --slack)
+
+Reported per setting, from the ranks' own counters (actors/moe/ep.py): local activation rate (share of
+(token, expert) pairs served on the token's rank), all-to-all bytes per token (over every MoE layer), MoE-layer
+milliseconds per token, tokens/s, and whether the output equals one process's (it must: temperature 0, fp32).
+Arithmetic note: with top-k experts over R ranks spread evenly, a placement that ignores routing keeps about
+1/R of activations local.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import ray
+import torch
+
+from actors.build import expert_parallel_runner
+from actors.engine import Engine
+from actors.model.loader import load_model
+from actors.model.runner import ModelRunner
+from actors.moe.ep import EPStats
+from actors.moe.profile import moe_layers, profile
+from cluster.config import CacheConfig, EngineConfig, ExpertParallelConfig, ModelConfig, SchedulerConfig, SpeculationConfig
+from cluster.request import SamplingParams
+from deploy.bench.output import save
+from deploy.bench.prompts import DATASETS, load_prompts
+from deploy.cli.flags import UsageError
+from deploy.infra import local_cluster
+from placement.experts import contiguous_plan, group_experts
+
+SETTINGS = ("plain", "grouped", "grouped+pre")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", required=True, help="a MoE model (folder, GGUF or catalog name), e.g. from train-moe")
+    p.add_argument("--ranks", default="2,3", help="expert-parallel rank counts, comma-separated")
+    p.add_argument("--prompts", type=Path, nargs="+",
+                   default=[DATASETS / "mt_bench_questions.jsonl", DATASETS / "HumanEval.jsonl.gz"])
+    p.add_argument("--profile-prompts", type=int, default=96, help="prompts the routing statistics are taken on")
+    p.add_argument("--num-prompts", type=int, default=32, help="held-out prompts the figures are taken on")
+    p.add_argument("--max-prompt-tokens", type=int, default=96)
+    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--batch", type=int, default=8, help="requests decoding together")
+    p.add_argument("--slack", type=int, default=2, help="grouped+pre: requests a rank may hold above the lightest")
+    p.add_argument("--num-cpus", type=float, default=0.5, help="CPUs of each rank actor (its torch threads)")
+    p.add_argument("--state", type=Path, default=local_cluster.DEFAULT_STATE, help="the local cluster's state file")
+    p.add_argument("--out", type=Path, help="folder to keep the routing statistics and plans in (default: temporary)")
+    p.add_argument("--json", type=Path)
+    p.add_argument("--plot", type=Path)
+
+
+@dataclass
+class Run:
+    """One setting at one rank count, and what it measured."""
+
+    ranks: int
+    setting: str
+    experts: ExpertParallelConfig
+    stats: EPStats = field(default_factory=EPStats)
+    tokens: int = 0
+    seconds: float = 0.0
+    outputs: list[list[int]] = field(default_factory=list)
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        ranks = [int(r) for r in args.ranks.split(",")]
+    except ValueError:
+        raise UsageError(f"--ranks: expected counts like 2,3, got {args.ranks!r}") from None
+    from deploy.model_store import resolve_model
+
+    path = resolve_model(args.model)
+    model = load_model(path, "fp32")
+    layers = moe_layers(ModelRunner(model, range(model.num_layers), CacheConfig(num_blocks=8)))
+    if not layers:
+        raise UsageError(f"{args.model} has no MoE layers")
+    num_experts = model.hf_model.model.layers[layers[0]].mlp.gate.weight.shape[0]
+    if max(ranks) > num_experts:
+        raise UsageError(f"--ranks {args.ranks}: the model has {num_experts} experts per layer")
+    texts = load_prompts(args.prompts)
+    need = args.profile_prompts + args.num_prompts
+    if len(texts) < need:
+        raise UsageError(f"{len(texts)} prompts in {[str(p) for p in args.prompts]}, {need} asked for")
+    encoded = [model.encode(t, chat=True)[:args.max_prompt_tokens] for t in texts[:need]]
+    # load_prompts takes the files in turn, so both parts hold MT-Bench and HumanEval prompts
+    profiled, measured = encoded[:args.profile_prompts], encoded[args.profile_prompts:]
+    cache = CacheConfig(block_size=16, num_blocks=(args.max_prompt_tokens + args.max_tokens) // 16 * args.batch + 64)
+
+    out = args.out or Path(tempfile.mkdtemp(prefix="specfleet-moe-"))
+    out.mkdir(parents=True, exist_ok=True)
+    t = time.perf_counter()
+    stats = profile(ModelRunner(model, range(model.num_layers), CacheConfig(block_size=16, num_blocks=64)), profiled)
+    print(f"profiled {stats.tokens} tokens of {len(profiled)} prompts in {time.perf_counter() - t:.1f} s", flush=True)
+    stats.save(out / "routing.safetensors", model=path)
+    runs = []
+    for r in ranks:
+        plan = group_experts(stats.layers, stats.coact.numpy(), stats.affinity.numpy(), stats.load.numpy(), r)
+        (out / f"plan-{r}.json").write_text(plan.model_dump_json())
+        (out / f"contiguous-{r}.json").write_text(contiguous_plan(stats.layers, num_experts, r).model_dump_json())
+        plan_file, stats_file = str(out / f"plan-{r}.json"), str(out / "routing.safetensors")
+        runs += [Run(r, "plain", ExpertParallelConfig(ranks=r)),
+                 Run(r, "grouped", ExpertParallelConfig(ranks=r, plan=plan_file)),
+                 Run(r, "grouped+pre", ExpertParallelConfig(ranks=r, plan=plan_file, stats=stats_file,
+                                                            slack=args.slack))]
+    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
+    reference = _one_process(model, cache, measured, params, args.batch)
+
+    state = local_cluster.read_state(args.state)
+    for key, value in local_cluster.RAY_ENV.items():
+        os.environ[key] = value
+    ray.init(address=state.address, logging_level="ERROR", log_to_driver=False)
+    try:
+        for run_ in runs:
+            _measure(run_, path, cache, measured, params, args)
+    finally:
+        ray.shutdown()
+    report = _report(args, path, stats, runs, reference)
+    _print(report)
+    save(report, args.json, args.plot, _plot)
+    return 0
+
+
+def _one_process(model, cache: CacheConfig, prompts, params, batch: int) -> list[list[int]]:
+    engine = Engine(ModelRunner(model, range(model.num_layers), cache), None, SpeculationConfig(policy="off"),
+                    SchedulerConfig(max_batch_size=batch))
+    return [c.token_ids for c in engine.generate(prompts, params)]
+
+
+def _measure(r: Run, path: str, cache: CacheConfig, prompts, params, args) -> None:
+    cfg = EngineConfig(model=ModelConfig(target=path), speculation=SpeculationConfig(policy="off"),
+                       scheduler=SchedulerConfig(max_batch_size=args.batch), cache=cache, experts=r.experts)
+    target, stop = expert_parallel_runner(cfg, num_cpus=args.num_cpus, timeout_s=600)
+    try:
+        engine = Engine(target, None, cfg.speculation, cfg.scheduler)
+        engine.generate(prompts[:1], SamplingParams(temperature=0.0, max_tokens=4))  # warm-up
+        target.executor.ep_stats()  # from zero
+        t = time.perf_counter()
+        completions = engine.generate(prompts, params)
+        r.seconds = time.perf_counter() - t
+        for s in target.executor.ep_stats():
+            r.stats.add(s)
+        r.outputs = [c.token_ids for c in completions]
+        r.tokens = sum(len(o) for o in r.outputs)
+    finally:
+        stop()
+    print(f"{r.ranks} ranks, {r.setting}: local activation rate {r.stats.local_rate:.3f}, "
+          f"{r.tokens / r.seconds:.1f} tok/s", flush=True)
+
+
+def _report(args, path: str, stats, runs: list[Run], reference: list[list[int]]) -> dict:
+    num_layers = len(stats.layers)
+    rows: dict[str, dict[str, dict]] = {}
+    for r in runs:
+        rows.setdefault(str(r.ranks), {})[r.setting] = {
+            "local_activation_rate": round(r.stats.local_rate, 4),
+            "alltoall_bytes_per_token": round(r.stats.bytes_per_token, 1),  # over every MoE layer
+            "moe_ms_per_token": round(r.stats.seconds_per_token * 1e3, 4),  # summed over the ranks' MoE layers
+            "tok_s": round(r.tokens / r.seconds, 2),
+            "identical_to_one_process": r.outputs == reference,
+        }
+    for settings in rows.values():
+        plain = settings["plain"]
+        for row in settings.values():
+            row["local_rate_gain_points"] = round((row["local_activation_rate"] - plain["local_activation_rate"]) * 100, 2)
+            row["bytes_reduction"] = round(1 - row["alltoall_bytes_per_token"] / plain["alltoall_bytes_per_token"], 4)
+            row["moe_time_ratio"] = round(row["moe_ms_per_token"] / plain["moe_ms_per_token"], 4)
+    usage = stats.load.double()
+    usage = usage / usage.sum(-1, keepdim=True)
+    entropy = (-(usage * usage.clamp_min(1e-12).log()).sum(-1) / torch.log(torch.tensor(float(stats.num_experts))))
+    return {"model": path, "profiled_tokens": stats.tokens, "num_prompts": len(reference),
+            "max_tokens": args.max_tokens, "batch": args.batch, "slack": args.slack,
+            "num_cpus_per_rank": args.num_cpus, "moe_layers": num_layers, "num_experts": stats.num_experts,
+            "top_k": stats.top_k, "usage_entropy": [round(float(e), 4) for e in entropy], "ranks": rows}
+
+
+def _print(report: dict) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"Speculative MoE on {Path(report['model']).name}: {report['num_experts']} experts, "
+                        f"top-{report['top_k']}, {report['moe_layers']} MoE layers, held-out prompts")
+    for col in ("ranks", "setting", "local rate", "gain (points)", "a2a bytes/token", "reduction", "MoE ms/token",
+                "tok/s", "identical"):
+        table.add_column(col)
+    for ranks, settings in report["ranks"].items():
+        for name, r in settings.items():
+            table.add_row(ranks, name, f"{r['local_activation_rate']:.3f}", f"{r['local_rate_gain_points']:+.1f}",
+                          f"{r['alltoall_bytes_per_token']:.0f}", f"{r['bytes_reduction']:.1%}",
+                          f"{r['moe_ms_per_token']:.3f}", f"{r['tok_s']:.1f}", str(r["identical_to_one_process"]))
+    Console().print(table)
+
+
+def _plot(report: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(13, 3.8))
+    keys = (("local_activation_rate", "local activation rate"), ("alltoall_bytes_per_token", "all-to-all bytes per token"),
+            ("moe_ms_per_token", "MoE-layer ms per token"))
+    width = 0.8 / len(SETTINGS)
+    for ax, (key, label) in zip(axes, keys):
+        for i, setting in enumerate(SETTINGS):
+            xs = [j + i * width for j in range(len(report["ranks"]))]
+            ax.bar(xs, [report["ranks"][r][setting][key] for r in report["ranks"]], width, label=setting)
+        ax.set_xticks([j + width for j in range(len(report["ranks"]))], [f"{r} ranks" for r in report["ranks"]])
+        ax.set_ylabel(label)
+    axes[0].legend(fontsize=7)
+    fig.suptitle(f"Speculative MoE: {Path(report['model']).name}")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
