@@ -119,6 +119,14 @@ class EPStages:
         out, self.since = self.since, [EPStats() for _ in self.actors]
         return out
 
+    def routing(self) -> RoutingStats:
+        """The routing statistics of every rank's tokens since the last call (online profiling)."""
+        parts = gather([a.take_routing.remote() for a in self.actors], self.names, "routing statistics",
+                       self.timeout_s)
+        for p in parts[1:]:
+            parts[0].merge(p)
+        return parts[0]
+
     def kill(self, stages: Sequence[int] | None = None) -> None:
         for actor in self.actors:  # one stage: every rank
             ray.kill(actor, no_restart=True)

@@ -31,6 +31,7 @@ from actors.build import ray_instance
 from actors.engine import RequestError
 from actors.instance import Instance, InstanceUnhealthy
 from actors.kv_cache import KVExport
+from actors.ep_stages import EPStages
 from actors.kv_channel import ChannelPayload, KVChannel, KVHeader
 from actors.p2p import free_address
 from actors.sequence import Sequence
@@ -247,6 +248,15 @@ class InstanceServer:
     async def load(self) -> InstanceLoad:
         """Per-request KV blocks and queued demand, read between two steps (the router's migration policies)."""
         return await self._on_loop(lambda: self.instance.engine.load(self.spec.instance_id))
+
+    async def expert_routing(self) -> bytes | None:
+        """The routing statistics of the tokens its expert-parallel ranks ran since the last call, as a statistics
+        file's bytes (actors/moe/profile.py); None if the target is not expert parallel."""
+        executor = getattr(self.instance.target, "executor", None)
+        if not isinstance(executor, EPStages):
+            return None
+        stats = await self._on_loop(executor.routing)  # between two steps: the ranks answer in order
+        return stats.to_bytes(model=self.spec.engine.model.target)
 
     async def health(self) -> HealthReport:
         shards = self.instance.health()

@@ -24,6 +24,7 @@ from actors.model.quant import quantize_runner_int8
 from actors.model.runner import ModelRunner
 from actors.moe import ep
 from actors.moe.permute import apply_plan
+from actors.moe.profile import RoutingStats
 from actors.p2p import P2P, Transfer
 from actors.spec import draft_group, easyspec
 from cluster.config import CacheConfig, DraftParallelConfig
@@ -98,6 +99,7 @@ class ShardWorker:
         self.owner: dict[int, int] = {}  # EasySpec: draft layer -> the group rank that runs it
         self.transfers: deque[Transfer] = deque(maxlen=MAX_TRANSFERS)
         self.ep_stats: ep.EPStats | None = None  # an expert-parallel rank's figures, from `join` on
+        self.routing: ep.RoutingRecorder | None = None  # and its online routing statistics
 
     # ---- setup ------------------------------------------------------------------------------
     def join(self, init_method: str, rank: int, world_size: int, timeout_s: float, backend: str | None = None) -> str:
@@ -112,6 +114,8 @@ class ShardWorker:
                 self.runner.layer_parallel.members = draft_group.GroupMembers(self.owner, self.p2p)
         if self.spec.ep_size > 1:  # an expert-parallel rank: its MoE layers exchange tokens over this group
             self.ep_stats = ep.enable(self.runner, ep.DistComm(self.p2p.wire))
+            plan = ExpertPlan.model_validate_json(Path(self.spec.ep_plan).read_text()) if self.spec.ep_plan else None
+            self.routing = ep.RoutingRecorder(self.runner, plan)
         return self.p2p.backend
 
     def device(self) -> str:
@@ -167,6 +171,8 @@ class ShardWorker:
         out = None
         if chunks:
             out = self.runner.forward(chunks).to(self.logits_device)
+            if self.routing is not None:
+                self.routing.record(chunks)
         elif active:
             cfg = self.runner.model.config
             ep.idle(self.runner, cfg.hidden_size, self.runner.model.dtype)
@@ -181,6 +187,12 @@ class ShardWorker:
             if isinstance(layer.ffn, ep.ExpertParallelMoE):
                 layer.ffn.stats = self.ep_stats
         return out
+
+    def take_routing(self) -> RoutingStats:
+        """The routing statistics of the tokens this rank ran since the last call (in the model's expert ids)."""
+        if self.routing is None:
+            raise RuntimeError("this shard is not an expert-parallel rank (or has not joined its group)")
+        return self.routing.take()
 
     @property
     def _p2p(self) -> P2P:

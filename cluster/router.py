@@ -223,6 +223,17 @@ class Router:
             except Exception:  # noqa: BLE001 - a failed round must not stop planning; the next one retries
                 log.exception("planning migrations failed")
 
+    async def expert_routing(self, instance_id: str) -> bytes:
+        """An instance's online routing statistics since the last call (`specfleet experts profile --online`).
+        ValueError for an unknown instance; LookupError if its target is not expert parallel."""
+        if instance_id not in self.handles:
+            raise ValueError(f"no instance {instance_id!r}")
+        got = await self.handles[instance_id].expert_routing.remote()
+        if got is None:
+            raise LookupError(f"instance {instance_id!r} does not run its target expert parallel "
+                              "(engine.experts.ranks is 1): it has no routing statistics")
+        return got
+
     async def migration_stats(self) -> MigrationStats:
         """Migrations by outcome, their downtime, and failovers, since the router started."""
         return self.migration_figures

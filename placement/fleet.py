@@ -63,7 +63,8 @@ def plan_fleet(engine: EngineConfig, router: RouterConfig, inventory: Inventory,
         first = layout.stages[0]
         if engine.model.draft_layers is not None and engine.speculation.policy != "off":
             layout = layout.model_copy(update={"draft_node": first.node, "draft_device": first.device})
-        executor = "local" if len(layout.places) == 1 else "ray"
+        # expert-parallel ranks are actors even on one device: their all-to-all runs between processes
+        executor = "local" if len(layout.places) == 1 and not engine.experts.enabled else "ray"
         layout = _with_gpus(layout, engine.model.device, gpu_nodes, f"{prefix}-{i}")
         specs.append(InstanceSpec(instance_id=f"{prefix}-{i}", engine=engine, layout=layout, executor=executor,
                                   num_cpus=router.instance_num_cpus))

@@ -28,7 +28,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from actors.model.layers import MoE
+from actors.model.metadata import SeqChunk
 from actors.model.runner import ModelRunner
+from actors.moe.profile import RoutingStats
+from placement.experts import ExpertPlan
 
 
 class ExpertComm(Protocol):
@@ -143,6 +146,7 @@ class ExpertParallelMoE:
         self.bounds = expert_bounds(num_experts, comm.world_size)
         self.lo, self.hi = self.bounds[comm.rank], self.bounds[comm.rank + 1]
         self.moe, self.index, self.comm, self.stats = moe, index, comm, stats
+        self.last_ids: torch.Tensor | None = None  # (N, k) the last call's chosen experts (RoutingRecorder)
         self.starts = torch.tensor(self.bounds[1:-1], device=moe.router.device)  # (R-1,) expert -> rank by bucketize
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
@@ -153,6 +157,7 @@ class ExpertParallelMoE:
         weights, ids = moe.route(flat)  # (N, k) each
         if moe.weights_in_input_dtype:
             weights = weights.to(flat.dtype)
+        self.last_ids = ids
         dest = torch.bucketize(ids, self.starts, right=True)  # (N, k): the rank holding each chosen expert
         rows, xs, metas = [], [], []
         for r in range(self.comm.world_size):
@@ -220,6 +225,38 @@ def enable(runner: ModelRunner, comm: ExpertComm) -> EPStats:
         experts.down_proj = torch.nn.Parameter(moe.down, requires_grad=False)
         layer.ffn = ep
     return stats
+
+
+class RoutingRecorder:
+    """Online routing statistics (actors/moe/profile.py) of the tokens an expert-parallel rank runs, counted in
+    the model's own expert ids (a plan applied at load renumbered them: `orders` maps back)."""
+
+    def __init__(self, runner: ModelRunner, plan: ExpertPlan | None = None) -> None:
+        self.layers = [layer for layer in runner.layers if isinstance(layer.ffn, ExpertParallelMoE)]
+        first = self.layers[0].ffn.moe
+        device = first.router.device
+        by_index = {index: pos for pos, index in enumerate(plan.layers)} if plan is not None else {}
+        self.orders = [torch.tensor(plan.order(by_index[layer.index]), device=device)  # new index -> own id
+                       if layer.index in by_index else None for layer in self.layers]
+        self.stats = RoutingStats.empty([layer.index for layer in self.layers], runner.model.config.vocab_size,
+                                        first.router.shape[0], first.top_k, device)
+
+    def record(self, chunks: list[SeqChunk]) -> None:
+        """Count the forward just run over `chunks` (its tokens packed in chunk order)."""
+        device = self.stats.load.device
+        token_ids = torch.tensor([t for c in chunks for t in c.token_ids], dtype=torch.long, device=device)  # (N,)
+        ids = []
+        for layer, order in zip(self.layers, self.orders):
+            got = layer.ffn.last_ids  # (N, k)
+            ids.append(order[got] if order is not None else got)
+        self.stats.add(token_ids, ids)
+
+    def take(self) -> RoutingStats:
+        """The statistics so far; counting starts again from zero."""
+        out = self.stats
+        self.stats = RoutingStats.empty(out.layers, out.token_expert.shape[1], out.num_experts, out.top_k,
+                                        out.load.device)
+        return out
 
 
 def idle(runner: ModelRunner, hidden_size: int, dtype: torch.dtype) -> None:

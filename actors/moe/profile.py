@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file, save, save_file
 
 from actors.model.layers import MoE
 from actors.model.metadata import SeqChunk
@@ -68,11 +68,27 @@ class RoutingStats:
                 self.affinity[l] += hot.T @ onehot[l + 1]
         self.tokens += len(token_ids)
 
+    def merge(self, other: "RoutingStats") -> None:
+        """Add another count of the same model's routing (e.g. another rank's, or a later window)."""
+        if other.layers != self.layers or other.token_expert.shape != self.token_expert.shape:
+            raise ValueError(f"routing statistics of layers {other.layers} {tuple(other.token_expert.shape)} do not "
+                             f"match {self.layers} {tuple(self.token_expert.shape)}")
+        for name in ("token_expert", "coact", "affinity", "load"):
+            getattr(self, name).add_(getattr(other, name).to(getattr(self, name).device))
+        self.tokens += other.tokens
+
     def save(self, path: Path, model: str = "") -> None:
+        save_file(*self._file(model), str(path))  # writes from any device
+
+    def to_bytes(self, model: str = "") -> bytes:
+        """The same file's bytes (what the admin API sends)."""
+        return save(*self._file(model))
+
+    def _file(self, model: str) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
         header = {"version": str(STATS_VERSION), "layers": json.dumps(list(self.layers)), "top_k": str(self.top_k),
                   "tokens": str(self.tokens), "model": model}
         tensors = {"token_expert": self.token_expert, "coact": self.coact, "affinity": self.affinity, "load": self.load}
-        save_file({k: v.contiguous() for k, v in tensors.items()}, str(path), metadata=header)  # writes from any device
+        return {k: v.contiguous() for k, v in tensors.items()}, header
 
     @classmethod
     def load_file(cls, path: Path) -> "RoutingStats":

@@ -148,9 +148,17 @@ class AdminClient:
     def undrain(self, instance_id: str) -> DrainResult:
         return DrainResult.model_validate(self._call("POST", f"/admin/instances/{instance_id}/undrain"))
 
+    def routing(self, instance_id: str) -> bytes:
+        """An expert-parallel instance's online routing statistics since the last call: a statistics file's bytes."""
+        return self._send("GET", f"/admin/instances/{instance_id}/routing").content
+
     # ---- transport ----------------------------------------------------------------------------------
     def _call(self, method: str, path: str, *, auth: Literal["admin", "api", "none"] = "admin",
               params: dict | None = None, ok: tuple[int, ...] = (200,)) -> dict:
+        return _json(self._send(method, path, auth=auth, params=params, ok=ok))
+
+    def _send(self, method: str, path: str, *, auth: Literal["admin", "api", "none"] = "admin",
+              params: dict | None = None, ok: tuple[int, ...] = (200,)) -> httpx.Response:
         key = {"admin": self._admin_key, "api": self._api_key, "none": None}[auth]
         headers = {"Authorization": f"Bearer {key}"} if key else {}
         try:
@@ -161,7 +169,7 @@ class AdminClient:
         except httpx.TimeoutException:
             raise AdminError(f"no answer from {self.url}{path} within {self._http.timeout.read}s") from None
         if r.status_code in ok:
-            return _json(r)
+            return r
         message = _error_message(r)
         if r.status_code == 401:
             raise AdminError(WRONG_ADMIN_KEY if path.startswith("/admin") else WRONG_API_KEY)

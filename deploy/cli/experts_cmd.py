@@ -1,6 +1,7 @@
 """`specfleet experts profile|plan|apply|status`: routing statistics and expert plans for expert parallelism.
 
     specfleet experts profile --model M --out routing.safetensors      # offline, from the shared datasets
+    specfleet experts profile --online INSTANCE --out routing.safetensors   # from the app's served traffic
     specfleet experts plan --stats routing.safetensors --ranks 2 --out plan.json
     specfleet experts apply --plan plan.json --config C.yaml --out C-grouped.yaml   # then `specfleet serve`
     specfleet experts status --stats routing.safetensors [--plan plan.json]
@@ -18,6 +19,7 @@ import numpy as np
 import yaml
 
 from deploy.bench.prompts import DATASETS
+from deploy.cli.admin_cmd import _guard, add_endpoint_flags, client
 from deploy.cli.flags import UsageError
 from placement.experts import ExpertPlan, contiguous_plan, group_experts, objective
 
@@ -25,14 +27,19 @@ from placement.experts import ExpertPlan, contiguous_plan, group_experts, object
 def add_arguments(p: argparse.ArgumentParser) -> None:
     actions = p.add_subparsers(dest="action", required=True, metavar="ACTION")
 
-    prof = actions.add_parser("profile", help="routing statistics of a MoE model over prompts (offline)")
-    prof.add_argument("--model", required=True, help="a MoE model: folder, GGUF or catalog name")
+    prof = actions.add_parser("profile", help="routing statistics of a MoE model over prompts (offline), or of "
+                              "an expert-parallel instance's served traffic (--online)")
+    source = prof.add_mutually_exclusive_group(required=True)
+    source.add_argument("--model", help="a MoE model: folder, GGUF or catalog name (offline, over --prompts)")
+    source.add_argument("--online", metavar="INSTANCE", help="the served instance whose traffic to take (the "
+                        "statistics since the last --online read of it)")
+    add_endpoint_flags(prof)
     prof.add_argument("--prompts", type=Path, nargs="+",
                       default=[DATASETS / "mt_bench_questions.jsonl", DATASETS / "HumanEval.jsonl.gz"])
     prof.add_argument("--num-prompts", type=int, default=96)
     prof.add_argument("--max-prompt-tokens", type=int, default=256)
     prof.add_argument("--out", type=Path, required=True, help="the statistics file to write (.safetensors)")
-    prof.set_defaults(run=run_profile)
+    prof.set_defaults(run=_guard(run_profile))
 
     plan = actions.add_parser("plan", help="group co-activated experts on ranks (Speculative MoE)")
     plan.add_argument("--stats", type=Path, required=True, help="routing statistics from `experts profile`")
@@ -54,6 +61,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run_profile(args: argparse.Namespace) -> int:
+    if args.online:
+        return _profile_online(args)
     from actors.model.loader import load_model
     from actors.model.runner import ModelRunner
     from actors.moe.profile import profile
@@ -73,6 +82,16 @@ def run_profile(args: argparse.Namespace) -> int:
     stats.save(args.out, model=path)
     print(f"profiled {stats.tokens} tokens of {len(prompts)} prompts over {len(stats.layers)} MoE layers "
           f"-> {args.out}")
+    return 0
+
+
+def _profile_online(args: argparse.Namespace) -> int:
+    with client(args) as c:
+        data = c.routing(args.online)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_bytes(data)
+    stats = _stats(args.out)
+    print(f"{args.online}: routing of {stats.tokens} served tokens over {len(stats.layers)} MoE layers -> {args.out}")
     return 0
 
 

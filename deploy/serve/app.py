@@ -153,6 +153,10 @@ class SpecfleetAPI(HttpRoutes, GrpcMethods):
     async def admin_drain(self, instance_id: str, request: Request) -> Response:
         return await self._admin_drain(instance_id, request)
 
+    @http_app.get("/admin/instances/{instance_id}/routing")
+    async def admin_routing(self, instance_id: str, request: Request) -> Response:
+        return await self._admin_routing(instance_id, request)
+
     @http_app.post("/admin/instances/{instance_id}/undrain")
     async def admin_undrain(self, instance_id: str, request: Request) -> Response:
         return await self._admin_undrain(instance_id, request)

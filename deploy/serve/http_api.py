@@ -306,6 +306,18 @@ class HttpRoutes:
         return JSONResponse({"instance_id": instance_id, "draining": False})
 
 
+    async def _admin_routing(self, instance_id: str, request: Request) -> Response:
+        """An expert-parallel instance's online routing statistics since the last call: a statistics file."""
+        self._auth(request, admin=True)
+        try:
+            data = await self.router.expert_routing.remote(instance_id)
+        except ValueError as e:
+            raise APIError(404, _reason(e), param="instance_id", code="instance_not_found") from None
+        except LookupError as e:
+            raise APIError(409, _reason(e), param="instance_id", code="not_expert_parallel") from None
+        return Response(data, media_type="application/octet-stream")
+
+
 def _reason(e: BaseException) -> str:
     """An error's own message: a router call's error arrives wrapped in Ray's RayTaskError, traceback and all."""
     return str(getattr(e, "cause", None) or e)

@@ -7,18 +7,24 @@ Speculative MoE's expert grouping and request placement off and on.
 
 from __future__ import annotations
 
+import asyncio
+import tempfile
 from pathlib import Path
 
 import pytest
+import ray
+import torch
 
 from actors.build import ray_instance
+from actors.instance_server import InstanceServer
 from actors.ep_stages import EPStages
 from actors.model.loader import load_model
 from actors.moe.ep import EPStats
-from actors.moe.profile import profile
+from actors.moe.profile import RoutingStats, profile
 from cluster.config import ExpertParallelConfig
-from cluster.request import SamplingParams
+from cluster.request import Request, SamplingParams
 from placement.experts import group_experts
+from placement.fleet import InstanceSpec
 from placement.layout import ShardLayout, StageSlot
 from tests.ray.test_pipeline_instance import CPUS, NEW_TOKENS, engine_config
 from tests.unit.helpers import load, reference_greedy, runner, text_prompts
@@ -84,3 +90,45 @@ def test_expert_parallel_instance_is_lossless(ray_driver, tiny_models, tiny_draf
         assert executor.home == {}  # every finished request's KV was freed on its rank
     finally:
         inst.shutdown()
+
+
+def test_a_served_expert_parallel_instance_counts_its_routing_online(ray_driver, tiny_models) -> None:
+    """The instance actor's ranks count the routing of the tokens they run (the served traffic): after greedy
+    completions without speculation, the counts equal an offline profile of each prompt plus its output."""
+    cfg = engine_config(tiny_models["mixtral"]).model_copy(update={"experts": ExpertParallelConfig(ranks=2)})
+    spec = InstanceSpec(instance_id="ep-online", layout=layout(2), executor="ray", num_cpus=CPUS, engine=cfg)
+    handle = InstanceServer.spawn(spec)
+    try:
+        ray.get(handle.info.remote(), timeout=300)
+        model = load(tiny_models["mixtral"])
+        prompts = text_prompts(model, 3, offset=8)
+        requests = [Request(f"o{i}", tuple(p), SamplingParams(temperature=0.0, max_tokens=6))
+                    for i, p in enumerate(prompts)]
+        outputs = asyncio.run(_generate_all(handle, requests))
+
+        online = _stats_of(ray.get(handle.expert_routing.remote(), timeout=60))
+
+        seen = [list(p) + out[:-1] for p, out in zip(prompts, outputs)]  # the last token is never fed back
+        offline = profile(runner(load_model(str(tiny_models["mixtral"]), "fp32")), seen)
+        assert online.tokens == offline.tokens == sum(map(len, seen))
+        assert torch.equal(online.load, offline.load) and torch.equal(online.token_expert, offline.token_expert)
+        assert _stats_of(ray.get(handle.expert_routing.remote(), timeout=60)).tokens == 0  # a read restarts it
+    finally:
+        ray.get(handle.shutdown.remote(), timeout=60)
+        ray.kill(handle)
+
+
+async def _generate_all(handle, requests) -> list[list[int]]:
+    async def one(request) -> list[int]:
+        tokens = []
+        async for ref in handle.generate.options(num_returns="streaming").remote(request):
+            tokens += (await ref).delta.token_ids
+        return tokens
+    return await asyncio.gather(*(one(r) for r in requests))
+
+
+def _stats_of(data: bytes) -> RoutingStats:
+    with tempfile.NamedTemporaryFile(suffix=".safetensors") as f:
+        f.write(data)
+        f.flush()
+        return RoutingStats.load_file(Path(f.name))

@@ -310,3 +310,14 @@ def test_health_and_metrics_parse_and_their_counters_move(served_app: ServedApp)
     while (now := _samples(httpx.get(f"{served_app.url}/metrics").text))["specfleet:router_requests_pending"]:
         assert time.monotonic() < deadline, now
         time.sleep(0.2)
+
+
+def test_routing_statistics_come_only_from_an_expert_parallel_instance(served_app: ServedApp) -> None:
+    with served_app.client(ADMIN_KEY) as c:
+        instance = c.get("/admin/instances").json()["instances"][0]["instance_id"]
+        r = c.get(f"/admin/instances/{instance}/routing")
+        assert r.status_code == 409 and r.json()["error"]["code"] == "not_expert_parallel", r.text
+        r = c.get("/admin/instances/no-such-instance/routing")
+        assert r.status_code == 404 and r.json()["error"]["code"] == "instance_not_found"
+    with served_app.client(API_KEY) as c:
+        assert c.get(f"/admin/instances/{instance}/routing").status_code == 401

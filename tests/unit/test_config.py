@@ -154,3 +154,13 @@ def test_loaded_config_is_frozen_and_hashable() -> None:
     with pytest.raises(pydantic.ValidationError):
         cfg.engine.model.draft_layers = (0,)  # type: ignore[misc]
     assert hash(cfg) == hash(load_config(DEFAULT))
+
+
+def test_expert_parallel_ranks_need_as_many_planned_slots() -> None:
+    raw = {"engine": {"model": {"target": "m.gguf"}, "experts": {"ranks": 2}}}
+    with pytest.raises(ConfigError, match="set router.pipeline_stages to 2"):
+        parse_config(raw)
+    cfg = parse_config({**raw, "router": {"pipeline_stages": 2}})
+    assert cfg.engine.experts.enabled and cfg.engine.experts.plan is None and cfg.engine.experts.slack == 2
+    with pytest.raises(ConfigError, match="engine.experts.ranks"):
+        parse_config({"engine": {"model": {"target": "m.gguf"}, "experts": {"ranks": 0}}})

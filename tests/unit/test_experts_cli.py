@@ -56,3 +56,10 @@ def test_bad_expert_input_gives_a_clear_message(tiny_models, tmp_path) -> None:
     out = specfleet("experts", "profile", "--model", str(tiny_models["llama"]), "--num-prompts", "1",
                     "--out", str(tmp_path / "s.safetensors"))
     assert out.returncode == 2 and "no MoE layers" in out.stderr, out.stderr
+
+
+def test_online_profiling_needs_a_reachable_app(tmp_path) -> None:
+    out = specfleet("experts", "profile", "--online", "inst-0", "--url", "http://127.0.0.1:9", "--admin-key", "k",
+                    "--out", str(tmp_path / "s.safetensors"))
+    assert out.returncode == 2 and "not reachable" in out.stderr and "Traceback" not in out.stderr, out.stderr
+    assert not (tmp_path / "s.safetensors").exists()
