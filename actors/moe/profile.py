@@ -78,11 +78,13 @@ class RoutingStats:
         self.tokens += other.tokens
 
     def save(self, path: Path, model: str = "") -> None:
-        save_file(*self._file(model), str(path))  # writes from any device
+        tensors, header = self._file(model)
+        save_file(tensors, str(path), metadata=header)  # writes from any device
 
     def to_bytes(self, model: str = "") -> bytes:
         """The same file's bytes (what the admin API sends)."""
-        return save(*self._file(model))
+        tensors, header = self._file(model)
+        return save(tensors, metadata=header)
 
     def _file(self, model: str) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
         header = {"version": str(STATS_VERSION), "layers": json.dumps(list(self.layers)), "top_k": str(self.top_k),

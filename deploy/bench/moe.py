@@ -70,6 +70,7 @@ class Run:
     setting: str
     experts: ExpertParallelConfig
     stats: EPStats = field(default_factory=EPStats)
+    per_rank_tokens: list[float] = field(default_factory=list)  # tokens each rank ran as home (attention load)
     tokens: int = 0
     seconds: float = 0.0
     outputs: list[list[int]] = field(default_factory=list)
@@ -152,6 +153,7 @@ def _measure(r: Run, path: str, cache: CacheConfig, prompts, params, args) -> No
         r.seconds = time.perf_counter() - t
         for s in target.executor.ep_stats():
             r.stats.add(s)
+            r.per_rank_tokens.append(s.model_tokens)
         r.outputs = [c.token_ids for c in completions]
         r.tokens = sum(len(o) for o in r.outputs)
     finally:
@@ -169,6 +171,8 @@ def _report(args, path: str, stats, runs: list[Run], reference: list[list[int]])
             "alltoall_bytes_per_token": round(r.stats.bytes_per_token, 1),  # over every MoE layer
             "moe_ms_per_token": round(r.stats.seconds_per_token * 1e3, 4),  # summed over the ranks' MoE layers
             "tok_s": round(r.tokens / r.seconds, 2),
+            # the busiest rank's share of the tokens over an even share (1.0: balanced attention load)
+            "load_imbalance": round(max(r.per_rank_tokens) * len(r.per_rank_tokens) / sum(r.per_rank_tokens), 3),
             "identical_to_one_process": r.outputs == reference,
         }
     for settings in rows.values():
@@ -193,13 +197,14 @@ def _print(report: dict) -> None:
     table = Table(title=f"Speculative MoE on {Path(report['model']).name}: {report['num_experts']} experts, "
                         f"top-{report['top_k']}, {report['moe_layers']} MoE layers, held-out prompts")
     for col in ("ranks", "setting", "local rate", "gain (points)", "a2a bytes/token", "reduction", "MoE ms/token",
-                "tok/s", "identical"):
+                "tok/s", "load imbalance", "identical"):
         table.add_column(col)
     for ranks, settings in report["ranks"].items():
         for name, r in settings.items():
             table.add_row(ranks, name, f"{r['local_activation_rate']:.3f}", f"{r['local_rate_gain_points']:+.1f}",
                           f"{r['alltoall_bytes_per_token']:.0f}", f"{r['bytes_reduction']:.1%}",
-                          f"{r['moe_ms_per_token']:.3f}", f"{r['tok_s']:.1f}", str(r["identical_to_one_process"]))
+                          f"{r['moe_ms_per_token']:.3f}", f"{r['tok_s']:.1f}", f"{r['load_imbalance']:.2f}",
+                          str(r["identical_to_one_process"]))
     Console().print(table)
 
 
