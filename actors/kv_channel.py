@@ -1,10 +1,10 @@
 """A torch.distributed channel between two instances' processes that carries a migrating request's KV.
 
 A migration (cluster/migration.py) opens one of its own for its duration (two migrations between the same
-instances each have theirs): the source's process hosts a TCP store at a
-free port of its node and is rank 0, the destination's is rank 1, and a two-rank group connects them (made
-directly over the store, so it leaves each process's default group, the pipeline's (actors/p2p.py), alone):
-NCCL when both instances keep their KV on GPUs, gloo otherwise. The KV's tensors go over it in order; their headers (request, layers, token range,
+instances each have theirs): the source's process hosts a TCP store at a free port of its node and is rank 0,
+the destination's is rank 1, and a two-rank group connects them (made directly over the store, so it leaves
+each process's default group, the pipeline's (actors/p2p.py), alone): NCCL when both instances keep their KV
+on GPUs, gloo otherwise. The KV's tensors go over it in order; their headers (request, layers, token range,
 shape, dtype) go with the coordinator's calls, so the receiver knows what to allocate. Every operation is
 bounded by the channel's timeout: a peer that died fails the transfer, never hangs it.
 

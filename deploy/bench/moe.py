@@ -33,7 +33,8 @@ from actors.model.loader import load_model
 from actors.model.runner import ModelRunner
 from actors.moe.ep import EPStats
 from actors.moe.profile import moe_layers, profile
-from cluster.config import CacheConfig, EngineConfig, ExpertParallelConfig, ModelConfig, SchedulerConfig, SpeculationConfig
+from cluster.config import (CacheConfig, EngineConfig, ExpertParallelConfig, ModelConfig, SchedulerConfig,
+                            SpeculationConfig)
 from cluster.request import SamplingParams
 from deploy.bench.output import save
 from deploy.bench.prompts import DATASETS, load_prompts
@@ -178,7 +179,8 @@ def _report(args, path: str, stats, runs: list[Run], reference: list[list[int]])
     for settings in rows.values():
         plain = settings["plain"]
         for row in settings.values():
-            row["local_rate_gain_points"] = round((row["local_activation_rate"] - plain["local_activation_rate"]) * 100, 2)
+            gain = row["local_activation_rate"] - plain["local_activation_rate"]
+            row["local_rate_gain_points"] = round(gain * 100, 2)
             row["bytes_reduction"] = round(1 - row["alltoall_bytes_per_token"] / plain["alltoall_bytes_per_token"], 4)
             row["moe_time_ratio"] = round(row["moe_ms_per_token"] / plain["moe_ms_per_token"], 4)
     usage = stats.load.double()
@@ -215,7 +217,8 @@ def _plot(report: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 3, figsize=(13, 3.8))
-    keys = (("local_activation_rate", "local activation rate"), ("alltoall_bytes_per_token", "all-to-all bytes per token"),
+    keys = (("local_activation_rate", "local activation rate"),
+            ("alltoall_bytes_per_token", "all-to-all bytes per token"),
             ("moe_ms_per_token", "MoE-layer ms per token"))
     width = 0.8 / len(SETTINGS)
     for ax, (key, label) in zip(axes, keys):

@@ -72,7 +72,8 @@ def run_profile(args: argparse.Namespace) -> int:
 
     path = resolve_model(args.model)
     model = load_model(path, "fp32")
-    prompts = [model.encode(t, chat=True)[:args.max_prompt_tokens] for t in load_prompts(args.prompts, args.num_prompts)]
+    texts = load_prompts(args.prompts, args.num_prompts)
+    prompts = [model.encode(t, chat=True)[:args.max_prompt_tokens] for t in texts]
     runner = ModelRunner(model, range(model.num_layers), CacheConfig(block_size=16, num_blocks=64))
     try:
         stats = profile(runner, prompts)

@@ -6,7 +6,8 @@ import random
 
 import pytest
 
-from cluster.config import CacheConfig, EngineConfig, ModelConfig, RouterConfig, SpeculationConfig
+from cluster.config import (CacheConfig, EngineConfig, ExpertParallelConfig, ModelConfig, RouterConfig,
+                            SpeculationConfig)
 from placement.fleet import plan_fleet
 from placement.inventory import Inventory, NodeSpec
 from placement.planner import PlacementError
@@ -79,3 +80,10 @@ def test_resolving_models_keeps_the_name_clients_use(tiny_models) -> None:
     cfg = engine(draft=None).model_copy(update={"model": ModelConfig(target="smollm2-135m-instruct")})
     out = resolved(cfg)
     assert out.model.served_name == "smollm2-135m-instruct" and out.model.target != "smollm2-135m-instruct"
+
+
+def test_expert_parallel_ranks_take_one_planned_slot_each_as_actors() -> None:
+    cfg = engine(policy="off").model_copy(update={"experts": ExpertParallelConfig(ranks=3)})
+    [spec] = plan_fleet(cfg, RouterConfig(pipeline_stages=3), FOUR_DEVICES, model(8), None)
+    assert spec.executor == "ray" and len(spec.layout.stages) == 3 == len(spec.layout.places)
+    assert spec.engine.experts.ranks == 3
