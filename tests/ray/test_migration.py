@@ -119,7 +119,9 @@ def row(fleet: Fleet, rid: str) -> dict:
 def test_a_stream_follows_its_request_through_migrations(fleet, seed, transfer) -> None:
     prompt = text_prompts(load(fleet.cfg.model.target), 1, offset=6)[0]
     temperature = 0.0 if seed is None else 0.8
-    alone = asyncio.run(stream(fleet, prompt, temperature=temperature, seed=seed))
+    # twice as long as usual: the second migration starts only when the first has landed, and the request must
+    # still be running then on a loaded machine
+    alone = asyncio.run(stream(fleet, prompt, temperature=temperature, seed=seed, tokens=2 * TOKENS))
     results = []
 
     async def migrate_twice(rid: str, instance: str) -> None:
@@ -128,11 +130,12 @@ def test_a_stream_follows_its_request_through_migrations(fleet, seed, transfer) 
             results.append(await fleet.router.migrate.remote(rid, to, MigrationConfig(transfer=transfer)))
             instance = to
 
-    moved = asyncio.run(stream(fleet, prompt, temperature=temperature, seed=seed, after=20, during=migrate_twice))
+    moved = asyncio.run(stream(fleet, prompt, temperature=temperature, seed=seed, after=20, during=migrate_twice,
+                               tokens=2 * TOKENS))
 
     assert [r.status.value for r in results] == ["finished", "finished"], results
     assert all(r.stages >= 1 and r.tokens_copied > len(prompt) and r.transfer == transfer for r in results)
-    assert moved.finish is FinishReason.LENGTH and len(moved.tokens) == TOKENS
+    assert moved.finish is FinishReason.LENGTH and len(moved.tokens) == 2 * TOKENS
     assert moved.tokens == alone.tokens and moved.text == alone.text  # no gap, no duplicate, same output
     stats = ray.get(fleet.router.migration_stats.remote())
     assert stats.by_status["finished"] >= 2 and stats.downtime_count >= 2 and stats.downtime_sum_s > 0
