@@ -322,6 +322,28 @@ class Engine:
         """An arriving request was not committed: free what was reserved and imported for it."""
         if not any(s.request_id == request_id for s in self.waiting + self.running):
             self.target.cache.free(request_id)
+            if self.draft is not None:
+                self.draft.cache.free(request_id)
+
+    def export_draft(self, request_id: str) -> list[KVExport] | None:
+        """A migration's copy of the request's draft KV as it stands between two steps (the draft's view of the
+        accepted tokens: a prefix of the request that never changes); None without a draft model or draft KV."""
+        if self.draft is None or not self.holds(request_id) or not self.draft.cache.has(request_id):
+            return None
+        n = self.draft.cache.length(request_id)
+        return self.draft.export_kv(request_id, 0, n) if n else None
+
+    def import_draft(self, exports: list[KVExport]) -> bool:
+        """An arriving request's draft KV (its draft then catches up only on the tokens since); False, changing
+        nothing, without a draft model, or without room (the draft catches up on everything instead)."""
+        rid = exports[0].request_id
+        if self.draft is None or self.holds(rid) or self.draft.cache.has(rid):
+            return False
+        if not self.draft.import_kv(exports):
+            return False
+        if isinstance(self.drafter, ModelDrafter):
+            self.drafter.imported(rid, self.draft.cache.length(rid))
+        return True
 
     def export_out(self, request_id: str, start: int, end: int) -> tuple[list[KVExport], int] | None:
         """A migration's copy: the request's KV from `start` to `end` (or to what it holds), and where that ends;

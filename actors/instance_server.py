@@ -144,10 +144,23 @@ class InstanceServer:
         return None if got is None else (self._ship(got[0], via), got[1])
 
     async def migrate_import(self, kv: list[KVExport] | ChannelPayload) -> bool:
-        if isinstance(kv, ChannelPayload):  # the tensors come over the channel from the source
-            channel = self._channels[kv.channel]
-            kv = await asyncio.to_thread(channel.recv, kv.headers)
-        return await self._on_loop(lambda: self.instance.engine.import_kv(kv))
+        exports = await self._receive(kv)
+        return await self._on_loop(lambda: self.instance.engine.import_kv(exports))
+
+    async def migrate_export_draft(self, request_id: str, via: str | None = None
+                                   ) -> tuple[list[KVExport] | ChannelPayload, int] | None:
+        got = await self._on_loop(lambda: self.instance.engine.export_draft(request_id))
+        return None if got is None else (self._ship(got, via), got[0].end)
+
+    async def migrate_import_draft(self, kv: list[KVExport] | ChannelPayload) -> bool:
+        exports = await self._receive(kv)
+        return await self._on_loop(lambda: self.instance.engine.import_draft(exports))
+
+    async def _receive(self, kv: list[KVExport] | ChannelPayload) -> list[KVExport]:
+        """The exports themselves: as they came (object store), or received over their channel (off the loop)."""
+        if isinstance(kv, ChannelPayload):
+            return await asyncio.to_thread(self._channels[kv.channel].recv, kv.headers)
+        return kv
 
     async def migrate_stop(self, request_id: str, start: int, via: str | None = None
                            ) -> tuple[Request, list[KVExport] | ChannelPayload, int, float] | None:

@@ -221,6 +221,9 @@ class MigrationConfig(_Frozen):
     # opened); "object_store", Ray's object store
     transfer: Literal["torch", "object_store"] = "torch"
     channel_timeout_s: float = Field(default=10.0, gt=0.0)
+    # the draft model's KV: "move" copies it (as it stands between two steps) before the stop, so the draft at the
+    # destination catches up only on the tokens since; "rebuild" lets it catch up on the whole request there
+    draft_kv: Literal["move", "rebuild"] = "move"
     policies: tuple[Literal["drain", "defrag", "balance"], ...] = ()
     interval_s: float = Field(default=1.0, gt=0.0)
     thresholds: MigrationPolicyConfig = MigrationPolicyConfig()

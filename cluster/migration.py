@@ -51,6 +51,7 @@ class MigrationResult:
     downtime_s: float = 0.0  # from the request's stop at the source (its last step there done) to its commit
     total_s: float = 0.0
     transfer: str = "object_store"  # how the KV went: "object_store" or "torch" (a torch.distributed channel)
+    draft_tokens: int = 0  # tokens of draft KV moved (draft_kv: move); 0: the draft rebuilds it at the destination
 
 
 class Endpoint(Protocol):
@@ -72,6 +73,14 @@ class Endpoint(Protocol):
 
     async def migrate_import(self, kv: object) -> bool:
         """Destination: append KV; False if out of blocks."""
+        ...
+
+    async def migrate_export_draft(self, request_id: str, via: str | None = None) -> tuple[object, int] | None:
+        """Source: the request's draft KV as it stands, and its length; None without a draft model or draft KV."""
+        ...
+
+    async def migrate_import_draft(self, kv: object) -> bool:
+        """Destination: take the arriving request's draft KV; False if it cannot (the draft rebuilds it there)."""
         ...
 
     async def migrate_stop(self, request_id: str, start: int, via: str | None = None
@@ -143,10 +152,11 @@ async def migrate(request_id: str, src: Endpoint, dst: Endpoint, cfg: MigrationC
 async def _migrate(request_id: str, src: Endpoint, dst: Endpoint, cfg: MigrationConfig, destination: object,
                    via: str | None) -> MigrationResult:
     t0 = time.perf_counter()
-    stages = copied = 0
+    stages = copied = draft_tokens = 0
 
     def result(status: MigrationStatus, reason: str = "", downtime: float = 0.0) -> MigrationResult:
-        return MigrationResult(request_id, status, reason, stages, copied, downtime, time.perf_counter() - t0)
+        return MigrationResult(request_id, status, reason, stages, copied, downtime, time.perf_counter() - t0,
+                               draft_tokens=draft_tokens)
 
     try:
         length = await src.migrate_length(request_id)
@@ -184,6 +194,13 @@ async def _migrate(request_id: str, src: Endpoint, dst: Endpoint, cfg: Migration
                 return result(MigrationStatus.ABORTED_SRC, "the request ended at the source first")
             if now - copied <= cfg.stop_copy_tokens:
                 break
+        if cfg.draft_kv == "move":  # before the stop: the draft KV between steps is a prefix that never changes
+            side = "source"
+            exported = await src.migrate_export_draft(request_id, via)
+            if exported is not None:
+                side = "destination"
+                kv, tokens = exported
+                draft_tokens = tokens if await dst.migrate_import_draft(kv) else 0
         side = "source"
         t_stop = time.perf_counter()
         stopped_at = await src.migrate_stop(request_id, copied, via)

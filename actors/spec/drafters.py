@@ -165,6 +165,11 @@ class ModelDrafter:
         self._exact.pop(seq.request_id, None)
         self._drafted.pop(seq.request_id, None)
 
+    def imported(self, request_id: str, length: int) -> None:
+        """Draft KV of a request's first `length` tokens arrived by migration, computed as exactly as it was at
+        its source (whose rounds cropped it to that prefix): keep it when verifying."""
+        self._exact[request_id] = length
+
 
 @dataclass
 class Calibration:

@@ -55,6 +55,10 @@ MODES = {  # part 1's ways to migrate, side by side
     "staged_object_store": STAGED.model_copy(update={"transfer": "object_store"}),
     "stop_and_copy_object_store": STAGED.model_copy(update={"max_stages": 0, "transfer": "object_store"}),
 }
+DRAFT_MODES = {  # part "draft": the draft model's KV moved before the stop, or rebuilt by catch-up at the destination
+    "draft_moved": STAGED.model_copy(update={"draft_kv": "move"}),
+    "draft_rebuilt": STAGED.model_copy(update={"draft_kv": "rebuild"}),
+}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -74,7 +78,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--skew-open-at", type=float, default=0.5,
                    help="the fraction of the arrivals after which the second instance opens")
     p.add_argument("--seed", type=int, default=0, help="of the arrival times")
-    p.add_argument("--parts", default="downtime,failover,skew", help="which parts to run, comma-separated")
+    p.add_argument("--parts", default="downtime,failover,skew",
+                   help="which parts to run, comma-separated: downtime, failover, skew, draft")
+    p.add_argument("--draft-layers", default="0-9",
+                   help="part draft: the target layers its self-speculative draft runs, as FIRST-LAST")
+    p.add_argument("--draft-k", type=int, default=4, help="part draft: tokens drafted per round")
     p.add_argument("--num-cpus", type=float, default=1.0, help="CPUs per instance")
     p.add_argument("--state", type=Path, default=local_cluster.DEFAULT_STATE, help="the local cluster's state file")
     p.add_argument("--json", type=Path)
@@ -158,16 +166,17 @@ def long_prompt(tokenizer_model, length: int) -> list[int]:
     return ids[:length]
 
 
-async def downtime_part(b: Bench, prompt: list[int], args) -> dict:
-    """Part 1 at one context length: unmigrated, staged and stop-and-copy runs, interleaved repeat by repeat."""
-    rows: dict[str, list[dict]] = {mode: [] for mode in MODES}
+async def downtime_part(b: Bench, prompt: list[int], args, modes: dict[str, MigrationConfig] = MODES) -> dict:
+    """Part 1 at one context length: unmigrated, staged and stop-and-copy runs (or `modes`), interleaved repeat by
+    repeat."""
+    rows: dict[str, list[dict]] = {mode: [] for mode in modes}
     alone_gaps: list[float] = []
     alone_tokens = None
     for _ in range(args.repeats):
         alone = await b.stream(prompt, args.max_tokens)
         alone_tokens = alone.tokens
         alone_gaps += alone.gaps_after(alone.arrivals[0])
-        for mode, mcfg in MODES.items():
+        for mode, mcfg in modes.items():
             began: list[float] = []
 
             async def move(rid: str, instance: str, mcfg=mcfg, began=began):
@@ -179,6 +188,7 @@ async def downtime_part(b: Bench, prompt: list[int], args) -> dict:
             r = s.side
             rows[mode].append({"status": r.status.value, "reason": r.reason, "downtime_ms": r.downtime_s * 1e3, "total_ms": r.total_s * 1e3,
                                "stages": r.stages, "tokens_copied": r.tokens_copied, "transfer": r.transfer,
+                               "draft_tokens": r.draft_tokens,
                                "client_gap_ms": max(s.gaps_after(began[0]), default=0.0) * 1e3,
                                "identical": s.tokens == alone_tokens})
     itl = statistics.median(alone_gaps) * 1e3
@@ -256,8 +266,12 @@ def run(args: argparse.Namespace) -> int:
     except ValueError:
         raise UsageError(f"--contexts: expected lengths like 256,1024, got {args.contexts!r}") from None
     parts = set(args.parts.split(","))
-    if not parts <= {"downtime", "failover", "skew"}:
-        raise UsageError(f"--parts: choose from downtime, failover, skew; got {args.parts!r}")
+    if not parts <= {"downtime", "failover", "skew", "draft"}:
+        raise UsageError(f"--parts: choose from downtime, failover, skew, draft; got {args.parts!r}")
+    try:
+        first, last = (int(x) for x in args.draft_layers.split("-"))
+    except ValueError:
+        raise UsageError(f"--draft-layers: expected FIRST-LAST like 0-9, got {args.draft_layers!r}") from None
     state = local_cluster.read_state(args.state)
     nodes = [n.spec.name for n in state.nodes]
     if len(nodes) < 3:
@@ -274,6 +288,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         if parts & {"downtime", "failover"}:
             _downtime_and_failover(args, parts, contexts, target, tok, nodes, report)
+        if "draft" in parts:
+            report["draft"] = _draft(args, contexts, target, tok, nodes, tuple(range(first, last + 1)))
         if "skew" in parts and args.skew_requests:
             report["skew"] = _skew(args, target, tok, nodes)
     finally:
@@ -317,6 +333,34 @@ def _downtime_and_failover(args, parts: set[str], contexts: list[int], target: s
               f"{f['added_latency_ms_max']:.0f} ms; longest client gap {f['client_gap_ms_max']:.0f} ms", flush=True)
     finally:
         b.close()
+
+
+def _draft(args, contexts: list[int], target: str, tok, nodes: list[str], layers: tuple[int, ...]) -> list[dict]:
+    """Part "draft": with a self-speculative draft, its KV moved before the stop vs rebuilt at the destination."""
+    longest = max(contexts) + args.max_tokens + 64
+    cfg = EngineConfig(model=ModelConfig(target=target, dtype=args.dtype, draft_layers=layers),
+                       speculation=SpeculationConfig(policy="fixed", k=args.draft_k),
+                       scheduler=SchedulerConfig(max_batch_size=8, max_num_batched_tokens=512),
+                       cache=CacheConfig(block_size=16, num_blocks=2 * longest // 16 + 16))
+    b = Bench(cfg, tok.num_layers, args.num_cpus, RouterConfig(stats_interval_s=0.5))
+    out = []
+    try:
+        b.start("bench-a", nodes[0])
+        b.start("bench-b", nodes[1])
+        asyncio.run(b.stream(long_prompt(tok, 32), 4))  # warm-up
+        for c in contexts:
+            part = asyncio.run(downtime_part(b, long_prompt(tok, c), args, DRAFT_MODES))
+            out.append(part)
+            mv, rb = part["draft_moved"], part["draft_rebuilt"]
+            print(f"context {c}, draft of layers {layers[0]}-{layers[-1]}: client gap with the draft KV moved "
+                  f"{_ms(mv['client_gap_ms_median'])} vs rebuilt {_ms(rb['client_gap_ms_median'])} "
+                  f"({_ratio(rb['client_gap_ms_median'], mv['client_gap_ms_median'])}); downtime "
+                  f"{_ms(mv['downtime_ms_median'])} vs {_ms(rb['downtime_ms_median'])}; migration total "
+                  f"{_ms(mv['total_ms_median'])} vs {_ms(rb['total_ms_median'])}; identical "
+                  f"{mv['identical'] and rb['identical']}", flush=True)
+    finally:
+        b.close()
+    return out
 
 
 def _skew(args, target: str, tok, nodes: list[str]) -> dict:

@@ -20,8 +20,8 @@ def test_bench_migration_runs_every_part_losslessly(ray_cluster, tmp_path: Path)
     args = ["--model", str(model), "--contexts", "16,48", "--repeats", "1", "--max-tokens", "600",
             "--migrate-after", "2", "--failover-requests", "2", "--failover-context", "48", "--skew-requests", "4",
             "--skew-rate", "20", "--skew-prompt-tokens", "32", "--skew-max-tokens", "24", "--skew-fits", "2",
-            "--num-cpus", "0.5", "--state", str(ray_cluster.state_path), "--json", str(report_path),
-            "--plot", str(plot)]
+            "--parts", "downtime,failover,skew,draft", "--draft-layers", "0-1", "--draft-k", "3", "--num-cpus", "0.5",
+            "--state", str(ray_cluster.state_path), "--json", str(report_path), "--plot", str(plot)]
     out = subprocess.run([sys.executable, "-m", "deploy.cli", "bench", "migration", *args], capture_output=True,
                          text=True, timeout=600, env={**os.environ, **local_cluster.RAY_ENV})
     assert out.returncode == 0, out.stdout + out.stderr[-4000:]
@@ -41,4 +41,9 @@ def test_bench_migration_runs_every_part_losslessly(ray_cluster, tmp_path: Path)
     skew = report["skew"]
     assert skew["identical"] and skew["off"]["completed"] == skew["on"]["completed"] == 4
     assert skew["off"]["migrations"] == 0
+    for part in report["draft"]:  # a self-speculative draft's KV moved before the stop, or rebuilt
+        moved, rebuilt = part["draft_moved"], part["draft_rebuilt"]
+        for mode in (moved, rebuilt):
+            assert mode["finished"] == mode["of"] == 1 and mode["identical"], mode["runs"]
+        assert moved["runs"][0]["draft_tokens"] >= part["context"] and rebuilt["runs"][0]["draft_tokens"] == 0
     assert "context 48: downtime staged" in out.stdout and "skewed Poisson load" in out.stdout

@@ -6,6 +6,7 @@ import asyncio
 import dataclasses
 
 import pytest
+import torch
 
 from actors.engine import Engine
 from cluster.config import MigrationConfig
@@ -36,6 +37,7 @@ class EngineEndpoint:
         self.engine, self.results, self.steps, self.fail_on = engine, results, steps, fail_on
         self.detached = {}
         self.exports: list[tuple[int, int]] = []  # the (start, end) asked of each export
+        self.draft_imports: list[int] = []  # the length of each draft KV it was sent
         self.between_steps = lambda: None  # what else happens at the source after its steps, before an export
         self.before_stop = lambda: None  # and before the stop
 
@@ -60,6 +62,16 @@ class EngineEndpoint:
     async def migrate_import(self, exports):
         self._maybe_fail("import")
         return self.engine.import_kv(exports)
+
+    async def migrate_export_draft(self, rid, via=None):
+        self._maybe_fail("export_draft")
+        got = self.engine.export_draft(rid)
+        return None if got is None else (got, got[0].end)
+
+    async def migrate_import_draft(self, exports):
+        self._maybe_fail("import_draft")
+        self.draft_imports.append(exports[0].end)
+        return self.engine.import_draft(exports)
 
     async def migrate_stop(self, rid, start, via=None):
         self.before_stop()
@@ -109,8 +121,9 @@ def assert_no_kv_left(*engines: Engine) -> None:
 
 @pytest.mark.parametrize("split", [False, True], ids=["same split", "two-stage destination"])
 @pytest.mark.parametrize("cfg", [MigrationConfig(max_stages=3, stop_copy_tokens=2), MigrationConfig(max_stages=0),
-                                 MigrationConfig(max_stages=2, stop_copy_tokens=2, chunk_tokens=16)],
-                         ids=["staged", "stop-and-copy", "staged in chunks of 16"])
+                                 MigrationConfig(max_stages=2, stop_copy_tokens=2, chunk_tokens=16),
+                                 MigrationConfig(max_stages=3, stop_copy_tokens=2, draft_kv="rebuild")],
+                         ids=["staged", "stop-and-copy", "staged in chunks of 16", "draft KV rebuilt"])
 def test_a_migrated_greedy_request_equals_the_targets_own(tiny_models, tiny_draft_models, split, cfg) -> None:
     src, dst = engine(tiny_models, tiny_draft_models), engine(tiny_models, tiny_draft_models, split=split)
     prompts = text_prompts(src.target.model, 3, offset=2)
@@ -138,7 +151,7 @@ def test_a_seeded_sampled_request_gives_the_same_output_migrated_or_not(tiny_mod
     assert [results[f"r{i}"].token_ids for i in range(2)] == [c.token_ids for c in alone]
 
 
-@pytest.mark.parametrize("fail_on", ["import", "commit"])
+@pytest.mark.parametrize("fail_on", ["import", "import_draft", "commit"])
 def test_a_destination_that_fails_leaves_the_request_running_at_the_source(tiny_models, tiny_draft_models,
                                                                           fail_on) -> None:
     src, dst = engine(tiny_models, tiny_draft_models), engine(tiny_models, tiny_draft_models)
@@ -266,3 +279,45 @@ def test_a_request_preempted_while_it_migrates_stays_and_finishes_at_the_source(
     for i, p in enumerate(prompts):
         assert results[f"r{i}"].token_ids == reference_greedy(tiny_models["llama"], p, 96), f"r{i}"
     assert_no_kv_left(src, dst)
+
+
+@pytest.mark.parametrize("draft_kv", ["move", "rebuild"])
+def test_the_draft_kv_moves_as_it_stood_or_is_rebuilt_at_the_destination(tiny_models, tiny_draft_models,
+                                                                         draft_kv) -> None:
+    src, dst = engine(tiny_models, tiny_draft_models), engine(tiny_models, tiny_draft_models)
+    prompts = text_prompts(src.target.model, 2, offset=4)
+    results: dict[str, Result] = {}
+    for i, p in enumerate(prompts):
+        src.add_request(Request(f"r{i}", tuple(p), GREEDY))
+    drain(src, results, steps=4)
+    a, b = EngineEndpoint(src, results, steps=1), EngineEndpoint(dst, results)
+    sent = []
+    a.before_stop = lambda: sent.append(src.export_draft("r0"))  # the source's draft KV when it was copied
+
+    outcome = asyncio.run(migrate("r0", a, b, MigrationConfig(max_stages=2, stop_copy_tokens=2, draft_kv=draft_kv)))
+
+    assert outcome.status is MigrationStatus.FINISHED, outcome
+    if draft_kv == "move":  # the destination's draft holds exactly what the source's held: it catches up from there
+        [want] = sent
+        got = dst.export_draft("r0")
+        assert outcome.draft_tokens == b.draft_imports[0] == want[0].end == got[0].end > len(prompts[0])
+        assert all(torch.equal(x.k, y.k) and torch.equal(x.v, y.v) for x, y in zip(got, want))
+    else:
+        assert outcome.draft_tokens == 0 and b.draft_imports == [] and not dst.draft.cache.has("r0")
+    drain(src, results)
+    drain(dst, results)
+    for i, p in enumerate(prompts):
+        assert results[f"r{i}"].token_ids == reference_greedy(tiny_models["llama"], p, TOKENS), f"r{i}"
+    assert_no_kv_left(src, dst)
+
+
+def test_a_destination_without_draft_room_rebuilds_the_draft_kv(tiny_models, tiny_draft_models) -> None:
+    src = engine(tiny_models, tiny_draft_models)
+    dst = Engine(runner(load(tiny_models["llama"])), runner(load(tiny_draft_models["llama"]), num_blocks=2),
+                 SpeculationConfig(policy="fixed", k=3), SchedulerConfig(max_batch_size=4))
+    prompts = text_prompts(src.target.model, 1, offset=6)
+
+    outcome, results = run_migration(src, dst, GREEDY, prompts)
+
+    assert outcome.status is MigrationStatus.FINISHED and outcome.draft_tokens == 0, outcome
+    assert results["r0"].token_ids == reference_greedy(tiny_models["llama"], prompts[0], TOKENS)
