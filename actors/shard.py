@@ -64,7 +64,12 @@ class ShardSpec:
         return self.group_rank > 0
 
 
-def load_shard(spec: ShardSpec) -> ModelRunner:
+def load_plan(spec: ShardSpec) -> ExpertPlan | None:
+    """The expert plan an expert-parallel rank loads its experts by (None: contiguous)."""
+    return ExpertPlan.model_validate_json(Path(spec.ep_plan).read_text()) if spec.ep_plan is not None else None
+
+
+def load_shard(spec: ShardSpec, plan: ExpertPlan | None = None) -> ModelRunner:
     """Load the checkpoint, build the shard's runner, and drop every weight the shard does not run."""
     model = load_model(spec.source, spec.dtype)  # on the CPU: the runner moves only its own layers to its device
     runner = ModelRunner(model, spec.layer_ids, spec.cache, first=spec.first, last=spec.last,
@@ -78,8 +83,8 @@ def load_shard(spec: ShardSpec) -> ModelRunner:
     if not spec.last:
         hf.norm = None
         model.hf_model.lm_head = None  # a tied head shares the embedding's tensor: it stays if this shard is first
-    if spec.ep_plan is not None:
-        apply_plan(runner, ExpertPlan.model_validate_json(Path(spec.ep_plan).read_text()))
+    if plan is not None:
+        apply_plan(runner, plan)
     if spec.quantization == "int8":
         quantize_runner_int8(runner)
     if not spec.follower:  # a follower walks rank 0's schedule (ShardWorker.step), it has none of its own
@@ -93,7 +98,8 @@ class ShardWorker:
     def __init__(self, spec: ShardSpec, threads: int = 1) -> None:
         torch.set_num_threads(threads)
         self.spec = spec
-        self.runner = load_shard(spec)
+        self.plan = load_plan(spec)  # an expert-parallel rank's, read once: loading and online routing use it
+        self.runner = load_shard(spec, self.plan)
         self.logits_device = torch.device(spec.logits_device)
         self.p2p: P2P | None = None
         self.owner: dict[int, int] = {}  # EasySpec: draft layer -> the group rank that runs it
@@ -114,8 +120,7 @@ class ShardWorker:
                 self.runner.layer_parallel.members = draft_group.GroupMembers(self.owner, self.p2p)
         if self.spec.ep_size > 1:  # an expert-parallel rank: its MoE layers exchange tokens over this group
             self.ep_stats = ep.enable(self.runner, ep.DistComm(self.p2p.wire))
-            plan = ExpertPlan.model_validate_json(Path(self.spec.ep_plan).read_text()) if self.spec.ep_plan else None
-            self.routing = ep.RoutingRecorder(self.runner, plan)
+            self.routing = ep.RoutingRecorder(self.runner, self.plan)
         return self.p2p.backend
 
     def device(self) -> str:

@@ -42,7 +42,7 @@ class ExpertPlan(BaseModel):
             raise ValueError(f"expert plan version {self.version}; this build reads version {PLAN_VERSION}")
         if len(self.ranks) != len(self.layers):
             raise ValueError(f"{len(self.ranks)} rank rows for {len(self.layers)} MoE layers")
-        sizes = _shares(len(self.ranks[0]), self.num_ranks) if self.ranks else []
+        sizes = expert_shares(len(self.ranks[0]), self.num_ranks) if self.ranks else []
         for l, row in zip(self.layers, self.ranks):
             counts = np.bincount(np.asarray(row, dtype=np.int64), minlength=self.num_ranks)
             if len(counts) != self.num_ranks or min(row) < 0:
@@ -96,7 +96,7 @@ def group_experts(layers: Sequence[int], coact: np.ndarray, affinity: np.ndarray
     n_layers, n_experts = load.shape
     _check(n_experts, num_ranks)
     coact[:, np.arange(n_experts), np.arange(n_experts)] = 0.0
-    sizes = np.array(_shares(n_experts, num_ranks))  # experts per rank
+    sizes = np.array(expert_shares(n_experts, num_ranks))  # experts per rank
     ranks = np.full((n_layers, n_experts), -1, dtype=np.int64)
     for l in range(n_layers):
         held = np.zeros(num_ranks, dtype=np.int64)
@@ -164,7 +164,7 @@ def best_ranks(plan: ExpertPlan, expert_mass: np.ndarray) -> np.ndarray:
     return per_rank.argmax(-1)
 
 
-def _shares(num_experts: int, num_ranks: int) -> list[int]:
+def expert_shares(num_experts: int, num_ranks: int) -> list[int]:
     """Experts per rank under a balanced split: the first E mod R ranks hold one more."""
     return [len(p) for p in np.array_split(np.arange(num_experts), num_ranks)]
 

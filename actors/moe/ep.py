@@ -18,6 +18,7 @@ placement only changes what crosses the wire, never the result.
 
 from __future__ import annotations
 
+import itertools
 import threading
 import time
 from dataclasses import dataclass, field
@@ -31,7 +32,7 @@ from actors.model.layers import MoE
 from actors.model.metadata import SeqChunk
 from actors.model.runner import ModelRunner
 from actors.moe.profile import RoutingStats
-from placement.experts import ExpertPlan
+from placement.experts import ExpertPlan, expert_shares
 
 
 class ExpertComm(Protocol):
@@ -130,12 +131,8 @@ class EPStats:
 
 
 def expert_bounds(num_experts: int, world_size: int) -> list[int]:
-    """First expert index of each rank, then E: the balanced contiguous split (placement/experts.py _shares)."""
-    base, extra = divmod(num_experts, world_size)
-    bounds = [0]
-    for r in range(world_size):
-        bounds.append(bounds[-1] + base + (1 if r < extra else 0))
-    return bounds
+    """First expert index of each rank, then E: the balanced contiguous split of an ExpertPlan."""
+    return [0, *itertools.accumulate(expert_shares(num_experts, world_size))]
 
 
 class ExpertParallelMoE:

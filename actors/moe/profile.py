@@ -68,6 +68,12 @@ class RoutingStats:
                 self.affinity[l] += hot.T @ onehot[l + 1]
         self.tokens += len(token_ids)
 
+    def usage_entropy(self) -> torch.Tensor:
+        """Per MoE layer, the entropy of expert usage as a share of log E (1.0: uniform). (L,)"""
+        usage = self.load.double()
+        usage = usage / usage.sum(-1, keepdim=True).clamp_min(1)
+        return -(usage * usage.clamp_min(1e-12).log()).sum(-1) / torch.log(torch.tensor(float(self.num_experts)))
+
     def merge(self, other: "RoutingStats") -> None:
         """Add another count of the same model's routing (e.g. another rank's, or a later window)."""
         if other.layers != self.layers or other.token_expert.shape != self.token_expert.shape:

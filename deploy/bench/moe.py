@@ -25,7 +25,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import ray
-import torch
 
 from actors.build import expert_parallel_runner
 from actors.engine import Engine
@@ -183,9 +182,7 @@ def _report(args, path: str, stats, runs: list[Run], reference: list[list[int]])
             row["local_rate_gain_points"] = round(gain * 100, 2)
             row["bytes_reduction"] = round(1 - row["alltoall_bytes_per_token"] / plain["alltoall_bytes_per_token"], 4)
             row["moe_time_ratio"] = round(row["moe_ms_per_token"] / plain["moe_ms_per_token"], 4)
-    usage = stats.load.double()
-    usage = usage / usage.sum(-1, keepdim=True)
-    entropy = (-(usage * usage.clamp_min(1e-12).log()).sum(-1) / torch.log(torch.tensor(float(stats.num_experts))))
+    entropy = stats.usage_entropy()
     return {"model": path, "profiled_tokens": stats.tokens, "num_prompts": len(reference),
             "max_tokens": args.max_tokens, "batch": args.batch, "slack": args.slack,
             "num_cpus_per_rank": args.num_cpus, "moe_layers": num_layers, "num_experts": stats.num_experts,

@@ -168,7 +168,7 @@ def run_status(args: argparse.Namespace) -> int:
     stats = _stats(args.stats)
     load = stats.load.double()
     usage = load / load.sum(-1, keepdim=True).clamp_min(1)
-    entropy = -(usage * usage.clamp_min(1e-12).log()).sum(-1) / np.log(stats.num_experts)
+    entropy = stats.usage_entropy()
     table = Table(title=f"{args.stats}: {stats.tokens} tokens, {stats.num_experts} experts, top-{stats.top_k}")
     for col in ("MoE layer", "usage entropy (1 = uniform)", "busiest expert share", "co-activated pairs"):
         table.add_column(col)
