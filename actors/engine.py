@@ -228,7 +228,7 @@ class Engine:
         chunks = [w for w in plan.works if not w.emits]
         tokens = sum(w.num_new for w in chunks)
         attention = sum(w.num_new * (w.start + w.num_new) for w in chunks) / ATTENTION_UNIT
-        base = BatchBase(ForwardShape(1, tokens, attention))
+        base = BatchBase(ForwardShape(1, tokens, attention), running=len(self.running))
         cands = []
         for w in emitting:
             end = w.start + w.num_new

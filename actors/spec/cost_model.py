@@ -44,16 +44,20 @@ class ForwardShape:
     attention: float = 0.0  # sum over requests of new tokens x context, / ATTENTION_UNIT
     sizes: tuple[int, ...] = ()
 
-    def per_forward(self) -> np.ndarray:
+    def per_forward(self) -> list[float]:
+        """Tokens of each forward."""
         if self.sizes:
-            return np.array(self.sizes, dtype=float)  # (forwards,)
-        return np.full(self.forwards, self.tokens / self.forwards if self.forwards else 0.0)
+            return [float(n) for n in self.sizes]
+        return [self.tokens / self.forwards] * self.forwards if self.forwards else []
 
     def features(self, knots: Sequence[int] = KNOTS) -> list[float]:
-        """[forwards, tokens, attention, sum_f min(n_f, c) for c in knots, sum_f max(0, n_f - c) for c in knots]."""
+        """[forwards, tokens, attention, sum_f min(n_f, c) for c in knots, sum_f max(0, n_f - c) for c in knots].
+
+        Plain Python, not NumPy: a step has a handful of forwards, and the goodput policy evaluates hundreds of
+        shapes per step, where NumPy's per-call overhead cost milliseconds."""
         n = self.per_forward()
-        concave = [float(np.minimum(n, c).sum()) for c in knots]
-        convex = [float(np.maximum(n - c, 0.0).sum()) for c in knots]
+        concave = [sum(min(x, c) for x in n) for c in knots]
+        convex = [sum(max(x - c, 0.0) for x in n) for c in knots]
         return [float(self.forwards), float(self.tokens), self.attention, *concave, *convex]
 
 
@@ -122,7 +126,7 @@ class LinearCost:
         self._since_fit = 0
 
     def predict(self, shape: ForwardShape) -> float:
-        return max(0.0, float(np.dot(self.weights, shape.features(self.knots))))
+        return max(0.0, sum(w * f for w, f in zip(self.weights.tolist(), shape.features(self.knots))))
 
 
 class StepCostModel:

@@ -18,7 +18,12 @@ its small cost is in the step's per-request overhead. A draft model does not fol
 gets k = 0; when drafting pays again it first catches up on the tokens it missed (its backlog). That
 catch-up is paid once and serves every later round, so the policy charges it spread over the rounds the
 request has left (remaining tokens / E(alpha, k)), so that a long pause is ended only if drafting
-will pay for its catch-up before the request ends.
+will pay for its catch-up before the request ends. Those later rounds exist only if the request would
+also draft once the batch settles: in a step that carries other requests' prefill chunks a draft looks
+cheap, yet the decode-only steps that follow may give it k = 0 (a full batch on this CPU). So the policy
+first decides the steady state, every running request decoding one token with no backlog, and a request
+that would not draft there pays its whole catch-up in this step (measured: the Qwen pair at batch 8 spent
+a third of its time catching the draft up on prompts it then never drafted for, docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -85,9 +90,11 @@ class Candidate:
 
 @dataclass(frozen=True)
 class BatchBase:
-    """The rest of the step, whatever the ks: prefill chunks in the target."""
+    """The rest of the step, whatever the ks: prefill chunks in the target; and how many requests run in all
+    (the batch that decodes together once prefills are done; 0: just the candidates)."""
 
     target: ForwardShape = ForwardShape()
+    running: int = 0
 
 
 class FixedPolicy:
@@ -125,27 +132,36 @@ class GoodputPolicy:
         self.k = k
         self.cost = cost
         self.draft_forwards = draft_forwards  # False: a lookup drafter, no draft forwards to pay for
+        self._catch_up: dict[tuple[int, int], float] = {}  # (backlog, context) -> seconds, for the current fit
 
-    def catch_up_seconds(self, c: Candidate, k: int) -> float:
-        """The share of this step in the draft's catch-up for `c`: its cost over the rounds the request has left."""
+    def catch_up_seconds(self, c: Candidate, k: int, one_off: bool = False) -> float:
+        """The share of this step in the draft's catch-up for `c`: its cost over the rounds the request has left,
+        or all of it if it is `one_off` (the request would not draft in later rounds)."""
         if not self.draft_forwards or k == 0 or c.draft_backlog <= 1:
             return 0.0  # a backlog of one token (the last round's bonus) rides in the first draft forward
         b = c.draft_backlog
-        seconds = self.cost.draft.predict(ForwardShape(1, b, b * c.context / ATTENTION_UNIT))
-        rounds = max(1.0, c.remaining / expected_tokens(c.acceptance, k))
+        seconds = self._catch_up.get((b, c.context))
+        if seconds is None:  # one forward over the backlog: the same for every k, so computed once per step
+            if len(self._catch_up) > 4096:
+                self._catch_up.clear()
+            seconds = self._catch_up[b, c.context] = self.cost.draft.predict(
+                ForwardShape(1, b, b * c.context / ATTENTION_UNIT))
+        rounds = 1.0 if one_off else max(1.0, c.remaining / expected_tokens(c.acceptance, k))
         return seconds / rounds
 
-    def goodput(self, cands: list[Candidate], base: BatchBase, ks: list[int]) -> float:
-        """Expected tokens per second of a step with these ks."""
+    def goodput(self, cands: list[Candidate], base: BatchBase, ks: list[int],
+                one_off: frozenset[int] = frozenset()) -> float:
+        """Expected tokens per second of a step with these ks (`one_off`: candidates whose catch-up this step pays
+        in full)."""
         tokens, attention = base.target.tokens, base.target.attention
         d_attention, catch_up = 0.0, 0.0
         emitted = 0.0
-        for c, k in zip(cands, ks):
+        for i, (c, k) in enumerate(zip(cands, ks)):
             tokens += c.new_tokens + k
             attention += (c.new_tokens + k) * c.context / ATTENTION_UNIT
             d_attention += k * c.context / ATTENTION_UNIT
             emitted += expected_tokens(c.acceptance, k)
-            catch_up += self.catch_up_seconds(c, k)
+            catch_up += self.catch_up_seconds(c, k, i in one_off)
         # draft forward j feeds one token of each request still drafting at position j
         sizes = [sum(k > j for k in ks) for j in range(max(ks, default=0))] if self.draft_forwards else []
         draft = ForwardShape(len(sizes), sum(sizes), d_attention, tuple(sizes))
@@ -153,15 +169,36 @@ class GoodputPolicy:
         return emitted / max(seconds, 1e-9)
 
     def choose(self, cands: list[Candidate], base: BatchBase, budget: int) -> list[int]:
-        best_ks, best = [0] * len(cands), self.goodput(cands, base, [0] * len(cands))
+        self._catch_up.clear()  # the cost model may have been refitted since the last step
         if not self.cost.fitted:
-            return best_ks
+            return [0] * len(cands)
+        return self._search(cands, base, budget, self._one_off(cands, base, budget))
+
+    def _one_off(self, cands: list[Candidate], base: BatchBase, budget: int) -> frozenset[int]:
+        """Candidates with a backlog that would get k = 0 in the steady state: every running request decoding one
+        token, caught up, with no prefill in the step (requests not among the candidates are taken as average)."""
+        behind = [i for i, c in enumerate(cands) if c.draft_backlog > 1]
+        if not self.draft_forwards or not behind:
+            return frozenset()
+        steady = [Candidate(c.acceptance, max(0, min(self.k, c.remaining - 1)), 1, c.context, 0, c.remaining)
+                  for c in cands]
+        if base.running > len(cands):
+            mean = Candidate(sum(c.acceptance for c in cands) / len(cands), self.k, 1,
+                             sum(c.context for c in cands) // len(cands))
+            steady += [mean] * (base.running - len(cands))
+        ks = self._search(steady, BatchBase(), max(budget, sum(c.max_k for c in steady)), frozenset())
+        return frozenset(i for i in behind if ks[i] == 0)
+
+    def _search(self, cands: list[Candidate], base: BatchBase, budget: int, one_off: frozenset[int]) -> list[int]:
+        """The ks of the best goodput found: per cap c = 1..K, every request at min(c, its limit), then single
+        requests lowered while that helps."""
+        best_ks, best = [0] * len(cands), self.goodput(cands, base, [0] * len(cands), one_off)
         for cap in range(1, self.k + 1):
             ks = [min(cap, c.max_k) for c in cands]
             while sum(ks) > budget:  # trim the requests with the lowest acceptance first
                 i = min((i for i, k in enumerate(ks) if k > 0), key=lambda i: (cands[i].acceptance, -ks[i]))
                 ks[i] -= 1
-            value = self.goodput(cands, base, ks)
+            value = self.goodput(cands, base, ks, one_off)
             improved = True
             while improved:
                 improved = False
@@ -169,7 +206,7 @@ class GoodputPolicy:
                     if ks[i] == 0:
                         continue
                     ks[i] -= 1
-                    v = self.goodput(cands, base, ks)
+                    v = self.goodput(cands, base, ks, one_off)
                     if v > value:
                         value, improved = v, True
                     else:

@@ -41,6 +41,8 @@ SETUPS = {
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--setups", nargs="+", choices=list(SETUPS), default=list(SETUPS),
                    help="default: SmolLM2-135M with its int8 all-layer self-draft; qwen: Coder 1.5B with the 0.5B")
+    p.add_argument("--target", help="instead of --setups: any model `generate` takes (catalog name, GGUF, folder)")
+    p.add_argument("--draft", help="with --target: its draft model (default: an all-layer self-draft)")
     p.add_argument("--dtype", choices=["fp32", "bf16"], default="bf16")
     p.add_argument("--prompts", type=Path, nargs="+",
                    default=[DATASETS / "mt_bench_questions.jsonl", DATASETS / "HumanEval.jsonl.gz"],
@@ -50,6 +52,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--qwen-num-prompts", type=int, default=8)
     p.add_argument("--qwen-max-tokens", type=int, default=32)
     p.add_argument("--batches", type=int, nargs="+", default=[1, 8])
+    p.add_argument("--repeats", type=int, default=1,
+                   help="passes over the prompts per batch size, modes interleaved (in reverse order on odd passes)")
     p.add_argument("--k", type=int, default=4)
     p.add_argument("--kinds", nargs="+", choices=["model", "ngram", "suffix"], default=["model", "ngram", "suffix"])
     p.add_argument("--start", action="store_true",
@@ -88,9 +92,30 @@ def cpu_model() -> str:
     return f"{name} ({', '.join(bf16) or 'no bf16 flags'})"
 
 
-def _build(setup: str, args: argparse.Namespace, batch: int, costs: dict[str, StepCostModel]) -> dict[str, Engine]:
-    target_name, draft_name, int8 = SETUPS[setup]
-    max_tokens = args.qwen_max_tokens if setup == "qwen" else args.max_tokens
+@dataclass(frozen=True)
+class Setup:
+    """A model pair to measure, with its prompt count and length."""
+
+    name: str
+    target: str
+    draft: str | None  # None: a self-draft of every target layer
+    int8: bool  # the model draft quantized to int8
+    num_prompts: int
+    max_tokens: int
+
+
+def setups(args: argparse.Namespace) -> list[Setup]:
+    """The setups a run measures: `--target` (and `--draft`) alone, or the named ones."""
+    if args.target:
+        return [Setup("custom", args.target, args.draft, False, args.num_prompts, args.max_tokens)]
+    if args.draft:
+        raise SystemExit("--draft needs --target")
+    return [Setup(name, *SETUPS[name], args.qwen_num_prompts if name == "qwen" else args.num_prompts,
+                  args.qwen_max_tokens if name == "qwen" else args.max_tokens) for name in args.setups]
+
+
+def _build(setup: Setup, args: argparse.Namespace, batch: int, costs: dict[str, StepCostModel]) -> dict[str, Engine]:
+    target_name, draft_name, int8, max_tokens = setup.target, setup.draft, setup.int8, setup.max_tokens
     cache = CacheConfig(block_size=16, num_blocks=(args.num_prompts * (max_tokens + 1024)) // 16 + 64)
     target, draft = _models(setup, args.dtype)
     target_runner = ModelRunner(target, range(target.num_layers), cache)
@@ -117,28 +142,30 @@ def _build(setup: str, args: argparse.Namespace, batch: int, costs: dict[str, St
 _MODELS: dict = {}
 
 
-def _models(setup: str, dtype: str) -> tuple:
+def _models(setup: Setup, dtype: str) -> tuple:
     """The setup's (target, draft) LoadedModels, loaded once per run."""
     if (setup, dtype) not in _MODELS:
-        target_name, draft_name, _ = SETUPS[setup]
+        target_name, draft_name = setup.target, setup.draft
         t0 = time.perf_counter()
         target = load_model(resolve_model(target_name, dtype), dtype)
         draft = load_model(resolve_model(draft_name, dtype), dtype) if draft_name else target
         _MODELS[(setup, dtype)] = (target, draft)
-        print(f"{setup}: loaded in {time.perf_counter() - t0:.0f}s", flush=True)
+        print(f"{setup.name}: loaded in {time.perf_counter() - t0:.0f}s", flush=True)
     return _MODELS[(setup, dtype)]
 
 
-def _measure(setup: str, args: argparse.Namespace, prompts: list[list[int]], batch: int,
+def _measure(setup: Setup, args: argparse.Namespace, prompts: list[list[int]], batch: int,
              costs: dict[str, StepCostModel]) -> dict[str, Mode]:
-    max_tokens = args.qwen_max_tokens if setup == "qwen" else args.max_tokens
+    max_tokens = setup.max_tokens
     modes = {name: Mode(name, e) for name, e in _build(setup, args, batch, costs).items()}
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     for m in modes.values():  # warm-up on a real prompt: first-call kernel set-up is not what we measure
         m.engine.generate([prompts[0]] * min(batch, 2), SamplingParams(temperature=0.0, max_tokens=4))
     groups = [prompts[i:i + batch] for i in range(0, len(prompts), batch)]
-    for group in groups:
-        for m in modes.values():
+    order = list(modes.values())
+    for group in [g for _ in range(args.repeats) for g in groups]:
+        order.reverse()  # alternate the order so that drift in machine speed favours no mode
+        for m in order:
             t = time.perf_counter()
             done = m.engine.generate(group, params)
             m.seconds += time.perf_counter() - t
@@ -146,7 +173,7 @@ def _measure(setup: str, args: argparse.Namespace, prompts: list[list[int]], bat
                 m.tokens += len(c.token_ids)
                 m.stats.merge(c.stats)
                 m.outputs.append(c.token_ids)
-    print(f"{setup} batch {batch}: " + ", ".join(f"{n} {m.tok_s:.1f}" for n, m in modes.items()), flush=True)
+    print(f"{setup.name} batch {batch}: " + ", ".join(f"{n} {m.tok_s:.1f}" for n, m in modes.items()), flush=True)
     return modes
 
 
@@ -154,10 +181,10 @@ def run(args: argparse.Namespace) -> int:
     torch.manual_seed(0)
     report = {"command": "specfleet bench default", "dtype": args.dtype, "k": args.k, "cpu": cpu_model(),
               "threads": torch.get_num_threads(), "setups": {}}
-    for setup in args.setups:
-        n = args.qwen_num_prompts if setup == "qwen" else args.num_prompts
-        target_name = SETUPS[setup][0]
-        prompts = [_models(setup, args.dtype)[0].encode(p, chat=True) for p in load_prompts(args.prompts, n)]
+    for setup in setups(args):
+        n = setup.num_prompts
+        target = _models(setup, args.dtype)[0]
+        prompts = [target.encode(p, chat=True) for p in load_prompts(args.prompts, n)]
         costs: dict[str, StepCostModel] = {}
         rows = {}
         for batch in args.batches:
@@ -173,26 +200,25 @@ def run(args: argparse.Namespace) -> int:
                     "identical_to_off": same, "token_agreement": round(prefix, 4),
                 }
             rows[batch]["_goodput_vs_best"] = _goodput_vs_best(rows[batch])
-        report["setups"][setup] = {"target": target_name, "num_prompts": n,
-                                   "max_tokens": args.qwen_max_tokens if setup == "qwen" else args.max_tokens,
-                                   "batches": rows}
+        report["setups"][setup.name] = {"target": setup.target, "num_prompts": n, "max_tokens": setup.max_tokens,
+                                        "repeats": args.repeats, "batches": rows}
         if args.start:
-            report["setups"][setup]["start"] = _start_figures(setup, args.dtype, load_prompts(args.prompts, 1)[0])
+            report["setups"][setup.name]["start"] = _start_figures(setup, args.dtype,
+                                                                   load_prompts(args.prompts, 1)[0])
         if len(args.batches) > 1 and 1 in args.batches:
-            report["setups"][setup]["off_saturation"] = {
+            report["setups"][setup.name]["off_saturation"] = {
                 b: round(rows[b]["off"]["tok_s"] / rows[1]["off"]["tok_s"], 2) for b in args.batches if b != 1}
     _print(report)
     save(report, args.json, None, lambda *_: None)
     return 0
 
 
-def _start_figures(setup: str, dtype: str, prompt: str) -> dict[str, float]:
+def _start_figures(setup: Setup, dtype: str, prompt: str) -> dict[str, float]:
     """Cold and warm time to first token of the setup with speculation off (helper `start`'s measure_start)."""
     from cluster.config import EngineConfig
     from deploy.bench.start import measure_start
 
-    target_name, draft_name, _ = SETUPS[setup]
-    cfg = EngineConfig.model_validate({"model": {"target": target_name, "draft": draft_name, "dtype": dtype},
+    cfg = EngineConfig.model_validate({"model": {"target": setup.target, "draft": setup.draft, "dtype": dtype},
                                        "speculation": {"policy": "off"}})
     figures = measure_start(cfg, prompt)
     return {"cold_first_token_s": round(figures.cold.first_token_s, 2),

@@ -118,3 +118,30 @@ def test_bench_load_rejects_bad_rates(pair):
     target, draft = pair
     res = specfleet("bench", "load", "--target", str(target), "--draft", str(draft), "--rates", "fast")
     assert res.returncode == 2 and "--rates" in res.stderr
+
+
+def test_bench_default_takes_any_model_and_every_mode_is_lossless_in_fp32(pair, tmp_path):
+    target, draft = pair
+    out, prompts = tmp_path / "default.json", tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(f'{{"turns": ["Question {i}: name {i} colours, then {i} colours again."]}}\n'
+                               for i in range(4)))
+    res = specfleet("bench", "default", "--target", str(target), "--draft", str(draft), "--prompts", str(prompts),
+                    "--num-prompts", "4", "--max-tokens", "8", "--batches", "1", "4", "--repeats", "2",
+                    "--dtype", "fp32", "--json", str(out))
+    assert res.returncode == 0, res.stderr
+    setup = json.loads(out.read_text())["setups"]["custom"]
+    assert setup["repeats"] == 2 and set(setup["batches"]) == {"1", "4"}
+    for batch, rows in setup["batches"].items():
+        modes = {name: r for name, r in rows.items() if not name.startswith("_")}
+        assert set(modes) == {"off"} | {f"{kind} {p}" for kind in ("draft model", "ngram", "suffix")
+                                        for p in ("fixed", "goodput")}
+        for name, r in modes.items():
+            assert r["tok_s"] > 0 and r["identical_to_off"] == 1.0, (batch, name)  # fp32: the target's output
+        assert modes["draft model fixed"]["mean_k"] > 0
+        assert set(rows["_goodput_vs_best"]) == {"draft model", "ngram", "suffix"}
+    assert "4" in setup["off_saturation"] or 4 in setup["off_saturation"]
+
+
+def test_bench_default_wants_a_target_for_its_draft(pair):
+    res = specfleet("bench", "default", "--draft", str(pair[1]))
+    assert res.returncode != 0 and "--draft needs --target" in res.stderr

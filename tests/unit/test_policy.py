@@ -134,3 +134,20 @@ def test_a_lookup_drafter_costs_no_draft_forwards() -> None:
     assert lookup.goodput(c, BatchBase(), [2]) > model_draft.goodput(c, BatchBase(), [2])
     assert sum(lookup.choose(c, BatchBase(), 100)) >= sum(model_draft.choose(c, BatchBase(), 100))
     assert lookup.choose(c, BatchBase(), 100)[0] > 0
+
+
+def test_a_catch_up_is_paid_in_full_by_a_request_that_would_not_draft_once_the_batch_settles() -> None:
+    """A step with a prefill chunk makes a draft look cheap; if the 8 running requests' decode-only steps give this
+    request k = 0, no later round shares its catch-up, so this step pays all of it (the Qwen pair at batch 8 caught
+    its draft up on whole prompts for one round of drafts). Alone, it drafts in every round, so the catch-up is
+    spread over them."""
+    convex_at_8 = [0.0] * 17
+    convex_at_8[:2], convex_at_8[3 + 7 + 2] = [0.020, 0.0], 0.004  # 20 ms a forward, 4 ms a token beyond 8
+    policy = GoodputPolicy(4, StepCostModel.from_weights(target=convex_at_8, draft=[0.002, 0.004, 0.0]))
+    behind = Candidate(0.8, 4, 1, 300, draft_backlog=150, remaining=200)
+    prefill = ForwardShape(1, 20, 0.0)
+    assert policy.choose([Candidate(0.8, 4, 1, 300)] * 8, BatchBase(), 256) == [0] * 8  # the settled batch of 8
+    assert policy.choose([Candidate(0.8, 4, 1, 300)], BatchBase(), 256)[0] > 0  # a request alone
+    assert policy.choose([behind], BatchBase(prefill, running=8), 256) == [0]
+    assert policy.choose([behind], BatchBase(prefill, running=1), 256)[0] > 0
+    assert policy.catch_up_seconds(behind, 4, one_off=True) > 50 * policy.catch_up_seconds(behind, 4)
