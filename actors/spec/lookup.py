@@ -138,6 +138,11 @@ class OutputCache:
         while len(self.outputs) > self.capacity:
             self.trie.add(self.outputs.popleft(), sign=-1)
 
+    def clear(self) -> None:
+        """Forget every output (a benchmark that replays the same prompts must not draft from their answers)."""
+        self.trie = SuffixTrie(self.trie.depth)
+        self.outputs.clear()
+
 
 def suffix_propose(own: SuffixIndex, shared: OutputCache | None, tokens: Sequence[int], k: int,
                    min_prob: float) -> list[int]:

@@ -163,7 +163,11 @@ def _measure(setup: Setup, args: argparse.Namespace, prompts: list[list[int]], b
         m.engine.generate([prompts[0]] * min(batch, 2), SamplingParams(temperature=0.0, max_tokens=4))
     groups = [prompts[i:i + batch] for i in range(0, len(prompts), batch)]
     order = list(modes.values())
-    for group in [g for _ in range(args.repeats) for g in groups]:
+    for n, group in enumerate([g for _ in range(args.repeats) for g in groups]):
+        if n % len(groups) == 0:  # a new pass: the suffix drafter's shared tree must not hold these prompts' answers
+            for m in modes.values():
+                if getattr(m.engine.drafter, "shared", None) is not None:
+                    m.engine.drafter.shared.clear()
         order.reverse()  # alternate the order so that drift in machine speed favours no mode
         for m in order:
             t = time.perf_counter()
