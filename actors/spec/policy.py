@@ -22,7 +22,7 @@ will pay for its catch-up before the request ends. Those later rounds exist only
 also draft once the batch settles: in a step that carries other requests' prefill chunks a draft looks
 cheap, yet the decode-only steps that follow may give it k = 0 (a full batch on this CPU). So the policy
 first decides the steady state, every running request decoding one token with no backlog, and a request
-that would not draft there pays its whole catch-up in this step (measured: the Qwen pair at batch 8 spent
+that would not draft there pays its whole catch-up in this step (not a request running alone, see `_one_off`) (measured: the Qwen pair at batch 8 spent
 a third of its time catching the draft up on prompts it then never drafted for, docs/benchmarks.md).
 """
 
@@ -176,9 +176,14 @@ class GoodputPolicy:
 
     def _one_off(self, cands: list[Candidate], base: BatchBase, budget: int) -> frozenset[int]:
         """Candidates with a backlog that would get k = 0 in the steady state: every running request decoding one
-        token, caught up, with no prefill in the step (requests not among the candidates are taken as average)."""
+        token, caught up, with no prefill in the step (requests not among the candidates are taken as average).
+
+        Not for a request running alone: it has no batch to settle into, its steady state rests on its own estimate,
+        and there spreading the catch-up is what lets it draft on its prompt's last chunk and gather evidence (paying
+        in full, a lone request whose first round was rejected never drafted again: the Qwen pair at batch 1 fell
+        to 0.77x of the spread charge's tokens/s)."""
         behind = [i for i, c in enumerate(cands) if c.draft_backlog > 1]
-        if not self.draft_forwards or not behind:
+        if not self.draft_forwards or not behind or max(base.running, len(cands)) <= 1:
             return frozenset()
         steady = [Candidate(c.acceptance, max(0, min(self.k, c.remaining - 1)), 1, c.context, 0, c.remaining)
                   for c in cands]
