@@ -22,8 +22,9 @@ will pay for its catch-up before the request ends. Those later rounds exist only
 also draft once the batch settles: in a step that carries other requests' prefill chunks a draft looks
 cheap, yet the decode-only steps that follow may give it k = 0 (a full batch on this CPU). So the policy
 first decides the steady state, every running request decoding one token with no backlog, and a request
-that would not draft there pays its whole catch-up in this step (not a request running alone, see `_one_off`) (measured: the Qwen pair at batch 8 spent
-a third of its time catching the draft up on prompts it then never drafted for, docs/benchmarks.md).
+that would not draft there pays its whole catch-up in this step (not a request running alone: see
+`_one_off`). Measured: the Qwen pair at batch 8 spent a third of its time catching the draft up on prompts
+it then never drafted for (docs/benchmarks.md).
 """
 
 from __future__ import annotations

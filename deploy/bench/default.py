@@ -115,8 +115,8 @@ def setups(args: argparse.Namespace) -> list[Setup]:
 
 
 def _build(setup: Setup, args: argparse.Namespace, batch: int, costs: dict[str, StepCostModel]) -> dict[str, Engine]:
-    target_name, draft_name, int8, max_tokens = setup.target, setup.draft, setup.int8, setup.max_tokens
-    cache = CacheConfig(block_size=16, num_blocks=(args.num_prompts * (max_tokens + 1024)) // 16 + 64)
+    draft_name, int8 = setup.draft, setup.int8
+    cache = CacheConfig(block_size=16, num_blocks=(setup.num_prompts * (setup.max_tokens + 1024)) // 16 + 64)
     target, draft = _models(setup, args.dtype)
     target_runner = ModelRunner(target, range(target.num_layers), cache)
     sched = SchedulerConfig(max_batch_size=batch, max_num_batched_tokens=max(256, batch))
@@ -156,9 +156,8 @@ def _models(setup: Setup, dtype: str) -> tuple:
 
 def _measure(setup: Setup, args: argparse.Namespace, prompts: list[list[int]], batch: int,
              costs: dict[str, StepCostModel]) -> dict[str, Mode]:
-    max_tokens = setup.max_tokens
     modes = {name: Mode(name, e) for name, e in _build(setup, args, batch, costs).items()}
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=setup.max_tokens, ignore_eos=True)
     for m in modes.values():  # warm-up on a real prompt: first-call kernel set-up is not what we measure
         m.engine.generate([prompts[0]] * min(batch, 2), SamplingParams(temperature=0.0, max_tokens=4))
     groups = [prompts[i:i + batch] for i in range(0, len(prompts), batch)]

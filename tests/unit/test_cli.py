@@ -139,7 +139,7 @@ def test_bench_default_takes_any_model_and_every_mode_is_lossless_in_fp32(pair, 
             assert r["tok_s"] > 0 and r["identical_to_off"] == 1.0, (batch, name)  # fp32: the target's output
         assert modes["draft model fixed"]["mean_k"] > 0
         assert set(rows["_goodput_vs_best"]) == {"draft model", "ngram", "suffix"}
-    assert "4" in setup["off_saturation"] or 4 in setup["off_saturation"]
+    assert setup["off_saturation"]["4"] > 0  # JSON keys are strings
 
 
 def test_bench_default_wants_a_target_for_its_draft(pair):
