@@ -23,6 +23,7 @@ import itertools
 import time
 from collections.abc import Callable, Sequence as Seq
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 from transformers import PreTrainedTokenizerBase
@@ -32,6 +33,8 @@ from actors.model.runner import ModelRunner
 from actors.output import RequestOutput
 from actors.scheduler import Schedule, Scheduler, Work
 from actors.sequence import Sequence, SeqStatus
+from actors.spec.calibration import REPEATS as CALIBRATION_REPEATS, SIZES as CALIBRATION_SIZES
+from actors.spec.calibration import CalibrationFile, TimedForward, setup_of
 from actors.spec.cost_model import ATTENTION_UNIT, ForwardShape, StepCostModel
 from actors.spec.drafters import Drafter, ModelDrafter, Proposal, make_drafter
 from actors.spec.policy import Acceptance, BatchBase, Candidate, make_policy
@@ -73,6 +76,7 @@ class Engine:
         max_model_len: int | None = None,
         cost_model: StepCostModel | None = None,
         draft_quantized: bool = False,
+        calibration: CalibrationFile | None = None,
     ) -> None:
         if draft is not None and draft.model.config.vocab_size != target.model.config.vocab_size:
             raise ValueError(
@@ -94,18 +98,24 @@ class Engine:
         self._finished: list[TokenDelta] = []  # ended outside a step's verification (errors), reported next step
         self._ids = itertools.count()
         self._stats = _Counters()
+        self.calibration = calibration  # where this setup's calibration is saved (None: time it at every start)
         if self.policy.name == "goodput" and not self.cost_model.fitted:
             self.calibrate()
 
     @classmethod
-    def from_config(cls, cfg: EngineConfig, device: torch.device | str | None = None) -> "Engine":
+    def from_config(cls, cfg: EngineConfig, device: torch.device | str | None = None,
+                    calibration_dir: Path | None = None) -> "Engine":
         """Load the model pair named by `cfg` (files or hub ids, already resolved) onto `device` (default: the
-        config's `model.device`) and build the engine."""
+        config's `model.device`) and build the engine; a goodput engine keeps its calibration in
+        `calibration_dir` (actors/spec/calibration.py) and reuses it on later starts of the same setup."""
         from actors.local_stages import load_runners  # it builds on this module's neighbours, not on Engine
 
         target, draft = load_runners(cfg, None, device)
+        calibration = None
+        if calibration_dir is not None and cfg.speculation.policy == "goodput":
+            calibration = CalibrationFile(calibration_dir, setup_of(cfg, target[0].device))
         return cls(target[0], draft, cfg.speculation, cfg.scheduler, cfg.model.max_model_len,
-                   draft_quantized=cfg.model.draft_quantization == "int8")
+                   draft_quantized=cfg.model.draft_quantization == "int8", calibration=calibration)
 
     @property
     def waiting(self) -> list[Sequence]:
@@ -396,16 +406,24 @@ class Engine:
         self._finished.append(TokenDelta(seq.request_id, (), "", FinishReason.ERROR, error=message))
 
     # ---- cost model and stats ---------------------------------------------------------------
-    def calibrate(self, repeats: int = 2) -> None:
-        """Seed the step-time model with timed forwards of a throwaway request at a few sizes (pinned points)."""
-        # (new tokens, context before them): every knot of the cost model's basis, and long contexts for attention
-        sizes = [(1, 32), (2, 32), (4, 32), (8, 32), (16, 32), (32, 32), (64, 0), (128, 0), (8, 128), (1, 256)]
-        runners = [(self.target, self.cost_model.target)]
-        if self.draft is not None:
-            runners.append((self.draft, self.cost_model.draft))
-        for runner, model in runners:
+    def calibrate(self) -> None:
+        """Seed the step-time model with timed forwards of a throwaway request at a few sizes (pinned points),
+        or with the points saved for this setup by an earlier start (`self.calibration`)."""
+        models = {"target": self.cost_model.target, "draft": self.cost_model.draft}
+        saved = self.calibration.load() if self.calibration is not None else None
+        points = saved if saved is not None else self._time_forwards()
+        for p in points:
+            models[p.phase].observe(ForwardShape(1, p.tokens, p.attention), p.seconds, pinned=True)
+        if saved is None and self.calibration is not None:
+            self.calibration.save(points)
+
+    def _time_forwards(self) -> list[TimedForward]:
+        """Time one forward of a throwaway request at each of the calibration's (new tokens, context) sizes."""
+        points = []
+        runners = [("target", self.target)] + ([("draft", self.draft)] if self.draft is not None else [])
+        for phase, runner in runners:
             rid = "__calibration__"
-            for new, ctx in sizes * repeats:
+            for new, ctx in CALIBRATION_SIZES * CALIBRATION_REPEATS:
                 if ctx + new > self.max_model_len or not runner.reserve(rid, ctx + new):
                     continue
                 have = runner.cache.length(rid)
@@ -417,8 +435,9 @@ class Engine:
                 t0 = time.perf_counter()
                 runner.forward([chunk])
                 seconds = time.perf_counter() - t0
-                model.observe(ForwardShape(1, new, new * (ctx + new) / ATTENTION_UNIT), seconds, pinned=True)
+                points.append(TimedForward(phase, new, new * (ctx + new) / ATTENTION_UNIT, seconds))
             runner.cache.free(rid)
+        return points
 
     def load(self, instance_id: str) -> InstanceLoad:
         """This engine's load in target KV blocks, per request, for the router's migration policies."""

@@ -21,6 +21,7 @@ __all__ = [
     "ModelFetchError",
     "UnknownModelError",
     "cache_dir",
+    "calibration_dir",
     "converted_dir",
     "fetch_model",
     "lookup",
@@ -129,6 +130,12 @@ def model_path(name: str, catalog: Mapping[str, ModelEntry] = CATALOG) -> Path:
 def converted_dir() -> Path:
     """Where GGUF files converted to safetensors folders live (actors/model/convert.py): cache_dir()/converted."""
     return cache_dir() / "converted"
+
+
+def calibration_dir() -> Path:
+    """Where a machine's goodput calibrations are kept (actors/spec/calibration.py): cache_dir()/calibration, beside
+    the converted folders and outside them (their manifests list every file they hold)."""
+    return cache_dir() / "calibration"
 
 
 def resolve_model(source: str, dtype: str | None = None, *, catalog: Mapping[str, ModelEntry] = CATALOG) -> str:

@@ -91,13 +91,14 @@ def _probe(spec: str) -> None:
     t0 = float(os.environ["SPECFLEET_START_T0"])
     from actors.engine import Engine
     from cluster.request import SamplingParams
+    from deploy import model_store
     from deploy.serve.fleet import resolved
 
     imported = time.time() - t0
     req = json.loads(spec)
     cfg = resolved(EngineConfig.model_validate(req["engine"]))
     resolved_at = time.time() - t0
-    engine = Engine.from_config(cfg)
+    engine = Engine.from_config(cfg, calibration_dir=model_store.calibration_dir())
     loaded = time.time() - t0
     ids = engine.encode(req["prompt"], chat=True)
     [result] = engine.generate([ids], SamplingParams(temperature=0.0, max_tokens=1))
@@ -123,7 +124,8 @@ def run(args: argparse.Namespace) -> int:
     cases = {"default app": engine}
     if not args.no_qwen:
         qwen = ModelConfig(target=QWEN_PAIR[0], draft=QWEN_PAIR[1], dtype=args.qwen_dtype or engine.model.dtype)
-        cases["qwen pair"] = engine.model_copy(update={"model": qwen})
+        model_draft = engine.speculation.model_copy(update={"method": "model"})  # the pair loads both models
+        cases["qwen pair"] = engine.model_copy(update={"model": qwen, "speculation": model_draft})
     try:
         [prompt] = load_prompts([DATASETS / "mt_bench_questions.jsonl"], 1)
     except FileNotFoundError as e:

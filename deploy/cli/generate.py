@@ -10,6 +10,7 @@ from pathlib import Path
 
 from actors.engine import Engine
 from cluster.request import SamplingParams, SpecStats
+from deploy import model_store
 from deploy.cli.flags import UsageError, add_engine_flags, engine_config
 from deploy.serve.fleet import resolved
 
@@ -56,7 +57,7 @@ def run(args: argparse.Namespace) -> int:
     )
     prompts = args.prompt or read_prompts(args.prompts_file)
     t0 = time.perf_counter()
-    engine = Engine.from_config(resolved(cfg))
+    engine = Engine.from_config(resolved(cfg), calibration_dir=model_store.calibration_dir())
     load_s = time.perf_counter() - t0
     token_ids = [engine.encode(p, chat=not args.no_chat) for p in prompts]  # raw where there is no template
     t0 = time.perf_counter()

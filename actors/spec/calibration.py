@@ -1,0 +1,137 @@
+"""A machine's goodput calibration kept on disk: the engine's timed forwards, saved under what sets their times.
+
+The goodput policy needs the step-time model (actors/spec/cost_model.py) before its first step, so
+Engine.calibrate times forwards at the model's knots: about 1.4 s of every start of the default app on a
+2-core CPU, a quarter of its time to first token. Those times depend on the weights and the layers run, the
+dtype, the device, the CPU and the torch threads; that is the key (`setup`). A start whose setup matches a
+saved one refits from the saved points instead of timing again, and its online window then follows drift
+exactly as after a fresh calibration. As with an autotuner's cache (TensorRT's timing cache, Triton's
+autotune cache), a stale entry costs accuracy, never correctness: the policy only picks how many tokens to
+draft, and verification keeps the output lossless whatever it picks.
+
+A file is trusted only if it parses, has this module's FORMAT and holds exactly the setup asked for; anything
+else is logged, ignored and overwritten by the next calibration. Writes go to a temporary file renamed into
+place, so a reader sees no file or a whole one. Delete the folder to re-time everything.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import platform
+import tempfile
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Literal
+
+import torch
+
+from cluster.config import EngineConfig
+
+log = logging.getLogger(__name__)
+
+FORMAT = 1  # bump when the points' meaning changes (the calibration sizes are part of the setup instead)
+# (new tokens, context before them) of each timed forward: every knot of the cost model's basis, and long contexts
+# for attention; each size is timed `REPEATS` times
+SIZES = ((1, 32), (2, 32), (4, 32), (8, 32), (16, 32), (32, 32), (64, 0), (128, 0), (8, 128), (1, 256))
+REPEATS = 2
+_CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_tile")  # what sets CPU kernels
+
+
+@dataclass(frozen=True)
+class TimedForward:
+    """One timed calibration forward of the target's or the draft's runner: one request, `tokens` new tokens."""
+
+    phase: Literal["target", "draft"]
+    tokens: int
+    attention: float  # new tokens x (context + new tokens) / ATTENTION_UNIT, as ForwardShape.attention
+    seconds: float
+
+
+def model_identity(source: str) -> dict:
+    """What names one checkpoint's contents: a file's or folder's path with its files' sizes and mtimes (a
+    converted folder's name also holds its GGUF file's sha256), or a hub id as given."""
+    path = Path(source).expanduser()
+    if not path.exists():
+        return {"source": source}
+    files = [path] if path.is_file() else sorted(p for p in path.iterdir() if p.is_file())
+    stats = [(p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in files]
+    return {"source": str(path.resolve()), "files": hashlib.sha256(repr(stats).encode()).hexdigest()[:16]}
+
+
+def device_name(device: torch.device) -> str:
+    """The accelerator's model (CUDA), or "cpu"."""
+    if device.type == "cuda":
+        return f"cuda:{torch.cuda.get_device_name(device)}"
+    return device.type
+
+
+def machine() -> dict:
+    """The host facts forward times depend on: CPU model and its vector flags, torch version and threads."""
+    cpu, flags = platform.processor() or platform.machine(), set()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            name, _, value = line.partition(":")
+            if name.strip() == "model name":
+                cpu = value.strip()
+            elif name.strip() == "flags":
+                flags = set(value.split())
+                break
+    except OSError:  # not Linux: the platform's processor string stands in
+        pass
+    return {"cpu": cpu, "cpu_flags": sorted(flags.intersection(_CPU_FLAGS)), "torch": torch.__version__,
+            "threads": torch.get_num_threads()}
+
+
+def setup_of(cfg: EngineConfig, device: torch.device) -> dict:
+    """The key of an engine's calibration built from `cfg` (models resolved) on `device` in this process."""
+    m = cfg.model
+    return {
+        "target": model_identity(m.target), "draft": model_identity(m.draft) if m.draft else None,
+        "draft_layers": m.draft_layers, "draft_quantization": m.draft_quantization, "dtype": m.dtype,
+        "max_model_len": m.max_model_len, "method": cfg.speculation.method,
+        "draft_parallel": cfg.speculation.draft_parallel.model_dump(mode="json"),
+        "block_size": cfg.cache.block_size, "device": device_name(device), "machine": machine(),
+        "sizes": SIZES, "repeats": REPEATS,
+    }
+
+
+class CalibrationFile:
+    """The saved calibration of one setup (a JSON-able mapping), as a file under `root` named by its hash."""
+
+    def __init__(self, root: Path, setup: Mapping) -> None:
+        self.setup = json.loads(json.dumps(setup, sort_keys=True))  # canonical, and what a reload compares with
+        digest = hashlib.sha256(json.dumps(self.setup, sort_keys=True).encode()).hexdigest()
+        self.path = Path(root) / f"{digest[:32]}.json"
+
+    def load(self) -> list[TimedForward] | None:
+        """The saved points, or None when there is no usable file for this setup (the reason is logged)."""
+        try:
+            saved = json.loads(self.path.read_text())
+            if saved.get("format") != FORMAT or saved.get("setup") != self.setup:
+                raise ValueError("written for another format or setup")
+            points = [TimedForward(**p) for p in saved["points"]]
+            if not points or any(p.phase not in ("target", "draft") or not p.seconds > 0 for p in points):
+                raise ValueError("no points, or a point with an unknown phase or a non-positive time")
+            return points
+        except FileNotFoundError:
+            return None
+        except (OSError, ValueError, TypeError, KeyError, AttributeError) as e:
+            log.warning("calibration file %s is not usable (%s): timing again", self.path, e)
+            return None
+
+    def save(self, points: list[TimedForward]) -> None:
+        """Write the points atomically (a temporary file renamed into place)."""
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        body = json.dumps({"format": FORMAT, "setup": self.setup, "points": [asdict(p) for p in points]}, indent=1)
+        fd, tmp = tempfile.mkstemp(prefix=f".{self.path.stem}-", dir=self.path.parent)
+        try:
+            with os.fdopen(fd, "w") as f:
+                f.write(body)
+            os.replace(tmp, self.path)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise

@@ -1,0 +1,114 @@
+"""A goodput engine's saved calibration: a second start of the same setup reads it and times nothing; another
+setup, or a damaged file, is timed again (and the file rewritten), never loaded."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from actors.engine import Engine
+from actors.model.runner import ModelRunner
+from actors.spec.calibration import SIZES, CalibrationFile, setup_of
+from cluster.config import CacheConfig, EngineConfig, ModelConfig, SpeculationConfig
+
+CACHE = CacheConfig(block_size=4, num_blocks=256)
+
+
+def _config(model: Path, method: str = "ngram", dtype: str = "fp32", draft: Path | None = None) -> EngineConfig:
+    return EngineConfig(model=ModelConfig(target=str(model), draft=str(draft) if draft else None, dtype=dtype,
+                                          device="cpu"),
+                        speculation=SpeculationConfig(policy="goodput", method=method, k=3), cache=CACHE)
+
+
+class ForwardCount:
+    """Counts ModelRunner.forward calls (the real forwards still run)."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.calls = 0
+        real = ModelRunner.forward
+
+        def counted(runner, *args, **kwargs):
+            self.calls += 1
+            return real(runner, *args, **kwargs)
+
+        monkeypatch.setattr(ModelRunner, "forward", counted)
+
+
+def _weights(engine: Engine) -> dict:
+    return engine.cost_model.as_dict()
+
+
+def test_a_second_start_reads_the_saved_calibration_and_runs_no_forward(tiny_models, tiny_draft_models, tmp_path,
+                                                                        monkeypatch) -> None:
+    cfg = _config(tiny_models["llama"], method="model", draft=tiny_draft_models["llama"])
+    forwards = ForwardCount(monkeypatch)
+    first = Engine.from_config(cfg, calibration_dir=tmp_path)
+    timed = forwards.calls
+    assert timed >= 2 * len(SIZES)  # target and draft, every size at least once
+    [saved] = tmp_path.glob("*.json")
+    assert {p["phase"] for p in json.loads(saved.read_text())["points"]} == {"target", "draft"}
+
+    second = Engine.from_config(cfg, calibration_dir=tmp_path)
+
+    assert forwards.calls == timed  # nothing timed again
+    assert _weights(second) == _weights(first)
+    assert second.cost_model.fitted
+
+
+def test_another_setup_is_timed_again_under_its_own_file(tiny_models, tmp_path, monkeypatch) -> None:
+    forwards = ForwardCount(monkeypatch)
+    Engine.from_config(_config(tiny_models["llama"]), calibration_dir=tmp_path)
+    after_first = forwards.calls
+
+    Engine.from_config(_config(tiny_models["llama"], dtype="bf16"), calibration_dir=tmp_path)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(threads + 1)
+    try:
+        Engine.from_config(_config(tiny_models["llama"]), calibration_dir=tmp_path)
+    finally:
+        torch.set_num_threads(threads)
+
+    assert forwards.calls == 3 * after_first  # each new setup timed its forwards
+    assert len(list(tmp_path.glob("*.json"))) == 3
+
+
+@pytest.mark.parametrize("damage", ["truncated", "other setup", "negative time", "unknown phase", "no points"])
+def test_a_damaged_calibration_file_is_timed_again_and_rewritten(tiny_models, tmp_path, monkeypatch,
+                                                                 damage: str) -> None:
+    cfg = _config(tiny_models["llama"])
+    Engine.from_config(cfg, calibration_dir=tmp_path)
+    [path] = tmp_path.glob("*.json")
+    good = json.loads(path.read_text())
+    bad = json.loads(path.read_text())
+    if damage == "truncated":
+        path.write_text(path.read_text()[:200])
+    else:
+        if damage == "other setup":
+            bad["setup"]["dtype"] = "bf16"
+        elif damage == "negative time":
+            bad["points"][0]["seconds"] = -1.0
+        elif damage == "unknown phase":
+            bad["points"][0]["phase"] = "verify"
+        else:
+            bad["points"] = []
+        path.write_text(json.dumps(bad))
+    assert CalibrationFile(tmp_path, setup_of(cfg, torch.device("cpu"))).load() is None
+    forwards = ForwardCount(monkeypatch)
+
+    Engine.from_config(cfg, calibration_dir=tmp_path)
+
+    assert forwards.calls >= len(SIZES)  # timed again
+    rewritten = json.loads(path.read_text())
+    assert rewritten["setup"] == good["setup"] and len(rewritten["points"]) == len(good["points"])
+    assert CalibrationFile(tmp_path, setup_of(cfg, torch.device("cpu"))).load() is not None
+
+
+def test_an_engine_without_a_calibration_folder_times_every_start(tiny_models, monkeypatch) -> None:
+    forwards = ForwardCount(monkeypatch)
+    Engine.from_config(_config(tiny_models["llama"]))
+    once = forwards.calls
+    Engine.from_config(_config(tiny_models["llama"]))
+    assert once >= len(SIZES) and forwards.calls == 2 * once
