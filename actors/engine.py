@@ -314,7 +314,10 @@ class Engine:
         return self.target.cache.length(request_id)
 
     def export_kv(self, request_id: str, start: int, end: int | None = None) -> list[KVExport]:
-        """The request's target KV from token `start` to `end` (default: what it holds now), one export per stage."""
+        """The request's target KV from token `start` to `end` (default: what it holds now), one export per stage;
+        none for a request that holds no KV (queued, never started)."""
+        if not self.target.cache.has(request_id):
+            return []
         have = self.target.cache.length(request_id)
         return self.target.export_kv(request_id, start, have if end is None else min(end, have))
 
@@ -325,8 +328,9 @@ class Engine:
         return self.target.reserve(request_id, tokens)
 
     def import_kv(self, exports: list[KVExport]) -> bool:
-        """Append an arriving request's KV (exported by any split of the same model); False if out of blocks."""
-        return self.target.import_kv(exports)
+        """Append an arriving request's KV (exported by any split of the same model); False if out of blocks. A
+        request that held no KV at its source (queued there) arrives with no exports."""
+        return self.target.import_kv(exports) if exports else True
 
     def drop_incoming(self, request_id: str) -> None:
         """An arriving request was not committed: free what was reserved and imported for it."""
@@ -444,8 +448,10 @@ class Engine:
         tc = self.target.cache
         running = tuple(RunningRequest(s.request_id, tc.blocks_for(tc.length(s.request_id)), s.request.priority,
                                        len(s.token_ids)) for s in self.running if tc.has(s.request_id))
-        waiting = tuple(tc.blocks_for(len(s.token_ids) + 1) for s in sorted(self.waiting, key=Sequence.order_key))
-        return InstanceLoad(instance_id, tc.num_used_blocks + tc.num_free_blocks, running, waiting)
+        waiting = tuple(RunningRequest(s.request_id, tc.blocks_for(len(s.token_ids) + 1), s.request.priority,
+                                       len(s.token_ids)) for s in sorted(self.waiting, key=Sequence.order_key))
+        return InstanceLoad(instance_id, tc.num_used_blocks + tc.num_free_blocks, running, waiting,
+                            max_running=self.scheduler.cfg.max_batch_size)
 
     def stats(self) -> EngineStats:
         """Load and speed figures after the last step (what the router reads)."""

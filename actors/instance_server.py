@@ -204,7 +204,7 @@ class InstanceServer:
     def _ship(self, exports: list[KVExport], via: str | None) -> list[KVExport] | ChannelPayload:
         """The KV as the coordinator carries it: itself (through Ray's object store), or with `via` (the migration's
         channel) its headers, its tensors sent over that channel behind anything sent on it before."""
-        if via is None:
+        if via is None or not exports:  # nothing to send (a queued request holds no KV)
             return exports
         channel, before = self._channels[via], self._sending.get(via)
 

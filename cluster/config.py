@@ -224,7 +224,7 @@ class MigrationConfig(_Frozen):
     # the draft model's KV: "move" copies it (as it stands between two steps) before the stop, so the draft at the
     # destination catches up only on the tokens since; "rebuild" lets it catch up on the whole request there
     draft_kv: Literal["move", "rebuild"] = "move"
-    policies: tuple[Literal["drain", "defrag", "balance"], ...] = ()
+    policies: tuple[Literal["drain", "queue", "defrag", "balance"], ...] = ()
     interval_s: float = Field(default=1.0, gt=0.0)
     thresholds: MigrationPolicyConfig = MigrationPolicyConfig()
 

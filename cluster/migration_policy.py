@@ -8,9 +8,11 @@ infinite usage on an instance being drained (so everything leaves it). Sources a
 by usage, and the request to move is the cheapest one: the shortest, of the lowest priority.
 
 Pure module, no Ray: the router feeds it plain `InstanceLoad`s and carries out the `Migration`s it returns
-(through the migration coordinator in actors/). Three named policies, applied in this order by `plan`:
+(through the migration coordinator in actors/). Four named policies, applied in this order by `plan`:
 
 - `Drain`: every request of a draining instance goes to the accepting instance with the most room.
+- `Queue`: a queued request that cannot start where it waits goes to an idle instance where it starts at once
+  (a request that has not started holds no KV: Llumnix moves running requests, this moves waiting ones too).
 - `Defrag`: an instance whose head-of-line queued request does not fit frees room by moving requests out.
 - `Balance`: the most loaded instance (above `high_water`) gives its cheapest request to the least loaded
   (below `low_water`) when the move narrows the gap between them.
@@ -56,13 +58,33 @@ class InstanceLoad:
     instance_id: str
     capacity_blocks: int
     running: tuple[RunningRequest, ...] = ()
-    waiting_blocks: tuple[int, ...] = ()  # the blocks each queued request needs, head of line first
+    waiting: tuple[RunningRequest, ...] = ()  # queued requests (blocks: what each needs to start), head first
     draining: bool = False
     accepting: bool = True  # healthy and not draining: may receive requests
+    max_running: int = 0  # requests it runs at once (its scheduler's max_batch_size); 0: no limit but blocks
+
+    @property
+    def waiting_blocks(self) -> tuple[int, ...]:
+        return tuple(r.blocks for r in self.waiting)
 
     @property
     def used_blocks(self) -> int:
         return sum(r.blocks for r in self.running)
+
+    def has_slot(self) -> bool:
+        """Whether it may start one more request (blocks aside)."""
+        return not self.max_running or len(self.running) < self.max_running
+
+    def stuck(self) -> RunningRequest | None:
+        """The first queued request that cannot start in the next step (first come, first served: it and those
+        behind it wait while it does not fit in the free blocks or the batch is full); None if none waits."""
+        free, slots = self.free_blocks, (self.max_running - len(self.running)) if self.max_running else None
+        for r in self.waiting:
+            if r.blocks > free or slots == 0:
+                return r
+            free -= r.blocks
+            slots = None if slots is None else slots - 1
+        return None
 
     @property
     def free_blocks(self) -> int:
@@ -130,6 +152,27 @@ class Drain:
         return []
 
 
+class Queue:
+    """A queued request that cannot start where it is goes to an instance where it starts at once.
+
+    It holds no KV yet (or only what a preemption left), so its move costs the handshake and little or no
+    copy; it is what a dispatcher would have done had the destination been there when the request arrived (a
+    scale-out). The destination must have no queue of its own, room for the request's blocks and a free batch
+    slot, so the request never waits there behind others.
+    """
+
+    name = "queue"
+
+    def propose(self, loads: Sequence[InstanceLoad], cfg: MigrationPolicyConfig) -> list[Migration]:
+        for src in loads:
+            if (r := src.stuck()) is None:
+                continue
+            dst = [d for d in _destinations(loads, src.instance_id, r.blocks, cfg) if not d.waiting and d.has_slot()]
+            if dst:
+                return [Migration(r.request_id, src.instance_id, dst[0].instance_id, r.blocks, self.name)]
+        return []
+
+
 class Defrag:
     """Make room for a queue head that does not fit: move out the cheapest requests until it would."""
 
@@ -170,20 +213,21 @@ class Balance:
         return []
 
 
-POLICIES: dict[str, type] = {"drain": Drain, "defrag": Defrag, "balance": Balance}
+POLICIES: dict[str, type] = {"drain": Drain, "queue": Queue, "defrag": Defrag, "balance": Balance}
 
 
 @dataclass
 class Planner:
     """Applies the policies in order, round after round, as if each planned move had already happened."""
 
-    policies: list[MigrationPolicy] = field(default_factory=lambda: [Drain(), Defrag(), Balance()])
+    policies: list[MigrationPolicy] = field(default_factory=lambda: [Drain(), Queue(), Defrag(), Balance()])
     cfg: MigrationPolicyConfig = MigrationPolicyConfig()
 
     def plan(self, loads: Sequence[InstanceLoad], migrating: frozenset[str] = frozenset()) -> list[Migration]:
         """Up to `max_per_round` migrations; requests in `migrating` (already on the move) are left alone, and
         each source and destination takes part in at most one migration per round (as Llumnix pairs them)."""
-        state = {x.instance_id: replace(x, running=tuple(r for r in x.running if r.request_id not in migrating))
+        state = {x.instance_id: replace(x, running=tuple(r for r in x.running if r.request_id not in migrating),
+                                        waiting=tuple(r for r in x.waiting if r.request_id not in migrating))
                  for x in loads}
         busy: set[str] = set()
         out: list[Migration] = []
@@ -195,9 +239,10 @@ class Planner:
             out.append(move)
             busy.update((move.source, move.destination))
             src, dst = state[move.source], state[move.destination]
-            req = next(r for r in src.running if r.request_id == move.request_id)
-            state[move.source] = replace(src, running=tuple(r for r in src.running if r is not req))
-            state[move.destination] = replace(dst, running=dst.running + (req,))
+            req = next(r for r in src.running + src.waiting if r.request_id == move.request_id)
+            state[move.source] = replace(src, running=tuple(r for r in src.running if r is not req),
+                                         waiting=tuple(r for r in src.waiting if r is not req))
+            state[move.destination] = replace(dst, running=dst.running + (req,))  # a moved queued request starts
         return out
 
 

@@ -14,8 +14,8 @@ request and fail over a dead instance's; deploy/serve/frontend.py) and a router 
    its client saw while it resumed elsewhere (KV recomputed from the prompt and the tokens so far).
 3. Skewed load: Poisson arrivals of real prompts that all land on one instance until, halfway through, a
    second one opens (a scale-out: it was drained until then); time to first token, end-to-end latency and
-   throughput with the router's migration policies off and on (`defrag`, `balance`), on instances whose
-   KV cache holds a few requests each, so that queued requests wait for room.
+   throughput with the router's migration policies off and on (`--skew-policies`, default `queue`, `defrag`,
+   `balance`), on instances whose KV cache holds a few requests each, so that queued requests wait for room.
 
 Run `specfleet cluster up` first (`make serve` does). Figures: docs/migration.md.
 """
@@ -37,7 +37,7 @@ from actors.instance_server import InstanceServer
 from actors.model.loader import load_model
 from cluster.config import (CacheConfig, EngineConfig, MigrationConfig, ModelConfig, RouterConfig, SchedulerConfig,
                             SpecfleetConfig, SpeculationConfig)
-from cluster.migration_policy import MigrationPolicyConfig
+from cluster.migration_policy import POLICIES, MigrationPolicyConfig
 from cluster.router import Router
 from deploy.bench.output import pct, save
 from deploy.bench.prompts import DATASETS, load_prompts
@@ -78,6 +78,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--skew-open-at", type=float, default=0.5,
                    help="the fraction of the arrivals after which the second instance opens")
     p.add_argument("--seed", type=int, default=0, help="of the arrival times")
+    p.add_argument("--skew-policies", default="queue,defrag,balance",
+                   help="the migration policies of part 3's 'on' run, comma-separated (cluster/migration_policy.py)")
     p.add_argument("--parts", default="downtime,failover,skew",
                    help="which parts to run, comma-separated: downtime, failover, skew, draft")
     p.add_argument("--draft-layers", default="0-9",
@@ -265,6 +267,9 @@ def run(args: argparse.Namespace) -> int:
         contexts = [int(c) for c in args.contexts.split(",") if c]
     except ValueError:
         raise UsageError(f"--contexts: expected lengths like 256,1024, got {args.contexts!r}") from None
+    unknown = set(args.skew_policies.split(",")) - set(POLICIES) - {""}
+    if unknown:
+        raise UsageError(f"--skew-policies: unknown {sorted(unknown)}; choose from {', '.join(POLICIES)}")
     parts = set(args.parts.split(","))
     if not parts <= {"downtime", "failover", "skew", "draft"}:
         raise UsageError(f"--parts: choose from downtime, failover, skew, draft; got {args.parts!r}")
@@ -373,7 +378,7 @@ def _skew(args, target: str, tok, nodes: list[str]) -> dict:
     rng = random.Random(args.seed)
     gaps = [0.0] + [rng.expovariate(args.skew_rate) for _ in prompts[1:]]  # the same arrivals for off and on
     runs = []
-    for policies in ((), ("defrag", "balance")):
+    for policies in ((), tuple(x for x in args.skew_policies.split(",") if x)):
         b = Bench(cfg, tok.num_layers, args.num_cpus, RouterConfig(stats_interval_s=0.2))
         try:
             b.start("skew-a", nodes[0])

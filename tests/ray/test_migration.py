@@ -243,6 +243,42 @@ def test_the_router_migrates_on_its_own_by_policy(fleet, policy) -> None:
     wait_no_pending(fleet)
 
 
+def test_the_queue_policy_starts_queued_requests_on_an_instance_that_opens(fleet) -> None:
+    """A scale-out: ten requests land on one instance that runs eight at once; when a second instance opens, the
+    `queue` policy moves the two that wait (no KV yet) there, where they start; every output is the target's."""
+    prompts = text_prompts(load(fleet.cfg.model.target), 10, offset=3)
+
+    async def batch() -> list[Streamed]:
+        return await asyncio.gather(*(stream(fleet, p) for p in prompts))
+
+    alone = asyncio.run(batch())
+    full, empty = "mig-a", "mig-b"
+    before = ray.get(fleet.router.migration_stats.remote()).by_status["finished"]
+    planned = RouterConfig(stats_interval_s=0.2, migration=MigrationConfig(policies=("queue",), interval_s=0.2))
+    ray.get(fleet.router.drain.remote(empty))
+
+    async def run() -> list[Streamed]:
+        tasks = [asyncio.create_task(stream(fleet, p)) for p in prompts]
+        await asyncio.sleep(0.3)
+        assert {r["instance_id"] for r in await fleet.router.requests.remote("running")} == {full}
+        await fleet.router.configure.remote(planned)
+        await fleet.router.undrain.remote(empty)
+        return await asyncio.gather(*tasks)
+
+    try:
+        results = asyncio.run(run())
+    finally:
+        ray.get(fleet.router.configure.remote(RouterConfig(stats_interval_s=0.2)))
+        ray.get(fleet.router.undrain.remote(empty))
+    moved = ray.get(fleet.router.migration_stats.remote()).by_status["finished"] - before
+    ended_on = [r.instance for r in results]
+    assert moved >= 1 and ended_on.count(empty) == moved, (moved, ended_on)
+    for got, want in zip(results, alone):
+        assert got.tokens == want.tokens and got.finish is FinishReason.LENGTH
+    kv_free(fleet)
+    wait_no_pending(fleet)
+
+
 def test_killing_an_instance_under_load_loses_no_request(fleet) -> None:
     """Failover: the streams of a killed instance resume elsewhere from their tokens; output as if nothing happened."""
     prompts = text_prompts(load(fleet.cfg.model.target), 3, offset=9)

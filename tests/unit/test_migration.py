@@ -189,6 +189,29 @@ def test_a_request_that_ends_at_the_source_first_aborts_the_migration(tiny_model
     assert_no_kv_left(src, dst)
 
 
+def test_a_queued_request_moves_without_kv_and_starts_at_the_destination(tiny_models, tiny_draft_models) -> None:
+    """The `queue` policy's move: a request still waiting at the source (batch full) holds no KV; it migrates by
+    the same handshake and commit, starts at the destination, and gives the target's own output."""
+    src, dst = engine(tiny_models, tiny_draft_models), engine(tiny_models, tiny_draft_models)
+    prompts = text_prompts(src.target.model, 6, offset=1)
+    results: dict[str, Result] = {}
+    for i, p in enumerate(prompts):
+        src.add_request(Request(f"r{i}", tuple(p), GREEDY))
+    drain(src, results, steps=2)
+    queued = [r.request_id for r in src.load("src").waiting]
+    assert queued == ["r4", "r5"] and src.kv_length("r5") == 0  # max_batch_size 4
+
+    outcome = asyncio.run(migrate("r5", EngineEndpoint(src, results, steps=1), EngineEndpoint(dst, results)))
+
+    assert outcome.status is MigrationStatus.FINISHED and outcome.tokens_copied == 0, outcome
+    assert not src.holds("r5") and [s.request_id for s in dst.running + dst.waiting] == ["r5"]
+    drain(src, results)
+    drain(dst, results)
+    for i, p in enumerate(prompts):
+        assert results[f"r{i}"].token_ids == reference_greedy(tiny_models["llama"], p, TOKENS), f"r{i}"
+    assert_no_kv_left(src, dst)
+
+
 def test_failover_resumes_from_the_tokens_alone(tiny_models, tiny_draft_models) -> None:
     """No KV and no engine state: the prompt and the tokens streamed so far (KV recomputed) give the same output."""
     src, dst = engine(tiny_models, tiny_draft_models), engine(tiny_models, tiny_draft_models)
@@ -217,8 +240,9 @@ def test_the_engine_reports_its_load_per_request_for_the_policies(tiny_models, t
     assert load_.instance_id == "me" and load_.capacity_blocks == cache.num_used_blocks + cache.num_free_blocks
     assert {r.request_id: r.blocks for r in load_.running} == {
         s.request_id: -(-e.kv_length(s.request_id) // cache.block_size) for s in e.running}
-    assert len(load_.running) == 4 and len(load_.waiting_blocks) == 2  # max_batch_size 4
+    assert len(load_.running) == 4 and len(load_.waiting_blocks) == 2 and load_.max_running == 4  # max_batch_size
     assert all(b >= 1 for b in load_.waiting_blocks)
+    assert {r.request_id for r in load_.waiting} == {s.request_id for s in e.waiting}
     assert next(r for r in load_.running if r.request_id == "q5").priority == 1  # the high-priority one runs
 
 

@@ -15,6 +15,7 @@ from cluster.migration_policy import (
     InstanceLoad,
     MigrationPolicyConfig,
     Planner,
+    Queue,
     RunningRequest,
     make_planner,
 )
@@ -22,9 +23,10 @@ from cluster.migration_policy import (
 CFG = MigrationPolicyConfig(high_water=0.8, low_water=0.5, priority_headroom_blocks=10, max_per_round=4)
 
 
-def inst(name, capacity=100, running=(), waiting=(), draining=False, accepting=True):
+def inst(name, capacity=100, running=(), waiting=(), draining=False, accepting=True, max_running=0):
     reqs = tuple(RunningRequest(f"{name}-r{i}", b, p) for i, (b, p) in enumerate(running))
-    return InstanceLoad(name, capacity, reqs, tuple(waiting), draining, accepting and not draining)
+    queued = tuple(RunningRequest(f"{name}-w{i}", b) for i, b in enumerate(waiting))
+    return InstanceLoad(name, capacity, reqs, queued, draining, accepting and not draining, max_running)
 
 
 def test_balance_moves_the_cheapest_request_from_the_fullest_to_the_emptiest():
@@ -64,6 +66,40 @@ def test_defrag_makes_room_for_a_queue_head_that_fits_nowhere_yet():
     assert Defrag().propose([inst("a", running=[(50, 0)], waiting=[40]), inst("b")], CFG) == []  # it fits
 
 
+def test_queue_sends_the_first_queued_request_that_cannot_start_to_an_idle_instance_with_room():
+    # a: 80 of 100 blocks held; its queue head (15) starts next step, the second (30) cannot: it moves
+    loads = [inst("a", running=[(50, 0), (30, 0)], waiting=[15, 30, 10]), inst("b", running=[(60, 0)]),
+             inst("c", running=[(20, 0)])]
+    [m] = Queue().propose(loads, CFG)
+    assert (m.source, m.destination, m.request_id, m.reason) == ("a", "c", "a-w1", "queue")
+    # a full batch makes the head itself wait, blocks aside
+    [m] = Queue().propose([inst("a", running=[(10, 0)], waiting=[5], max_running=1), inst("b")], CFG)
+    assert m.request_id == "a-w0"
+
+
+@pytest.mark.parametrize("destination", [
+    inst("b", running=[(90, 0)]),  # no room for 30 blocks
+    inst("b", waiting=[5]),  # a queue of its own: the request would wait there too
+    inst("b", running=[(1, 0)], max_running=1),  # no batch slot
+    inst("b", draining=True),
+    inst("b", accepting=False),
+], ids=["no room", "own queue", "batch full", "draining", "not accepting"])
+def test_queue_never_moves_a_request_where_it_would_not_start_at_once(destination):
+    assert Queue().propose([inst("a", running=[(80, 0)], waiting=[30]), destination], CFG) == []
+
+
+def test_queue_leaves_requests_that_start_where_they_are():
+    assert Queue().propose([inst("a", running=[(50, 0)], waiting=[20, 20]), inst("b")], CFG) == []
+
+
+def test_the_planner_counts_a_moved_queued_request_as_started_at_its_destination():
+    loads = [inst("a", running=[(90, 0)], waiting=[30, 30]), inst("b", capacity=50), inst("c", capacity=50)]
+    moves = Planner([Queue()], CFG).plan(loads)
+    assert [(m.request_id, m.destination) for m in moves] == [("a-w0", "b")]  # a is busy for this round
+    moves = Planner([Queue()], CFG).plan([loads[0], inst("b", capacity=50, running=[(30, 0)])])
+    assert moves == []  # b's 20 free blocks cannot start a 30-block request
+
+
 def test_planner_skips_requests_already_migrating_and_pairs_each_instance_once():
     loads = [inst("a", running=[(30, 0), (30, 0), (30, 0)]), inst("b"), inst("c", running=[(45, 0), (45, 0)]),
              inst("d")]
@@ -92,14 +128,19 @@ def test_randomised_rounds_keep_every_invariant():
                     running.append(RunningRequest(f"r{ids}", b, rng.choice([0, 0, 0, 1])))
                     used += b
                     ids += 1
-            waiting = tuple(rng.randint(1, 60) for _ in range(rng.randint(0, 2)))
+            waiting = []
+            for _ in range(rng.randint(0, 2)):
+                waiting.append(RunningRequest(f"r{ids}", rng.randint(1, 60)))
+                ids += 1
             draining = rng.random() < 0.2
-            loads.append(InstanceLoad(f"i{i}", cap, tuple(running), waiting, draining,
-                                      accepting=not draining and rng.random() < 0.9))
-        migrating = frozenset(r.request_id for x in loads for r in x.running if rng.random() < 0.1)
+            loads.append(InstanceLoad(f"i{i}", cap, tuple(running), tuple(waiting), draining,
+                                      accepting=not draining and rng.random() < 0.9,
+                                      max_running=rng.choice([0, 4])))
+        migrating = frozenset(r.request_id for x in loads for r in x.running + x.waiting if rng.random() < 0.1)
         moves = planner.plan(loads, migrating)
         # what the planner sees: requests already migrating no longer count at their instance
-        by_id = {x.instance_id: replace(x, running=tuple(r for r in x.running if r.request_id not in migrating))
+        by_id = {x.instance_id: replace(x, running=tuple(r for r in x.running if r.request_id not in migrating),
+                                        waiting=tuple(r for r in x.waiting if r.request_id not in migrating))
                  for x in loads}
         free = {i: x.free_blocks for i, x in by_id.items()}
         seen = set()
@@ -107,12 +148,15 @@ def test_randomised_rounds_keep_every_invariant():
             src, dst = by_id[m.source], by_id[m.destination]
             assert m.source != m.destination
             assert dst.accepting and not dst.draining
-            assert m.request_id in {r.request_id for r in src.running} and m.request_id not in migrating
+            moved_from = src.waiting if m.reason == "queue" else src.running
+            assert m.request_id in {r.request_id for r in moved_from} and m.request_id not in migrating
             assert m.request_id not in seen
             seen.add(m.request_id)
             free[m.destination] -= m.blocks
             free[m.source] += m.blocks
             assert free[m.destination] >= 0
+            if m.reason == "queue":  # it could not start at its source, and starts at once where it goes
+                assert src.stuck() is not None and not dst.waiting
             if m.reason == "balance":
                 h = CFG.priority_headroom_blocks
                 assert src.virtual_usage(h) > CFG.high_water and dst.virtual_usage(h) < CFG.low_water
