@@ -44,7 +44,7 @@ from cluster.config import EngineConfig, SchedulerConfig, SpeculationConfig
 from actors.kv_cache import KVExport
 from cluster.request import (FinishReason, InvalidRequest, Request, Resume, SamplingParams, SpecStats, TokenDelta,
                              check_prompt)
-from cluster.migration_policy import InstanceLoad, RunningRequest
+from cluster.migration_policy import InstanceLoad, RequestLoad
 from cluster.stats import EngineStats
 
 
@@ -446,10 +446,14 @@ class Engine:
     def load(self, instance_id: str) -> InstanceLoad:
         """This engine's load in target KV blocks, per request, for the router's migration policies."""
         tc = self.target.cache
-        running = tuple(RunningRequest(s.request_id, tc.blocks_for(tc.length(s.request_id)), s.request.priority,
-                                       len(s.token_ids)) for s in self.running if tc.has(s.request_id))
-        waiting = tuple(RunningRequest(s.request_id, tc.blocks_for(len(s.token_ids) + 1), s.request.priority,
-                                       len(s.token_ids)) for s in sorted(self.waiting, key=Sequence.order_key))
+
+        def peak(s: Sequence) -> int:  # blocks at its length limit
+            return tc.blocks_for(min(len(s.token_ids) + s.remaining, self.max_model_len))
+
+        running = tuple(RequestLoad(s.request_id, tc.blocks_for(tc.length(s.request_id)), s.request.priority,
+                                    len(s.token_ids), peak(s)) for s in self.running if tc.has(s.request_id))
+        waiting = tuple(RequestLoad(s.request_id, tc.blocks_for(len(s.token_ids) + 1), s.request.priority,
+                                    len(s.token_ids), peak(s)) for s in sorted(self.waiting, key=Sequence.order_key))
         return InstanceLoad(instance_id, tc.num_used_blocks + tc.num_free_blocks, running, waiting,
                             max_running=self.scheduler.cfg.max_batch_size)
 

@@ -139,7 +139,9 @@ async def migrate(request_id: str, src: Endpoint, dst: Endpoint, cfg: MigrationC
     migration alone (the object store if it cannot be opened): migrations between the same two instances may
     run side by side, each over its own channel."""
     t0 = time.perf_counter()
-    via = await _open_channel(src, dst, ids, request_id, cfg) if cfg.transfer == "torch" and ids else None
+    via = None
+    if cfg.transfer == "torch" and ids and await _holds_kv(src, request_id):
+        via = await _open_channel(src, dst, ids, request_id, cfg)
     try:
         result = await _migrate(request_id, src, dst, cfg, destination, via)
     finally:
@@ -227,6 +229,15 @@ async def _migrate(request_id: str, src: Endpoint, dst: Endpoint, cfg: Migration
                 return result(MigrationStatus.ABORTED_SRC, f"source lost after {side} failed: {e}")
         status = MigrationStatus.ABORTED_DST if side == "destination" else MigrationStatus.ABORTED_SRC
         return result(status, f"{side}: {type(e).__name__}: {e}")
+
+
+async def _holds_kv(src: Endpoint, request_id: str) -> bool:
+    """Whether the request has KV to move (a queued request has none: a channel would carry nothing). A source
+    that fails here is reported by the migration itself."""
+    try:
+        return bool(await src.migrate_length(request_id))
+    except Exception:  # noqa: BLE001 - _migrate asks again and aborts with the reason
+        return True
 
 
 async def _open_channel(src: Endpoint, dst: Endpoint, ids: tuple[str, str], request_id: str,

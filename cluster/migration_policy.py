@@ -42,13 +42,19 @@ class MigrationPolicyConfig(BaseModel):
 
 
 @dataclass(frozen=True)
-class RunningRequest:
-    """A running request as the scheduler sees it: its KV blocks (target), priority, and tokens so far."""
+class RequestLoad:
+    """A request as the global scheduler sees it: its target KV blocks (held if it runs, needed if it is queued),
+    priority, and tokens so far."""
 
     request_id: str
     blocks: int
     priority: int = 0  # higher is more important (the API's `priority`)
     tokens: int = 0
+    max_blocks: int = 0  # what it would hold at its length limit (0: unknown, taken as `blocks`)
+
+    @property
+    def peak_blocks(self) -> int:
+        return max(self.blocks, self.max_blocks)
 
 
 @dataclass(frozen=True)
@@ -57,11 +63,12 @@ class InstanceLoad:
 
     instance_id: str
     capacity_blocks: int
-    running: tuple[RunningRequest, ...] = ()
-    waiting: tuple[RunningRequest, ...] = ()  # queued requests (blocks: what each needs to start), head first
+    running: tuple[RequestLoad, ...] = ()
+    waiting: tuple[RequestLoad, ...] = ()  # queued requests (blocks: what each needs to start), head first
     draining: bool = False
     accepting: bool = True  # healthy and not draining: may receive requests
     max_running: int = 0  # requests it runs at once (its scheduler's max_batch_size); 0: no limit but blocks
+    arriving: tuple[RequestLoad, ...] = ()  # moves toward it planned this round: they count, they do not move
 
     @property
     def waiting_blocks(self) -> tuple[int, ...]:
@@ -69,16 +76,21 @@ class InstanceLoad:
 
     @property
     def used_blocks(self) -> int:
-        return sum(r.blocks for r in self.running)
+        return sum(r.blocks for r in self.running + self.arriving)
+
+    def peak_blocks(self) -> int:
+        """Blocks its running and arriving requests would hold at their length limits."""
+        return sum(r.peak_blocks for r in self.running + self.arriving)
 
     def has_slot(self) -> bool:
         """Whether it may start one more request (blocks aside)."""
-        return not self.max_running or len(self.running) < self.max_running
+        return not self.max_running or len(self.running) + len(self.arriving) < self.max_running
 
-    def stuck(self) -> RunningRequest | None:
+    def stuck(self) -> RequestLoad | None:
         """The first queued request that cannot start in the next step (first come, first served: it and those
         behind it wait while it does not fit in the free blocks or the batch is full); None if none waits."""
-        free, slots = self.free_blocks, (self.max_running - len(self.running)) if self.max_running else None
+        free = self.free_blocks
+        slots = (self.max_running - len(self.running) - len(self.arriving)) if self.max_running else None
         for r in self.waiting:
             if r.blocks > free or slots == 0:
                 return r
@@ -95,7 +107,7 @@ class InstanceLoad:
         if self.draining:
             return float("inf")
         demand = self.waiting_blocks[0] if self.waiting_blocks else 0
-        headroom = headroom_blocks if any(r.priority > 0 for r in self.running) else 0
+        headroom = headroom_blocks if any(r.priority > 0 for r in self.running + self.arriving) else 0
         return (self.used_blocks + demand + headroom) / max(self.capacity_blocks, 1)
 
 
@@ -118,7 +130,7 @@ class MigrationPolicy(Protocol):
         ...
 
 
-def cheapest_first(requests: Sequence[RunningRequest]) -> list[RunningRequest]:
+def cheapest_first(requests: Sequence[RequestLoad]) -> list[RequestLoad]:
     """The order in which requests are picked to move: lowest priority first, then the fewest blocks."""
     return sorted(requests, key=lambda r: (r.priority, r.blocks, r.request_id))
 
@@ -157,8 +169,9 @@ class Queue:
 
     It holds no KV yet (or only what a preemption left), so its move costs the handshake and little or no
     copy; it is what a dispatcher would have done had the destination been there when the request arrived (a
-    scale-out). The destination must have no queue of its own, room for the request's blocks and a free batch
-    slot, so the request never waits there behind others.
+    scale-out). The destination must have no queue of its own, a free batch slot, and room for every request it
+    runs to reach its length limit with this one: a request moved where growth would preempt it (and recompute
+    it) loses more than it gains, and may then be moved back.
     """
 
     name = "queue"
@@ -167,7 +180,8 @@ class Queue:
         for src in loads:
             if (r := src.stuck()) is None:
                 continue
-            dst = [d for d in _destinations(loads, src.instance_id, r.blocks, cfg) if not d.waiting and d.has_slot()]
+            dst = [d for d in _destinations(loads, src.instance_id, r.blocks, cfg)
+                   if not d.waiting and d.has_slot() and d.peak_blocks() + r.peak_blocks <= d.capacity_blocks]
             if dst:
                 return [Migration(r.request_id, src.instance_id, dst[0].instance_id, r.blocks, self.name)]
         return []
@@ -225,7 +239,8 @@ class Planner:
 
     def plan(self, loads: Sequence[InstanceLoad], migrating: frozenset[str] = frozenset()) -> list[Migration]:
         """Up to `max_per_round` migrations; requests in `migrating` (already on the move) are left alone, and
-        each source and destination takes part in at most one migration per round (as Llumnix pairs them)."""
+        each source and destination takes part in at most one KV-moving migration per round (as Llumnix pairs
+        them); moves of queued requests, which carry no KV, are not limited that way."""
         state = {x.instance_id: replace(x, running=tuple(r for r in x.running if r.request_id not in migrating),
                                         waiting=tuple(r for r in x.waiting if r.request_id not in migrating))
                  for x in loads}
@@ -237,12 +252,14 @@ class Planner:
             if move is None:
                 return out
             out.append(move)
-            busy.update((move.source, move.destination))
+            if move.reason != Queue.name:  # a queued request moves no KV: it occupies neither end's transfers
+                busy.update((move.source, move.destination))
             src, dst = state[move.source], state[move.destination]
             req = next(r for r in src.running + src.waiting if r.request_id == move.request_id)
             state[move.source] = replace(src, running=tuple(r for r in src.running if r is not req),
                                          waiting=tuple(r for r in src.waiting if r is not req))
-            state[move.destination] = replace(dst, running=dst.running + (req,))  # a moved queued request starts
+            # it counts at its destination from now on (a moved queued request starts there) but moves no further
+            state[move.destination] = replace(dst, arriving=dst.arriving + (req,))
         return out
 
 

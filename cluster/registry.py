@@ -7,6 +7,7 @@ plain data, so dispatch, draining and failure handling are tested without a clus
 from __future__ import annotations
 
 import time
+from collections.abc import Collection
 from dataclasses import dataclass, field
 
 from cluster.dispatch import DispatchPolicy, InstanceView
@@ -153,7 +154,7 @@ class Registry:
         return entry
 
     def reconcile(self, instance_id: str, asked: list[str], states: dict[str, RequestStatus], now: float,
-                  grace_s: float) -> list[Reconciled]:
+                  grace_s: float, moving: Collection[str] = ()) -> list[Reconciled]:
         """Close the requests routed to `instance_id` that the instance no longer runs or queues.
 
         `states` is the instance's answer for the ids the router `asked` about (its requests in flight when
@@ -161,7 +162,9 @@ class Registry:
         not know is absent. A request it reports
         ended is closed with that status. One it does not know is closed as aborted once it was routed more
         than `grace_s` ago (it never reached the instance: its caller went away between `route` and sending
-        it); before that it may still be on its way.
+        it); before that it may still be on its way. A request in `moving` (a live migration under way) is left
+        alone: its source lets go of it before the router rehomes it, and an answer from between the two must
+        not close it.
         """
         inst = self.instances.get(instance_id)
         if inst is None:
@@ -169,8 +172,8 @@ class Registry:
         closed = []
         for rid in asked:
             entry = self.requests.get(rid)
-            if rid not in inst.in_flight or entry is None or entry.status != RequestStatus.RUNNING:
-                continue  # released meanwhile
+            if rid not in inst.in_flight or entry is None or entry.status != RequestStatus.RUNNING or rid in moving:
+                continue  # released or moving meanwhile
             state = states.get(rid)
             if state == RequestStatus.RUNNING:
                 continue

@@ -272,7 +272,8 @@ class Router:
             if not health.healthy:
                 self._remove_failed(instance_id, health.error or "unhealthy")
                 continue
-            for r in self.registry.reconcile(instance_id, asked[instance_id], states, now, self.cfg.orphan_grace_s):
+            for r in self.registry.reconcile(instance_id, asked[instance_id], states, now, self.cfg.orphan_grace_s,
+                                             moving=self._migrating):
                 log.warning("request %s was still running at the router, but its instance %s %s; closed as %s",
                             r.request_id, r.instance_id, "ended it" if r.seen_by_instance else "never received it",
                             r.status.value)

@@ -12,8 +12,8 @@ request and fail over a dead instance's; deploy/serve/frontend.py) and a router 
 2. Failover: an instance running several requests is killed mid-stream; requests lost (the goal is none),
    whether each output equals its uninterrupted run, the latency the failover added to each, and the gap
    its client saw while it resumed elsewhere (KV recomputed from the prompt and the tokens so far).
-3. Skewed load: Poisson arrivals of real prompts that all land on one instance until, halfway through, a
-   second one opens (a scale-out: it was drained until then); time to first token, end-to-end latency and
+3. Skewed load: Poisson arrivals of real prompts that all land on one instance until, halfway through (or
+   after `--skew-open-at` of them), one or two more open (a scale-out: they were drained until then); time to first token, end-to-end latency and
    throughput with the router's migration policies off and on (`--skew-policies`, default `queue`, `defrag`,
    `balance`), on instances whose KV cache holds a few requests each, so that queued requests wait for room.
 
@@ -48,6 +48,7 @@ from deploy.serve.frontend import Frontend
 from placement.fleet import InstanceSpec
 from placement.layout import ShardLayout, StageSlot
 
+PARETO_SHAPE = 1.2  # part 3 with --skew-output pareto: most requests short, a few up to the cap
 STAGED = MigrationConfig()  # the defaults: up to 4 stages in chunks of 256 tokens, over a torch.distributed channel
 MODES = {  # part 1's ways to migrate, side by side
     "staged": STAGED,
@@ -74,9 +75,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--skew-rate", type=float, default=1.0, help="their Poisson arrival rate (requests/s)")
     p.add_argument("--skew-prompt-tokens", type=int, default=256)
     p.add_argument("--skew-max-tokens", type=int, default=96)
+    p.add_argument("--skew-output", choices=["fixed", "pareto"], default="fixed",
+                   help="tokens each request generates: all --skew-max-tokens, or drawn from a Pareto law "
+                        f"(shape {PARETO_SHAPE}) from --skew-min-tokens, cut at --skew-max-tokens")
+    p.add_argument("--skew-min-tokens", type=int, default=16)
     p.add_argument("--skew-fits", type=int, default=3, help="requests whose KV one instance holds at once (part 3)")
     p.add_argument("--skew-open-at", type=float, default=0.5,
-                   help="the fraction of the arrivals after which the second instance opens")
+                   help="the fraction of the arrivals after which the other instances open")
+    p.add_argument("--skew-instances", type=int, choices=[2, 3], default=2,
+                   help="instances of part 3: the first, and those that open later (one per node)")
     p.add_argument("--seed", type=int, default=0, help="of the arrival times")
     p.add_argument("--skew-policies", default="queue,defrag,balance",
                    help="the migration policies of part 3's 'on' run, comma-separated (cluster/migration_policy.py)")
@@ -232,22 +239,26 @@ async def failover_part(b: Bench, prompts: list[list[int]], args, victim_node: s
             "client_gap_ms_max": max(max(s.gaps_after(killed[0]), default=0.0) for s in done) * 1e3}
 
 
-async def skew_part(b: Bench, prompts: list[list[int]], gaps: list[float], args, policies: tuple[str, ...]) -> dict:
-    """Part 3: Poisson arrivals (`gaps` between them) that land on the first instance until half have arrived,
-    when the second one opens; the router's migration policies as given."""
+async def skew_part(b: Bench, prompts: list[list[int]], gaps: list[float], lengths: list[int], args,
+                    policies: tuple[str, ...]) -> dict:
+    """Part 3: Poisson arrivals (`gaps` between them) of requests generating `lengths` tokens, that land on the
+    first instance until a fraction `--skew-open-at` have arrived, when the others open; the router's
+    migration policies as given."""
     planned = MigrationConfig(policies=policies, interval_s=0.2,
                               thresholds=MigrationPolicyConfig(high_water=0.6, low_water=0.4))
     await b.router.configure.remote(RouterConfig(stats_interval_s=0.2, migration=planned))
-    first, second = list(b.servers)
-    await b.router.drain.remote(second)
+    first, *others = list(b.servers)
+    for other in others:
+        await b.router.drain.remote(other)
     before = (await b.router.migration_stats.remote()).by_status["finished"]
     t0 = time.perf_counter()
     tasks = []
-    for i, (p, gap) in enumerate(zip(prompts, gaps)):
+    for i, (p, gap, n) in enumerate(zip(prompts, gaps, lengths)):
         await asyncio.sleep(gap)
         if i == int(len(prompts) * args.skew_open_at):
-            await b.router.undrain.remote(second)  # the scale-out
-        tasks.append(asyncio.create_task(b.stream(p, args.skew_max_tokens)))
+            for other in others:  # the scale-out
+                await b.router.undrain.remote(other)
+        tasks.append(asyncio.create_task(b.stream(p, n)))
     done = await asyncio.gather(*tasks)
     makespan = time.perf_counter() - t0
     moved = (await b.router.migration_stats.remote()).by_status["finished"] - before
@@ -259,7 +270,7 @@ async def skew_part(b: Bench, prompts: list[list[int]], gaps: list[float], args,
             "throughput_tok_s": sum(len(s.tokens) for s in done) / makespan,
             "completed": sum(s.finish == "length" for s in done), "outputs": [s.tokens for s in done],
             "per_request": [{"ttft_ms": round(s.ttft_s * 1e3, 1), "e2e_ms": round((s.arrivals[-1] - s.start) * 1e3, 1),
-                             "ended_on": s.instance} for s in done]}
+                             "ended_on": s.instance, "finish": s.finish, "error": s.error} for s in done]}
 
 
 def run(args: argparse.Namespace) -> int:
@@ -377,25 +388,38 @@ def _skew(args, target: str, tok, nodes: list[str]) -> dict:
     prompts = [(tok.encode(t) * 64)[:args.skew_prompt_tokens] for t in texts]
     rng = random.Random(args.seed)
     gaps = [0.0] + [rng.expovariate(args.skew_rate) for _ in prompts[1:]]  # the same arrivals for off and on
+    lengths = [args.skew_max_tokens] * len(prompts)
+    if args.skew_output == "pareto":  # heavy-tailed output lengths, as Llumnix's generated workloads (section 6.1)
+        lengths = [min(args.skew_max_tokens, round(args.skew_min_tokens * rng.paretovariate(PARETO_SHAPE)))
+                   for _ in prompts]
     runs = []
     for policies in ((), tuple(x for x in args.skew_policies.split(",") if x)):
         b = Bench(cfg, tok.num_layers, args.num_cpus, RouterConfig(stats_interval_s=0.2))
         try:
-            b.start("skew-a", nodes[0])
-            b.start("skew-b", nodes[1])
+            for i in range(args.skew_instances):
+                b.start(f"skew-{'abc'[i]}", nodes[i])
             asyncio.run(b.stream(prompts[0][:32], 4))  # warm-up
-            runs.append(asyncio.run(skew_part(b, prompts, gaps, args, policies)))
+            runs.append(asyncio.run(skew_part(b, prompts, gaps, lengths, args, policies)))
         finally:
             b.close()
     off, on = runs
-    identical = off.pop("outputs") == on.pop("outputs")
+    outputs = list(zip(off.pop("outputs"), on.pop("outputs")))
+    identical = all(a == b for a, b in outputs)
+    # where an output differs: its index, the first token that differs, and where each run ended it
+    differs = [{"request": i, "at_token": next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b))),
+                "off_on": off["per_request"][i]["ended_on"], "on_on": on["per_request"][i]["ended_on"],
+                "off_tokens": a, "on_tokens": b}
+               for i, (a, b) in enumerate(outputs) if a != b]
     print(f"skewed Poisson load, {args.skew_requests} requests at {args.skew_rate:g}/s: p99 TTFT "
           f"{on['ttft_ms_p99']:.0f} ms with migration ({on['migrations']} moves) vs {off['ttft_ms_p99']:.0f} ms "
           f"without ({_ratio(off['ttft_ms_p99'], on['ttft_ms_p99'])} better); p99 e2e {on['e2e_ms_p99']:.0f} vs "
           f"{off['e2e_ms_p99']:.0f} ms ({_ratio(off['e2e_ms_p99'], on['e2e_ms_p99'])}); throughput "
           f"{on['throughput_tok_s']:.1f} vs {off['throughput_tok_s']:.1f} tok/s "
           f"({_ratio(on['throughput_tok_s'], off['throughput_tok_s'])}); identical outputs {identical}", flush=True)
-    return {"off": off, "on": on, "identical": identical, "rate": args.skew_rate}
+    return {"off": off, "on": on, "identical": identical, "differs": differs, "rate": args.skew_rate,
+            "open_at": args.skew_open_at,
+            "instances": args.skew_instances,
+            "output": args.skew_output, "lengths": lengths}
 
 
 def _plot(report: dict, path: Path) -> None:

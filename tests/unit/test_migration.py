@@ -243,6 +243,8 @@ def test_the_engine_reports_its_load_per_request_for_the_policies(tiny_models, t
     assert len(load_.running) == 4 and len(load_.waiting_blocks) == 2 and load_.max_running == 4  # max_batch_size
     assert all(b >= 1 for b in load_.waiting_blocks)
     assert {r.request_id for r in load_.waiting} == {s.request_id for s in e.waiting}
+    for r, s in zip(load_.waiting, sorted(e.waiting, key=lambda s: s.order_key())):  # peak: prompt + max_tokens
+        assert r.max_blocks == -(-(len(s.request.prompt_token_ids) + TOKENS) // cache.block_size)
     assert next(r for r in load_.running if r.request_id == "q5").priority == 1  # the high-priority one runs
 
 

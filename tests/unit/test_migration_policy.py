@@ -16,7 +16,7 @@ from cluster.migration_policy import (
     MigrationPolicyConfig,
     Planner,
     Queue,
-    RunningRequest,
+    RequestLoad,
     make_planner,
 )
 
@@ -24,8 +24,8 @@ CFG = MigrationPolicyConfig(high_water=0.8, low_water=0.5, priority_headroom_blo
 
 
 def inst(name, capacity=100, running=(), waiting=(), draining=False, accepting=True, max_running=0):
-    reqs = tuple(RunningRequest(f"{name}-r{i}", b, p) for i, (b, p) in enumerate(running))
-    queued = tuple(RunningRequest(f"{name}-w{i}", b) for i, b in enumerate(waiting))
+    reqs = tuple(RequestLoad(f"{name}-r{i}", b, p) for i, (b, p) in enumerate(running))
+    queued = tuple(RequestLoad(f"{name}-w{i}", b) for i, b in enumerate(waiting))
     return InstanceLoad(name, capacity, reqs, queued, draining, accepting and not draining, max_running)
 
 
@@ -88,6 +88,15 @@ def test_queue_never_moves_a_request_where_it_would_not_start_at_once(destinatio
     assert Queue().propose([inst("a", running=[(80, 0)], waiting=[30]), destination], CFG) == []
 
 
+def test_queue_never_moves_a_request_where_growth_would_preempt_it():
+    """Room to start is not enough: the destination's requests and the moved one must all fit at their limits."""
+    src = InstanceLoad("a", 100, (RequestLoad("a-r0", 90, max_blocks=95),), (RequestLoad("a-w0", 20, max_blocks=40),))
+    fits = InstanceLoad("b", 100, (RequestLoad("b-r0", 20, max_blocks=60),))
+    grows = InstanceLoad("b", 100, (RequestLoad("b-r0", 20, max_blocks=61),))
+    assert [m.request_id for m in Queue().propose([src, fits], CFG)] == ["a-w0"]  # 60 + 40 = 100
+    assert Queue().propose([src, grows], CFG) == []  # 61 + 40 > 100, though 80 blocks are free now
+
+
 def test_queue_leaves_requests_that_start_where_they_are():
     assert Queue().propose([inst("a", running=[(50, 0)], waiting=[20, 20]), inst("b")], CFG) == []
 
@@ -95,7 +104,9 @@ def test_queue_leaves_requests_that_start_where_they_are():
 def test_the_planner_counts_a_moved_queued_request_as_started_at_its_destination():
     loads = [inst("a", running=[(90, 0)], waiting=[30, 30]), inst("b", capacity=50), inst("c", capacity=50)]
     moves = Planner([Queue()], CFG).plan(loads)
-    assert [(m.request_id, m.destination) for m in moves] == [("a-w0", "b")]  # a is busy for this round
+    # both queued requests start elsewhere in one round (no KV moves, so no pairing limit), one per instance:
+    # after the first, b has 20 blocks free, too few for the second
+    assert [(m.request_id, m.destination) for m in moves] == [("a-w0", "b"), ("a-w1", "c")]
     moves = Planner([Queue()], CFG).plan([loads[0], inst("b", capacity=50, running=[(30, 0)])])
     assert moves == []  # b's 20 free blocks cannot start a 30-block request
 
@@ -125,12 +136,13 @@ def test_randomised_rounds_keep_every_invariant():
             for _ in range(rng.randint(0, 6)):
                 b = rng.randint(1, 40)
                 if used + b <= cap:
-                    running.append(RunningRequest(f"r{ids}", b, rng.choice([0, 0, 0, 1])))
+                    running.append(RequestLoad(f"r{ids}", b, rng.choice([0, 0, 0, 1]), max_blocks=b + rng.randint(0, 20)))
                     used += b
                     ids += 1
             waiting = []
             for _ in range(rng.randint(0, 2)):
-                waiting.append(RunningRequest(f"r{ids}", rng.randint(1, 60)))
+                b = rng.randint(1, 60)
+                waiting.append(RequestLoad(f"r{ids}", b, max_blocks=b + rng.randint(0, 20)))
                 ids += 1
             draining = rng.random() < 0.2
             loads.append(InstanceLoad(f"i{i}", cap, tuple(running), tuple(waiting), draining,
@@ -142,24 +154,29 @@ def test_randomised_rounds_keep_every_invariant():
         by_id = {x.instance_id: replace(x, running=tuple(r for r in x.running if r.request_id not in migrating),
                                         waiting=tuple(r for r in x.waiting if r.request_id not in migrating))
                  for x in loads}
-        free = {i: x.free_blocks for i, x in by_id.items()}
         seen = set()
-        for m in moves:
+        for m in moves:  # each checked against the loads as the moves before it left them
             src, dst = by_id[m.source], by_id[m.destination]
             assert m.source != m.destination
             assert dst.accepting and not dst.draining
             moved_from = src.waiting if m.reason == "queue" else src.running
-            assert m.request_id in {r.request_id for r in moved_from} and m.request_id not in migrating
+            req = next((r for r in moved_from if r.request_id == m.request_id), None)
+            assert req is not None and m.request_id not in migrating
             assert m.request_id not in seen
             seen.add(m.request_id)
-            free[m.destination] -= m.blocks
-            free[m.source] += m.blocks
-            assert free[m.destination] >= 0
+            assert dst.free_blocks >= m.blocks == req.blocks
             if m.reason == "queue":  # it could not start at its source, and starts at once where it goes
-                assert src.stuck() is not None and not dst.waiting
+                assert src.stuck() is req and not dst.waiting and dst.has_slot()
+                assert dst.peak_blocks() + req.peak_blocks <= dst.capacity_blocks
             if m.reason == "balance":
                 h = CFG.priority_headroom_blocks
                 assert src.virtual_usage(h) > CFG.high_water and dst.virtual_usage(h) < CFG.low_water
+            by_id[m.source] = replace(src, running=tuple(r for r in src.running if r is not req),
+                                      waiting=tuple(r for r in src.waiting if r is not req))
+            by_id[m.destination] = replace(dst, arriving=dst.arriving + (req,))
+        kv_moves = [m for m in moves if m.reason != "queue"]  # each instance in at most one KV-moving migration
+        ends = [m.source for m in kv_moves] + [m.destination for m in kv_moves]
+        assert len(ends) == len(set(ends))
         # a draining instance with a request that fits somewhere accepting always gets a move planned
         for x in loads:
             if x.draining and any(any(d.accepting and d.free_blocks >= r.blocks for d in loads)

@@ -119,3 +119,15 @@ def test_reconcile_closes_what_the_instance_no_longer_holds_with_the_instances_s
     closed = reg.reconcile("i0", ["live", "young"], {"live": RequestStatus.RUNNING}, now=14.5, grace_s=5.0)
     assert [r.request_id for r in closed] == ["young"] and reg.pending() == 2
     assert reg.reconcile("gone", ["x"], {}, now=20.0, grace_s=5.0) == []
+
+
+def test_reconcile_leaves_a_migrating_request_alone() -> None:
+    """A source lets go of a migrating request before the router rehomes it; a poll answered in between must not
+    close it (it did: streams of requests older than the grace ended early under the migration policies)."""
+    reg = Registry(make_dispatch("round_robin"))
+    reg.register("i0", "m", "n0", now=0.0)
+    reg.route("moving", 0, now=0.0)
+    assert reg.reconcile("i0", ["moving"], {}, now=60.0, grace_s=30.0, moving={"moving"}) == []
+    assert reg.requests["moving"].status == RequestStatus.RUNNING
+    [closed] = reg.reconcile("i0", ["moving"], {}, now=60.0, grace_s=30.0)  # not migrating: an orphan
+    assert closed.status == RequestStatus.ABORTED
