@@ -139,11 +139,18 @@ async def migrate(request_id: str, src: Endpoint, dst: Endpoint, cfg: MigrationC
     migration alone (the object store if it cannot be opened): migrations between the same two instances may
     run side by side, each over its own channel."""
     t0 = time.perf_counter()
-    via = None
-    if cfg.transfer == "torch" and ids and await _holds_kv(src, request_id):
-        via = await _open_channel(src, dst, ids, request_id, cfg)
     try:
-        result = await _migrate(request_id, src, dst, cfg, destination, via)
+        length = await src.migrate_length(request_id)
+    except Exception as e:  # noqa: BLE001 - the source failed: nothing was reserved anywhere
+        length, reason = None, f"source: {type(e).__name__}: {e}"
+    else:
+        reason = "the request does not run at the source"
+    if length is None:
+        return MigrationResult(request_id, MigrationStatus.ABORTED_SRC, reason, total_s=time.perf_counter() - t0)
+    # a queued request holds no KV (length 0): a channel would carry nothing
+    via = await _open_channel(src, dst, ids, request_id, cfg) if cfg.transfer == "torch" and ids and length else None
+    try:
+        result = await _migrate(request_id, length, src, dst, cfg, destination, via)
     finally:
         if via is not None:
             await _close_channel(src, dst, via)
@@ -151,8 +158,9 @@ async def migrate(request_id: str, src: Endpoint, dst: Endpoint, cfg: MigrationC
                                total_s=time.perf_counter() - t0)
 
 
-async def _migrate(request_id: str, src: Endpoint, dst: Endpoint, cfg: MigrationConfig, destination: object,
-                   via: str | None) -> MigrationResult:
+async def _migrate(request_id: str, length: int, src: Endpoint, dst: Endpoint, cfg: MigrationConfig,
+                   destination: object, via: str | None) -> MigrationResult:
+    """The migration of a request whose source holds `length` tokens of its KV now."""
     t0 = time.perf_counter()
     stages = copied = draft_tokens = 0
 
@@ -160,12 +168,6 @@ async def _migrate(request_id: str, src: Endpoint, dst: Endpoint, cfg: Migration
         return MigrationResult(request_id, status, reason, stages, copied, downtime, time.perf_counter() - t0,
                                draft_tokens=draft_tokens)
 
-    try:
-        length = await src.migrate_length(request_id)
-    except Exception as e:  # noqa: BLE001 - the source failed: nothing was reserved anywhere
-        return result(MigrationStatus.ABORTED_SRC, f"source: {type(e).__name__}: {e}")
-    if length is None:
-        return result(MigrationStatus.ABORTED_SRC, "the request does not run at the source")
     try:
         if not await dst.migrate_reserve(request_id, length + cfg.stop_copy_tokens):
             return result(MigrationStatus.ABORTED_DST, "the destination has no room")
@@ -229,15 +231,6 @@ async def _migrate(request_id: str, src: Endpoint, dst: Endpoint, cfg: Migration
                 return result(MigrationStatus.ABORTED_SRC, f"source lost after {side} failed: {e}")
         status = MigrationStatus.ABORTED_DST if side == "destination" else MigrationStatus.ABORTED_SRC
         return result(status, f"{side}: {type(e).__name__}: {e}")
-
-
-async def _holds_kv(src: Endpoint, request_id: str) -> bool:
-    """Whether the request has KV to move (a queued request has none: a channel would carry nothing). A source
-    that fails here is reported by the migration itself."""
-    try:
-        return bool(await src.migrate_length(request_id))
-    except Exception:  # noqa: BLE001 - _migrate asks again and aborts with the reason
-        return True
 
 
 async def _open_channel(src: Endpoint, dst: Endpoint, ids: tuple[str, str], request_id: str,

@@ -212,6 +212,27 @@ def test_a_queued_request_moves_without_kv_and_starts_at_the_destination(tiny_mo
     assert_no_kv_left(src, dst)
 
 
+@pytest.mark.parametrize("why", ["source dies", "not there"])
+def test_a_source_that_cannot_say_where_the_request_stands_aborts_before_anything_is_reserved(
+        tiny_models, tiny_draft_models, why) -> None:
+    src, dst = engine(tiny_models, tiny_draft_models), engine(tiny_models, tiny_draft_models)
+    prompt = text_prompts(src.target.model, 1, offset=2)[0]
+    results: dict[str, Result] = {}
+    src.add_request(Request("r0", tuple(prompt), GREEDY))
+    drain(src, results, steps=2)
+    a = EngineEndpoint(src, results, fail_on="length" if why == "source dies" else "")
+
+    outcome = asyncio.run(migrate("r0" if why == "source dies" else "elsewhere", a, EngineEndpoint(dst, results)))
+
+    assert outcome.status is MigrationStatus.ABORTED_SRC
+    assert outcome.reason.startswith("source: ConnectionError") if why == "source dies" else \
+        outcome.reason == "the request does not run at the source"
+    assert dst.target.cache.num_used_blocks == 0 and not dst.holds("r0")
+    drain(src, results)
+    assert results["r0"].token_ids == reference_greedy(tiny_models["llama"], prompt, TOKENS)
+    assert_no_kv_left(src, dst)
+
+
 def test_failover_resumes_from_the_tokens_alone(tiny_models, tiny_draft_models) -> None:
     """No KV and no engine state: the prompt and the tokens streamed so far (KV recomputed) give the same output."""
     src, dst = engine(tiny_models, tiny_draft_models), engine(tiny_models, tiny_draft_models)
