@@ -13,9 +13,10 @@ request and fail over a dead instance's; deploy/serve/frontend.py) and a router 
    whether each output equals its uninterrupted run, the latency the failover added to each, and the gap
    its client saw while it resumed elsewhere (KV recomputed from the prompt and the tokens so far).
 3. Skewed load: Poisson arrivals of real prompts that all land on one instance until, halfway through (or
-   after `--skew-open-at` of them), one or two more open (a scale-out: they were drained until then); time to first token, end-to-end latency and
-   throughput with the router's migration policies off and on (`--skew-policies`, default `queue`, `defrag`,
-   `balance`), on instances whose KV cache holds a few requests each, so that queued requests wait for room.
+   after `--skew-open-at` of them), one or two more open (a scale-out: they were drained until then); time
+   to first token, end-to-end latency and throughput with the router's migration policies off and on
+   (`--skew-policies`, default `queue`, `defrag`, `balance`), on instances whose KV cache holds a few
+   requests each, so that queued requests wait for room.
 
 Run `specfleet cluster up` first (`make serve` does). Figures: docs/migration.md.
 """
@@ -406,8 +407,8 @@ def _skew(args, target: str, tok, nodes: list[str]) -> dict:
     outputs = list(zip(off.pop("outputs"), on.pop("outputs")))
     identical = all(a == b for a, b in outputs)
     # where an output differs: its index, the first token that differs, and where each run ended it
-    differs = [{"request": i, "at_token": next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b))),
-                "off_on": off["per_request"][i]["ended_on"], "on_on": on["per_request"][i]["ended_on"],
+    differs = [{"request": i, "off_on": off["per_request"][i]["ended_on"], "on_on": on["per_request"][i]["ended_on"],
+                "at_token": next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b))),
                 "off_tokens": a, "on_tokens": b}
                for i, (a, b) in enumerate(outputs) if a != b]
     print(f"skewed Poisson load, {args.skew_requests} requests at {args.skew_rate:g}/s: p99 TTFT "

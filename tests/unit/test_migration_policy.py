@@ -136,7 +136,8 @@ def test_randomised_rounds_keep_every_invariant():
             for _ in range(rng.randint(0, 6)):
                 b = rng.randint(1, 40)
                 if used + b <= cap:
-                    running.append(RequestLoad(f"r{ids}", b, rng.choice([0, 0, 0, 1]), max_blocks=b + rng.randint(0, 20)))
+                    running.append(RequestLoad(f"r{ids}", b, rng.choice([0, 0, 0, 1]),
+                                               max_blocks=b + rng.randint(0, 20)))
                     used += b
                     ids += 1
             waiting = []
