@@ -200,27 +200,25 @@ def test_a_migrating_drain_empties_the_instance(fleet) -> None:
     kv_free(fleet)
 
 
-@pytest.mark.parametrize("policy", ["balance", "drain"])
-def test_the_router_migrates_on_its_own_by_policy(fleet, policy) -> None:
-    """With `router.migration.policies` set, the router's planning loop moves requests: `balance` spreads four
-    requests that all started on one instance; `drain` empties an instance as soon as it is drained."""
-    prompts = text_prompts(load(fleet.cfg.model.target), 4, offset=13)
-    alone = [asyncio.run(stream(fleet, p)) for p in prompts]
-    full, empty = "mig-a", "mig-b"
+FULL, EMPTY = "mig-a", "mig-b"
+
+
+def under_policy(fleet: Fleet, prompts: list[list[int]], migration: MigrationConfig, tokens: int,
+                 drain_full: bool = False) -> tuple[list[Streamed], int]:
+    """Every prompt starts on FULL (EMPTY drained); then the router plans with `migration` and EMPTY opens (and
+    FULL drains, with `drain_full`). The streams' results and the migrations that finished meanwhile; the
+    router's config and every instance's dispatch are restored afterwards."""
     before = ray.get(fleet.router.migration_stats.remote()).by_status["finished"]
-    planned = RouterConfig(stats_interval_s=0.2, migration=MigrationConfig(
-        policies=(policy,), interval_s=0.2, thresholds=MigrationPolicyConfig(high_water=0.001, low_water=0.5)))
-    ray.get(fleet.router.drain.remote(empty))  # every request starts on `full`
+    ray.get(fleet.router.drain.remote(EMPTY))
 
     async def run() -> list[Streamed]:
-        # twice as long as usual: the policy moves one request per round, and each must still be running then
-        tasks = [asyncio.create_task(stream(fleet, p, tokens=2 * TOKENS)) for p in prompts]
+        tasks = [asyncio.create_task(stream(fleet, p, tokens=tokens)) for p in prompts]
         await asyncio.sleep(0.3)
-        assert {r["instance_id"] for r in await fleet.router.requests.remote("running")} == {full}
-        await fleet.router.configure.remote(planned)
-        await fleet.router.undrain.remote(empty)
-        if policy == "drain":
-            await fleet.router.drain.remote(full)
+        assert {r["instance_id"] for r in await fleet.router.requests.remote("running")} == {FULL}
+        await fleet.router.configure.remote(RouterConfig(stats_interval_s=0.2, migration=migration))
+        await fleet.router.undrain.remote(EMPTY)
+        if drain_full:
+            await fleet.router.drain.remote(FULL)
         return await asyncio.gather(*tasks)
 
     try:
@@ -229,13 +227,26 @@ def test_the_router_migrates_on_its_own_by_policy(fleet, policy) -> None:
         ray.get(fleet.router.configure.remote(RouterConfig(stats_interval_s=0.2)))
         for name in fleet.servers:
             ray.get(fleet.router.undrain.remote(name))
-    after = ray.get(fleet.router.migration_stats.remote())
-    moved = after.by_status["finished"] - before
+    return results, ray.get(fleet.router.migration_stats.remote()).by_status["finished"] - before
+
+
+@pytest.mark.parametrize("policy", ["balance", "drain"])
+def test_the_router_migrates_on_its_own_by_policy(fleet, policy) -> None:
+    """With `router.migration.policies` set, the router's planning loop moves requests: `balance` spreads four
+    requests that all started on one instance; `drain` empties an instance as soon as it is drained."""
+    prompts = text_prompts(load(fleet.cfg.model.target), 4, offset=13)
+    alone = [asyncio.run(stream(fleet, p)) for p in prompts]
+    migration = MigrationConfig(policies=(policy,), interval_s=0.2,
+                                thresholds=MigrationPolicyConfig(high_water=0.001, low_water=0.5))
+
+    # twice as long as usual: the policy moves one request per round, and each must still be running then
+    results, moved = under_policy(fleet, prompts, migration, 2 * TOKENS, drain_full=policy == "drain")
+
     ended_on = [r.instance for r in results]
     if policy == "balance":
-        assert moved >= 1 and empty in ended_on and full in ended_on, (moved, ended_on, after)
+        assert moved >= 1 and EMPTY in ended_on and FULL in ended_on, (moved, ended_on)
     else:
-        assert moved == len(prompts) and set(ended_on) == {empty}, (moved, ended_on, after)
+        assert moved == len(prompts) and set(ended_on) == {EMPTY}, (moved, ended_on)
     for got, want in zip(results, alone):  # greedy: the first TOKENS tokens are the unmigrated run's
         assert got.tokens[:TOKENS] == want.tokens and len(got.tokens) == 2 * TOKENS
         assert got.finish is FinishReason.LENGTH
@@ -252,27 +263,11 @@ def test_the_queue_policy_starts_queued_requests_on_an_instance_that_opens(fleet
         return await asyncio.gather(*(stream(fleet, p) for p in prompts))
 
     alone = asyncio.run(batch())
-    full, empty = "mig-a", "mig-b"
-    before = ray.get(fleet.router.migration_stats.remote()).by_status["finished"]
-    planned = RouterConfig(stats_interval_s=0.2, migration=MigrationConfig(policies=("queue",), interval_s=0.2))
-    ray.get(fleet.router.drain.remote(empty))
 
-    async def run() -> list[Streamed]:
-        tasks = [asyncio.create_task(stream(fleet, p)) for p in prompts]
-        await asyncio.sleep(0.3)
-        assert {r["instance_id"] for r in await fleet.router.requests.remote("running")} == {full}
-        await fleet.router.configure.remote(planned)
-        await fleet.router.undrain.remote(empty)
-        return await asyncio.gather(*tasks)
+    results, moved = under_policy(fleet, prompts, MigrationConfig(policies=("queue",), interval_s=0.2), TOKENS)
 
-    try:
-        results = asyncio.run(run())
-    finally:
-        ray.get(fleet.router.configure.remote(RouterConfig(stats_interval_s=0.2)))
-        ray.get(fleet.router.undrain.remote(empty))
-    moved = ray.get(fleet.router.migration_stats.remote()).by_status["finished"] - before
     ended_on = [r.instance for r in results]
-    assert moved >= 1 and ended_on.count(empty) == moved, (moved, ended_on)
+    assert moved >= 1 and ended_on.count(EMPTY) == moved, (moved, ended_on)
     for got, want in zip(results, alone):
         assert got.tokens == want.tokens and got.finish is FinishReason.LENGTH
     kv_free(fleet)

@@ -98,14 +98,20 @@ class EngineEndpoint:
         self.engine.drop_incoming(rid)
 
 
+def started(src: Engine, prompts, params: SamplingParams = GREEDY, steps: int = 3) -> dict[str, Result]:
+    """Requests r0, r1, ... of `prompts` queued at `src`, which then takes `steps` steps; their deltas so far."""
+    results: dict[str, Result] = {}
+    for i, p in enumerate(prompts):
+        src.add_request(Request(f"r{i}", tuple(p), params))
+    drain(src, results, steps=steps)
+    return results
+
+
 def run_migration(src: Engine, dst: Engine, params: SamplingParams, prompts, *, steps_before: int = 3,
                   cfg: MigrationConfig = MigrationConfig(max_stages=3, stop_copy_tokens=2), fail_on: str = "",
                   src_steps: int = 1):
     """Start every prompt at `src`, migrate request r0 to `dst` after `steps_before` steps, run both to the end."""
-    results: dict[str, Result] = {}
-    for i, p in enumerate(prompts):
-        src.add_request(Request(f"r{i}", tuple(p), params))
-    drain(src, results, steps=steps_before)
+    results = started(src, prompts, params, steps_before)
     a = EngineEndpoint(src, results, steps=src_steps)
     b = EngineEndpoint(dst, results, fail_on=fail_on)
     outcome = asyncio.run(migrate("r0", a, b, cfg))
@@ -194,10 +200,7 @@ def test_a_queued_request_moves_without_kv_and_starts_at_the_destination(tiny_mo
     the same handshake and commit, starts at the destination, and gives the target's own output."""
     src, dst = engine(tiny_models, tiny_draft_models), engine(tiny_models, tiny_draft_models)
     prompts = text_prompts(src.target.model, 6, offset=1)
-    results: dict[str, Result] = {}
-    for i, p in enumerate(prompts):
-        src.add_request(Request(f"r{i}", tuple(p), GREEDY))
-    drain(src, results, steps=2)
+    results = started(src, prompts, steps=2)
     queued = [r.request_id for r in src.load("src").waiting]
     assert queued == ["r4", "r5"] and src.kv_length("r5") == 0  # max_batch_size 4
 
@@ -217,9 +220,7 @@ def test_a_source_that_cannot_say_where_the_request_stands_aborts_before_anythin
         tiny_models, tiny_draft_models, why) -> None:
     src, dst = engine(tiny_models, tiny_draft_models), engine(tiny_models, tiny_draft_models)
     prompt = text_prompts(src.target.model, 1, offset=2)[0]
-    results: dict[str, Result] = {}
-    src.add_request(Request("r0", tuple(prompt), GREEDY))
-    drain(src, results, steps=2)
+    results = started(src, [prompt], steps=2)
     a = EngineEndpoint(src, results, fail_on="length" if why == "source dies" else "")
 
     outcome = asyncio.run(migrate("r0" if why == "source dies" else "elsewhere", a, EngineEndpoint(dst, results)))
@@ -274,10 +275,7 @@ def test_a_stage_copies_in_chunks_between_the_sources_steps(tiny_models, tiny_dr
     steps between them (it keeps decoding while a long prefix is copied)."""
     src, dst = engine(tiny_models, tiny_draft_models), engine(tiny_models, tiny_draft_models)
     prompt = text_prompts(src.target.model, 1, offset=4)[0]
-    longer = SamplingParams(temperature=0.0, max_tokens=96, ignore_eos=True)
-    src.add_request(Request("r0", tuple(prompt), longer))
-    results: dict[str, Result] = {}
-    drain(src, results, steps=2)
+    results = started(src, [prompt], SamplingParams(temperature=0.0, max_tokens=96, ignore_eos=True), steps=2)
     a, b = EngineEndpoint(src, results, steps=1), EngineEndpoint(dst, results)
     cfg = MigrationConfig(max_stages=2, stop_copy_tokens=1, chunk_tokens=8)
 
@@ -298,11 +296,7 @@ def test_a_request_preempted_while_it_migrates_stays_and_finishes_at_the_source(
     aborts at the source, and the request recomputes and finishes there; no block leaks on either side."""
     src, dst = engine(tiny_models, tiny_draft_models), engine(tiny_models, tiny_draft_models)
     prompts = text_prompts(src.target.model, 2, offset=5)
-    longer = SamplingParams(temperature=0.0, max_tokens=96, ignore_eos=True)
-    for i, p in enumerate(prompts):
-        src.add_request(Request(f"r{i}", tuple(p), longer))
-    results: dict[str, Result] = {}
-    drain(src, results, steps=3)
+    results = started(src, prompts, SamplingParams(temperature=0.0, max_tokens=96, ignore_eos=True))
     a, b = EngineEndpoint(src, results, steps=1), EngineEndpoint(dst, results)
     exports_seen = []
 
@@ -333,10 +327,7 @@ def test_the_draft_kv_moves_as_it_stood_or_is_rebuilt_at_the_destination(tiny_mo
                                                                          draft_kv) -> None:
     src, dst = engine(tiny_models, tiny_draft_models), engine(tiny_models, tiny_draft_models)
     prompts = text_prompts(src.target.model, 2, offset=4)
-    results: dict[str, Result] = {}
-    for i, p in enumerate(prompts):
-        src.add_request(Request(f"r{i}", tuple(p), GREEDY))
-    drain(src, results, steps=4)
+    results = started(src, prompts, steps=4)
     a, b = EngineEndpoint(src, results, steps=1), EngineEndpoint(dst, results)
     sent = []
     a.before_stop = lambda: sent.append(src.export_draft("r0"))  # the source's draft KV when it was copied
