@@ -12,11 +12,13 @@ request and fail over a dead instance's; deploy/serve/frontend.py) and a router 
 2. Failover: an instance running several requests is killed mid-stream; requests lost (the goal is none),
    whether each output equals its uninterrupted run, the latency the failover added to each, and the gap
    its client saw while it resumed elsewhere (KV recomputed from the prompt and the tokens so far).
-3. Skewed load: Poisson arrivals of real prompts that all land on one instance until, halfway through (or
-   after `--skew-open-at` of them), one or two more open (a scale-out: they were drained until then); time
-   to first token, end-to-end latency and throughput with the router's migration policies off and on
-   (`--skew-policies`, default `queue`, `defrag`, `balance`), on instances whose KV cache holds a few
-   requests each, so that queued requests wait for room.
+3. Skewed load: Poisson arrivals of real prompts that all land on one instance until `--skew-open-at` of
+   them (default 90%) have arrived, when one or two more open (a scale-out: they were drained until then);
+   time to first token, end-to-end latency and throughput with the router's migration policies off and on
+   (`--skew-policies`, default `queue`, `defrag`, `balance`), on instances whose KV cache holds
+   `--skew-fits` requests each, so that queued requests wait for room. By default the opened fleet has room
+   for the whole load (3 x 6 places for 16 requests) and only the skew makes requests wait; `--skew-fits 3`
+   overloads the fleet as well.
 
 Run `specfleet cluster up` first (`make serve` does). Figures: docs/migration.md.
 """
@@ -72,18 +74,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--migrate-after", type=int, default=8, help="tokens streamed before the migration starts")
     p.add_argument("--failover-requests", type=int, default=3, help="requests on the instance that is killed")
     p.add_argument("--failover-context", type=int, default=1024, help="their prompt length in tokens")
-    p.add_argument("--skew-requests", type=int, default=12, help="requests of the skewed load (0: skip part 3)")
-    p.add_argument("--skew-rate", type=float, default=1.0, help="their Poisson arrival rate (requests/s)")
+    p.add_argument("--skew-requests", type=int, default=16, help="requests of the skewed load (0: skip part 3)")
+    p.add_argument("--skew-rate", type=float, default=2.0, help="their Poisson arrival rate (requests/s)")
     p.add_argument("--skew-prompt-tokens", type=int, default=256)
     p.add_argument("--skew-max-tokens", type=int, default=96)
     p.add_argument("--skew-output", choices=["fixed", "pareto"], default="fixed",
                    help="tokens each request generates: all --skew-max-tokens, or drawn from a Pareto law "
                         f"(shape {PARETO_SHAPE}) from --skew-min-tokens, cut at --skew-max-tokens")
     p.add_argument("--skew-min-tokens", type=int, default=16)
-    p.add_argument("--skew-fits", type=int, default=3, help="requests whose KV one instance holds at once (part 3)")
-    p.add_argument("--skew-open-at", type=float, default=0.5,
+    p.add_argument("--skew-fits", type=int, default=6, help="requests whose KV one instance holds at once (part 3)")
+    p.add_argument("--skew-open-at", type=float, default=0.9,
                    help="the fraction of the arrivals after which the other instances open")
-    p.add_argument("--skew-instances", type=int, choices=[2, 3], default=2,
+    p.add_argument("--skew-instances", type=int, choices=[2, 3], default=3,
                    help="instances of part 3: the first, and those that open later (one per node)")
     p.add_argument("--seed", type=int, default=0, help="of the arrival times")
     p.add_argument("--skew-policies", default="queue,defrag,balance",

@@ -30,6 +30,8 @@ COMMANDS: list[tuple[tuple[str, ...], str, str, str]] = [
      "deploy.bench.pipeline", "add_arguments"),
     (("bench", "easyspec"), "sequential vs EasySpec layer-parallel drafting (group sizes, modes, calibration on/off)",
      "deploy.bench.easyspec", "add_arguments"),
+    (("bench", "group-step"), "what one EasySpec group step (broadcast, layer, all-gather) costs between processes",
+     "deploy.bench.group_step", "add_arguments"),
     (("bench", "migration"), "live migration's downtime (staged vs stop-and-copy) by context length, failover, and "
      "migration policies under skewed load, on the local cluster", "deploy.bench.migration", "add_arguments"),
     (("bench", "moe"), "plain expert parallelism vs Speculative MoE's expert grouping and request placement, on "
