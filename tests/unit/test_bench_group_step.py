@@ -23,3 +23,5 @@ def test_group_step_reports_every_rank(tmp_path: Path) -> None:
         assert all(0 < t["median_ms"] <= t["p90_ms"] and t["mean_ms"] > 0 for t in rank.values())
     # the pace is the slowest rank's
     assert report["mean_ms"]["group_step"] == round(max(r["group_step"]["mean_ms"] for r in report["per_rank"]), 3)
+    m = {k: max(r[k]["mean_ms"] for r in report["per_rank"]) for k in ("group_step", "mlp_alone")}
+    assert report["step_over_layers_in_order"] == round(m["group_step"] / (2 * m["mlp_alone"]), 3)
