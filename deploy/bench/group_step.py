@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import statistics
 import time
 from pathlib import Path
@@ -21,6 +20,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from actors.p2p import free_address
 from deploy.bench.output import save
 from deploy.cli.flags import UsageError
 
@@ -37,15 +37,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", type=Path)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _rank(rank: int, args: argparse.Namespace, port: int, results) -> None:
+def _rank(rank: int, args: argparse.Namespace, address: str, results) -> None:
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=args.ranks)
+    dist.init_process_group("gloo", init_method=address, rank=rank, world_size=args.ranks)
     dt, h, i = DTYPES[args.dtype], args.hidden, args.intermediate
     gen = torch.Generator().manual_seed(rank)
     gate_up = torch.randn(h, 2 * i, generator=gen).to(dt) / h ** 0.5  # (H, 2I)
@@ -88,7 +82,7 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError("--ranks must be at least 2 and --steps at least 10")
     with mp.Manager() as manager:
         results = manager.dict()
-        mp.spawn(_rank, args=(args, _free_port(), results), nprocs=args.ranks)
+        mp.spawn(_rank, args=(args, free_address("127.0.0.1"), results), nprocs=args.ranks)
         per_rank = [dict(results[r]) for r in range(args.ranks)]
     mean = {k: max(r[k]["mean_ms"] for r in per_rank) for k in per_rank[0]}  # the slowest rank sets the pace
     # what a step costs beyond its MLP and its exchange: waiting for the slowest rank
