@@ -42,6 +42,8 @@ from actors.spec.sampling import make_generator, probs_from_logits
 from actors.spec.verify import verify_greedy, verify_sampled
 from cluster.config import EngineConfig, SchedulerConfig, SpeculationConfig
 from actors.kv_cache import KVExport
+from actors.kv_links import LinkedKV, kv_span
+from cluster.migration import Link
 from cluster.request import (FinishReason, InvalidRequest, Request, Resume, SamplingParams, SpecStats, TokenDelta,
                              check_prompt)
 from cluster.migration_policy import InstanceLoad, RequestLoad
@@ -313,13 +315,15 @@ class Engine:
         """Tokens of a request whose target KV this engine holds."""
         return self.target.cache.length(request_id)
 
-    def export_kv(self, request_id: str, start: int, end: int | None = None) -> list[KVExport]:
-        """The request's target KV from token `start` to `end` (default: what it holds now), one export per stage;
-        none for a request that holds no KV (queued, never started)."""
+    def export_kv(self, request_id: str, start: int, end: int | None = None,
+                  links: list[Link] | None = None) -> list[KVExport] | LinkedKV:
+        """The request's target KV from token `start` to `end` (default: what it holds now), one export per stage, or
+        with `links` (a migration's) sent by the stages over them; none for a request that holds no KV (queued,
+        never started)."""
         if not self.target.cache.has(request_id):
             return []
         have = self.target.cache.length(request_id)
-        return self.target.export_kv(request_id, start, have if end is None else min(end, have))
+        return self.target.export_kv(request_id, start, have if end is None else min(end, have), links)
 
     def reserve_incoming(self, request_id: str, tokens: int) -> bool:
         """The migration handshake: hold KV blocks for `tokens` tokens of a request about to arrive, or refuse."""
@@ -327,9 +331,9 @@ class Engine:
             return False
         return self.target.reserve(request_id, tokens)
 
-    def import_kv(self, exports: list[KVExport]) -> bool:
-        """Append an arriving request's KV (exported by any split of the same model); False if out of blocks. A
-        request that held no KV at its source (queued there) arrives with no exports."""
+    def import_kv(self, exports: list[KVExport] | LinkedKV) -> bool:
+        """Append an arriving request's KV (exported by any split of the same model, or received over a migration's
+        links); False if out of blocks. A request that held no KV at its source (queued there) arrives with none."""
         return self.target.import_kv(exports) if exports else True
 
     def drop_incoming(self, request_id: str) -> None:
@@ -339,19 +343,21 @@ class Engine:
             if self.draft is not None:
                 self.draft.cache.free(request_id)
 
-    def export_draft(self, request_id: str) -> list[KVExport] | None:
+    def export_draft(self, request_id: str, links: list[Link] | None = None) -> list[KVExport] | LinkedKV | None:
         """A migration's copy of the request's draft KV as it stands between two steps (the draft's view of the
-        accepted tokens: a prefix of the request that never changes); None without a draft model or draft KV."""
-        if self.draft is None or not self.holds(request_id) or not self.draft.cache.has(request_id):
+        accepted tokens: a prefix of the request that never changes), or with `links` sent over them; None without
+        a draft model, draft KV, or a draft whose KV can move (an EasySpec group's is rebuilt at the destination)."""
+        if self.draft is None or not self.draft.exports_kv or not self.holds(request_id) \
+                or not self.draft.cache.has(request_id):
             return None
         n = self.draft.cache.length(request_id)
-        return self.draft.export_kv(request_id, 0, n) if n else None
+        return self.draft.export_kv(request_id, 0, n, links) if n else None
 
-    def import_draft(self, exports: list[KVExport]) -> bool:
+    def import_draft(self, exports: list[KVExport] | LinkedKV) -> bool:
         """An arriving request's draft KV (its draft then catches up only on the tokens since); False, changing
-        nothing, without a draft model, or without room (the draft catches up on everything instead)."""
-        rid = exports[0].request_id
-        if self.draft is None or self.holds(rid) or self.draft.cache.has(rid):
+        nothing, without a draft model whose KV can move, or without room (the draft catches up on everything)."""
+        rid = kv_span(exports)[0]
+        if self.draft is None or not self.draft.exports_kv or self.holds(rid) or self.draft.cache.has(rid):
             return False
         if not self.draft.import_kv(exports):
             return False
@@ -359,18 +365,22 @@ class Engine:
             self.drafter.imported(rid, self.draft.cache.length(rid))
         return True
 
-    def export_out(self, request_id: str, start: int, end: int) -> tuple[list[KVExport], int] | None:
-        """A migration's copy: the request's KV from `start` to `end` (or to what it holds), and where that ends;
-        None if it is not here, or holds less than `start` (preempted since its copy began: its KV was freed)."""
+    def export_out(self, request_id: str, start: int, end: int, links: list[Link] | None = None
+                   ) -> tuple[list[KVExport] | LinkedKV, int] | None:
+        """A migration's copy: the request's KV from `start` to `end` (or to what it holds; over `links` if given),
+        and where that ends; None if it is not here, or holds less than `start` (preempted since its copy began:
+        its KV was freed)."""
         if not self.holds(request_id) or self.kv_length(request_id) < start:
             return None
         end = min(end, self.kv_length(request_id))
-        return self.export_kv(request_id, start, end), end
+        return self.export_kv(request_id, start, end, links), end
 
-    def stop_out(self, request_id: str, start: int) -> tuple[Sequence, Resume, list[KVExport], int] | None:
-        """A migration's stop: the rest of the request's KV from `start`, then the request taken out of the step
-        loop (KV kept until released); None, and the request left running, if `export_out` would give None."""
-        exported = self.export_out(request_id, start, self.kv_length(request_id))
+    def stop_out(self, request_id: str, start: int, links: list[Link] | None = None
+                 ) -> tuple[Sequence, Resume, list[KVExport] | LinkedKV, int] | None:
+        """A migration's stop: the rest of the request's KV from `start` (over `links` if given), then the request
+        taken out of the step loop (KV kept until released); None, and the request left running, if `export_out`
+        would give None."""
+        exported = self.export_out(request_id, start, self.kv_length(request_id), links)
         if exported is None:
             return None
         seq, resume = self.detach(request_id)

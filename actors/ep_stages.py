@@ -51,7 +51,11 @@ def placer(cfg: ExpertParallelConfig) -> Placer:
 
 
 class EPStages:
-    """StageExecutor over expert-parallel rank actors (ShardActor with `ep_size` > 1), in rank order."""
+    """StageExecutor over expert-parallel rank actors (ShardActor with `ep_size` > 1), in rank order. A request's
+    KV lives on its rank alone; a migration moves it through Ray's object store (no stage-to-stage links)."""
+
+    exports_kv = True
+    kv_links = False
 
     def __init__(self, actors: Sequence[ActorHandle], names: Sequence[str], num_layers: int, timeout_s: float,
                  place: Placer = lightest) -> None:

@@ -32,12 +32,13 @@ from actors.engine import RequestError
 from actors.instance import Instance, InstanceUnhealthy
 from actors.kv_cache import KVExport
 from actors.ep_stages import EPStages
-from actors.kv_channel import ChannelPayload, KVChannel, KVHeader
-from actors.p2p import free_address
+from actors.kv_links import LinkedKV, kv_span
+from actors.pipeline import PipelineRunner
 from actors.sequence import Sequence
 from actors.local_stages import local_instance
 from actors.serving import ServingLoop, StreamItem
 from cluster.request import FinishReason, Request, RequestStatus, TokenDelta
+from cluster.migration import Link
 from cluster.migration_policy import InstanceLoad
 from cluster.stats import EngineStats
 from placement.fleet import InstanceSpec
@@ -84,8 +85,7 @@ class InstanceServer:
         self.loop = ServingLoop(self.instance, name=f"engine-loop-{spec.instance_id}")
         self._detached: dict[str, Sequence] = {}  # migrating out: stopped here, KV kept until the commit
         self._handed_in: dict[str, asyncio.Queue[StreamItem]] = {}  # migrated in: items until the client follows
-        self._channels: dict[str, KVChannel] = {}  # the open KV channel of each migration, by its id
-        self._sending: dict[str, asyncio.Task] = {}  # the last KV send over each, chained behind the ones before
+        self._links: dict[str, dict[str, list[Link]]] = {}  # each migration's open links: channel -> pipeline -> links
 
     async def generate(self, request: Request):
         """Stream the request's StreamItems until its final one (finish, abort or error)."""
@@ -130,7 +130,9 @@ class InstanceServer:
             if not finished:
                 self.loop.abort(request_id)
 
-    # ---- live migration: the Endpoint of cluster/migration.py; each step runs on the loop thread, between steps
+    # ---- live migration: the Endpoint of cluster/migration.py; each step runs on the loop thread, between steps.
+    # With `via` (a migration's channel) the KV goes over that migration's links, from the source's stages to the
+    # destination's (actors/kv_links.py): the coordinator, and this process, carry only its headers.
     async def migrate_length(self, request_id: str) -> int | None:
         engine = self.instance.engine
         return await self._on_loop(lambda: engine.kv_length(request_id) if engine.holds(request_id) else None)
@@ -139,81 +141,80 @@ class InstanceServer:
         return await self._on_loop(lambda: self.instance.engine.reserve_incoming(request_id, tokens))
 
     async def migrate_export(self, request_id: str, start: int, end: int, via: str | None = None
-                             ) -> tuple[list[KVExport] | ChannelPayload, int] | None:
-        got = await self._on_loop(lambda: self.instance.engine.export_out(request_id, start, end))
-        return None if got is None else (self._ship(got[0], via), got[1])
+                             ) -> tuple[list[KVExport] | LinkedKV, int] | None:
+        links = self._route(via, "target")
+        return await self._on_loop(lambda: self.instance.engine.export_out(request_id, start, end, links))
 
-    async def migrate_import(self, kv: list[KVExport] | ChannelPayload) -> bool:
-        exports = await self._receive(kv)
-        return await self._on_loop(lambda: self.instance.engine.import_kv(exports))
+    async def migrate_import(self, kv: list[KVExport] | LinkedKV) -> bool:
+        await self._receive(self.instance.target, kv)
+        return await self._on_loop(lambda: self.instance.engine.import_kv(kv))
 
     async def migrate_export_draft(self, request_id: str, via: str | None = None
-                                   ) -> tuple[list[KVExport] | ChannelPayload, int] | None:
-        got = await self._on_loop(lambda: self.instance.engine.export_draft(request_id))
-        return None if got is None else (self._ship(got, via), got[0].end)
+                                   ) -> tuple[list[KVExport] | LinkedKV, int] | None:
+        links = self._route(via, "draft")
+        got = await self._on_loop(lambda: self.instance.engine.export_draft(request_id, links))
+        return None if got is None else (got, kv_span(got)[2])
 
-    async def migrate_import_draft(self, kv: list[KVExport] | ChannelPayload) -> bool:
-        exports = await self._receive(kv)
-        return await self._on_loop(lambda: self.instance.engine.import_draft(exports))
-
-    async def _receive(self, kv: list[KVExport] | ChannelPayload) -> list[KVExport]:
-        """The exports themselves: as they came (object store), or received over their channel (off the loop)."""
-        if isinstance(kv, ChannelPayload):
-            return await asyncio.to_thread(self._channels[kv.channel].recv, kv.headers)
-        return kv
+    async def migrate_import_draft(self, kv: list[KVExport] | LinkedKV) -> bool:
+        if self.instance.draft is None or not self.instance.draft.exports_kv:
+            return False  # (nothing was sent over links: the source's draft KV goes to a draft that takes it)
+        await self._receive(self.instance.draft, kv)
+        return await self._on_loop(lambda: self.instance.engine.import_draft(kv))
 
     async def migrate_stop(self, request_id: str, start: int, via: str | None = None
-                           ) -> tuple[Request, list[KVExport] | ChannelPayload, int, float] | None:
+                           ) -> tuple[Request, list[KVExport] | LinkedKV, int, float] | None:
         asked = time.perf_counter()
+        links = self._route(via, "target")
 
         def stop():
             waited = time.perf_counter() - asked  # the step under way went on: the request still decoded
-            stopped = self.instance.engine.stop_out(request_id, start)
+            stopped = self.instance.engine.stop_out(request_id, start, links)
             if stopped is None:
                 return None
-            seq, resume, exports, end = stopped
+            seq, resume, exported, end = stopped
             self._detached[request_id] = seq
-            return dataclasses.replace(seq.request, resume=resume), exports, end, waited
-        got = await self._on_loop(stop)
-        return None if got is None else (got[0], self._ship(got[1], via), got[2], got[3])
+            return dataclasses.replace(seq.request, resume=resume), exported, end, waited
+        return await self._on_loop(stop)
 
-    # ---- the KV channel of a migration (actors/kv_channel.py): opened for one migration, closed after it
-    async def channel_address(self) -> str:
-        """A rendezvous address on this node for a channel this instance will host (as rank 0)."""
-        return free_address(ray.util.get_node_ip_address())
+    # ---- a migration's links (actors/kv_links.py): opened for one migration, closed after it
+    def _pipeline(self, pipeline: str) -> PipelineRunner | None:
+        return self.instance.target if pipeline == "target" else self.instance.draft
+
+    def _route(self, via: str | None, pipeline: str) -> list[Link] | None:
+        """The links of migration `via` that carry `pipeline`'s KV; None: it goes through the object store."""
+        return None if via is None else self._links.get(via, {}).get(pipeline)
+
+    async def _receive(self, runner: PipelineRunner, kv: list[KVExport] | LinkedKV) -> None:
+        """KV that went over links: its stages receive it now, off the step loop (the import then takes it)."""
+        if isinstance(kv, LinkedKV):
+            await asyncio.to_thread(runner.executor.receive_links, kv)
+
+    async def kv_stages(self, pipeline: str) -> list[tuple[int, ...]] | None:
+        """The layers of each stage of `pipeline`; None without it, or if its stages cannot take links."""
+        runner = self._pipeline(pipeline)
+        if runner is None or not runner.executor.kv_links:
+            return None
+        return list(runner.executor.layer_ids)
 
     async def kv_device(self) -> str:
-        """The device type its KV exports are on ("cuda" or "cpu"): the migration picks the channel's backend."""
-        return self.instance.engine.device.type
+        """The device type its target's stages keep their KV on ("cuda" or "cpu"): it picks the links' backend."""
+        return await asyncio.to_thread(self.instance.target.executor.kv_device)
 
-    async def channel_open(self, channel: str, address: str, rank: int, timeout_s: float = 30.0,
-                           backend: str = "gloo") -> None:
-        """Join a migration's channel `channel` at `address` (both ends call this at once)."""
-        self._channels[channel] = await asyncio.to_thread(KVChannel, address, rank, timeout_s, backend)
+    async def link_addresses(self, pipeline: str, stages: list[int]) -> list[str]:
+        executor = self._pipeline(pipeline).executor
+        return await asyncio.to_thread(executor.link_addresses, stages, ray.util.get_node_ip_address())
+
+    async def links_open(self, channel: str, pipeline: str, links: list[Link], side: str, timeout_s: float = 30.0,
+                         backend: str = "gloo") -> None:
+        """Join the links of `pipeline` whose `side` end a stage of this instance is (both ends call this at once)."""
+        self._links.setdefault(channel, {})[pipeline] = links
+        await asyncio.to_thread(self._pipeline(pipeline).executor.open_links, links, side, timeout_s, backend)
 
     async def channel_close(self, channel: str) -> None:
-        """Forget a migration's channel. After a migration that finished, every send has been received; after one
-        that failed, a send still under way ends with the channel's timeout (and is logged), without being waited
-        for here."""
-        self._channels.pop(channel, None)
-        pending = self._sending.pop(channel, None)
-        if pending is not None:
-            pending.add_done_callback(lambda t: t.cancelled() or t.exception() is None or
-                                      log.warning("a KV send over %s failed: %s", channel, t.exception()))
-
-    def _ship(self, exports: list[KVExport], via: str | None) -> list[KVExport] | ChannelPayload:
-        """The KV as the coordinator carries it: itself (through Ray's object store), or with `via` (the migration's
-        channel) its headers, its tensors sent over that channel behind anything sent on it before."""
-        if via is None or not exports:  # nothing to send (a queued request holds no KV)
-            return exports
-        channel, before = self._channels[via], self._sending.get(via)
-
-        async def send() -> None:
-            if before is not None:
-                await before
-            await asyncio.to_thread(channel.send, exports)
-        self._sending[via] = asyncio.get_running_loop().create_task(send())
-        return ChannelPayload(via, tuple(KVHeader.of(e) for e in exports))
+        """Forget a migration's links. After a migration that finished, every send has been received; after one that
+        failed, a send still under way ends with its link's timeout (and is logged), without being waited for."""
+        for pipeline in self._links.pop(channel, {}):
+            await asyncio.to_thread(self._pipeline(pipeline).executor.close_links, channel + "/")
 
     async def migrate_commit(self, request: Request) -> bool:
         loop = asyncio.get_running_loop()

@@ -1,8 +1,9 @@
-"""A torch.distributed channel between two instances' processes that carries a migrating request's KV.
+"""A torch.distributed channel between two processes that carries a migrating request's KV: one link of a migration.
 
-A migration (cluster/migration.py) opens one of its own for its duration (two migrations between the same
-instances each have theirs): the source's process hosts a TCP store at a free port of its node and is rank 0,
-the destination's is rank 1, and a two-rank group connects them (made directly over the store, so it leaves
+A migration (cluster/migration.py) opens one per pair of a source stage and a destination stage that share
+layers (actors/kv_links.py), for its duration alone (two migrations between the same instances each have
+theirs): the source stage's process hosts a TCP store at a free port of its node and is rank 0, the
+destination stage's is rank 1, and a two-rank group connects them (made directly over the store, so it leaves
 each process's default group, the pipeline's (actors/p2p.py), alone): NCCL when both instances keep their KV
 on GPUs, gloo otherwise. The KV's tensors go over it in order; their headers (request, layers, token range,
 shape, dtype) go with the coordinator's calls, so the receiver knows what to allocate. Every operation is
@@ -42,14 +43,6 @@ class KVHeader:
     @classmethod
     def of(cls, e: KVExport) -> "KVHeader":
         return cls(e.request_id, e.layer_ids, e.start, e.end, tuple(e.k.shape), str(e.k.dtype).removeprefix("torch."))
-
-
-@dataclass(frozen=True)
-class ChannelPayload:
-    """A migration's KV as the coordinator carries it when the tensors go over a channel: headers only."""
-
-    channel: str  # the migration's channel id (source -> destination / request): the receiver's key for it
-    headers: tuple[KVHeader, ...]
 
 
 class KVChannel:

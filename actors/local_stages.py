@@ -16,17 +16,24 @@ from actors.device import resolve_device
 from actors.instance import Instance
 from actors.kv_cache import KVExport
 from actors.kv_ledger import CacheOp, replay
+from actors.kv_links import KVPorts, LinkedKV, LinkPart, import_stage, send_stage
 from actors.model.loader import load_model
 from actors.model.metadata import SeqChunk
 from actors.model.quant import quantize_runner_int8
 from actors.model.runner import ModelRunner
+from actors.p2p import free_address
 from actors.pipeline import PipelineRunner, ShardFailure
 from actors.spec import easyspec
 from cluster.config import ConfigError, EngineConfig
+from cluster.migration import Link
 
 
 class LocalStages:
-    """StageExecutor over ModelRunners of one process, in pipeline order; `names` label them in errors."""
+    """StageExecutor over ModelRunners of one process, in pipeline order; `names` label them in errors. A
+    migration's links to or from its stages end in this process (`ports`)."""
+
+    exports_kv = True
+    kv_links = True
 
     def __init__(self, runners: Sequence[ModelRunner], names: Sequence[str] | None = None) -> None:
         if not runners:
@@ -37,6 +44,7 @@ class LocalStages:
             raise ValueError("one name per stage")
         self.layer_ids = [tuple(r.layer_ids) for r in runners]
         self.calls = 0
+        self.ports = KVPorts()
 
     def run(self, ops: list[CacheOp], chunks: list[SeqChunk], parallel: bool = False) -> torch.Tensor | None:
         """Replay `ops` on every stage, then run `chunks` through them in order: logits (sum num_logits, V)."""
@@ -62,6 +70,33 @@ class LocalStages:
     def cache_usage(self, ops: list[CacheOp]) -> list[tuple[int, int]]:
         """(used, free) blocks of each stage's own cache, after replaying `ops`."""
         return [(r.cache.num_used_blocks, r.cache.num_free_blocks) for r in self._replay(ops, "cache usage")]
+
+    # ---- a migration's links: every stage's end is in this process
+    def kv_device(self) -> str:
+        return self._replay([], "KV device")[0].cache.k.device.type
+
+    def link_addresses(self, stages: list[int], host: str) -> list[str]:
+        return [free_address(host) for _ in stages]
+
+    def open_links(self, links: list[Link], side: str, timeout_s: float, backend: str) -> None:
+        self.ports.open(links, side, timeout_s, backend)
+
+    def send_links(self, ops: list[CacheOp], request_id: str, start: int, end: int,
+                   links: list[Link]) -> list[LinkPart]:
+        runners = self._replay(ops, "KV export")
+        return [part for i, r in enumerate(runners)
+                for part in send_stage(r.cache, self.ports, request_id, start, end, [k for k in links if k.src == i])]
+
+    def receive_links(self, kv: LinkedKV) -> None:
+        self.ports.receive(kv.parts)
+
+    def import_links(self, ops: list[CacheOp], kv: LinkedKV) -> bool:
+        runners = self._replay(ops, "KV import")
+        return all([import_stage(r.cache, self.ports, kv.request_id, kv.start, [p for p in kv.parts if p.dst == i])
+                    for i, r in enumerate(runners)])
+
+    def close_links(self, prefix: str) -> None:
+        self.ports.close(prefix)
 
     def kill(self, stages: Sequence[int] | None = None) -> None:
         """Stop the given stages (all by default): their weights and KV are released; calls then fail."""

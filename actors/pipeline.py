@@ -17,10 +17,12 @@ import torch
 
 from actors.kv_cache import KVExport, reshard
 from actors.kv_ledger import CacheOp, KVLedger
+from actors.kv_links import LinkedKV, LinkPart
 from actors.model.loader import LoadedModel
 from actors.model.metadata import SeqChunk
 from actors.model.runner import CacheFull
 from cluster.config import CacheConfig
+from cluster.migration import Link
 
 
 class ShardFailure(RuntimeError):
@@ -32,6 +34,8 @@ class StageExecutor(Protocol):
     actors); each call replays `ops` on every stage's cache first, and a stage that fails raises ShardFailure."""
 
     layer_ids: list[tuple[int, ...]]  # per stage, in pipeline order
+    exports_kv: bool  # whether `export` and `import_` work (a layer-parallel draft's KV is rebuilt, not moved)
+    kv_links: bool  # whether its stages send and receive a migration's KV themselves (the link methods below)
 
     def run(self, ops: list[CacheOp], chunks: list[SeqChunk], parallel: bool = False) -> torch.Tensor | None:
         """One forward through every stage: the last stage's logits (sum num_logits, V); None if no chunks.
@@ -54,6 +58,37 @@ class StageExecutor(Protocol):
         """Stop the given stages (all by default); any later call raises ShardFailure."""
         ...
 
+    # ---- a migration's links (actors/kv_links.py), where `kv_links`; the first three and the last may be called
+    # from any thread, `send_links` and `import_links` only between steps, like `export` and `import_`
+    def kv_device(self) -> str:
+        """The device type ("cuda" or "cpu") its stages keep their KV on."""
+        ...
+
+    def link_addresses(self, stages: list[int], host: str) -> list[str]:
+        """A rendezvous address on the node of each of `stages` (`host`: this process's node, for its own)."""
+        ...
+
+    def open_links(self, links: list[Link], side: str, timeout_s: float, backend: str) -> None:
+        """Each stage joins the links it is an end of (`side` "src": link.src; "dst": link.dst)."""
+        ...
+
+    def send_links(self, ops: list[CacheOp], request_id: str, start: int, end: int,
+                   links: list[Link]) -> list[LinkPart]:
+        """Each stage sends its KV of tokens [start, end) of a request over its links (the sends go on after)."""
+        ...
+
+    def receive_links(self, kv: LinkedKV) -> None:
+        """Each stage receives the parts sent to it (blocking until they are in)."""
+        ...
+
+    def import_links(self, ops: list[CacheOp], kv: LinkedKV) -> bool:
+        """Each stage writes what it received of `kv` into its cache; False if any lacks room."""
+        ...
+
+    def close_links(self, prefix: str) -> None:
+        """Forget the links whose ids start with `prefix`, and what arrived on them."""
+        ...
+
 
 class PipelineRunner:
     """A model split into stages run by `executor`, seen as one runner: a KV ledger here, the tensors there."""
@@ -71,6 +106,11 @@ class PipelineRunner:
     @property
     def layer_ids(self) -> list[int]:
         return [i for ids in self.executor.layer_ids for i in ids]
+
+    @property
+    def exports_kv(self) -> bool:
+        """Whether its KV can be exported and imported (a migration moves it rather than rebuilding it)."""
+        return self.executor.exports_kv
 
     def reserve(self, request_id: str, total_tokens: int) -> bool:
         """Make room for `total_tokens` tokens of a request (in every stage, from the next call on)."""
@@ -101,26 +141,35 @@ class PipelineRunner:
             self.executor.run(self.cache.drain(), [])
 
     # ---- KV migration -----------------------------------------------------------------------
-    def export_kv(self, request_id: str, start: int = 0, end: int | None = None) -> list[KVExport]:
-        """KV of tokens [start, end) of a request, one export per stage."""
+    def export_kv(self, request_id: str, start: int = 0, end: int | None = None,
+                  links: list[Link] | None = None) -> list[KVExport] | LinkedKV:
+        """KV of tokens [start, end) of a request: one export per stage, or with `links` (a migration's) sent by
+        the stages themselves, and what each link carried."""
         end = self.cache.length(request_id) if end is None else end
         if not 0 <= start <= end <= self.cache.length(request_id):
             raise ValueError(f"{request_id}: range [{start}, {end}) outside its {self.cache.length(request_id)} tokens")
-        return self.executor.export(self.cache.drain(), request_id, start, end)
+        if links is None:
+            return self.executor.export(self.cache.drain(), request_id, start, end)
+        parts = self.executor.send_links(self.cache.drain(), request_id, start, end, links)
+        return LinkedKV(request_id, start, end, tuple(parts))
 
-    def import_kv(self, exports: Sequence[KVExport]) -> bool:
-        """Append exported KV (from any split of the same model's layers) after the request's KV here.
+    def import_kv(self, exports: Sequence[KVExport] | LinkedKV) -> bool:
+        """Append KV (exported by any split of the same model's layers, or received by the stages over a migration's
+        links) after the request's KV here.
 
-        The exports must cover every layer of this runner for one token range starting at the request's
-        current length. Returns False, changing nothing, if the cache lacks room.
+        It must cover every layer of this runner for one token range starting at the request's current length.
+        Returns False, changing nothing, if the cache lacks room.
         """
-        parts = reshard(exports, self.executor.layer_ids)
-        rid, start, end = parts[0].request_id, parts[0].start, parts[0].end
+        linked = isinstance(exports, LinkedKV)
+        parts = [] if linked else reshard(exports, self.executor.layer_ids)
+        rid, start, end = (exports.request_id, exports.start, exports.end) if linked else \
+            (parts[0].request_id, parts[0].start, parts[0].end)
         if start != self.cache.length(rid):
             raise ValueError(f"{rid}: export starts at {start}, the cache holds {self.cache.length(rid)} tokens")
         if not self.cache.reserve(rid, end):
             return False
-        if not self.executor.import_(self.cache.drain(), parts):
+        ops = self.cache.drain()
+        if not (self.executor.import_links(ops, exports) if linked else self.executor.import_(ops, parts)):
             raise ShardFailure(f"{rid}: a stage had no room for imported KV its ledger had reserved")
         self.cache.set_length(rid, end)
         return True

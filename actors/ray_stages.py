@@ -18,12 +18,19 @@ from ray.exceptions import GetTimeoutError, RayActorError, RayError
 
 from actors.kv_cache import KVExport
 from actors.kv_ledger import CacheOp
+from actors.kv_links import LinkedKV, LinkPart
 from actors.model.metadata import SeqChunk
 from actors.pipeline import ShardFailure
+from actors.shard_actor import KV_GROUP
+from cluster.migration import Link
 
 
 class RayStages:
-    """StageExecutor over shard actors (actors/shard_actor.py), named for error messages (e.g. "stage 1 on l4-0")."""
+    """StageExecutor over shard actors (actors/shard_actor.py), named for error messages (e.g. "stage 1 on l4-0").
+    A migration's KV goes from shard to shard over links (actors/kv_links.py): never through this process."""
+
+    exports_kv = True
+    kv_links = True
 
     def __init__(self, actors: Sequence[ActorHandle], names: Sequence[str], layer_ids: Sequence[Sequence[int]],
                  timeout_s: float) -> None:
@@ -52,13 +59,61 @@ class RayStages:
         for i in range(len(self.actors)) if stages is None else stages:
             ray.kill(self.actors[i], no_restart=True)
 
+    # ---- a migration's links: each shard is the end of its own
+    def kv_device(self) -> str:
+        devices = self._gather([a.device.options(concurrency_group=KV_GROUP).remote() for a in self.actors],
+                               "KV device")
+        return "cuda" if all(d.startswith("cuda") for d in devices) else "cpu"
+
+    def link_addresses(self, stages: list[int], host: str) -> list[str]:
+        refs = [self.actors[i].rendezvous_address.options(concurrency_group=KV_GROUP).remote() for i in stages]
+        return gather(refs, [self.names[i] for i in stages], "KV link address", self.timeout_s)
+
+    def open_links(self, links: list[Link], side: str, timeout_s: float, backend: str) -> None:
+        ends = self._ends(links, lambda k: k.src if side == "src" else k.dst)
+        refs = [self.actors[i].kv_open.options(concurrency_group=KV_GROUP).remote(mine, side, timeout_s, backend)
+                for i, mine in ends.items()]
+        gather(refs, [self.names[i] for i in ends], "KV link open", max(self.timeout_s, timeout_s + 5))
+
+    def send_links(self, ops: list[CacheOp], request_id: str, start: int, end: int,
+                   links: list[Link]) -> list[LinkPart]:
+        ends = self._ends(links, lambda k: k.src)
+        refs = [a.kv_send.remote(ops, request_id, start, end, ends.get(i, [])) for i, a in enumerate(self.actors)]
+        return [part for parts in self._gather(refs, "KV send") for part in parts]
+
+    def receive_links(self, kv: LinkedKV) -> None:
+        ends = self._ends(list(kv.parts), lambda p: p.dst)
+        refs = [self.actors[i].kv_receive.options(concurrency_group=KV_GROUP).remote(mine) for i, mine in ends.items()]
+        gather(refs, [self.names[i] for i in ends], "KV receive", self.timeout_s)
+
+    def import_links(self, ops: list[CacheOp], kv: LinkedKV) -> bool:
+        ends = self._ends(list(kv.parts), lambda p: p.dst)
+        refs = [a.kv_import.remote(ops, kv.request_id, kv.start, ends.get(i, [])) for i, a in enumerate(self.actors)]
+        return all(self._gather(refs, "KV import"))
+
+    def close_links(self, prefix: str) -> None:
+        self._gather([a.kv_close.options(concurrency_group=KV_GROUP).remote(prefix) for a in self.actors],
+                     "KV link close")
+
+    @staticmethod
+    def _ends(items: list, stage_of) -> dict[int, list]:
+        """`items` (links or parts) by the stage that is their end here."""
+        out: dict[int, list] = {}
+        for item in items:
+            out.setdefault(stage_of(item), []).append(item)
+        return out
+
     def _gather(self, refs: list[ray.ObjectRef], what: str) -> list:
         return gather(refs, self.names, what, self.timeout_s)
 
 
 class GroupStages(RayStages):
     """An EasySpec draft group (actors/spec/draft_group.py) as one stage: every member runs each call, rank 0
-    (the first actor) returns the logits; its layers are the whole draft's."""
+    (the first actor) returns the logits; its layers are the whole draft's. Its KV is spread over the group and
+    stays there: a migration rebuilds it at the destination (the draft catches up)."""
+
+    exports_kv = False
+    kv_links = False
 
     def __init__(self, actors: Sequence[ActorHandle], names: Sequence[str], layer_ids: Sequence[int],
                  timeout_s: float) -> None:

@@ -18,6 +18,7 @@ import torch
 from actors.kv_cache import KVExport
 from actors.device import resolve_device
 from actors.kv_ledger import CacheOp, replay
+from actors.kv_links import KVPorts, LinkPart, import_stage, send_stage
 from actors.model.loader import load_model
 from actors.model.metadata import SeqChunk
 from actors.model.quant import quantize_runner_int8
@@ -28,6 +29,7 @@ from actors.moe.profile import RoutingStats
 from actors.p2p import P2P, Transfer
 from actors.spec import draft_group, easyspec
 from cluster.config import CacheConfig, DraftParallelConfig
+from cluster.migration import Link
 from placement.experts import ExpertPlan
 
 MAX_TRANSFERS = 10_000  # transfer records a shard keeps for benchmarks
@@ -106,6 +108,7 @@ class ShardWorker:
         self.transfers: deque[Transfer] = deque(maxlen=MAX_TRANSFERS)
         self.ep_stats: ep.EPStats | None = None  # an expert-parallel rank's figures, from `join` on
         self.routing: ep.RoutingRecorder | None = None  # and its online routing statistics
+        self.ports = KVPorts()  # its ends of migrations' links (actors/kv_links.py)
 
     # ---- setup ------------------------------------------------------------------------------
     def join(self, init_method: str, rank: int, world_size: int, timeout_s: float, backend: str | None = None) -> str:
@@ -215,6 +218,31 @@ class ShardWorker:
         """Replay `ops` (they reserve the room), then write `export` (this shard's layers) after the request's KV."""
         replay(ops, self.runner.cache)
         return self.runner.cache.import_(export)
+
+    # a migration's links (actors/kv_links.py): `kv_open`, `kv_receive` and `kv_close` run beside the steps (the
+    # actor's "kv" concurrency group), `kv_send` and `kv_import` between them, like `export` and `import_`
+    def kv_open(self, links: list[Link], side: str, timeout_s: float, backend: str) -> None:
+        """Join `links` (this shard is their `side` end: "src" or "dst")."""
+        self.ports.open(links, side, timeout_s, backend)
+
+    def kv_send(self, ops: list[CacheOp], request_id: str, start: int, end: int, links: list[Link]) -> list[LinkPart]:
+        """Replay `ops`, then send this shard's KV of tokens [start, end) of a request over `links` (the sends go on
+        after it returns); what each carried."""
+        replay(ops, self.runner.cache)
+        return send_stage(self.runner.cache, self.ports, request_id, start, end, links)
+
+    def kv_receive(self, parts: list[LinkPart]) -> None:
+        """Receive `parts` over their links (blocking until they are in)."""
+        self.ports.receive(parts)
+
+    def kv_import(self, ops: list[CacheOp], request_id: str, start: int, parts: list[LinkPart]) -> bool:
+        """Replay `ops` (they reserve the room), then write the received `parts` after the request's KV."""
+        replay(ops, self.runner.cache)
+        return import_stage(self.runner.cache, self.ports, request_id, start, parts)
+
+    def kv_close(self, prefix: str) -> None:
+        """Forget the links whose ids start with `prefix`, and what arrived on them."""
+        self.ports.close(prefix)
 
     # ---- benchmarks and teardown ------------------------------------------------------------
     def take_transfers(self) -> list[Transfer]:

@@ -13,8 +13,13 @@ from actors.p2p import free_address
 from actors.shard import ShardSpec, ShardWorker
 
 
+KV_GROUP = "kv"  # the concurrency group of the calls that run beside the steps: opening and receiving migration links
+
+
 class ShardActor(ShardWorker):
-    """A ShardWorker that can say which node it runs on and offer a rendezvous address there."""
+    """A ShardWorker that can say which node it runs on and offer a rendezvous address there. Its steps run one at
+    a time; a migration's link calls (`kv_open`, `kv_receive`, `kv_close`, a link's address) run beside them, on
+    threads of the "kv" concurrency group, so a transfer never holds up decoding."""
 
     def node_id(self) -> str:
         return ray.get_runtime_context().get_node_id()
@@ -33,6 +38,6 @@ class ShardActor(ShardWorker):
         benchmarks on one machine); it loads its checkpoint at once."""
         strategy = None if placement_group is None else PlacementGroupSchedulingStrategy(
             placement_group=placement_group, placement_group_bundle_index=bundle_index)
-        actor_cls = ray.remote(cls).options(num_cpus=num_cpus, num_gpus=num_gpus, scheduling_strategy=strategy,
-                                            max_restarts=0, name=name)
+        actor_cls = ray.remote(concurrency_groups={KV_GROUP: 4})(cls).options(
+            num_cpus=num_cpus, num_gpus=num_gpus, scheduling_strategy=strategy, max_restarts=0, name=name)
         return actor_cls.remote(spec, threads=max(1, math.ceil(num_cpus)))  # torch threads: its CPU share, rounded up

@@ -9,14 +9,20 @@ meanwhile;
 once what is left is at most `stop_copy_tokens` (or after `max_stages`), stop the request at the source, copy
 the rest (the only downtime), commit at the destination (the request resumes there with its tokens, streamed
 text, sampler state and stats), and release it at the source (its KV freed, its stream told where it went).
-The draft's KV is not moved: the destination's draft catches up on its first drafting round, as it does for
-any request it has not followed (actors/spec/drafters.py). Any failure before the commit leaves the request
-running at the source, nothing lost, and frees what the destination reserved.
+The draft's KV moves just before the stop (`draft_kv: move`), or the destination's draft rebuilds it by
+catching up on its first drafting round (`draft_kv: rebuild`, actors/spec/drafters.py). Any failure before the
+commit leaves the request running at the source, nothing lost, and frees what the destination reserved.
 
 An `Endpoint` is an instance as the coordinator sees it: actors/instance_server.py implements it as Ray
 methods (wrapped by `RayEndpoint`), tests with engines in this process. The KV travels as an opaque payload
-(a list of actors.kv_cache.KVExport, one per stage) with the token position it reaches: the coordinator
-only sequences the calls, so it lives beside the router that runs it and imports nothing from actors/.
+(KV exports, or the headers of what went over the migration's links) with the token position it reaches:
+the coordinator only sequences the calls, so it lives beside the router that runs it and imports nothing from
+actors/.
+
+**Links** (`transfer: torch`): the KV goes stage to stage, from the process that holds a source stage's cache
+to the one that holds each destination stage whose layers overlap it (a shard actor, or the instance's own
+process for stages it runs itself), over one two-rank torch.distributed group per such pair (`plan_links`):
+an instance's engine process never holds another instance's KV on the way.
 """
 
 from __future__ import annotations
@@ -52,6 +58,33 @@ class MigrationResult:
     total_s: float = 0.0
     transfer: str = "object_store"  # how the KV went: "object_store" or "torch" (a torch.distributed channel)
     draft_tokens: int = 0  # tokens of draft KV moved (draft_kv: move); 0: the draft rebuilds it at the destination
+    links: int = 0  # stage-to-stage links the KV went over (transfer "torch"; target and draft)
+
+
+@dataclass(frozen=True)
+class Link:
+    """One pair of stages whose layers overlap: source stage `src` sends its KV of `layers` to destination stage
+    `dst` over a two-rank group that the source end hosts at `address` (on its node)."""
+
+    link_id: str  # unique among every open link: the migration's channel, the pipeline, the pair
+    src: int
+    dst: int
+    layers: tuple[int, ...]
+    address: str = ""
+
+
+def plan_links(src_stages: list[tuple[int, ...]], dst_stages: list[tuple[int, ...]]) -> list[tuple[int, int, tuple[int, ...]]]:
+    """(source stage, destination stage, the layers they share) for every pair that shares any, in source order:
+    the links that carry a request's KV between two splits of one model's layers (every layer exactly once)."""
+    if sorted(i for ids in src_stages for i in ids) != sorted(i for ids in dst_stages for i in ids):
+        raise ValueError(f"the two instances split different layers: {src_stages} and {dst_stages}")
+    out = []
+    for i, a in enumerate(src_stages):
+        for j, b in enumerate(dst_stages):
+            shared = tuple(layer for layer in a if layer in set(b))
+            if shared:
+                out.append((i, j, shared))
+    return out
 
 
 class Endpoint(Protocol):
@@ -102,21 +135,28 @@ class Endpoint(Protocol):
         """Destination: forget a request that was not committed (free its KV)."""
         ...
 
-    async def channel_address(self) -> str:
-        """Source: where the KV channel it hosts will meet its peer (only with `transfer: torch`)."""
+    # ---- the migration's links (only with `transfer: torch`)
+    async def kv_stages(self, pipeline: str) -> list[tuple[int, ...]] | None:
+        """Both: the layers of each stage of `pipeline` ("target" or "draft"); None if it has none, or its KV
+        cannot go stage to stage (then it goes through the object store)."""
         ...
 
     async def kv_device(self) -> str:
-        """Both: the device type ("cuda" or "cpu") its KV exports are on (only with `transfer: torch`)."""
+        """Both: the device type ("cuda" or "cpu") its stages keep their KV on."""
         ...
 
-    async def channel_open(self, channel: str, address: str, rank: int, timeout_s: float, backend: str) -> None:
-        """Both: join the migration's channel `channel` (the source as rank 0) over `backend` (gloo or nccl); both
-        ends are called at once."""
+    async def link_addresses(self, pipeline: str, stages: list[int]) -> list[str]:
+        """Source: a rendezvous address for each of `stages` (one per link it will host), on that stage's node."""
+        ...
+
+    async def links_open(self, channel: str, pipeline: str, links: list[Link], side: str, timeout_s: float,
+                         backend: str) -> None:
+        """Both: join every link of `pipeline` its stages take part in (`side` "src": as rank 0, "dst": as rank 1)
+        over `backend` (gloo or nccl); both ends are called at once. Afterwards, `via=channel` sends over them."""
         ...
 
     async def channel_close(self, channel: str) -> None:
-        """Both: finish sending over `channel` and forget it."""
+        """Both: forget every link of the migration's channel (and anything received on them and not imported)."""
         ...
 
 
@@ -148,13 +188,15 @@ async def migrate(request_id: str, src: Endpoint, dst: Endpoint, cfg: MigrationC
     if length is None:
         return MigrationResult(request_id, MigrationStatus.ABORTED_SRC, reason, total_s=time.perf_counter() - t0)
     # a queued request holds no KV (length 0): a channel would carry nothing
-    via = await _open_channel(src, dst, ids, request_id, cfg) if cfg.transfer == "torch" and ids and length else None
+    via, links = None, 0
+    if cfg.transfer == "torch" and ids and length:
+        via, links = await _open_channel(src, dst, ids, request_id, cfg)
     try:
         result = await _migrate(request_id, length, src, dst, cfg, destination, via)
     finally:
         if via is not None:
             await _close_channel(src, dst, via)
-    return dataclasses.replace(result, transfer="torch" if via else "object_store",
+    return dataclasses.replace(result, transfer="torch" if via else "object_store", links=links,
                                total_s=time.perf_counter() - t0)
 
 
@@ -234,21 +276,39 @@ async def _migrate(request_id: str, length: int, src: Endpoint, dst: Endpoint, c
 
 
 async def _open_channel(src: Endpoint, dst: Endpoint, ids: tuple[str, str], request_id: str,
-                        cfg: MigrationConfig) -> str | None:
-    """Open a KV channel between the two instances for this migration; its id (what the source sends `via`), or
-    None to fall back to the object store."""
+                        cfg: MigrationConfig) -> tuple[str | None, int]:
+    """Open this migration's links between the two instances' stages, for the target's KV and (moving it) the
+    draft's; the channel's id (what the source sends `via`) and the number of links, or (None, 0) to send the
+    KV through the object store. A draft whose KV cannot go stage to stage takes the object store alone."""
     src_id, dst_id = ids
     channel = f"{src_id}->{dst_id}/{request_id}"
+    opened = 0
     try:
-        address, backend = await src.channel_address(), await channel_backend(src, dst)
-        await asyncio.wait_for(asyncio.gather(src.channel_open(channel, address, 0, cfg.channel_timeout_s, backend),
-                                              dst.channel_open(channel, address, 1, cfg.channel_timeout_s, backend)),
-                               cfg.channel_timeout_s + 5)
-        return channel
+        backend = await channel_backend(src, dst)
+        for pipeline in ("target", "draft") if cfg.draft_kv == "move" else ("target",):
+            a, b = await asyncio.gather(src.kv_stages(pipeline), dst.kv_stages(pipeline))
+            if a is None or b is None:
+                if pipeline == "target":
+                    raise RuntimeError("an instance's target KV cannot go stage to stage")
+                continue
+            pairs = plan_links(a, b)
+            addresses = await src.link_addresses(pipeline, [i for i, _, _ in pairs])
+            links = [Link(f"{channel}/{pipeline}/{i}->{j}", i, j, layers, address)
+                     for (i, j, layers), address in zip(pairs, addresses, strict=True)]
+            # both ends to the end (each bounded by the timeout), so that none is still opening when they are closed
+            ends = await asyncio.wait_for(
+                asyncio.gather(src.links_open(channel, pipeline, links, "src", cfg.channel_timeout_s, backend),
+                               dst.links_open(channel, pipeline, links, "dst", cfg.channel_timeout_s, backend),
+                               return_exceptions=True),
+                cfg.channel_timeout_s + 5)
+            for failed in (e for e in ends if isinstance(e, BaseException)):
+                raise failed
+            opened += len(links)
+        return channel, opened
     except Exception as e:  # noqa: BLE001 - the object store still carries the KV
-        log.warning("no KV channel %s (%s: %s); the KV goes through the object store", channel, type(e).__name__, e)
+        log.warning("no KV links for %s (%s: %s); the KV goes through the object store", channel, type(e).__name__, e)
         await _close_channel(src, dst, channel)
-        return None
+        return None, 0
 
 
 async def channel_backend(src: Endpoint, dst: Endpoint) -> str:

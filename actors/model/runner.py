@@ -74,6 +74,8 @@ def build_layer(model: LoadedModel, index: int) -> DecoderLayer:
 class ModelRunner:
     """Runs `layer_ids` of a loaded model in order; embeds tokens if `first`, returns logits if `last`."""
 
+    exports_kv = True  # the PipelineRunner interface: its KV can be exported and imported
+
     def __init__(
         self,
         model: LoadedModel,
@@ -117,8 +119,11 @@ class ModelRunner:
         """Make room in this runner's cache for `total_tokens` tokens of a request."""
         return self.cache.reserve(request_id, total_tokens)
 
-    def export_kv(self, request_id: str, start: int = 0, end: int | None = None) -> list[KVExport]:
-        """KV of tokens [start, end) of a request (the PipelineRunner interface: one export per stage)."""
+    def export_kv(self, request_id: str, start: int = 0, end: int | None = None, links: None = None) -> list[KVExport]:
+        """KV of tokens [start, end) of a request (the PipelineRunner interface: one export per stage; a bare runner
+        has no stages of its own to send it over a migration's links)."""
+        if links is not None:
+            raise ValueError("a bare ModelRunner cannot send KV over links: drive it through a PipelineRunner")
         return [self.cache.export(request_id, start, end)]
 
     def import_kv(self, exports: Sequence[KVExport]) -> bool:

@@ -19,6 +19,7 @@ from cluster.request import FinishReason
 from cluster.router import Router
 from deploy.serve.frontend import Frontend
 from placement.fleet import InstanceSpec
+from placement.layout import ShardLayout, StageSlot
 from tests.fixtures.tiny_models import build_tiny_model, perturbed_copy
 from tests.ray.test_instance_server import CPUS, LAYOUTS
 from tests.unit.helpers import load, text_prompts
@@ -33,9 +34,9 @@ class Fleet:
     servers: dict[str, ray.actor.ActorHandle] = field(default_factory=dict)
     cfg: EngineConfig | None = None
 
-    def start(self, instance_id: str, executor: str = "local") -> None:
-        spec = InstanceSpec(instance_id=instance_id, layout=LAYOUTS[executor], executor=executor, num_cpus=CPUS,
-                            engine=self.cfg)
+    def start(self, instance_id: str, executor: str = "local", layout: ShardLayout | None = None) -> None:
+        spec = InstanceSpec(instance_id=instance_id, layout=layout or LAYOUTS[executor], executor=executor,
+                            num_cpus=CPUS, engine=self.cfg)
         server = InstanceServer.spawn(spec)
         info = ray.get(server.info.remote(), timeout=300)
         ray.get(self.router.register.remote(instance_id, server, info.model, info.max_model_len, info.node_id))
@@ -141,6 +142,46 @@ def test_a_stream_follows_its_request_through_migrations(fleet, seed, transfer) 
     assert stats.by_status["finished"] >= 2 and stats.downtime_count >= 2 and stats.downtime_sum_s > 0
     kv_free(fleet)
     wait_no_pending(fleet)
+
+
+# two target stages split after layer 1 (LAYOUTS["ray"] splits after layer 2), the draft on a third node
+SPLIT_AFTER_1 = ShardLayout(stages=(StageSlot(node="a100", layers=(0, 1)), StageSlot(node="l4-0", layers=(1, 4))),
+                            draft_node="l4-1")
+
+
+def test_the_kv_goes_shard_to_shard_between_instances_split_differently(fleet) -> None:
+    """Two instances of shard actors whose stages split the layers differently: the KV (target and draft) goes from
+    each source shard to each destination shard that holds its layers, 3 + 1 links there and back; the stream
+    gives the unmigrated output."""
+    prompt = text_prompts(load(fleet.cfg.model.target), 1, offset=12)[0]
+    alone = asyncio.run(stream(fleet, prompt))
+    fleet.start("shards-a", executor="ray")
+    fleet.start("shards-b", executor="ray", layout=SPLIT_AFTER_1)
+    others = ("mig-a", "mig-b", "shards-b")
+    for name in others:  # the request starts on shards-a
+        ray.get(fleet.router.drain.remote(name))
+    results = []
+
+    async def there_and_back(rid: str, instance: str) -> None:
+        assert instance == "shards-a"
+        await fleet.router.undrain.remote("shards-b")
+        for to in ("shards-b", "shards-a"):
+            results.append(await fleet.router.migrate.remote(rid, to, MigrationConfig(transfer="torch")))
+
+    try:
+        moved = asyncio.run(stream(fleet, prompt, after=20, during=there_and_back))
+    finally:
+        for name in others:
+            ray.get(fleet.router.undrain.remote(name))
+    try:
+        assert [(r.status.value, r.transfer, r.links) for r in results] == [("finished", "torch", 4)] * 2, results
+        assert all(r.draft_tokens > 0 for r in results), results
+        assert moved.tokens == alone.tokens and moved.text == alone.text and moved.instance == "shards-a"
+        kv_free(fleet)
+    finally:
+        for name in ("shards-a", "shards-b"):
+            ray.get(fleet.servers[name].shutdown.remote(), timeout=60)
+            ray.kill(fleet.servers.pop(name), no_restart=True)
 
 
 def test_migrations_between_the_same_two_instances_run_side_by_side(fleet) -> None:
