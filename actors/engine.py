@@ -343,21 +343,28 @@ class Engine:
             if self.draft is not None:
                 self.draft.cache.free(request_id)
 
-    def export_draft(self, request_id: str, links: list[Link] | None = None) -> list[KVExport] | LinkedKV | None:
-        """A migration's copy of the request's draft KV as it stands between two steps (the draft's view of the
-        accepted tokens: a prefix of the request that never changes), or with `links` sent over them; None without
-        a draft model, draft KV, or a draft whose KV can move (an EasySpec group's is rebuilt at the destination)."""
+    def export_draft(self, request_id: str, start: int = 0, end: int | None = None,
+                     links: list[Link] | None = None) -> list[KVExport] | LinkedKV | None:
+        """A migration's copy of the request's draft KV from `start` to `end` (or to what it holds) as it stands
+        between two steps (the draft's view of the accepted tokens: a prefix of the request that never changes),
+        or with `links` sent over them; None without a draft model whose KV can move (an EasySpec group's is
+        rebuilt at the destination), or without draft KV beyond `start`."""
         if self.draft is None or not self.draft.exports_kv or not self.holds(request_id) \
                 or not self.draft.cache.has(request_id):
             return None
         n = self.draft.cache.length(request_id)
-        return self.draft.export_kv(request_id, 0, n, links) if n else None
+        if n <= start:
+            return None
+        return self.draft.export_kv(request_id, start, n if end is None else min(end, n), links)
 
     def import_draft(self, exports: list[KVExport] | LinkedKV) -> bool:
-        """An arriving request's draft KV (its draft then catches up only on the tokens since); False, changing
-        nothing, without a draft model whose KV can move, or without room (the draft catches up on everything)."""
-        rid = kv_span(exports)[0]
-        if self.draft is None or not self.draft.exports_kv or self.holds(rid) or self.draft.cache.has(rid):
+        """Append an arriving request's draft KV (its draft then catches up only on the tokens after it); False,
+        changing nothing, without a draft model whose KV can move, if it does not continue what came before, or
+        without room (the draft catches up from what it has)."""
+        rid, start, _ = kv_span(exports)
+        if self.draft is None or not self.draft.exports_kv or self.holds(rid):
+            return False
+        if start != (self.draft.cache.length(rid) if self.draft.cache.has(rid) else 0):
             return False
         if not self.draft.import_kv(exports):
             return False

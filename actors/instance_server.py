@@ -149,10 +149,10 @@ class InstanceServer:
         await self._receive(self.instance.target, kv)
         return await self._on_loop(lambda: self.instance.engine.import_kv(kv))
 
-    async def migrate_export_draft(self, request_id: str, via: str | None = None
+    async def migrate_export_draft(self, request_id: str, start: int, end: int, via: str | None = None
                                    ) -> tuple[list[KVExport] | LinkedKV, int] | None:
         links = self._route(via, "draft")
-        got = await self._on_loop(lambda: self.instance.engine.export_draft(request_id, links))
+        got = await self._on_loop(lambda: self.instance.engine.export_draft(request_id, start, end, links))
         return None if got is None else (got, kv_span(got)[2])
 
     async def migrate_import_draft(self, kv: list[KVExport] | LinkedKV) -> bool:

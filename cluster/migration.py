@@ -57,7 +57,7 @@ class MigrationResult:
     downtime_s: float = 0.0  # from the request's stop at the source (its last step there done) to its commit
     total_s: float = 0.0
     transfer: str = "object_store"  # how the KV went: "object_store" or "torch" (a torch.distributed channel)
-    draft_tokens: int = 0  # tokens of draft KV moved (draft_kv: move); 0: the draft rebuilds it at the destination
+    draft_tokens: int = 0  # tokens of draft KV moved (draft_kv: move); the destination's draft catches up on the rest
     links: int = 0  # stage-to-stage links the KV went over (transfer "torch"; target and draft)
 
 
@@ -108,12 +108,14 @@ class Endpoint(Protocol):
         """Destination: append KV; False if out of blocks."""
         ...
 
-    async def migrate_export_draft(self, request_id: str, via: str | None = None) -> tuple[object, int] | None:
-        """Source: the request's draft KV as it stands, and its length; None without a draft model or draft KV."""
+    async def migrate_export_draft(self, request_id: str, start: int, end: int, via: str | None = None
+                                   ) -> tuple[object, int] | None:
+        """Source: the request's draft KV from `start` to `end` (or to what it holds) as it stands, and where that
+        ends; None without a draft model, or draft KV beyond `start`."""
         ...
 
     async def migrate_import_draft(self, kv: object) -> bool:
-        """Destination: take the arriving request's draft KV; False if it cannot (the draft rebuilds it there)."""
+        """Destination: append the arriving request's draft KV; False if it cannot (its draft catches up there)."""
         ...
 
     async def migrate_stop(self, request_id: str, start: int, via: str | None = None
@@ -241,12 +243,19 @@ async def _migrate(request_id: str, length: int, src: Endpoint, dst: Endpoint, c
             if now - copied <= cfg.stop_copy_tokens:
                 break
         if cfg.draft_kv == "move":  # before the stop: the draft KV between steps is a prefix that never changes
-            side = "source"
-            exported = await src.migrate_export_draft(request_id, via)
-            if exported is not None:
+            while True:  # in chunks, each between two of the source's steps, until one reaches the draft's end
+                side = "source"
+                exported = await src.migrate_export_draft(request_id, draft_tokens, draft_tokens + cfg.chunk_tokens,
+                                                          via)
+                if exported is None:
+                    break
                 side = "destination"
-                kv, tokens = exported
-                draft_tokens = tokens if await dst.migrate_import_draft(kv) else 0
+                kv, end = exported
+                if not await dst.migrate_import_draft(kv):
+                    break  # no room there: its draft catches up from what it has
+                asked, draft_tokens = draft_tokens + cfg.chunk_tokens, end
+                if end < asked:
+                    break
         side = "source"
         t_stop = time.perf_counter()
         stopped_at = await src.migrate_stop(request_id, copied, via)

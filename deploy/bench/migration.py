@@ -8,7 +8,9 @@ request and fail over a dead instance's; deploy/serve/frontend.py) and a router 
    torch.distributed channel (the default) and through Ray's object store; for each, the
    coordinator's downtime (stop at the source to commit at the destination) and the gap the client saw
    (the longest wait between two tokens after the migration began), beside the unmigrated run's median
-   inter-token gap. Every migrated output is compared token for token with the unmigrated one.
+   inter-token gap. Every migrated output is compared token for token with the unmigrated one. With
+   `--stages N` the two instances are N shard actors each, on different nodes and split differently, so
+   the KV goes from each source shard to the destination shards that hold its layers.
 2. Failover: an instance running several requests is killed mid-stream; requests lost (the goal is none),
    whether each output equals its uninterrupted run, the latency the failover added to each, and the gap
    its client saw while it resumed elsewhere (KV recomputed from the prompt and the tokens so far).
@@ -95,7 +97,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft-layers", default="0-9",
                    help="part draft: the target layers its self-speculative draft runs, as FIRST-LAST")
     p.add_argument("--draft-k", type=int, default=4, help="part draft: tokens drafted per round")
-    p.add_argument("--num-cpus", type=float, default=1.0, help="CPUs per instance")
+    p.add_argument("--stages", type=int, default=1,
+                   help="parts 1 and 2: target stages per instance (>1: shard actors, one node each, the second "
+                        "instance split one layer later than the first)")
+    p.add_argument("--num-cpus", type=float, default=1.0, help="CPUs per instance (shared by its stages)")
     p.add_argument("--state", type=Path, default=local_cluster.DEFAULT_STATE, help="the local cluster's state file")
     p.add_argument("--json", type=Path)
     p.add_argument("--plot", type=Path, help="a PNG of downtime by context length and the skewed load's latencies")
@@ -126,16 +131,26 @@ class Streamed:
 class Bench:
     """Instances on the local cluster's nodes, a router and a frontend in this process."""
 
-    def __init__(self, cfg: EngineConfig, num_layers: int, num_cpus: float, router_cfg: RouterConfig) -> None:
+    def __init__(self, cfg: EngineConfig, num_layers: int, num_cpus: float, router_cfg: RouterConfig,
+                 nodes: list[str] | None = None, stages: int = 1) -> None:
         self.cfg, self.num_layers, self.num_cpus = cfg, num_layers, num_cpus
+        self.nodes, self.stages = nodes or [], stages
         self.router = ray.remote(Router).options(num_cpus=0, max_concurrency=1000).remote(router_cfg)
         self.frontend = Frontend(SpecfleetConfig(engine=cfg), self.router)
         self.servers: dict[str, ray.actor.ActorHandle] = {}
 
-    def start(self, instance_id: str, node: str) -> None:
-        layout = ShardLayout(stages=(StageSlot(node=node, layers=(0, self.num_layers)),))
-        spec = InstanceSpec(instance_id=instance_id, layout=layout, executor="local", num_cpus=self.num_cpus,
-                            engine=self.cfg, step_timeout_s=600)
+    def start(self, instance_id: str, node: str, shift: int = 0) -> None:
+        """An instance whose first stage is on `node`: the whole model in its actor, or (`stages` > 1) that many
+        shard actors on consecutive nodes, each stage boundary `shift` layers later than an even split."""
+        if self.stages == 1:
+            layout = ShardLayout(stages=(StageSlot(node=node, layers=(0, self.num_layers)),))
+        else:
+            n, k, first = self.num_layers, self.stages, self.nodes.index(node)
+            cuts = [0] + [min(n - 1, i * n // k + shift) for i in range(1, k)] + [n]
+            layout = ShardLayout(stages=tuple(StageSlot(node=self.nodes[(first + i) % len(self.nodes)],
+                                                        layers=(cuts[i], cuts[i + 1])) for i in range(k)))
+        spec = InstanceSpec(instance_id=instance_id, layout=layout, executor="local" if self.stages == 1 else "ray",
+                            num_cpus=self.num_cpus / self.stages, engine=self.cfg, step_timeout_s=600)
         server = InstanceServer.spawn(spec)
         info = ray.get(server.info.remote(), timeout=600)
         ray.get(self.router.register.remote(instance_id, server, info.model, info.max_model_len, info.node_id))
@@ -200,7 +215,7 @@ async def downtime_part(b: Bench, prompt: list[int], args, modes: dict[str, Migr
             r = s.side
             rows[mode].append({"status": r.status.value, "reason": r.reason, "downtime_ms": r.downtime_s * 1e3, "total_ms": r.total_s * 1e3,
                                "stages": r.stages, "tokens_copied": r.tokens_copied, "transfer": r.transfer,
-                               "draft_tokens": r.draft_tokens,
+                               "draft_tokens": r.draft_tokens, "links": r.links,
                                "client_gap_ms": max(s.gaps_after(began[0]), default=0.0) * 1e3,
                                "identical": s.tokens == alone_tokens})
     itl = statistics.median(alone_gaps) * 1e3
@@ -301,7 +316,9 @@ def run(args: argparse.Namespace) -> int:
     ray.init(address=state.address, logging_level="ERROR", log_to_driver=False)
     target = resolve_model(args.model, args.dtype)
     tok = load_model(target, args.dtype)
-    report: dict = {"model": target, "dtype": args.dtype, "max_tokens": args.max_tokens,
+    if args.stages < 1:
+        raise UsageError(f"--stages: at least 1, got {args.stages}")
+    report: dict = {"model": target, "dtype": args.dtype, "max_tokens": args.max_tokens, "stages": args.stages,
                     "migrate_after": args.migrate_after, "modes": {m: c.model_dump() for m, c in MODES.items()},
                     "downtime": []}
     try:
@@ -324,10 +341,10 @@ def _downtime_and_failover(args, parts: set[str], contexts: list[int], target: s
     cfg = EngineConfig(model=ModelConfig(target=target, dtype=args.dtype), speculation=SpeculationConfig(policy="off"),
                        scheduler=SchedulerConfig(max_batch_size=8, max_num_batched_tokens=512),
                        cache=CacheConfig(block_size=16, num_blocks=2 * longest // 16 + 16))
-    b = Bench(cfg, tok.num_layers, args.num_cpus, RouterConfig(stats_interval_s=0.5))
+    b = Bench(cfg, tok.num_layers, args.num_cpus, RouterConfig(stats_interval_s=0.5), nodes, args.stages)
     try:
         b.start("bench-a", nodes[0])
-        b.start("bench-b", nodes[1])
+        b.start("bench-b", nodes[1], shift=1)
         asyncio.run(b.stream(long_prompt(tok, 32), 4))  # warm-up
         for c in contexts if "downtime" in parts else ():
             part = asyncio.run(downtime_part(b, long_prompt(tok, c), args))

@@ -71,8 +71,8 @@ class LinkedEndpoint(EngineEndpoint):
             await asyncio.to_thread(self.engine.target.executor.receive_links, kv)
         return self.engine.import_kv(kv)
 
-    async def migrate_export_draft(self, rid, via=None):
-        got = self.engine.export_draft(rid, self._links(via, "draft"))
+    async def migrate_export_draft(self, rid, start, end, via=None):
+        got = self.engine.export_draft(rid, start, end, self._links(via, "draft"))
         return None if got is None else (got, got.end if isinstance(got, LinkedKV) else got[0].end)
 
     async def migrate_import_draft(self, kv):

@@ -38,6 +38,7 @@ class EngineEndpoint:
         self.detached = {}
         self.exports: list[tuple[int, int]] = []  # the (start, end) asked of each export
         self.draft_imports: list[int] = []  # the length of each draft KV it was sent
+        self.draft_steps = 0  # steps the source takes before each draft export
         self.between_steps = lambda: None  # what else happens at the source after its steps, before an export
         self.before_stop = lambda: None  # and before the stop
 
@@ -63,9 +64,10 @@ class EngineEndpoint:
         self._maybe_fail("import")
         return self.engine.import_kv(exports)
 
-    async def migrate_export_draft(self, rid, via=None):
+    async def migrate_export_draft(self, rid, start, end, via=None):
         self._maybe_fail("export_draft")
-        got = self.engine.export_draft(rid)
+        drain(self.engine, self.results, steps=self.draft_steps)
+        got = self.engine.export_draft(rid, start, end)
         return None if got is None else (got, got[0].end)
 
     async def migrate_import_draft(self, exports):
@@ -346,6 +348,32 @@ def test_the_draft_kv_moves_as_it_stood_or_is_rebuilt_at_the_destination(tiny_mo
     drain(dst, results)
     for i, p in enumerate(prompts):
         assert results[f"r{i}"].token_ids == reference_greedy(tiny_models["llama"], p, TOKENS), f"r{i}"
+    assert_no_kv_left(src, dst)
+
+
+def test_the_draft_kv_moves_in_chunks_between_the_sources_steps(tiny_models, tiny_draft_models) -> None:
+    """In chunks of 8 tokens, the source stepping before each: the destination's draft KV is the source's prefix, as
+    the source held it, and the output is the target's own."""
+    src, dst = engine(tiny_models, tiny_draft_models), engine(tiny_models, tiny_draft_models)
+    prompts = text_prompts(src.target.model, 2, offset=4)
+    long = GREEDY.model_copy(update={"max_tokens": 96})
+    results = started(src, prompts, long, steps=4)
+    a, b = EngineEndpoint(src, results), EngineEndpoint(dst, results)
+    a.draft_steps = 1
+    sent = []
+    a.before_stop = lambda: sent.append(src.export_draft("r0"))
+
+    outcome = asyncio.run(migrate("r0", a, b, MigrationConfig(max_stages=2, stop_copy_tokens=2, chunk_tokens=8)))
+
+    assert outcome.status is MigrationStatus.FINISHED, outcome
+    assert len(b.draft_imports) >= 3 and outcome.draft_tokens == b.draft_imports[-1] > 16, (b.draft_imports, outcome)
+    [want], [got] = sent[0], dst.export_draft("r0")
+    assert got.end == outcome.draft_tokens <= want.end
+    assert torch.equal(got.k, want.k[:, :got.end]) and torch.equal(got.v, want.v[:, :got.end])
+    drain(src, results)
+    drain(dst, results)
+    for i, p in enumerate(prompts):
+        assert results[f"r{i}"].token_ids == reference_greedy(tiny_models["llama"], p, 96), f"r{i}"
     assert_no_kv_left(src, dst)
 
 
