@@ -244,6 +244,10 @@ class InstanceServer:
     async def migrate_drop(self, request_id: str) -> None:
         await self._on_loop(lambda: self.instance.engine.drop_incoming(request_id))
 
+    async def migrate_cancel(self, request_id: str) -> None:
+        if self._handed_in.pop(request_id, None) is not None:  # no client will follow it here
+            await self.abort(request_id)
+
     async def _on_loop(self, fn):
         return await asyncio.wrap_future(self.loop.call(fn))
 

@@ -137,6 +137,11 @@ class Endpoint(Protocol):
         """Destination: forget a request that was not committed (free its KV)."""
         ...
 
+    async def migrate_cancel(self, request_id: str) -> None:
+        """Destination: end a request committed here whose source failed before its release (its KV freed, its
+        waiting stream dropped): its client's stream fails over instead."""
+        ...
+
     # ---- the migration's links (only with `transfer: torch`)
     async def kv_stages(self, pipeline: str) -> list[tuple[int, ...]] | None:
         """Both: the layers of each stage of `pipeline` ("target" or "draft"); None if it has none, or its KV
@@ -269,8 +274,10 @@ async def _migrate(request_id: str, length: int, src: Endpoint, dst: Endpoint, c
             raise RuntimeError("the destination refused the request's last KV or its commit")
         copied = end
         downtime = time.perf_counter() - t_stop - waited
-        side = "source"
-        await src.migrate_release(request_id, True, destination)
+        try:
+            await src.migrate_release(request_id, True, destination)
+        except Exception as e:  # noqa: BLE001 - the source died after the commit: its client's stream fails over
+            return await _cancel_committed(request_id, dst, e, result)
         return result(MigrationStatus.FINISHED, downtime=downtime)
     except Exception as e:  # noqa: BLE001 - any failure before the commit: the request stays at the source
         await _drop(dst, request_id)
@@ -282,6 +289,19 @@ async def _migrate(request_id: str, length: int, src: Endpoint, dst: Endpoint, c
                 return result(MigrationStatus.ABORTED_SRC, f"source lost after {side} failed: {e}")
         status = MigrationStatus.ABORTED_DST if side == "destination" else MigrationStatus.ABORTED_SRC
         return result(status, f"{side}: {type(e).__name__}: {e}")
+
+
+async def _cancel_committed(request_id: str, dst: Endpoint, error: Exception, result) -> MigrationResult:
+    """The source failed between the commit and its release: the client's stream, which still follows the
+    source, fails over and resumes from its own tokens, so the committed copy would run twice. Cancel it."""
+    log.warning("the source of %s failed before its release (%s: %s); cancelling the copy committed at the "
+                "destination, the stream fails over", request_id, type(error).__name__, error)
+    try:
+        await dst.migrate_cancel(request_id)
+    except Exception as e:  # noqa: BLE001 - a dead destination runs nothing
+        log.warning("cancelling %s at the destination failed (%s: %s)", request_id, type(e).__name__, e)
+    return result(MigrationStatus.ABORTED_SRC, f"source failed before its release: {type(error).__name__}: {error}; "
+                                               "the committed copy was cancelled and the stream fails over")
 
 
 async def _open_channel(src: Endpoint, dst: Endpoint, ids: tuple[str, str], request_id: str,

@@ -50,6 +50,7 @@ class Router:
         self._planner: asyncio.Task | None = None
         self._replan = asyncio.Event()  # an instance joined or is draining: plan migrations now
         self._migrating: set[str] = set()
+        self._migrated: dict[str, asyncio.Event] = {}  # set when the request's migration under way ends
         self.migration_figures = MigrationStats({s.value: 0 for s in MigrationStatus})
 
     async def configure(self, cfg: RouterConfig) -> None:
@@ -134,19 +135,22 @@ class Router:
         if request_id in self._migrating:
             raise NoInstanceAvailable(f"request {request_id!r} is already migrating")
         self._migrating.add(request_id)
+        ended = self._migrated[request_id] = asyncio.Event()
         try:
             result = await migrate(request_id, RayEndpoint(self.handles[src]), RayEndpoint(self.handles[to]),
                                    cfg or self.cfg.migration, destination=(to, self.handles[to]), ids=(src, to))
+            finished = result.status is MigrationStatus.FINISHED
+            self.migration_figures.record(result.status.value, result.downtime_s if finished else None)
+            if finished:
+                still = self.registry.requests.get(request_id)
+                if still is not None and still.status == RequestStatus.RUNNING:
+                    self.registry.rehome(request_id, to)
+                else:  # its client left while it moved: stop it where it now runs
+                    await self.handles[to].abort.remote(request_id)
         finally:
             self._migrating.discard(request_id)
-        finished = result.status is MigrationStatus.FINISHED
-        self.migration_figures.record(result.status.value, result.downtime_s if finished else None)
-        if result.status is MigrationStatus.FINISHED:
-            still = self.registry.requests.get(request_id)
-            if still is not None and still.status == RequestStatus.RUNNING:
-                self.registry.rehome(request_id, to)
-            else:  # its client left while it moved: stop it where it now runs
-                await self.handles[to].abort.remote(request_id)
+            del self._migrated[request_id]
+            ended.set()
         log.info("migration of %s from %s to %s: %s %s", request_id, src, to, result.status.value, result.reason)
         return result
 
@@ -171,6 +175,9 @@ class Router:
     async def failover(self, request_id: str, failed_instance: str) -> tuple[str, ActorHandle]:
         """A request's instance failed under it: the instance where it resumes (from its tokens), recorded as
         running there. Raises NoInstanceAvailable when no other instance is left."""
+        migrating = self._migrated.get(request_id)
+        if migrating is not None:  # let it end first: a copy it committed is cancelled before the stream resumes
+            await migrating.wait()
         entry = self.registry.requests.get(request_id)
         model = self.registry.instances[failed_instance].model if failed_instance in self.registry.instances else None
         instance_id = self.registry.reroute(request_id, {failed_instance}, time.time(), model)

@@ -170,18 +170,17 @@ def test_the_kv_goes_shard_to_shard_between_instances_split_differently(fleet) -
 
     try:
         moved = asyncio.run(stream(fleet, prompt, after=20, during=there_and_back))
-    finally:
-        for name in others:
-            ray.get(fleet.router.undrain.remote(name))
-    try:
         assert [(r.status.value, r.transfer, r.links) for r in results] == [("finished", "torch", 4)] * 2, results
         assert all(r.draft_tokens > 0 for r in results), results
         assert moved.tokens == alone.tokens and moved.text == alone.text and moved.instance == "shards-a"
         kv_free(fleet)
-    finally:
+    finally:  # the fleet as it was for the next tests: the two instances it started, both open
         for name in ("shards-a", "shards-b"):
+            ray.get(fleet.router.deregister.remote(name))
             ray.get(fleet.servers[name].shutdown.remote(), timeout=60)
             ray.kill(fleet.servers.pop(name), no_restart=True)
+        for name in ("mig-a", "mig-b"):
+            ray.get(fleet.router.undrain.remote(name))
 
 
 def test_migrations_between_the_same_two_instances_run_side_by_side(fleet) -> None:

@@ -90,6 +90,7 @@ class EngineEndpoint:
         return True
 
     async def migrate_release(self, rid, committed, destination):
+        self._maybe_fail("release")
         seq = self.detached.pop(rid)
         if committed:
             self.engine.release_detached(seq)
@@ -98,6 +99,9 @@ class EngineEndpoint:
 
     async def migrate_drop(self, rid):
         self.engine.drop_incoming(rid)
+
+    async def migrate_cancel(self, rid):
+        self.engine.abort(rid)
 
 
 def started(src: Engine, prompts, params: SamplingParams = GREEDY, steps: int = 3) -> dict[str, Result]:
@@ -171,6 +175,21 @@ def test_a_destination_that_fails_leaves_the_request_running_at_the_source(tiny_
     for i, p in enumerate(prompts):
         assert results[f"r{i}"].token_ids == reference_greedy(tiny_models["llama"], p, TOKENS)
     assert_no_kv_left(src, dst)
+
+
+def test_a_source_that_dies_before_its_release_leaves_no_second_copy(tiny_models, tiny_draft_models) -> None:
+    """Committed at the destination, the source dies before it lets go: the client's stream fails over from its own
+    tokens, so the committed copy is cancelled (it would run twice) and holds no KV."""
+    src, dst = engine(tiny_models, tiny_draft_models), engine(tiny_models, tiny_draft_models)
+    prompts = text_prompts(src.target.model, 1, offset=2)
+    results = started(src, prompts)
+    a, b = EngineEndpoint(src, results, steps=1, fail_on="release"), EngineEndpoint(dst, results)
+
+    outcome = asyncio.run(migrate("r0", a, b, MigrationConfig(max_stages=3, stop_copy_tokens=2)))
+
+    assert outcome.status is MigrationStatus.ABORTED_SRC and "before its release" in outcome.reason, outcome
+    assert not dst.holds("r0") and not dst.has_unfinished()
+    assert dst.target.cache.num_used_blocks == 0 and dst.draft.cache.num_used_blocks == 0
 
 
 def test_a_destination_without_room_refuses(tiny_models, tiny_draft_models) -> None:
