@@ -196,9 +196,9 @@ class InstanceServer:
             return None
         return list(runner.executor.layer_ids)
 
-    async def kv_device(self) -> str:
-        """The device type its target's stages keep their KV on ("cuda" or "cpu"): it picks the links' backend."""
-        return await asyncio.to_thread(self.instance.target.executor.kv_device)
+    async def kv_device(self, pipeline: str = "target") -> str:
+        """The device type the stages of `pipeline` keep their KV on ("cuda" or "cpu"): it picks its links' backend."""
+        return await asyncio.to_thread(self._pipeline(pipeline).executor.kv_device)
 
     async def link_addresses(self, pipeline: str, stages: list[int]) -> list[str]:
         executor = self._pipeline(pipeline).executor

@@ -206,6 +206,8 @@ def reshard(exports: Sequence[KVExport], layer_ids: Sequence[Sequence[int]]) -> 
     first = exports[0]
     if any((e.request_id, e.start, e.end) != (first.request_id, first.start, first.end) for e in exports):
         raise ValueError("exports of different requests or token ranges cannot be merged")
+    if len(exports) == len(layer_ids) and all(tuple(e.layer_ids) == tuple(ids) for e, ids in zip(exports, layer_ids)):
+        return list(exports)  # already split this way: no copy
     k = {layer: e.k[i] for e in exports for i, layer in enumerate(e.layer_ids)}  # layer -> (T, kvh, hd)
     v = {layer: e.v[i] for e in exports for i, layer in enumerate(e.layer_ids)}
     missing = sorted({i for ids in layer_ids for i in ids} - k.keys())

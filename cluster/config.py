@@ -216,9 +216,9 @@ class MigrationConfig(_Frozen):
     # a stage copies in chunks of at most this many tokens, each between two of the source's steps (a copy
     # stalls the source's loop while it runs: bounded chunks keep each stall short)
     chunk_tokens: int = Field(default=256, ge=1)
-    # how the KV travels: "torch", a torch.distributed channel (NCCL between two GPU instances, gloo otherwise)
-    # opened between the two instances for the migration (falling back to the object store if it cannot be
-    # opened); "object_store", Ray's object store
+    # how the KV travels: "torch", stage to stage over torch.distributed links opened for the migration between
+    # each source shard and each destination shard that hold the same layers (NCCL between GPUs, gloo otherwise;
+    # the object store if they cannot be opened); "object_store", Ray's object store
     transfer: Literal["torch", "object_store"] = "torch"
     channel_timeout_s: float = Field(default=10.0, gt=0.0)
     # the draft model's KV: "move" copies it (as it stands between two steps) before the stop, so the draft at the

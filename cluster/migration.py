@@ -148,8 +148,8 @@ class Endpoint(Protocol):
         cannot go stage to stage (then it goes through the object store)."""
         ...
 
-    async def kv_device(self) -> str:
-        """Both: the device type ("cuda" or "cpu") its stages keep their KV on."""
+    async def kv_device(self, pipeline: str) -> str:
+        """Both: the device type ("cuda" or "cpu") the stages of `pipeline` keep their KV on."""
         ...
 
     async def link_addresses(self, pipeline: str, stages: list[int]) -> list[str]:
@@ -313,13 +313,13 @@ async def _open_channel(src: Endpoint, dst: Endpoint, ids: tuple[str, str], requ
     channel = f"{src_id}->{dst_id}/{request_id}"
     opened = 0
     try:
-        backend = await channel_backend(src, dst)
         for pipeline in ("target", "draft") if cfg.draft_kv == "move" else ("target",):
             a, b = await asyncio.gather(src.kv_stages(pipeline), dst.kv_stages(pipeline))
             if a is None or b is None:
                 if pipeline == "target":
                     raise RuntimeError("an instance's target KV cannot go stage to stage")
                 continue
+            backend = await channel_backend(src, dst, pipeline)
             pairs = plan_links(a, b)
             addresses = await src.link_addresses(pipeline, [i for i, _, _ in pairs])
             links = [Link(f"{channel}/{pipeline}/{i}->{j}", i, j, layers, address)
@@ -340,9 +340,9 @@ async def _open_channel(src: Endpoint, dst: Endpoint, ids: tuple[str, str], requ
         return None, 0
 
 
-async def channel_backend(src: Endpoint, dst: Endpoint) -> str:
-    """NCCL when both instances keep their KV on GPUs (device to device), gloo otherwise (host memory)."""
-    devices = await asyncio.gather(src.kv_device(), dst.kv_device())
+async def channel_backend(src: Endpoint, dst: Endpoint, pipeline: str = "target") -> str:
+    """NCCL when both instances keep `pipeline`'s KV on GPUs (device to device), gloo otherwise (host memory)."""
+    devices = await asyncio.gather(src.kv_device(pipeline), dst.kv_device(pipeline))
     return "nccl" if all(d == "cuda" for d in devices) else "gloo"
 
 

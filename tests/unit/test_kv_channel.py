@@ -61,7 +61,7 @@ class _End:
     def __init__(self, device: str) -> None:
         self.device = device
 
-    async def kv_device(self) -> str:
+    async def kv_device(self, pipeline: str) -> str:
         return self.device
 
 

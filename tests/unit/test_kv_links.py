@@ -47,8 +47,8 @@ class LinkedEndpoint(EngineEndpoint):
     async def kv_stages(self, pipeline):
         return list(self._runner(pipeline).executor.layer_ids)
 
-    async def kv_device(self):
-        return self.engine.target.executor.kv_device()
+    async def kv_device(self, pipeline):
+        return self._runner(pipeline).executor.kv_device()
 
     async def link_addresses(self, pipeline, stages):
         return self._runner(pipeline).executor.link_addresses(stages, "127.0.0.1")

@@ -396,6 +396,21 @@ def test_the_draft_kv_moves_in_chunks_between_the_sources_steps(tiny_models, tin
     assert_no_kv_left(src, dst)
 
 
+@pytest.mark.parametrize("side", ["source", "destination"])
+def test_a_draft_whose_kv_cannot_move_is_rebuilt(tiny_models, tiny_draft_models, side) -> None:
+    """An EasySpec group's draft KV is spread over its members (exports_kv False): the migration still finishes,
+    the destination's draft catching up, where it used to fail on the draft's export or import."""
+    src, dst = engine(tiny_models, tiny_draft_models), engine(tiny_models, tiny_draft_models)
+    (src if side == "source" else dst).draft.exports_kv = False
+    prompts = text_prompts(src.target.model, 1, offset=3)
+
+    outcome, results = run_migration(src, dst, GREEDY, prompts)
+
+    assert outcome.status is MigrationStatus.FINISHED and outcome.draft_tokens == 0, outcome
+    assert results["r0"].token_ids == reference_greedy(tiny_models["llama"], prompts[0], TOKENS)
+    assert_no_kv_left(src, dst)
+
+
 def test_a_destination_without_draft_room_rebuilds_the_draft_kv(tiny_models, tiny_draft_models) -> None:
     src = engine(tiny_models, tiny_draft_models)
     dst = Engine(runner(load(tiny_models["llama"])), runner(load(tiny_draft_models["llama"]), num_blocks=2),
