@@ -73,7 +73,8 @@ class Link:
     address: str = ""
 
 
-def plan_links(src_stages: list[tuple[int, ...]], dst_stages: list[tuple[int, ...]]) -> list[tuple[int, int, tuple[int, ...]]]:
+def plan_links(src_stages: list[tuple[int, ...]], dst_stages: list[tuple[int, ...]]
+               ) -> list[tuple[int, int, tuple[int, ...]]]:
     """(source stage, destination stage, the layers they share) for every pair that shares any, in source order:
     the links that carry a request's KV between two splits of one model's layers (every layer exactly once)."""
     if sorted(i for ids in src_stages for i in ids) != sorted(i for ids in dst_stages for i in ids):
@@ -207,15 +208,60 @@ async def migrate(request_id: str, src: Endpoint, dst: Endpoint, cfg: MigrationC
                                total_s=time.perf_counter() - t0)
 
 
+class _Failed(Exception):
+    """A call of a side task failed: which end it was (for the migration's status) and the error."""
+
+    def __init__(self, side: str, error: Exception) -> None:
+        super().__init__(f"{side}: {type(error).__name__}: {error}")
+        self.side, self.error = side, error
+
+
+class _DraftCopy:
+    """The draft's KV (`draft_kv: move`), copied in chunks beside the target's (each pair in one window between two
+    of the source's steps), then whatever the draft added meanwhile just before the stop. The draft KV between
+    steps is a prefix of the accepted tokens that never changes, so a copy made at any window stays right."""
+
+    def __init__(self, request_id: str, src: Endpoint, dst: Endpoint, cfg: MigrationConfig, via: str | None) -> None:
+        self.request_id, self.src, self.dst, self.cfg, self.via = request_id, src, dst, cfg, via
+        self.tokens = 0  # copied so far
+        self.open = cfg.draft_kv == "move"  # closed once the destination cannot take more (its draft catches up)
+
+    async def chunk(self) -> int:
+        """Copy the next chunk, if the draft has more KV than was copied; the tokens it moved."""
+        if not self.open:
+            return 0
+        side = "source"
+        try:
+            exported = await self.src.migrate_export_draft(self.request_id, self.tokens,
+                                                           self.tokens + self.cfg.chunk_tokens, self.via)
+            if exported is None:
+                return 0
+            side = "destination"
+            kv, end = exported
+            if not await self.dst.migrate_import_draft(kv):
+                self.open = False
+                return 0
+        except Exception as e:  # noqa: BLE001 - reported as that end's failure
+            raise _Failed(side, e) from e
+        moved, self.tokens = end - self.tokens, end
+        return moved
+
+    async def rest(self) -> None:
+        """Copy until a chunk comes back short: the draft's end as it stands."""
+        while await self.chunk() == self.cfg.chunk_tokens:
+            pass
+
+
 async def _migrate(request_id: str, length: int, src: Endpoint, dst: Endpoint, cfg: MigrationConfig,
                    destination: object, via: str | None) -> MigrationResult:
     """The migration of a request whose source holds `length` tokens of its KV now."""
     t0 = time.perf_counter()
-    stages = copied = draft_tokens = 0
+    stages = copied = 0
+    draft = _DraftCopy(request_id, src, dst, cfg, via)
 
     def result(status: MigrationStatus, reason: str = "", downtime: float = 0.0) -> MigrationResult:
         return MigrationResult(request_id, status, reason, stages, copied, downtime, time.perf_counter() - t0,
-                               draft_tokens=draft_tokens)
+                               draft_tokens=draft.tokens)
 
     try:
         if not await dst.migrate_reserve(request_id, length + cfg.stop_copy_tokens):
@@ -227,9 +273,10 @@ async def _migrate(request_id: str, length: int, src: Endpoint, dst: Endpoint, c
     try:
         now = length
         while stages < cfg.max_stages:  # copy while the source keeps decoding: what it held at the stage's start,
-            while copied < now:  # in chunks, each between two of its steps
+            while copied < now:  # in chunks, each between two of its steps (with the draft's next chunk)
                 side = "source"
-                exported = await src.migrate_export(request_id, copied, min(now, copied + cfg.chunk_tokens), via)
+                exported, _ = await asyncio.gather(
+                    src.migrate_export(request_id, copied, min(now, copied + cfg.chunk_tokens), via), draft.chunk())
                 if exported is None:
                     await _drop(dst, request_id)
                     return result(MigrationStatus.ABORTED_SRC, "the request ended at the source first")
@@ -247,20 +294,7 @@ async def _migrate(request_id: str, length: int, src: Endpoint, dst: Endpoint, c
                 return result(MigrationStatus.ABORTED_SRC, "the request ended at the source first")
             if now - copied <= cfg.stop_copy_tokens:
                 break
-        if cfg.draft_kv == "move":  # before the stop: the draft KV between steps is a prefix that never changes
-            while True:  # in chunks, each between two of the source's steps, until one reaches the draft's end
-                side = "source"
-                exported = await src.migrate_export_draft(request_id, draft_tokens, draft_tokens + cfg.chunk_tokens,
-                                                          via)
-                if exported is None:
-                    break
-                side = "destination"
-                kv, end = exported
-                if not await dst.migrate_import_draft(kv):
-                    break  # no room there: its draft catches up from what it has
-                asked, draft_tokens = draft_tokens + cfg.chunk_tokens, end
-                if end < asked:
-                    break
+        await draft.rest()  # before the stop: what the draft added since its last chunk
         side = "source"
         t_stop = time.perf_counter()
         stopped_at = await src.migrate_stop(request_id, copied, via)
@@ -280,6 +314,8 @@ async def _migrate(request_id: str, length: int, src: Endpoint, dst: Endpoint, c
             return await _cancel_committed(request_id, dst, e, result)
         return result(MigrationStatus.FINISHED, downtime=downtime)
     except Exception as e:  # noqa: BLE001 - any failure before the commit: the request stays at the source
+        if isinstance(e, _Failed):
+            side, e = e.side, e.error
         await _drop(dst, request_id)
         if stopped and side == "destination":
             try:

@@ -162,7 +162,8 @@ def test_links_that_cannot_open_leave_the_kv_to_the_object_store(tiny_models, ti
         raise ConnectionError("the destination's stages are unreachable")
     b.links_open = refuse
 
-    outcome = asyncio.run(migrate("r0", a, b, TORCH.model_copy(update={"channel_timeout_s": 2.0, "chunk_tokens": 256}), ids=("a", "b")))
+    cfg = TORCH.model_copy(update={"channel_timeout_s": 2.0, "chunk_tokens": 256})
+    outcome = asyncio.run(migrate("r0", a, b, cfg, ids=("a", "b")))
 
     assert outcome.status is MigrationStatus.FINISHED and outcome.transfer == "object_store" and outcome.links == 0
     assert not any(isinstance(p, LinkedKV) for p in b.payloads)
