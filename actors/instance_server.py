@@ -157,7 +157,7 @@ class InstanceServer:
 
     async def migrate_import_draft(self, kv: list[KVExport] | LinkedKV) -> bool:
         if self.instance.draft is None or not self.instance.draft.exports_kv:
-            return False  # (nothing was sent over links: the source's draft KV goes to a draft that takes it)
+            return False  # a draft whose KV cannot move takes none (no links were opened for it)
         await self._receive(self.instance.draft, kv)
         return await self._on_loop(lambda: self.instance.engine.import_draft(kv))
 

@@ -49,8 +49,7 @@ class Router:
         self._poller: asyncio.Task | None = None
         self._planner: asyncio.Task | None = None
         self._replan = asyncio.Event()  # an instance joined or is draining: plan migrations now
-        self._migrating: set[str] = set()
-        self._migrated: dict[str, asyncio.Event] = {}  # set when the request's migration under way ends
+        self._migrating: dict[str, asyncio.Event] = {}  # requests migrating, each event set when its migration ends
         self.migration_figures = MigrationStats({s.value: 0 for s in MigrationStatus})
 
     async def configure(self, cfg: RouterConfig) -> None:
@@ -134,8 +133,7 @@ class Router:
                                       "own, unknown, draining or unhealthy")
         if request_id in self._migrating:
             raise NoInstanceAvailable(f"request {request_id!r} is already migrating")
-        self._migrating.add(request_id)
-        ended = self._migrated[request_id] = asyncio.Event()
+        ended = self._migrating[request_id] = asyncio.Event()
         try:
             result = await migrate(request_id, RayEndpoint(self.handles[src]), RayEndpoint(self.handles[to]),
                                    cfg or self.cfg.migration, destination=(to, self.handles[to]), ids=(src, to))
@@ -148,8 +146,7 @@ class Router:
                 else:  # its client left while it moved: stop it where it now runs
                     await self.handles[to].abort.remote(request_id)
         finally:
-            self._migrating.discard(request_id)
-            del self._migrated[request_id]
+            del self._migrating[request_id]
             ended.set()
         log.info("migration of %s from %s to %s: %s %s", request_id, src, to, result.status.value, result.reason)
         return result
@@ -175,7 +172,7 @@ class Router:
     async def failover(self, request_id: str, failed_instance: str) -> tuple[str, ActorHandle]:
         """A request's instance failed under it: the instance where it resumes (from its tokens), recorded as
         running there. Raises NoInstanceAvailable when no other instance is left."""
-        migrating = self._migrated.get(request_id)
+        migrating = self._migrating.get(request_id)
         if migrating is not None:  # let it end first: a copy it committed is cancelled before the stream resumes
             await migrating.wait()
         entry = self.registry.requests.get(request_id)
