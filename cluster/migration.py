@@ -344,37 +344,43 @@ async def _cancel_committed(request_id: str, dst: Endpoint, error: Exception, re
 async def _open_channel(src: Endpoint, dst: Endpoint, ids: tuple[str, str], request_id: str,
                         cfg: MigrationConfig) -> tuple[str | None, int]:
     """Open this migration's links between the two instances' stages, for the target's KV and (moving it) the
-    draft's; the channel's id (what the source sends `via`) and the number of links, or (None, 0) to send the
-    KV through the object store. A draft whose KV cannot go stage to stage takes the object store alone."""
+    draft's, all at once; the channel's id (what the source sends `via`) and the number of links, or (None, 0) to
+    send the KV through the object store. A draft whose KV cannot go stage to stage takes the object store alone."""
     src_id, dst_id = ids
     channel = f"{src_id}->{dst_id}/{request_id}"
-    opened = 0
+    pipelines = ("target", "draft") if cfg.draft_kv == "move" else ("target",)
     try:
-        for pipeline in ("target", "draft") if cfg.draft_kv == "move" else ("target",):
-            a, b = await asyncio.gather(src.kv_stages(pipeline), dst.kv_stages(pipeline))
-            if a is None or b is None:
-                if pipeline == "target":
-                    raise RuntimeError("an instance's target KV cannot go stage to stage")
-                continue
-            backend = await channel_backend(src, dst, pipeline)
-            pairs = plan_links(a, b)
-            addresses = await src.link_addresses(pipeline, [i for i, _, _ in pairs])
-            links = [Link(f"{channel}/{pipeline}/{i}->{j}", i, j, layers, address)
-                     for (i, j, layers), address in zip(pairs, addresses, strict=True)]
-            # both ends to the end (each bounded by the timeout), so that none is still opening when they are closed
-            ends = await asyncio.wait_for(
-                asyncio.gather(src.links_open(channel, pipeline, links, "src", cfg.channel_timeout_s, backend),
-                               dst.links_open(channel, pipeline, links, "dst", cfg.channel_timeout_s, backend),
-                               return_exceptions=True),
-                cfg.channel_timeout_s + 5)
-            for failed in (e for e in ends if isinstance(e, BaseException)):
-                raise failed
-            opened += len(links)
-        return channel, opened
+        planned = await asyncio.gather(*(_plan_links(src, dst, channel, p) for p in pipelines))
+        if planned[0] is None:
+            raise RuntimeError("an instance's target KV cannot go stage to stage")
+        opening = []
+        for pipeline, got in zip(pipelines, planned):
+            if got is not None:
+                links, backend = got
+                opening += [end.links_open(channel, pipeline, links, side, cfg.channel_timeout_s, backend)
+                            for end, side in ((src, "src"), (dst, "dst"))]
+        # every end to its end (each bounded by the timeout), so that none is still opening when they are closed
+        ends = await asyncio.wait_for(asyncio.gather(*opening, return_exceptions=True), cfg.channel_timeout_s + 5)
+        for failed in (e for e in ends if isinstance(e, BaseException)):
+            raise failed
+        return channel, sum(len(got[0]) for got in planned if got is not None)
     except Exception as e:  # noqa: BLE001 - the object store still carries the KV
         log.warning("no KV links for %s (%s: %s); the KV goes through the object store", channel, type(e).__name__, e)
         await _close_channel(src, dst, channel)
         return None, 0
+
+
+async def _plan_links(src: Endpoint, dst: Endpoint, channel: str, pipeline: str) -> tuple[list[Link], str] | None:
+    """The links of `pipeline` between the two instances' stages, with their addresses, and their backend; None if
+    either has no such pipeline or its KV cannot go stage to stage."""
+    a, b = await asyncio.gather(src.kv_stages(pipeline), dst.kv_stages(pipeline))
+    if a is None or b is None:
+        return None
+    pairs = plan_links(a, b)
+    addresses, backend = await asyncio.gather(src.link_addresses(pipeline, [i for i, _, _ in pairs]),
+                                              channel_backend(src, dst, pipeline))
+    return [Link(f"{channel}/{pipeline}/{i}->{j}", i, j, layers, address)
+            for (i, j, layers), address in zip(pairs, addresses, strict=True)], backend
 
 
 async def channel_backend(src: Endpoint, dst: Endpoint, pipeline: str = "target") -> str:

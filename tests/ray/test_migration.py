@@ -214,6 +214,8 @@ def test_migrations_between_the_same_two_instances_run_side_by_side(fleet) -> No
 
 
 def test_a_migrating_drain_empties_the_instance(fleet) -> None:
+    """Every request running on the drained instance completes elsewhere. The streams are long enough (twice the
+    usual) that none can end at the victim while the drain migrates the others one after another."""
     prompts = text_prompts(load(fleet.cfg.model.target), 3, offset=2)
     drained = {}
 
@@ -223,11 +225,11 @@ def test_a_migrating_drain_empties_the_instance(fleet) -> None:
             running = [r["instance_id"] for r in await fleet.router.requests.remote("running")]
             victim = max(fleet.servers, key=running.count)
             drained.update(await fleet.router.drain_migrate.remote(victim))
-        tasks = [asyncio.create_task(stream(fleet, p)) for p in prompts]
+        tasks = [asyncio.create_task(stream(fleet, p, tokens=2 * TOKENS)) for p in prompts]
         await drain_when_running()
         return await asyncio.gather(*tasks)
 
-    alone = [asyncio.run(stream(fleet, p)) for p in prompts]
+    alone = [asyncio.run(stream(fleet, p, tokens=2 * TOKENS)) for p in prompts]
     try:
         results = asyncio.run(run())
         assert drained["migrated"] >= 1 and drained["running"] == 0 and not drained["not_moved"], drained
