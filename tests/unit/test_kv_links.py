@@ -14,8 +14,8 @@ from actors.kv_links import LinkedKV
 from actors.pipeline import PipelineRunner
 from cluster.config import MigrationConfig, SchedulerConfig, SpeculationConfig
 from cluster.migration import Link, MigrationStatus, migrate, plan_links
-from tests.unit.helpers import drain, reference_greedy, text_prompts
-from tests.unit.test_migration import GREEDY, TOKENS, EngineEndpoint, assert_no_kv_left, started
+from tests.unit.helpers import drain, text_prompts
+from tests.unit.test_migration import EngineEndpoint, finish_and_check, started
 from tests.unit.test_pipeline import pipeline
 
 TORCH = MigrationConfig(max_stages=3, stop_copy_tokens=2, chunk_tokens=8, transfer="torch", channel_timeout_s=20)
@@ -115,11 +115,7 @@ def test_a_request_migrates_stage_to_stage_between_different_splits(tiny_models,
     assert {p.src for kv in b.payloads[:-1] for p in kv.parts} <= set(range(len(src_split)))
     for end in (src.target.executor, src.draft.executor, dst.target.executor, dst.draft.executor):
         assert end.ports.open_links == []
-    drain(src, results)
-    drain(dst, results)
-    for i, p in enumerate(prompts):
-        assert results[f"r{i}"].token_ids == reference_greedy(tiny_models["llama"], p, TOKENS), f"r{i}"
-    assert_no_kv_left(src, dst)
+    finish_and_check(src, dst, results, prompts, tiny_models["llama"])
 
 
 def test_kv_received_over_links_equals_the_sources(tiny_models, tiny_draft_models) -> None:
@@ -168,7 +164,4 @@ def test_links_that_cannot_open_leave_the_kv_to_the_object_store(tiny_models, ti
     assert outcome.status is MigrationStatus.FINISHED and outcome.transfer == "object_store" and outcome.links == 0
     assert not any(isinstance(p, LinkedKV) for p in b.payloads)
     assert src.target.executor.ports.open_links == []  # what the source had opened was closed again
-    drain(src, results)
-    drain(dst, results)
-    assert results["r0"].token_ids == reference_greedy(tiny_models["llama"], prompts[0], TOKENS)
-    assert_no_kv_left(src, dst)
+    finish_and_check(src, dst, results, prompts, tiny_models["llama"])

@@ -126,6 +126,17 @@ def run_migration(src: Engine, dst: Engine, params: SamplingParams, prompts, *, 
     return outcome, results
 
 
+def finish_and_check(src: Engine, dst: Engine, results: dict[str, Result], prompts, target, tokens: int = TOKENS
+                     ) -> None:
+    """Run both engines to the end: every request r0, r1, ... gives the target's own greedy output over `tokens`
+    tokens, and neither engine holds any KV after."""
+    drain(src, results)
+    drain(dst, results)
+    for i, p in enumerate(prompts):
+        assert results[f"r{i}"].token_ids == reference_greedy(target, p, tokens), f"r{i}"
+    assert_no_kv_left(src, dst)
+
+
 def assert_no_kv_left(*engines: Engine) -> None:
     for e in engines:
         assert e.target.cache.num_used_blocks == 0 and e.draft.cache.num_used_blocks == 0
@@ -229,11 +240,7 @@ def test_a_queued_request_moves_without_kv_and_starts_at_the_destination(tiny_mo
 
     assert outcome.status is MigrationStatus.FINISHED and outcome.tokens_copied == 0, outcome
     assert not src.holds("r5") and [s.request_id for s in dst.running + dst.waiting] == ["r5"]
-    drain(src, results)
-    drain(dst, results)
-    for i, p in enumerate(prompts):
-        assert results[f"r{i}"].token_ids == reference_greedy(tiny_models["llama"], p, TOKENS), f"r{i}"
-    assert_no_kv_left(src, dst)
+    finish_and_check(src, dst, results, prompts, tiny_models["llama"])
 
 
 @pytest.mark.parametrize("why", ["source dies", "not there"])
@@ -363,11 +370,7 @@ def test_the_draft_kv_moves_as_it_stood_or_is_rebuilt_at_the_destination(tiny_mo
         assert all(torch.equal(x.k, y.k) and torch.equal(x.v, y.v) for x, y in zip(got, want))
     else:
         assert outcome.draft_tokens == 0 and b.draft_imports == [] and not dst.draft.cache.has("r0")
-    drain(src, results)
-    drain(dst, results)
-    for i, p in enumerate(prompts):
-        assert results[f"r{i}"].token_ids == reference_greedy(tiny_models["llama"], p, TOKENS), f"r{i}"
-    assert_no_kv_left(src, dst)
+    finish_and_check(src, dst, results, prompts, tiny_models["llama"])
 
 
 def test_the_draft_kv_moves_in_chunks_between_the_sources_steps(tiny_models, tiny_draft_models) -> None:
@@ -389,11 +392,7 @@ def test_the_draft_kv_moves_in_chunks_between_the_sources_steps(tiny_models, tin
     [want], [got] = sent[0], dst.export_draft("r0")
     assert got.end == outcome.draft_tokens <= want.end
     assert torch.equal(got.k, want.k[:, :got.end]) and torch.equal(got.v, want.v[:, :got.end])
-    drain(src, results)
-    drain(dst, results)
-    for i, p in enumerate(prompts):
-        assert results[f"r{i}"].token_ids == reference_greedy(tiny_models["llama"], p, 96), f"r{i}"
-    assert_no_kv_left(src, dst)
+    finish_and_check(src, dst, results, prompts, tiny_models["llama"], 96)
 
 
 @pytest.mark.parametrize("side", ["source", "destination"])
