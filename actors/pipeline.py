@@ -17,7 +17,7 @@ import torch
 
 from actors.kv_cache import KVExport, reshard
 from actors.kv_ledger import CacheOp, KVLedger
-from actors.kv_links import LinkedKV, LinkPart
+from actors.kv_links import LinkedKV, LinkPart, kv_span
 from actors.model.loader import LoadedModel
 from actors.model.metadata import SeqChunk
 from actors.model.runner import CacheFull
@@ -162,8 +162,7 @@ class PipelineRunner:
         """
         linked = isinstance(exports, LinkedKV)
         parts = [] if linked else reshard(exports, self.executor.layer_ids)
-        rid, start, end = (exports.request_id, exports.start, exports.end) if linked else \
-            (parts[0].request_id, parts[0].start, parts[0].end)
+        rid, start, end = kv_span(exports)
         if start != self.cache.length(rid):
             raise ValueError(f"{rid}: export starts at {start}, the cache holds {self.cache.length(rid)} tokens")
         if not self.cache.reserve(rid, end):
