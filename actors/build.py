@@ -17,7 +17,7 @@ import ray
 from ray.actor import ActorHandle
 from ray.util.placement_group import PlacementGroup
 
-from actors.ep_stages import EPStages, placer
+from actors.ep_stages import ep_stages
 from actors.instance import Instance
 from actors.model.loader import load_config, load_metadata
 from actors.pipeline import PipelineRunner
@@ -82,7 +82,9 @@ def expert_rank_specs(cfg: EngineConfig, num_layers: int) -> list[ShardSpec]:
     """What each expert-parallel rank of the target loads: every layer, its slice of the (planned) experts."""
     m, ep = cfg.model, cfg.experts
     return [ShardSpec(m.target, m.dtype, tuple(range(num_layers)), first=True, last=True, cache=cfg.cache,
-                      device=m.device, ep_rank=i, ep_size=ep.ranks, ep_plan=ep.plan) for i in range(ep.ranks)]
+                      device=m.device, ep_rank=i, ep_size=ep.ranks, ep_plan=ep.plan, ep_attention=ep.attention,
+                      ep_stats=ep.stats if ep.attention == "tensor" else None, ep_confidence=ep.confidence)
+            for i in range(ep.ranks)]
 
 
 def draft_spec(cfg: EngineConfig) -> ShardSpec | None:
@@ -202,7 +204,7 @@ def expert_parallel_runner(cfg: EngineConfig, *, num_cpus: float = 1.0, timeout_
     try:
         gather([a.ready.remote() for a in actors], names, "load", timeout_s)
         _join(actors, names, timeout_s, timeout_s)
-        stages = EPStages(actors, names, model.num_layers, timeout_s, placer(cfg.experts))
+        stages = ep_stages(actors, names, model, timeout_s, cfg.experts)
         return PipelineRunner(model, cfg.cache, stages), stop
     except BaseException:
         stop()
@@ -248,8 +250,8 @@ def ray_instance(cfg: EngineConfig, layout: ShardLayout, *, num_cpus: float = 1.
     try:
         m = cfg.model
         target_model = load_metadata(m.target, m.dtype)
-        target_stages = (EPStages(shards.target.actors, shards.target.names, target_model.num_layers, step_timeout_s,
-                                  placer(cfg.experts)) if shards.target.experts else
+        target_stages = (ep_stages(shards.target.actors, shards.target.names, target_model, step_timeout_s,
+                                   cfg.experts) if shards.target.experts else
                          _stages(shards.target, step_timeout_s))
         target = PipelineRunner(target_model, cfg.cache, target_stages)
         draft = None

@@ -5,6 +5,10 @@ home rank when first seen (placement/experts.py place_request: Speculative MoE's
 or the lightest rank); its cache ops, chunks and KV go to that rank only. A step calls every rank at once:
 ranks with chunks run them, the others join each MoE layer's all-to-all with no tokens (actors/moe/ep.py).
 The logits come back per rank and are put back in the chunks' order.
+
+With tensor-parallel attention (`experts.attention: tensor`, actors/moe/shuffle.py) every rank holds its heads'
+KV of every request and runs every chunk (ShuffledStages): ops and chunks go to all ranks, rank 0's logits come
+back, and a request's KV is joined from (and split into) the ranks' heads when it migrates.
 """
 
 from __future__ import annotations
@@ -16,10 +20,14 @@ import ray
 import torch
 from ray.actor import ActorHandle
 
+from dataclasses import replace
+
 from actors.kv_cache import KVExport
 from actors.kv_ledger import CacheOp, Free
 from actors.model.metadata import SeqChunk
+from actors.model.loader import LoadedModel
 from actors.moe.ep import EPStats
+from actors.moe.shuffle import join_kv, split_kv
 from actors.moe.profile import RoutingStats
 from actors.ray_stages import gather
 from cluster.config import ExpertParallelConfig
@@ -151,3 +159,48 @@ class EPStages:
     def _take(self, rank: int) -> list[CacheOp]:
         out, self.pending[rank] = self.pending[rank], []
         return out
+
+
+class ShuffledStages(EPStages):
+    """StageExecutor over expert-parallel ranks with tensor-parallel attention: each rank holds a slice of the heads
+    of every request, so every op and chunk goes to every rank (actors/moe/shuffle.py)."""
+
+    def __init__(self, actors: Sequence[ActorHandle], names: Sequence[str], num_layers: int, timeout_s: float,
+                 num_heads: int, num_kv_heads: int) -> None:
+        super().__init__(actors, names, num_layers, timeout_s)
+        self.num_heads, self.num_kv_heads = num_heads, num_kv_heads
+
+    def run(self, ops: list[CacheOp], chunks: list[SeqChunk], parallel: bool = False) -> torch.Tensor | None:
+        refs = [a.ep_step.remote(ops, chunks, bool(chunks)) for a in self.actors]
+        results = gather(refs, self.names, "step", self.timeout_s)
+        for r, (_, stats) in enumerate(results):
+            self.since[r].add(stats)
+            self.totals.add(stats)
+        return results[0][0] if chunks else None
+
+    def export(self, ops: list[CacheOp], request_id: str, start: int, end: int) -> list[KVExport]:
+        parts = gather([a.export.remote(ops, request_id, start, end) for a in self.actors], self.names, "KV export",
+                       self.timeout_s)
+        return [replace(parts[0], k=join_kv([p.k for p in parts], self.num_heads, self.num_kv_heads),
+                        v=join_kv([p.v for p in parts], self.num_heads, self.num_kv_heads))]
+
+    def import_(self, ops: list[CacheOp], exports: list[KVExport]) -> bool:
+        [e] = exports
+        world = len(self.actors)
+        refs = [a.import_.remote(ops, replace(e, k=split_kv(e.k, r, world, self.num_heads),
+                                              v=split_kv(e.v, r, world, self.num_heads)))
+                for r, a in enumerate(self.actors)]
+        return all(gather(refs, self.names, "KV import", self.timeout_s))
+
+    def cache_usage(self, ops: list[CacheOp]) -> list[tuple[int, int]]:
+        """(used, free) blocks: every rank holds every request, so rank 0's cache tells."""
+        return [gather([a.cache_usage.remote(ops) for a in self.actors], self.names, "cache usage", self.timeout_s)[0]]
+
+
+def ep_stages(actors: Sequence[ActorHandle], names: Sequence[str], model: LoadedModel, timeout_s: float,
+              cfg: ExpertParallelConfig) -> EPStages:
+    """The executor of `cfg`'s expert-parallel ranks: whole requests per rank, or tensor-parallel attention."""
+    if cfg.attention == "tensor":
+        c = model.config
+        return ShuffledStages(actors, names, model.num_layers, timeout_s, c.num_attention_heads, c.num_key_value_heads)
+    return EPStages(actors, names, model.num_layers, timeout_s, placer(cfg))

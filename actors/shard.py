@@ -23,14 +23,14 @@ from actors.model.loader import load_model
 from actors.model.metadata import SeqChunk
 from actors.model.quant import quantize_runner_int8
 from actors.model.runner import ModelRunner
-from actors.moe import ep
+from actors.moe import ep, shuffle
 from actors.moe.permute import apply_plan
 from actors.moe.profile import RoutingStats
 from actors.p2p import P2P, Transfer
 from actors.spec import draft_group, easyspec
 from cluster.config import CacheConfig, DraftParallelConfig
 from cluster.migration import Link
-from placement.experts import ExpertPlan
+from placement.experts import ExpertPlan, contiguous_plan
 
 MAX_TRANSFERS = 10_000  # transfer records a shard keeps for benchmarks
 
@@ -60,6 +60,12 @@ class ShardSpec:
     ep_rank: int = 0
     ep_size: int = 1
     ep_plan: str | None = None
+    # "tensor": attention heads split over the ranks too, each token's FFN on the rank its experts are predicted
+    # on from the routing statistics `ep_stats` where the prediction's confidence is >= `ep_confidence`
+    # (actors/moe/shuffle.py); "data": whole requests per rank
+    ep_attention: str = "data"
+    ep_stats: str | None = None
+    ep_confidence: float = 0.0
 
     @property
     def follower(self) -> bool:
@@ -122,9 +128,22 @@ class ShardWorker:
                 assert self.runner.layer_parallel is not None
                 self.runner.layer_parallel.members = draft_group.GroupMembers(self.owner, self.p2p)
         if self.spec.ep_size > 1:  # an expert-parallel rank: its MoE layers exchange tokens over this group
-            self.ep_stats = ep.enable(self.runner, ep.DistComm(self.p2p.wire))
+            comm = ep.DistComm(self.p2p.wire)
+            if self.spec.ep_attention == "tensor":
+                self.ep_stats = shuffle.enable(self.runner, comm, self._predictor(), self.spec.ep_confidence)
+            else:
+                self.ep_stats = ep.enable(self.runner, comm)
             self.routing = ep.RoutingRecorder(self.runner, self.plan)
         return self.p2p.backend
+
+    def _predictor(self) -> shuffle.TokenPredictor | None:
+        """A tensor-parallel rank's token predictor, from its routing statistics (None without)."""
+        spec = self.spec
+        if spec.ep_stats is None:
+            return None
+        stats = RoutingStats.load_file(Path(spec.ep_stats))
+        plan = self.plan or contiguous_plan(stats.layers, stats.num_experts, spec.ep_size)
+        return shuffle.TokenPredictor(stats, plan, self.runner.device)
 
     def device(self) -> str:
         """The device this shard computes on, e.g. "cpu" or "cuda:0"."""
@@ -174,13 +193,18 @@ class ShardWorker:
                 ) -> tuple[torch.Tensor | None, ep.EPStats]:
         """An expert-parallel rank's step: replay `ops`, run its own requests' `chunks` through the whole model
         (logits (sum num_logits, V)); with none of its own while other ranks run (`active`), take part in
-        every MoE layer's exchange with no tokens. Also returns the step's expert-parallel figures."""
+        every MoE layer's exchange with no tokens. Also returns the step's expert-parallel figures.
+
+        Tensor-parallel attention: every rank runs every chunk; rank 0 returns the logits and counts the routing
+        (its layers know every token's experts)."""
         replay(ops, self.runner.cache)
         out = None
         if chunks:
             out = self.runner.forward(chunks).to(self.logits_device)
-            if self.routing is not None:
+            lead = self.spec.ep_attention == "data" or self.spec.ep_rank == 0
+            if self.routing is not None and lead:
                 self.routing.record(chunks)
+            out = out if lead else None
         elif active:
             cfg = self.runner.model.config
             ep.idle(self.runner, cfg.hidden_size, self.runner.model.dtype)
@@ -191,9 +215,7 @@ class ShardWorker:
         if self.ep_stats is None:
             raise RuntimeError("this shard is not an expert-parallel rank (or has not joined its group)")
         out, self.ep_stats = self.ep_stats, ep.EPStats()
-        for layer in self.runner.layers:
-            if isinstance(layer.ffn, ep.ExpertParallelMoE):
-                layer.ffn.stats = self.ep_stats
+        shuffle.set_stats(self.runner, self.ep_stats)
         return out
 
     def take_routing(self) -> RoutingStats:

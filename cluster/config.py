@@ -152,12 +152,20 @@ class ExpertParallelConfig(_Frozen):
     contiguous slices); `stats` (routing statistics, `specfleet experts profile`) places each new request on
     the rank its predicted experts favour, among ranks within `slack` requests of the lightest (default: the
     lightest rank).
+
+    `attention: tensor` splits every layer's attention heads over the ranks instead (each rank holds its heads'
+    KV of every request, actors/moe/shuffle.py): then `stats` pre-schedules single tokens rather than requests,
+    landing each token's attention output on the rank its predicted experts favour where the prediction's
+    share of the mass is at least `confidence` (Speculative MoE's token shuffling; below it, and without
+    `stats`, tokens land on a balanced split).
     """
 
     ranks: int = Field(default=1, ge=1)
     plan: str | None = None
     stats: str | None = None
     slack: int = Field(default=2, ge=0)
+    attention: Literal["data", "tensor"] = "data"
+    confidence: float = Field(default=0.0, ge=0.0, le=1.0)
 
     @property
     def enabled(self) -> bool:

@@ -49,6 +49,9 @@ class Attention:
     num_kv_heads: int
     head_dim: int
     sliding_window: int | None
+    # tensor-parallel slice of the heads (actors/moe/shuffle.py): the local KV head each local query head reads,
+    # (nh,); None: grouped-query attention's own grouping, nh / kvh query heads per KV head
+    kv_map: torch.Tensor | None = None
 
     def qkv(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
@@ -73,6 +76,8 @@ class Attention:
         q, k, v = self.qkv(x, cos, sin)
         cache.write(layer, meta.slots, k, v)
         keys, values = cache.gather(layer, meta.block_tables)  # (B, S, kvh, hd) each
+        if self.kv_map is not None:
+            keys, values = keys[:, :, self.kv_map], values[:, :, self.kv_map]  # (B, S, nh, hd) each
         b, t = meta.padded_shape
         q_pad = q.new_zeros(b * t, self.num_heads, self.head_dim)
         q_pad[meta.pad_index] = q
@@ -81,7 +86,7 @@ class Attention:
             keys.transpose(1, 2),
             values.transpose(1, 2),
             attn_mask=meta.mask(self.sliding_window),  # (B, 1, T, S)
-            enable_gqa=self.num_heads != self.num_kv_heads,
+            enable_gqa=self.kv_map is None and self.num_heads != self.num_kv_heads,
         )  # (B, nh, T, hd)
         out = out.transpose(1, 2).reshape(b * t, self.num_heads * self.head_dim)[meta.pad_index]  # (N, nh*hd)
         return self.o_proj(out)

@@ -98,6 +98,9 @@ class EPStats:
     activations: int = 0  # (token, chosen expert) pairs
     local: int = 0  # of them, served by an expert on the token's home rank
     bytes_sent: int = 0  # payload that left this rank: dispatched rows, their routing, combined rows
+    # tensor-parallel attention's reduce-scatter and all-gather bytes that left this rank (actors/moe/shuffle.py;
+    # they replace the all-reduce such attention needs anyway, so they are not part of the expert all-to-all)
+    attn_bytes: int = 0
     seconds: float = 0.0  # in MoE layers, communication included
     per_layer: dict[int, float] = field(default_factory=dict)  # MoE-layer seconds by model layer index
 
@@ -106,6 +109,7 @@ class EPStats:
         self.activations += other.activations
         self.local += other.local
         self.bytes_sent += other.bytes_sent
+        self.attn_bytes += other.attn_bytes
         self.seconds += other.seconds
         for layer, sec in other.per_layer.items():
             self.per_layer[layer] = self.per_layer.get(layer, 0.0) + sec

@@ -1,4 +1,4 @@
-"""`specfleet bench moe`: plain expert parallelism vs Speculative MoE's grouping and request placement, in one run.
+"""`specfleet bench moe`: plain expert parallelism vs Speculative MoE's grouping and pre-scheduling, in one run.
 
 Routing statistics are profiled on one part of the prompts (actors/moe/profile.py); the figures come from
 another part (held out). For each rank count, the MoE model runs as expert-parallel rank actors on the local
@@ -7,6 +7,17 @@ cluster (gloo all-to-all between processes) under three settings, one after anot
     plain        contiguous experts per rank, each request on the lightest rank
     grouped      experts grouped by co-activation and affinity (placement/experts.py), lightest rank
     grouped+pre  grouped, and each request on the rank its prompt's predicted experts favour (within --slack)
+
+and again with tensor-parallel attention (every rank holds a slice of the heads and runs every token;
+actors/moe/shuffle.py), where each token's FFN runs on one rank:
+
+    tp           contiguous experts, tokens on a balanced contiguous split
+    tp+grouped   grouped experts, balanced split
+    tp+shuffle   grouped, and each token on the rank its predicted experts favour (Speculative MoE's token
+                 shuffling; predictions below --confidence fall back to the balanced split)
+
+Each layout's gains are against its own plain setting (plain, tp); the tensor-parallel rows also report the
+attention's reduce-scatter and all-gather bytes, which replace the all-reduce such attention needs anyway.
 
 Reported per setting, from the ranks' own counters (actors/moe/ep.py): local activation rate (share of
 (token, expert) pairs served on the token's rank), all-to-all bytes per token (over every MoE layer), MoE-layer
@@ -41,7 +52,9 @@ from deploy.cli.flags import UsageError
 from deploy.infra import local_cluster
 from placement.experts import contiguous_plan, group_experts
 
-SETTINGS = ("plain", "grouped", "grouped+pre")
+SETTINGS = ("plain", "grouped", "grouped+pre", "tp", "tp+grouped", "tp+shuffle")
+BASELINE = {"plain": "plain", "grouped": "plain", "grouped+pre": "plain", "tp": "tp", "tp+grouped": "tp",
+            "tp+shuffle": "tp"}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -55,6 +68,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--batch", type=int, default=8, help="requests decoding together")
     p.add_argument("--slack", type=int, default=2, help="grouped+pre: requests a rank may hold above the lightest")
+    p.add_argument("--confidence", type=float, default=0.0,
+                   help="tp+shuffle: least share of a token's predicted expert mass on its rank to move it there")
+    p.add_argument("--settings", default=",".join(SETTINGS), help=f"comma-separated, of {', '.join(SETTINGS)}")
     p.add_argument("--num-cpus", type=float, default=0.5, help="CPUs of each rank actor (its torch threads)")
     p.add_argument("--state", type=Path, default=local_cluster.DEFAULT_STATE, help="the local cluster's state file")
     p.add_argument("--out", type=Path, help="folder to keep the routing statistics and plans in (default: temporary)")
@@ -81,6 +97,11 @@ def run(args: argparse.Namespace) -> int:
         ranks = [int(r) for r in args.ranks.split(",")]
     except ValueError:
         raise UsageError(f"--ranks: expected counts like 2,3, got {args.ranks!r}") from None
+    settings = args.settings.split(",")
+    unknown = [name for name in settings if name not in SETTINGS]
+    missing = {BASELINE[name] for name in settings} - set(settings)
+    if unknown or missing:
+        raise UsageError(f"--settings: unknown {unknown}, or without the baseline they are compared with {missing}")
     from deploy.model_store import resolve_model
 
     path = resolve_model(args.model)
@@ -112,10 +133,14 @@ def run(args: argparse.Namespace) -> int:
         (out / f"plan-{r}.json").write_text(plan.model_dump_json())
         (out / f"contiguous-{r}.json").write_text(contiguous_plan(stats.layers, num_experts, r).model_dump_json())
         plan_file, stats_file = str(out / f"plan-{r}.json"), str(out / "routing.safetensors")
-        runs += [Run(r, "plain", ExpertParallelConfig(ranks=r)),
-                 Run(r, "grouped", ExpertParallelConfig(ranks=r, plan=plan_file)),
-                 Run(r, "grouped+pre", ExpertParallelConfig(ranks=r, plan=plan_file, stats=stats_file,
-                                                            slack=args.slack))]
+        tp = dict(attention="tensor", confidence=args.confidence)
+        every = {"plain": ExpertParallelConfig(ranks=r),
+                 "grouped": ExpertParallelConfig(ranks=r, plan=plan_file),
+                 "grouped+pre": ExpertParallelConfig(ranks=r, plan=plan_file, stats=stats_file, slack=args.slack),
+                 "tp": ExpertParallelConfig(ranks=r, **tp),
+                 "tp+grouped": ExpertParallelConfig(ranks=r, plan=plan_file, **tp),
+                 "tp+shuffle": ExpertParallelConfig(ranks=r, plan=plan_file, stats=stats_file, **tp)}
+        runs += [Run(r, name, every[name]) for name in settings]
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
     reference = _one_process(model, cache, measured, params, args.batch)
 
@@ -169,6 +194,8 @@ def _report(args, path: str, stats, runs: list[Run], reference: list[list[int]])
         rows.setdefault(str(r.ranks), {})[r.setting] = {
             "local_activation_rate": round(r.stats.local_rate, 4),
             "alltoall_bytes_per_token": round(r.stats.bytes_per_token, 1),  # over every MoE layer
+            # tensor-parallel attention's reduce-scatter and all-gather, over every layer (0 with data parallel)
+            "attention_bytes_per_token": round(r.stats.attn_bytes / r.stats.model_tokens, 1),
             "moe_ms_per_token": round(r.stats.seconds_per_token * 1e3, 4),  # summed over the ranks' MoE layers
             "tok_s": round(r.tokens / r.seconds, 2),
             # the busiest rank's share of the tokens over an even share (1.0: balanced attention load)
@@ -176,8 +203,8 @@ def _report(args, path: str, stats, runs: list[Run], reference: list[list[int]])
             "identical_to_one_process": r.outputs == reference,
         }
     for settings in rows.values():
-        plain = settings["plain"]
-        for row in settings.values():
+        for name, row in settings.items():
+            plain = settings[BASELINE[name]]
             gain = row["local_activation_rate"] - plain["local_activation_rate"]
             row["local_rate_gain_points"] = round(gain * 100, 2)
             row["bytes_reduction"] = round(1 - row["alltoall_bytes_per_token"] / plain["alltoall_bytes_per_token"], 4)
@@ -185,7 +212,7 @@ def _report(args, path: str, stats, runs: list[Run], reference: list[list[int]])
     entropy = stats.usage_entropy()
     return {"model": path, "profiled_tokens": stats.tokens, "num_prompts": len(reference),
             "max_tokens": args.max_tokens, "batch": args.batch, "slack": args.slack,
-            "num_cpus_per_rank": args.num_cpus, "moe_layers": num_layers, "num_experts": stats.num_experts,
+            "confidence": args.confidence, "num_cpus_per_rank": args.num_cpus, "moe_layers": num_layers, "num_experts": stats.num_experts,
             "top_k": stats.top_k, "usage_entropy": [round(float(e), 4) for e in entropy], "ranks": rows}
 
 
@@ -195,13 +222,14 @@ def _print(report: dict) -> None:
 
     table = Table(title=f"Speculative MoE on {Path(report['model']).name}: {report['num_experts']} experts, "
                         f"top-{report['top_k']}, {report['moe_layers']} MoE layers, held-out prompts")
-    for col in ("ranks", "setting", "local rate", "gain (points)", "a2a bytes/token", "reduction", "MoE ms/token",
-                "tok/s", "load imbalance", "identical"):
+    for col in ("ranks", "setting", "local rate", "gain (points)", "a2a bytes/token", "reduction",
+                "attention bytes/token", "MoE ms/token", "tok/s", "load imbalance", "identical"):
         table.add_column(col)
     for ranks, settings in report["ranks"].items():
         for name, r in settings.items():
             table.add_row(ranks, name, f"{r['local_activation_rate']:.3f}", f"{r['local_rate_gain_points']:+.1f}",
                           f"{r['alltoall_bytes_per_token']:.0f}", f"{r['bytes_reduction']:.1%}",
+                          f"{r['attention_bytes_per_token']:.0f}",
                           f"{r['moe_ms_per_token']:.3f}", f"{r['tok_s']:.1f}", f"{r['load_imbalance']:.2f}",
                           str(r["identical_to_one_process"]))
     Console().print(table)
@@ -217,9 +245,10 @@ def _plot(report: dict, path: Path) -> None:
     keys = (("local_activation_rate", "local activation rate"),
             ("alltoall_bytes_per_token", "all-to-all bytes per token"),
             ("moe_ms_per_token", "MoE-layer ms per token"))
-    width = 0.8 / len(SETTINGS)
+    names = list(next(iter(report["ranks"].values())))
+    width = 0.8 / len(names)
     for ax, (key, label) in zip(axes, keys):
-        for i, setting in enumerate(SETTINGS):
+        for i, setting in enumerate(names):
             xs = [j + i * width for j in range(len(report["ranks"]))]
             ax.bar(xs, [report["ranks"][r][setting][key] for r in report["ranks"]], width, label=setting)
         ax.set_xticks([j + width for j in range(len(report["ranks"]))], [f"{r} ranks" for r in report["ranks"]])

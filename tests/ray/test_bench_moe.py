@@ -22,10 +22,12 @@ def test_bench_moe_runs_every_setting_losslessly(ray_cluster, tiny_models, tmp_p
     report = json.loads(report_path.read_text())
     assert plot.stat().st_size > 0 and (keep / "routing.safetensors").exists() and (keep / "plan-2.json").exists()
     rows = report["ranks"]["2"]
-    assert list(rows) == ["plain", "grouped", "grouped+pre"]
+    assert list(rows) == ["plain", "grouped", "grouped+pre", "tp", "tp+grouped", "tp+shuffle"]
     for name, r in rows.items():
         assert r["identical_to_one_process"], name  # lossless: placement changes what crosses, never the output
         assert 0 < r["local_activation_rate"] < 1 and r["alltoall_bytes_per_token"] > 0 and r["tok_s"] > 0, (name, r)
-    assert rows["plain"]["bytes_reduction"] == 0.0 and rows["plain"]["local_rate_gain_points"] == 0.0
+        assert (r["attention_bytes_per_token"] > 0) == name.startswith("tp"), (name, r)
+    for baseline in ("plain", "tp"):  # each layout against its own
+        assert rows[baseline]["bytes_reduction"] == 0.0 and rows[baseline]["local_rate_gain_points"] == 0.0
     assert report["moe_layers"] == 4 and report["top_k"] == 2 and len(report["usage_entropy"]) == 4
     assert "Speculative MoE on" in out.stdout

@@ -2,13 +2,15 @@
 
 Each rank holds every layer's attention and a slice of the experts; requests are spread over the ranks and
 the output must be the target's own greedy output, with speculative decoding on, over 2 and 3 ranks, with
-Speculative MoE's expert grouping and request placement off and on.
+Speculative MoE's expert grouping and request placement off and on, and with tensor-parallel attention and
+token-level pre-scheduling.
 """
 
 from __future__ import annotations
 
 import asyncio
 import tempfile
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -17,8 +19,9 @@ import torch
 
 from actors.build import ray_instance
 from actors.instance_server import InstanceServer
-from actors.ep_stages import EPStages
+from actors.ep_stages import EPStages, ShuffledStages
 from actors.model.loader import load_model
+from actors.model.metadata import SeqChunk
 from actors.moe.ep import EPStats
 from actors.moe.profile import RoutingStats, profile
 from cluster.config import ExpertParallelConfig
@@ -55,16 +58,19 @@ def routing(tiny_models, tmp_path_factory) -> dict[int, tuple[Path, Path]]:
     return plans
 
 
-SETTINGS = [(2, False), (2, True), (3, False), (3, True)]
+# plain: contiguous experts, whole requests per rank; grouped: grouped experts and request placement; shuffled:
+# grouped experts, tensor-parallel attention and token-level pre-scheduling (actors/moe/shuffle.py)
+SETTINGS = [(2, "plain"), (2, "grouped"), (2, "shuffled"), (3, "plain"), (3, "grouped"), (3, "shuffled")]
 
 
-@pytest.mark.parametrize(("ranks", "speculative_moe"), SETTINGS,
-                         ids=[f"{r}ranks-{'grouped' if s else 'plain'}" for r, s in SETTINGS])
+@pytest.mark.parametrize(("ranks", "mode"), SETTINGS, ids=[f"{r}ranks-{m}" for r, m in SETTINGS])
 def test_expert_parallel_instance_is_lossless(ray_driver, tiny_models, tiny_draft_models, routing, ranks,
-                                              speculative_moe) -> None:
+                                              mode) -> None:
     stats_file, plan_file = routing[ranks]
+    speculative_moe = mode != "plain"
     experts = ExpertParallelConfig(ranks=ranks, plan=str(plan_file) if speculative_moe else None,
-                                   stats=str(stats_file) if speculative_moe else None, slack=1)
+                                   stats=str(stats_file) if speculative_moe else None, slack=1,
+                                   attention="tensor" if mode == "shuffled" else "data")
     cfg = engine_config(tiny_models["mixtral"], tiny_draft_models["mixtral"]).model_copy(update={"experts": experts})
     inst = ray_instance(cfg, layout(ranks), num_cpus=CPUS, ready_timeout_s=180)
     try:
@@ -88,6 +94,39 @@ def test_expert_parallel_instance_is_lossless(ray_driver, tiny_models, tiny_draf
         assert engine.moe_local_rate == pytest.approx(total.local_rate)
         assert engine.moe_alltoall_bytes_per_token == pytest.approx(total.bytes_per_token) and total.bytes_per_token > 0
         assert executor.home == {}  # every finished request's KV was freed on its rank
+    finally:
+        inst.shutdown()
+
+
+def test_tensor_parallel_ranks_export_and_import_a_requests_whole_kv(ray_driver, tiny_models) -> None:
+    """Ranks that split the heads (3 ranks, 4 heads over 2 KV heads: the last two share one) join a request's KV
+    into the whole model's on export and split it back on import (a migration's path)."""
+    experts = ExpertParallelConfig(ranks=3, attention="tensor")
+    cfg = engine_config(tiny_models["mixtral"]).model_copy(update={"experts": experts})
+    inst = ray_instance(cfg, layout(3), num_cpus=CPUS, ready_timeout_s=180)
+    try:
+        target = inst.target
+        assert isinstance(target.executor, ShuffledStages)
+        model = load(tiny_models["mixtral"])
+        prompt = text_prompts(model, 1, offset=6)[0]
+        whole = runner(model)
+        with torch.inference_mode():
+            want = whole.forward([SeqChunk("p", tuple(prompt), 1)])
+        assert target.reserve("p", len(prompt))
+        torch.testing.assert_close(target.forward([SeqChunk("p", tuple(prompt), 1)]), want, rtol=1e-5, atol=1e-5)
+
+        [kv] = target.export_kv("p")
+
+        ref = whole.cache.export("p")
+        assert kv.k.shape == ref.k.shape  # every KV head, once
+        torch.testing.assert_close(kv.k, ref.k, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(kv.v, ref.v, rtol=1e-5, atol=1e-5)
+        assert target.import_kv([replace(kv, request_id="q")])
+        nxt = int(want[-1].argmax())
+        with torch.inference_mode():
+            want_next = whole.forward([SeqChunk("p", (nxt,), 1)])
+        got_next = target.forward([SeqChunk("q", (nxt,), 1)])  # decodes on the imported KV alone
+        torch.testing.assert_close(got_next, want_next, rtol=1e-5, atol=1e-5)
     finally:
         inst.shutdown()
 

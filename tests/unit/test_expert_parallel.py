@@ -7,6 +7,7 @@ the logits must equal the whole model's in one runner, with a rank idle or not, 
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 
 import numpy as np
 import pytest
@@ -14,6 +15,7 @@ import torch
 
 from actors.model.loader import load_model
 from actors.model.metadata import SeqChunk
+from actors.model.runner import ModelRunner
 from actors.moe import ep
 from actors.moe.permute import apply_plan
 from actors.moe.profile import moe_layers
@@ -24,15 +26,17 @@ MOE_FAMILIES = ("mixtral", "qwen2_moe")
 
 
 def ep_forward(path, world: int, batches: list[list[SeqChunk]], plan: ExpertPlan | None = None,
+               enable: Callable[[ModelRunner, ep.ExpertComm], ep.EPStats] = ep.enable,
                ) -> tuple[list[torch.Tensor | None], list[ep.EPStats], list]:
-    """Run batches[r] on rank r of `world` ranks (threads); each rank's logits, stats and runner."""
+    """Run batches[r] on rank r of `world` ranks (threads), each made a rank by `enable`; each rank's logits,
+    stats and runner."""
     group = ep.ThreadGroup(world)
     runners, stats = [], []
     for rank in range(world):
         r = runner(load_model(str(path), "fp32"))  # its own copy: enable drops the other ranks' experts
         if plan is not None:
             apply_plan(r, plan)
-        stats.append(ep.enable(r, group.comm(rank)))
+        stats.append(enable(r, group.comm(rank)))
         runners.append(r)
     out: list[torch.Tensor | None] = [None] * world
     errors: list[BaseException] = []
