@@ -12,7 +12,11 @@ The objective is the co-activation and affinity mass kept on one rank:
     sum_l sum_{e ~ e' in layer l} C[l][e, e'] + sum_l sum_{e in l ~ e' in l+1} A[l][e, e']
 where ~ means "on the same rank". `group_experts` maximises it greedily layer by layer (heaviest experts
 first, each to the rank it gains most on) under a balanced capacity (every rank holds E / R experts of every
-layer, so expert memory is even), then refines by the best improving pairwise swap until none is left.
+layer, so expert memory is even; with `balance`, also at most (1 + balance) times an even share of each layer's
+profiled expert load, so that the most used experts, often chosen together, do not all land on one rank's
+compute), then refines by the best improving pairwise swap that keeps those caps until none is left. Fewer
+bytes and a busier rank pull against each other (GRACE-MoE, arXiv 2509.25041, makes the same observation):
+docs/benchmarks.md measures both.
 Pure module: numpy only, tested with plain data.
 """
 
@@ -87,36 +91,50 @@ def objective(ranks: np.ndarray, coact: np.ndarray, affinity: np.ndarray) -> flo
 
 
 def group_experts(layers: Sequence[int], coact: np.ndarray, affinity: np.ndarray, load: np.ndarray,
-                  num_ranks: int, max_swaps: int = 10_000) -> ExpertPlan:
+                  num_ranks: int, max_swaps: int = 10_000, balance: float | None = None) -> ExpertPlan:
     """Expert grouping: greedy affinity assignment under balanced capacity, refined by pairwise swaps.
 
-    coact (L, E, E) symmetric, affinity (L-1, E, E), load (L, E) activations per expert. Returns the plan.
+    coact (L, E, E) symmetric, affinity (L-1, E, E), load (L, E) activations per expert. Capacity is E / R experts
+    per rank (memory) and, with `balance`, at most (1 + balance) times an even share of each layer's load
+    (compute: without it, the most used experts, which are often chosen together, may gather on one rank). A rank
+    over its load cap after the greedy pass only takes swaps that lower it. Returns the plan.
     """
     coact, affinity, load = (np.array(a, dtype=np.float64) for a in (coact, affinity, load))
     n_layers, n_experts = load.shape
     _check(n_experts, num_ranks)
     coact[:, np.arange(n_experts), np.arange(n_experts)] = 0.0
     sizes = np.array(expert_shares(n_experts, num_ranks))  # experts per rank
+    caps = (load.sum(1) / num_ranks * (1 + balance) if balance is not None
+            else np.full(n_layers, np.inf))  # (L,) most load a rank may take
     ranks = np.full((n_layers, n_experts), -1, dtype=np.int64)
     for l in range(n_layers):
         held = np.zeros(num_ranks, dtype=np.int64)
+        taken = np.zeros(num_ranks)  # load placed on each rank
         for e in np.argsort(-load[l], kind="stable"):
             gain = np.zeros(num_ranks)
             placed = ranks[l] >= 0
             np.add.at(gain, ranks[l][placed], coact[l, e, placed])
             if l > 0:  # affinity from the previous layer's experts into e
                 np.add.at(gain, ranks[l - 1], affinity[l - 1, :, e])
-            gain[held >= sizes] = -np.inf
-            best = np.flatnonzero(gain == gain.max())
-            r = int(best[np.argmin(held[best])])  # ties: the emptiest rank
+            room = held < sizes
+            fits = room & (taken + load[l, e] <= caps[l])
+            if fits.any():
+                gain[~fits] = -np.inf
+                best = np.flatnonzero(gain == gain.max())
+                r = int(best[np.argmin(held[best])])  # ties: the emptiest rank
+            else:  # over every cap: the least loaded rank with room
+                r = int(np.flatnonzero(room)[np.argmin(taken[room])])
             ranks[l, e] = r
             held[r] += 1
-    _refine(ranks, coact, affinity, num_ranks, max_swaps)
+            taken[r] += load[l, e]
+    _refine(ranks, coact, affinity, load, caps, num_ranks, max_swaps)
     return ExpertPlan(num_ranks=num_ranks, layers=tuple(layers), ranks=tuple(tuple(int(r) for r in row) for row in ranks))
 
 
-def _refine(ranks: np.ndarray, coact: np.ndarray, affinity: np.ndarray, num_ranks: int, max_swaps: int) -> None:
-    """Apply the best improving swap of two experts of one layer on different ranks until none improves."""
+def _refine(ranks: np.ndarray, coact: np.ndarray, affinity: np.ndarray, load: np.ndarray, caps: np.ndarray,
+            num_ranks: int, max_swaps: int) -> None:
+    """Apply the best improving swap of two experts of one layer on different ranks until none improves; a swap
+    may not take a rank over its load cap, nor raise a rank already over it."""
     n_layers, n_experts = ranks.shape
     for _ in range(max_swaps):
         best, best_delta = None, 1e-9
@@ -135,6 +153,11 @@ def _refine(ranks: np.ndarray, coact: np.ndarray, affinity: np.ndarray, num_rank
             move = w[:, ra] - w[np.arange(n_experts), ra][:, None]  # (E, E): e moved onto the rank of j
             delta = move + move.T - 2 * coact[l]
             delta[ra[:, None] == ra[None, :]] = -np.inf
+            rank_load = np.bincount(ra, weights=load[l], minlength=num_ranks)
+            before = rank_load[ra]  # (E,): the load of each expert's rank
+            after = before[:, None] - load[l][:, None] + load[l][None, :]  # (E, E): a's rank once a and b swap
+            ok = (after <= caps[l]) | (after <= before[:, None])  # within the cap, or no worse than before
+            delta[~(ok & ok.T)] = -np.inf
             a, b = np.unravel_index(np.argmax(delta), delta.shape)
             if delta[a, b] > best_delta:
                 best, best_delta = (l, a, b), delta[a, b]

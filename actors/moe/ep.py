@@ -41,8 +41,9 @@ class ExpertComm(Protocol):
     rank: int
     world_size: int
 
-    def exchange(self, send: list[torch.Tensor]) -> list[torch.Tensor]:
-        """send[r] (n_r, *) goes to rank r; returns recv[s] (m_s, *) from each rank s. Rows are what varies."""
+    def exchange(self, send: list[torch.Tensor], sizes: list[int] | None = None) -> list[torch.Tensor]:
+        """send[r] (n_r, *) goes to rank r; returns recv[s] (m_s, *) from each rank s. Rows are what varies;
+        `sizes` (each m_s), when the caller knows them, spares exchanging the counts first."""
         ...
 
 
@@ -53,14 +54,16 @@ class DistComm:
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self.wire = wire  # where tensors must be to cross (actors/p2p.py P2P.wire)
 
-    def exchange(self, send: list[torch.Tensor]) -> list[torch.Tensor]:
-        counts = torch.tensor([len(t) for t in send], dtype=torch.long, device=self.wire)  # (R,)
-        got = torch.empty_like(counts)
-        dist.all_to_all_single(got, counts)
+    def exchange(self, send: list[torch.Tensor], sizes: list[int] | None = None) -> list[torch.Tensor]:
+        counts = [len(t) for t in send]
+        if sizes is None:
+            got = torch.empty(len(send), dtype=torch.long, device=self.wire)  # (R,)
+            dist.all_to_all_single(got, torch.tensor(counts, dtype=torch.long, device=self.wire))
+            sizes = got.tolist()
         rest = send[0].shape[1:]
-        out = torch.empty((int(got.sum()), *rest), dtype=send[0].dtype, device=self.wire)
-        dist.all_to_all_single(out, torch.cat(send).to(self.wire), got.tolist(), counts.tolist())
-        return list(out.to(send[0].device).split(got.tolist()))
+        out = torch.empty((sum(sizes), *rest), dtype=send[0].dtype, device=self.wire)
+        dist.all_to_all_single(out, torch.cat(send).to(self.wire), sizes, counts)
+        return list(out.to(send[0].device).split(sizes))
 
 
 class ThreadGroup:
@@ -81,7 +84,7 @@ class ThreadComm:
     def __init__(self, group: ThreadGroup, rank: int) -> None:
         self.group, self.rank, self.world_size = group, rank, group.world_size
 
-    def exchange(self, send: list[torch.Tensor]) -> list[torch.Tensor]:
+    def exchange(self, send: list[torch.Tensor], sizes: list[int] | None = None) -> list[torch.Tensor]:
         g = self.group
         g.slots[self.rank] = list(send)
         g.barrier.wait()  # every rank has posted
@@ -97,22 +100,27 @@ class EPStats:
     tokens: int = 0  # tokens routed, summed over MoE layers
     activations: int = 0  # (token, chosen expert) pairs
     local: int = 0  # of them, served by an expert on the token's home rank
+    served: int = 0  # (token, expert) pairs this rank's experts computed, from any rank (its expert load)
     bytes_sent: int = 0  # payload that left this rank: dispatched rows, their routing, combined rows
     # tensor-parallel attention's reduce-scatter and all-gather bytes that left this rank (actors/moe/shuffle.py;
     # they replace the all-reduce such attention needs anyway, so they are not part of the expert all-to-all)
     attn_bytes: int = 0
     seconds: float = 0.0  # in MoE layers, communication included
     per_layer: dict[int, float] = field(default_factory=dict)  # MoE-layer seconds by model layer index
+    served_per_layer: dict[int, int] = field(default_factory=dict)  # `served` by model layer index
 
     def add(self, other: "EPStats") -> None:
         self.tokens += other.tokens
         self.activations += other.activations
         self.local += other.local
+        self.served += other.served
         self.bytes_sent += other.bytes_sent
         self.attn_bytes += other.attn_bytes
         self.seconds += other.seconds
         for layer, sec in other.per_layer.items():
             self.per_layer[layer] = self.per_layer.get(layer, 0.0) + sec
+        for layer, n in other.served_per_layer.items():
+            self.served_per_layer[layer] = self.served_per_layer.get(layer, 0) + n
 
     @property
     def model_tokens(self) -> float:
@@ -184,6 +192,9 @@ class ExpertParallelMoE:
         """This rank's experts on tokens sent to it. x (m, H), meta (m, 2k): ids (-1: not here), weights."""
         k = self.moe.top_k
         ids, weights = meta[:, :k].long(), meta[:, k:].to(weight_dtype)  # (m, k) each
+        served = int((ids >= 0).sum())
+        self.stats.served += served
+        self.stats.served_per_layer[self.index] = self.stats.served_per_layer.get(self.index, 0) + served
         out = torch.zeros_like(x)
         for e in torch.unique(ids).tolist():
             if e < 0:

@@ -176,7 +176,8 @@ class ShuffledLayer(DecoderLayer):
             s.previous = None
         part = self.attn(rms_norm(x, self.input_norm, self.eps), cos, sin, meta, cache, self.index)  # (N, H)
         dest = s.dest(self, meta.token_ids)  # (N,)
-        got = comm.exchange([part[dest == r] for r in range(world)])  # got[s] (n_r, H): rank s's part of mine
+        counts = torch.bincount(dest, minlength=world).tolist()  # tokens landing on each rank (known to all)
+        got = comm.exchange([part[dest == r] for r in range(world)], [counts[rank]] * world)  # got[s] (n_r, H)
         attn = got[0]
         for g in got[1:]:
             attn = attn + g  # in rank order, wherever the token landed: the same sum on any rank
@@ -184,7 +185,7 @@ class ShuffledLayer(DecoderLayer):
         y = h + self.ffn(rms_norm(h, self.post_norm, self.eps))  # (n_r, H)
         moe = isinstance(self.ffn, ep.ExpertParallelMoE)
         rows = torch.cat([y, self.ffn.last_ids.to(y.dtype)], -1) if moe else y  # expert ids ride along (exact)
-        back = comm.exchange([rows] * world)  # back[s]: rank s's tokens
+        back = comm.exchange([rows] * world, counts)  # back[s]: rank s's tokens
         full = rows.new_empty(x.shape[0], rows.shape[1])
         for src, b in enumerate(back):
             full[dest == src] = b

@@ -48,7 +48,7 @@ from cluster.config import (CacheConfig, EngineConfig, ExpertParallelConfig, Mod
 from cluster.request import SamplingParams
 from deploy.bench.output import save
 from deploy.bench.prompts import DATASETS, load_prompts
-from deploy.cli.flags import UsageError
+from deploy.cli.flags import UsageError, parse_balance
 from deploy.infra import local_cluster
 from placement.experts import contiguous_plan, group_experts
 
@@ -68,6 +68,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--batch", type=int, default=8, help="requests decoding together")
     p.add_argument("--slack", type=int, default=2, help="grouped+pre: requests a rank may hold above the lightest")
+    p.add_argument("--balance", type=parse_balance, default=None,
+                   help="grouping: cap each rank's expert load per layer at (1 + BALANCE) times an even share "
+                        "(default none: expert counts only)")
     p.add_argument("--confidence", type=float, default=0.0,
                    help="tp+shuffle: least share of a token's predicted expert mass on its rank to move it there")
     p.add_argument("--settings", default=",".join(SETTINGS), help=f"comma-separated, of {', '.join(SETTINGS)}")
@@ -87,6 +90,7 @@ class Run:
     experts: ExpertParallelConfig
     stats: EPStats = field(default_factory=EPStats)
     per_rank_tokens: list[float] = field(default_factory=list)  # tokens each rank ran as home (attention load)
+    per_rank_served: list[dict[int, int]] = field(default_factory=list)  # pairs each rank's experts ran, by layer
     tokens: int = 0
     seconds: float = 0.0
     outputs: list[list[int]] = field(default_factory=list)
@@ -129,7 +133,8 @@ def run(args: argparse.Namespace) -> int:
     stats.save(out / "routing.safetensors", model=path)
     runs = []
     for r in ranks:
-        plan = group_experts(stats.layers, stats.coact.numpy(), stats.affinity.numpy(), stats.load.numpy(), r)
+        plan = group_experts(stats.layers, stats.coact.numpy(), stats.affinity.numpy(), stats.load.numpy(), r,
+                             balance=args.balance)
         (out / f"plan-{r}.json").write_text(plan.model_dump_json())
         (out / f"contiguous-{r}.json").write_text(contiguous_plan(stats.layers, num_experts, r).model_dump_json())
         plan_file, stats_file = str(out / f"plan-{r}.json"), str(out / "routing.safetensors")
@@ -179,6 +184,7 @@ def _measure(r: Run, path: str, cache: CacheConfig, prompts, params, args) -> No
         for s in target.executor.ep_stats():
             r.stats.add(s)
             r.per_rank_tokens.append(s.model_tokens)
+            r.per_rank_served.append(s.served_per_layer)
         r.outputs = [c.token_ids for c in completions]
         r.tokens = sum(len(o) for o in r.outputs)
     finally:
@@ -198,8 +204,13 @@ def _report(args, path: str, stats, runs: list[Run], reference: list[list[int]])
             "attention_bytes_per_token": round(r.stats.attn_bytes / r.stats.model_tokens, 1),
             "moe_ms_per_token": round(r.stats.seconds_per_token * 1e3, 4),  # summed over the ranks' MoE layers
             "tok_s": round(r.tokens / r.seconds, 2),
-            # the busiest rank's share of the tokens over an even share (1.0: balanced attention load)
-            "load_imbalance": round(max(r.per_rank_tokens) * len(r.per_rank_tokens) / sum(r.per_rank_tokens), 3),
+            # the busiest rank's share of the tokens over an even share (1.0: balanced): with data-parallel attention
+            # the requests' homes (attention and KV); with tensor-parallel attention where tokens landed for the FFN
+            "load_imbalance": _imbalance(r.per_rank_tokens),
+            # the same for the (token, expert) pairs each rank's experts computed (the expert load), per MoE layer
+            # (a layer waits for its busiest rank), averaged over the layers
+            "expert_load_imbalance": round(sum(_imbalance([rank.get(layer, 0) for rank in r.per_rank_served])
+                                               for layer in stats.layers) / num_layers, 3),
             "identical_to_one_process": r.outputs == reference,
         }
     for settings in rows.values():
@@ -212,8 +223,12 @@ def _report(args, path: str, stats, runs: list[Run], reference: list[list[int]])
     entropy = stats.usage_entropy()
     return {"model": path, "profiled_tokens": stats.tokens, "num_prompts": len(reference),
             "max_tokens": args.max_tokens, "batch": args.batch, "slack": args.slack,
-            "confidence": args.confidence, "num_cpus_per_rank": args.num_cpus, "moe_layers": num_layers, "num_experts": stats.num_experts,
+            "balance": args.balance, "confidence": args.confidence, "num_cpus_per_rank": args.num_cpus, "moe_layers": num_layers, "num_experts": stats.num_experts,
             "top_k": stats.top_k, "usage_entropy": [round(float(e), 4) for e in entropy], "ranks": rows}
+
+
+def _imbalance(per_rank: list[float]) -> float:
+    return round(max(per_rank) * len(per_rank) / sum(per_rank), 3) if sum(per_rank) else 1.0
 
 
 def _print(report: dict) -> None:
@@ -223,7 +238,8 @@ def _print(report: dict) -> None:
     table = Table(title=f"Speculative MoE on {Path(report['model']).name}: {report['num_experts']} experts, "
                         f"top-{report['top_k']}, {report['moe_layers']} MoE layers, held-out prompts")
     for col in ("ranks", "setting", "local rate", "gain (points)", "a2a bytes/token", "reduction",
-                "attention bytes/token", "MoE ms/token", "tok/s", "load imbalance", "identical"):
+                "attention bytes/token", "MoE ms/token", "tok/s", "load imbalance", "expert load imbalance",
+                "identical"):
         table.add_column(col)
     for ranks, settings in report["ranks"].items():
         for name, r in settings.items():
@@ -231,8 +247,9 @@ def _print(report: dict) -> None:
                           f"{r['alltoall_bytes_per_token']:.0f}", f"{r['bytes_reduction']:.1%}",
                           f"{r['attention_bytes_per_token']:.0f}",
                           f"{r['moe_ms_per_token']:.3f}", f"{r['tok_s']:.1f}", f"{r['load_imbalance']:.2f}",
+                          f"{r['expert_load_imbalance']:.2f}",
                           str(r["identical_to_one_process"]))
-    Console().print(table)
+    Console(width=200).print(table)
 
 
 def _plot(report: dict, path: Path) -> None:
@@ -251,7 +268,8 @@ def _plot(report: dict, path: Path) -> None:
         for i, setting in enumerate(names):
             xs = [j + i * width for j in range(len(report["ranks"]))]
             ax.bar(xs, [report["ranks"][r][setting][key] for r in report["ranks"]], width, label=setting)
-        ax.set_xticks([j + width for j in range(len(report["ranks"]))], [f"{r} ranks" for r in report["ranks"]])
+        ax.set_xticks([j + width * (len(names) - 1) / 2 for j in range(len(report["ranks"]))],
+                      [f"{r} ranks" for r in report["ranks"]])
         ax.set_ylabel(label)
     axes[0].legend(fontsize=7)
     fig.suptitle(f"Speculative MoE: {Path(report['model']).name}")

@@ -20,7 +20,7 @@ import yaml
 
 from deploy.bench.prompts import DATASETS
 from deploy.cli.admin_cmd import _guard, add_endpoint_flags, client
-from deploy.cli.flags import UsageError
+from deploy.cli.flags import UsageError, parse_balance
 from placement.experts import ExpertPlan, contiguous_plan, group_experts, objective
 
 
@@ -45,12 +45,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     plan.add_argument("--stats", type=Path, required=True, help="routing statistics from `experts profile`")
     plan.add_argument("--ranks", type=int, required=True, help="expert-parallel ranks")
     plan.add_argument("--out", type=Path, required=True, help="the plan file to write (.json)")
+    plan.add_argument("--balance", type=parse_balance, default=None,
+                      help="also cap each rank's expert load per layer at (1 + BALANCE) times an even share, e.g. "
+                           "0.5 (default none: expert counts only)")
     plan.set_defaults(run=run_plan)
 
     apply = actions.add_parser("apply", help="write a config whose instances load their experts by a plan")
     apply.add_argument("--plan", type=Path, required=True)
     apply.add_argument("--config", type=Path, required=True, help="the config to start from")
-    apply.add_argument("--stats", type=Path, help="also place requests by these routing statistics")
+    apply.add_argument("--stats", type=Path, help="also pre-schedule by these routing statistics")
+    apply.add_argument("--attention", choices=["data", "tensor"],
+                       help="data: whole requests per rank, placed by --stats; tensor: heads split over the ranks, "
+                            "single tokens placed by --stats (token shuffling)")
     apply.add_argument("--out", type=Path, required=True, help="the config to write")
     apply.set_defaults(run=run_apply)
 
@@ -119,7 +125,7 @@ def run_plan(args: argparse.Namespace) -> int:
     if not 1 <= args.ranks <= stats.num_experts:
         raise UsageError(f"--ranks {args.ranks}: need 1 to {stats.num_experts} (the experts per layer)")
     coact, affinity, load = stats.coact.numpy(), stats.affinity.numpy(), stats.load.numpy()
-    plan = group_experts(stats.layers, coact, affinity, load, args.ranks)
+    plan = group_experts(stats.layers, coact, affinity, load, args.ranks, balance=args.balance)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(plan.model_dump_json(indent=1))
     _print_plan(stats, plan)
@@ -146,6 +152,8 @@ def run_apply(args: argparse.Namespace) -> int:
     experts.update({"ranks": plan.num_ranks, "plan": str(args.plan.resolve())})
     if args.stats is not None:
         experts["stats"] = str(_stats_path(args.stats))
+    if args.attention is not None:
+        experts["attention"] = args.attention
     raw.setdefault("router", {})["pipeline_stages"] = plan.num_ranks
     from cluster.config import parse_config
 

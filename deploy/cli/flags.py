@@ -23,6 +23,19 @@ def parse_layers(text: str) -> tuple[int, ...]:
     return tuple(layers)
 
 
+def parse_balance(text: str) -> float | None:
+    """An expert grouping's load balance (placement/experts.py group_experts): '0.5' -> 0.5, 'none' -> None."""
+    if text == "none":
+        return None
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"bad balance {text!r}; expected a share >= 0 such as 0.5, or none")
+    return value
+
+
 def add_engine_flags(p: argparse.ArgumentParser, *, default_dtype: str | None = None) -> None:
     g = p.add_argument_group("model")
     g.add_argument("--config", help="YAML config (deploy/configs/default.yaml); flags below override it")

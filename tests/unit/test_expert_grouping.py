@@ -64,7 +64,7 @@ def test_contiguous_plan_splits_experts_in_order():
 def test_grouping_is_balanced_and_no_swap_improves_it(ranks):
     rng = np.random.default_rng(ranks)
     ids, coact, affinity, load = planted(rng, layers=3, experts=8, groups=ranks, tokens=200)
-    plan = group_experts([0, 1, 2], coact, affinity, load, num_ranks=ranks)
+    plan = group_experts([0, 1, 2], coact, affinity, load, num_ranks=ranks, balance=None)  # counts only
     table = np.asarray(plan.ranks)
     for row in table:  # every rank holds its share of every layer (8 experts: sizes differ by at most one)
         counts = np.bincount(row, minlength=ranks)
@@ -91,6 +91,23 @@ def test_grouping_beats_contiguous_and_random_placement_on_planted_groups():
     assert g > max(oracle_rate(p, ids) for p in randoms) + 0.2
     # the hidden groups are recovered: locality near the planted faithfulness
     assert g > 0.8
+
+
+def test_grouping_keeps_each_ranks_expert_load_within_the_balance():
+    # experts 0-3 carry most of the load and are chosen together: counts alone would put them on one rank
+    coact = np.zeros((1, 8, 8))
+    for a, b in itertools.combinations(range(4), 2):
+        coact[0, a, b] = coact[0, b, a] = 100.0
+    load = np.array([[100.0, 100.0, 100.0, 100.0, 10.0, 10.0, 10.0, 10.0]])
+    even = load.sum() / 2
+
+    def peak(plan):
+        return np.bincount(np.asarray(plan.ranks[0]), weights=load[0], minlength=2).max() / even
+
+    assert peak(group_experts([0], coact, np.zeros((0, 8, 8)), load, num_ranks=2, balance=None)) > 1.8
+    balanced = group_experts([0], coact, np.zeros((0, 8, 8)), load, num_ranks=2, balance=0.25)
+    assert peak(balanced) <= 1.25
+    assert objective(np.asarray(balanced.ranks), coact, np.zeros((0, 8, 8))) > 0  # still keeps some pairs
 
 
 def test_local_activation_rate_counts_pairs():

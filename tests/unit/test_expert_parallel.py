@@ -87,6 +87,7 @@ def test_expert_parallel_logits_equal_the_whole_model(tiny_models, family, world
     for s in stats:
         total.add(s)
     assert total.tokens == tokens and total.activations == tokens * model.config.num_experts_per_tok
+    assert total.served == total.activations and all(s.served > 0 for s in stats)  # each pair ran once, somewhere
     assert 0 < total.local < total.activations and total.bytes_sent > 0
 
 

@@ -44,6 +44,7 @@ def test_tensor_parallel_attention_logits_equal_the_whole_model(tiny_models, fam
     for s in stats:
         total.add(s)
     assert total.tokens == tokens and total.activations == tokens * model.config.num_experts_per_tok
+    assert total.served == total.activations
     assert total.attn_bytes > 0 and 0 < total.local < total.activations
 
 
