@@ -14,21 +14,20 @@ back, and a request's KV is joined from (and split into) the ranks' heads when i
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from pathlib import Path
 
 import ray
 import torch
 from ray.actor import ActorHandle
 
-from dataclasses import replace
-
 from actors.kv_cache import KVExport
 from actors.kv_ledger import CacheOp, Free
-from actors.model.metadata import SeqChunk
 from actors.model.loader import LoadedModel
+from actors.model.metadata import SeqChunk
 from actors.moe.ep import EPStats
-from actors.moe.shuffle import join_kv, split_kv
 from actors.moe.profile import RoutingStats
+from actors.moe.shuffle import join_kv, split_kv
 from actors.ray_stages import gather
 from cluster.config import ExpertParallelConfig
 from placement.experts import ExpertPlan, contiguous_plan, place_request, rank_mass

@@ -1,6 +1,6 @@
 """Speculative token shuffling: tensor-parallel attention whose output lands on each token's predicted rank.
 
-Speculative MoE (arXiv 2503.04398, section 3.2, "speculative token shuffling") runs attention tensor parallel
+Speculative MoE (arXiv 2503.04398, "speculative token shuffling") runs attention tensor parallel
 over the expert-parallel ranks (each rank holds a slice of the heads and their KV for every request). The
 all-reduce that would follow the attention is split in two: a reduce-scatter that lands each token's attention
 output on one rank, and after the MoE an all-gather that gives every rank every token again. Which rank a token
@@ -207,6 +207,10 @@ def enable(runner: ModelRunner, comm: ep.ExpertComm, predictor: TokenPredictor |
            confidence: float = 0.0) -> ep.EPStats:
     """Make `runner` rank `comm.rank` of tensor-parallel attention and expert-parallel MoE: keep only this rank's
     heads (and their KV cache) and experts, and land tokens by `predictor` (None: balanced contiguous split)."""
+    moes = [layer.ffn for layer in runner.layers if isinstance(layer.ffn, MoE)]
+    num_experts = max((moe.router.shape[0] for moe in moes), default=0)
+    if num_experts and float(torch.tensor(num_experts - 1, dtype=runner.model.dtype)) != num_experts - 1:
+        raise ValueError(f"{num_experts} experts: their ids do not ride exactly in {runner.model.dtype} rows")
     stats = ep.enable(runner, comm)
     shuffle = Shuffle(comm, predictor, confidence, stats)
     hf_layers = runner.model.hf_model.model.layers

@@ -2,7 +2,7 @@
 
 Routing statistics are profiled on one part of the prompts (actors/moe/profile.py); the figures come from
 another part (held out). For each rank count, the MoE model runs as expert-parallel rank actors on the local
-cluster (gloo all-to-all between processes) under three settings, one after another, on the same prompts:
+cluster (gloo all-to-all between processes) under these settings, one after another, on the same prompts:
 
     plain        contiguous experts per rank, each request on the lightest rank
     grouped      experts grouped by co-activation and affinity (placement/experts.py), lightest rank
@@ -223,7 +223,8 @@ def _report(args, path: str, stats, runs: list[Run], reference: list[list[int]])
     entropy = stats.usage_entropy()
     return {"model": path, "profiled_tokens": stats.tokens, "num_prompts": len(reference),
             "max_tokens": args.max_tokens, "batch": args.batch, "slack": args.slack,
-            "balance": args.balance, "confidence": args.confidence, "num_cpus_per_rank": args.num_cpus, "moe_layers": num_layers, "num_experts": stats.num_experts,
+            "balance": args.balance, "confidence": args.confidence, "num_cpus_per_rank": args.num_cpus,
+            "moe_layers": num_layers, "num_experts": stats.num_experts,
             "top_k": stats.top_k, "usage_entropy": [round(float(e), 4) for e in entropy], "ranks": rows}
 
 
