@@ -131,11 +131,15 @@ def test_tensor_parallel_ranks_export_and_import_a_requests_whole_kv(ray_driver,
         inst.shutdown()
 
 
-def test_a_served_expert_parallel_instance_counts_its_routing_online(ray_driver, tiny_models) -> None:
+@pytest.mark.parametrize("attention", ["data", "tensor"])
+def test_a_served_expert_parallel_instance_counts_its_routing_online(ray_driver, tiny_models, attention) -> None:
     """The instance actor's ranks count the routing of the tokens they run (the served traffic): after greedy
-    completions without speculation, the counts equal an offline profile of each prompt plus its output."""
-    cfg = engine_config(tiny_models["mixtral"]).model_copy(update={"experts": ExpertParallelConfig(ranks=2)})
-    spec = InstanceSpec(instance_id="ep-online", layout=layout(2), executor="ray", num_cpus=CPUS, engine=cfg)
+    completions without speculation, the counts equal an offline profile of each prompt plus its output (with
+    tensor-parallel attention rank 0 counts every token)."""
+    experts = ExpertParallelConfig(ranks=2, attention=attention)
+    cfg = engine_config(tiny_models["mixtral"]).model_copy(update={"experts": experts})
+    spec = InstanceSpec(instance_id=f"ep-online-{attention}", layout=layout(2), executor="ray", num_cpus=CPUS,
+                        engine=cfg)
     handle = InstanceServer.spawn(spec)
     try:
         ray.get(handle.info.remote(), timeout=300)
