@@ -28,7 +28,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 from torch import nn
 
@@ -49,8 +48,8 @@ def head_split(num_heads: int, world_size: int) -> list[tuple[int, int]]:
     """
     if world_size > num_heads:
         raise ValueError(f"tensor-parallel attention over {world_size} ranks needs as many heads ({num_heads})")
-    bounds = np.cumsum([0] + [len(p) for p in np.array_split(np.arange(num_heads), world_size)])
-    return [(int(a), int(b)) for a, b in zip(bounds[:-1], bounds[1:])]
+    bounds = ep.expert_bounds(num_heads, world_size)  # the experts' balanced contiguous split, over heads
+    return list(zip(bounds[:-1], bounds[1:]))
 
 
 def kv_heads_of(q_lo: int, q_hi: int, num_heads: int, num_kv_heads: int) -> tuple[int, int]:
