@@ -200,11 +200,11 @@ class ShardWorker:
         replay(ops, self.runner.cache)
         out = None
         if chunks:
-            out = self.runner.forward(chunks).to(self.logits_device)
-            lead = self.spec.ep_attention == "data" or self.spec.ep_rank == 0
-            if self.routing is not None and lead:
-                self.routing.record(chunks)
-            out = out if lead else None
+            logits = self.runner.forward(chunks)  # (sum num_logits, V)
+            if self.spec.ep_attention == "data" or self.spec.ep_rank == 0:  # the others' logits are rank 0's
+                out = logits.to(self.logits_device)
+                if self.routing is not None:
+                    self.routing.record(chunks)
         elif active:
             cfg = self.runner.model.config
             ep.idle(self.runner, cfg.hidden_size, self.runner.model.dtype)
