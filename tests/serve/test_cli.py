@@ -111,17 +111,23 @@ def test_abort_a_running_request(served_app: ServedApp, capsys: pytest.CaptureFi
 
 def test_migrate_a_running_request(served_app: ServedApp, capsys: pytest.CaptureFixture) -> None:
     """`specfleet migrate` moves a streaming request between two pipeline instances mid-stream: the client's text is
-    the unmigrated run's, and the migration shows in `status` and /metrics."""
+    the unmigrated run's, and the migration shows in `status` and /metrics. The tiny model's context holds 256
+    tokens, so a loaded machine can end the request before its migration lands; the CLI then reports
+    `aborted_src`, the stream is still whole, and the test tries again with a new request (three times at most)."""
     body = {"model": MODEL, "prompt": "the migrating tale", "max_tokens": 240, "ignore_eos": True, "temperature": 0}
     with served_app.client() as c:
         alone = c.post("/v1/completions", json=body).json()["choices"][0]["text"]
-    t, got = stream_in_background(served_app, body)
-    running = wait_running(served_app, capsys, got)
-    assert running, "the request finished before it could be migrated"
-    rc, out, err = cli(served_app, capsys, "migrate", running[0]["request_id"], "--json")
-    t.join(timeout=60)
-    assert rc == 0 and json.loads(out)["status"] == "finished", out + err
-    assert got == [(alone, "length")]
+    for _ in range(3):
+        t, got = stream_in_background(served_app, body)
+        running = wait_running(served_app, capsys, got)
+        assert running, "the request finished before it could be migrated"
+        rc, out, err = cli(served_app, capsys, "migrate", running[0]["request_id"], "--json")
+        t.join(timeout=60)
+        assert got == [(alone, "length")]
+        result = json.loads(out) if rc == 0 else {}
+        if result.get("status") != "aborted_src" or result.get("reason") != "the request ended at the source first":
+            break
+    assert rc == 0 and result["status"] == "finished", out + err
     _, out, _ = cli(served_app, capsys, "requests", "--status", "finished", "--json")
     row = next(r for r in json.loads(out)["requests"] if r["request_id"] == running[0]["request_id"])
     assert row["instance_id"] != running[0]["instance_id"]  # the router's table followed the request
