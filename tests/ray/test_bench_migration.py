@@ -15,9 +15,10 @@ from tests.fixtures.tiny_models import build_tiny_model
 
 def test_bench_migration_runs_every_part_losslessly(ray_cluster, tmp_path: Path) -> None:
     report_path, plot = tmp_path / "migration.json", tmp_path / "migration.png"
-    # a context long enough for streams that outlast a migration on a loaded machine (the tiny default is 256)
+    # a context long enough for streams that outlast a migration (about 1 s over a torch link here) on a loaded
+    # machine (the tiny default is 256)
     model = build_tiny_model("llama", tmp_path / "model", max_position_embeddings=2048)
-    args = ["--model", str(model), "--contexts", "16,48", "--repeats", "1", "--max-tokens", "600",
+    args = ["--model", str(model), "--contexts", "16,48", "--repeats", "1", "--max-tokens", "1200",
             "--migrate-after", "2", "--failover-requests", "2", "--failover-context", "48", "--skew-requests", "4",
             "--skew-rate", "20", "--skew-prompt-tokens", "32", "--skew-max-tokens", "24", "--skew-fits", "2",
             "--parts", "downtime,failover,skew,draft", "--draft-layers", "0-1", "--draft-k", "3", "--num-cpus", "0.5",

@@ -25,6 +25,9 @@ from tests.ray.test_instance_server import CPUS, LAYOUTS
 from tests.unit.helpers import load, text_prompts
 
 TOKENS = 600  # long enough (several hundred engine steps) that a migration lands mid-stream
+# for streams that several migrations must catch (one after another, or side by side): a migration over a torch
+# link took about 1 s here, nearly half of a 1200-token stream, and 2-core CI runs lost such races
+LONG = 3 * TOKENS
 
 
 @dataclass
@@ -120,9 +123,8 @@ def row(fleet: Fleet, rid: str) -> dict:
 def test_a_stream_follows_its_request_through_migrations(fleet, seed, transfer) -> None:
     prompt = text_prompts(load(fleet.cfg.model.target), 1, offset=6)[0]
     temperature = 0.0 if seed is None else 0.8
-    # twice as long as usual: the second migration starts only when the first has landed, and the request must
-    # still be running then on a loaded machine
-    alone = asyncio.run(stream(fleet, prompt, temperature=temperature, seed=seed, tokens=2 * TOKENS))
+    # LONG: the second migration starts only when the first has landed, and the request must still be running then
+    alone = asyncio.run(stream(fleet, prompt, temperature=temperature, seed=seed, tokens=LONG))
     results = []
 
     async def migrate_twice(rid: str, instance: str) -> None:
@@ -132,11 +134,11 @@ def test_a_stream_follows_its_request_through_migrations(fleet, seed, transfer) 
             instance = to
 
     moved = asyncio.run(stream(fleet, prompt, temperature=temperature, seed=seed, after=20, during=migrate_twice,
-                               tokens=2 * TOKENS))
+                               tokens=LONG))
 
     assert [r.status.value for r in results] == ["finished", "finished"], results
     assert all(r.stages >= 1 and r.tokens_copied > len(prompt) and r.transfer == transfer for r in results)
-    assert moved.finish is FinishReason.LENGTH and len(moved.tokens) == 2 * TOKENS
+    assert moved.finish is FinishReason.LENGTH and len(moved.tokens) == LONG
     assert moved.tokens == alone.tokens and moved.text == alone.text  # no gap, no duplicate, same output
     stats = ray.get(fleet.router.migration_stats.remote())
     assert stats.by_status["finished"] >= 2 and stats.downtime_count >= 2 and stats.downtime_sum_s > 0
@@ -154,7 +156,7 @@ def test_the_kv_goes_shard_to_shard_between_instances_split_differently(fleet) -
     each source shard to each destination shard that holds its layers, 3 + 1 links there and back; the stream
     gives the unmigrated output."""
     prompt = text_prompts(load(fleet.cfg.model.target), 1, offset=12)[0]
-    alone = asyncio.run(stream(fleet, prompt))
+    alone = asyncio.run(stream(fleet, prompt, tokens=LONG))
     fleet.start("shards-a", executor="ray")
     fleet.start("shards-b", executor="ray", layout=SPLIT_AFTER_1)
     others = ("mig-a", "mig-b", "shards-b")
@@ -169,7 +171,7 @@ def test_the_kv_goes_shard_to_shard_between_instances_split_differently(fleet) -
             results.append(await fleet.router.migrate.remote(rid, to, MigrationConfig(transfer="torch")))
 
     try:
-        moved = asyncio.run(stream(fleet, prompt, after=20, during=there_and_back))
+        moved = asyncio.run(stream(fleet, prompt, after=20, during=there_and_back, tokens=LONG))
         assert [(r.status.value, r.transfer, r.links) for r in results] == [("finished", "torch", 4)] * 2, results
         assert all(r.draft_tokens > 0 for r in results), results
         assert moved.tokens == alone.tokens and moved.text == alone.text and moved.instance == "shards-a"
@@ -187,12 +189,12 @@ def test_migrations_between_the_same_two_instances_run_side_by_side(fleet) -> No
     """Each migration opens its own KV channel: three at once from one instance to the other all land, each
     request with its own KV (a shared channel would cross their tensors or fail them)."""
     prompts = text_prompts(load(fleet.cfg.model.target), 3, offset=21)
-    alone = [asyncio.run(stream(fleet, p)) for p in prompts]
+    alone = [asyncio.run(stream(fleet, p, tokens=LONG)) for p in prompts]
     full, empty = "mig-a", "mig-b"
     ray.get(fleet.router.drain.remote(empty))  # every request starts on `full`
 
     async def run() -> tuple[list[Streamed], list]:
-        tasks = [asyncio.create_task(stream(fleet, p)) for p in prompts]
+        tasks = [asyncio.create_task(stream(fleet, p, tokens=LONG)) for p in prompts]
         await asyncio.sleep(0.3)
         running = await fleet.router.requests.remote("running")
         assert {r["instance_id"] for r in running} == {full} and len(running) == len(prompts)
@@ -214,8 +216,8 @@ def test_migrations_between_the_same_two_instances_run_side_by_side(fleet) -> No
 
 
 def test_a_migrating_drain_empties_the_instance(fleet) -> None:
-    """Every request running on the drained instance completes elsewhere. The streams are long enough (twice the
-    usual) that none can end at the victim while the drain migrates the others one after another."""
+    """Every request running on the drained instance completes elsewhere. The streams are LONG, so that none can end
+    at the victim while the drain migrates the others one after another."""
     prompts = text_prompts(load(fleet.cfg.model.target), 3, offset=2)
     drained = {}
 
@@ -225,11 +227,11 @@ def test_a_migrating_drain_empties_the_instance(fleet) -> None:
             running = [r["instance_id"] for r in await fleet.router.requests.remote("running")]
             victim = max(fleet.servers, key=running.count)
             drained.update(await fleet.router.drain_migrate.remote(victim))
-        tasks = [asyncio.create_task(stream(fleet, p, tokens=2 * TOKENS)) for p in prompts]
+        tasks = [asyncio.create_task(stream(fleet, p, tokens=LONG)) for p in prompts]
         await drain_when_running()
         return await asyncio.gather(*tasks)
 
-    alone = [asyncio.run(stream(fleet, p, tokens=2 * TOKENS)) for p in prompts]
+    alone = [asyncio.run(stream(fleet, p, tokens=LONG)) for p in prompts]
     try:
         results = asyncio.run(run())
         assert drained["migrated"] >= 1 and drained["running"] == 0 and not drained["not_moved"], drained
@@ -277,8 +279,8 @@ def test_the_router_migrates_on_its_own_by_policy(fleet, policy) -> None:
     """With `router.migration.policies` set, the router's planning loop moves requests: `balance` spreads four
     requests that all started on one instance; `drain` empties an instance of three as soon as it is drained."""
     # the policy moves one request per round, and each must still be running then: `drain` must move them all,
-    # so it takes three requests three times as long as usual (twice as long failed once, 3 of 4 moved, on CI)
-    n, tokens = (4, 2 * TOKENS) if policy == "balance" else (3, 3 * TOKENS)
+    # so it takes three LONG requests (four of 1200 tokens failed once on CI: 3 of 4 moved)
+    n, tokens = (4, 2 * TOKENS) if policy == "balance" else (3, LONG)
     prompts = text_prompts(load(fleet.cfg.model.target), n, offset=13)
     alone = [asyncio.run(stream(fleet, p)) for p in prompts]
     migration = MigrationConfig(policies=(policy,), interval_s=0.2,

@@ -16,10 +16,14 @@ import pytest
 import yaml
 
 from deploy.infra import local_cluster
+from tests.fixtures.tiny_models import DRAFT_NOISE, build_tiny_model, perturbed_copy
 
 API_KEY, ADMIN_KEY = "sk-test-api", "sk-test-admin"
 MODEL = "tiny-llama"
 MAX_PENDING = 12
+# the served model's context: long enough that a streamed request (LONG tokens) is still running while the CLI
+# migrates or aborts it on a loaded 2-core machine (at 256 positions, 240 tokens ended first there)
+CONTEXT, LONG = 1024, 900
 
 
 @dataclass(frozen=True)
@@ -48,11 +52,15 @@ def specfleet(*args: str, timeout: float = 300.0) -> subprocess.CompletedProcess
 
 
 @pytest.fixture(scope="session")
-def served_app(ray_cluster, tiny_models, tiny_draft_models, tmp_path_factory) -> Iterator[ServedApp]:
-    """`specfleet serve` of a config with the tiny llama pair (k=3), two instances, keys and a small queue limit."""
+def served_app(ray_cluster, tmp_path_factory) -> Iterator[ServedApp]:
+    """`specfleet serve` of a config with a tiny llama pair of CONTEXT positions (k=3), two instances, keys and a
+    small queue limit."""
+    root = tmp_path_factory.mktemp("served-models")
+    target = build_tiny_model("llama", root / "target", max_position_embeddings=CONTEXT)
+    draft = perturbed_copy(target, root / "draft", DRAFT_NOISE)
     http_port, grpc_port = _free_port(), _free_port()
     config = {
-        "engine": {"model": {"target": str(tiny_models["llama"]), "draft": str(tiny_draft_models["llama"]),
+        "engine": {"model": {"target": str(target), "draft": str(draft),
                              "name": MODEL},
                    "speculation": {"policy": "fixed", "k": 3},
                    "scheduler": {"max_batch_size": 8},
@@ -65,8 +73,7 @@ def served_app(ray_cluster, tiny_models, tiny_draft_models, tmp_path_factory) ->
     path.write_text(yaml.safe_dump(config))
     out = specfleet("serve", "--config", str(path), "--state", str(ray_cluster.state_path), "--timeout", "240")
     assert out.returncode == 0, out.stdout + out.stderr
-    app = ServedApp(f"http://127.0.0.1:{http_port}", f"127.0.0.1:{grpc_port}", path, ray_cluster.state_path,
-                    tiny_models["llama"])
+    app = ServedApp(f"http://127.0.0.1:{http_port}", f"127.0.0.1:{grpc_port}", path, ray_cluster.state_path, target)
     _wait_healthy(app, instances=2)
     yield app
 

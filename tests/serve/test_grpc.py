@@ -11,7 +11,7 @@ codegen.ensure()
 
 from deploy.rpc import specfleet_pb2 as pb  # noqa: E402
 from deploy.rpc import specfleet_pb2_grpc as pb_grpc  # noqa: E402
-from tests.serve.conftest import API_KEY, MODEL, ServedApp  # noqa: E402
+from tests.serve.conftest import API_KEY, CONTEXT, MODEL, ServedApp  # noqa: E402
 from tests.unit.helpers import load, reference_greedy, text_prompts  # noqa: E402
 
 AUTH = (("authorization", f"Bearer {API_KEY}"),)
@@ -42,7 +42,7 @@ def test_generate_and_stream_give_the_targets_greedy_output(stub, served_app: Se
 
 def test_list_models_and_health(stub) -> None:
     models = stub.ListModels(pb.ListModelsRequest(), metadata=AUTH, timeout=30)
-    assert [(m.id, m.max_model_len) for m in models.models] == [(MODEL, 256)]
+    assert [(m.id, m.max_model_len) for m in models.models] == [(MODEL, CONTEXT)]
     health = stub.Health(pb.HealthRequest(), timeout=30)
     assert health.healthy and health.healthy_instances == 2
     fleet = stub.FleetStats(pb.FleetStatsRequest(), metadata=AUTH, timeout=30)

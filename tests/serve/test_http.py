@@ -12,7 +12,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.serve.conftest import ADMIN_KEY, API_KEY, MAX_PENDING, MODEL, ServedApp
+from tests.serve.conftest import ADMIN_KEY, API_KEY, CONTEXT, MAX_PENDING, MODEL, ServedApp
 from tests.unit.helpers import load, reference_greedy, text_prompts
 
 
@@ -147,7 +147,7 @@ BAD_INPUTS = [
                  id="max_tokens 0"),
     pytest.param("/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 10_000}, 400, "max_tokens",
                  id="max_tokens beyond the context"),
-    pytest.param("/v1/completions", {"model": MODEL, "prompt": "word " * 400}, 400, "prompt",
+    pytest.param("/v1/completions", {"model": MODEL, "prompt": "word " * 2 * CONTEXT}, 400, "prompt",
                  id="prompt too long"),
     pytest.param("/v1/completions", {"model": MODEL, "prompt": ""}, 400, "prompt", id="empty prompt"),
     pytest.param("/v1/completions", {"model": MODEL, "prompt": [10**9]}, 400, "prompt", id="token id out of range"),
