@@ -60,8 +60,7 @@ def served_app(ray_cluster, tmp_path_factory) -> Iterator[ServedApp]:
     draft = perturbed_copy(target, root / "draft", DRAFT_NOISE)
     http_port, grpc_port = _free_port(), _free_port()
     config = {
-        "engine": {"model": {"target": str(target), "draft": str(draft),
-                             "name": MODEL},
+        "engine": {"model": {"target": str(target), "draft": str(draft), "name": MODEL},
                    "speculation": {"policy": "fixed", "k": 3},
                    "scheduler": {"max_batch_size": 8},
                    "cache": {"block_size": 4, "num_blocks": 512}},
