@@ -90,11 +90,7 @@ class EPStages:
             mine[self.home[c.request_id]].append(c)
         active = bool(chunks)
         refs = [a.ep_step.remote(self._take(r), mine[r], active) for r, a in enumerate(self.actors)]
-        logits = []
-        for r, (out, stats) in enumerate(gather(refs, self.names, "step", self.timeout_s)):
-            logits.append(out)
-            self.since[r].add(stats)
-            self.totals.add(stats)
+        logits = self._step_results(gather(refs, self.names, "step", self.timeout_s))
         if not chunks:
             return None
         rows, taken = [], [0] * len(self.actors)  # put each rank's rows back in the chunks' order
@@ -155,6 +151,13 @@ class EPStages:
             if isinstance(op, Free):
                 del self.home[op.request_id]
 
+    def _step_results(self, results: list[tuple[torch.Tensor | None, EPStats]]) -> list[torch.Tensor | None]:
+        """Each rank's logits of a step; its figures are added to that rank's and to the totals."""
+        for r, (_, stats) in enumerate(results):
+            self.since[r].add(stats)
+            self.totals.add(stats)
+        return [out for out, _ in results]
+
     def _take(self, rank: int) -> list[CacheOp]:
         out, self.pending[rank] = self.pending[rank], []
         return out
@@ -171,11 +174,8 @@ class ShuffledStages(EPStages):
 
     def run(self, ops: list[CacheOp], chunks: list[SeqChunk], parallel: bool = False) -> torch.Tensor | None:
         refs = [a.ep_step.remote(ops, chunks, bool(chunks)) for a in self.actors]
-        results = gather(refs, self.names, "step", self.timeout_s)
-        for r, (_, stats) in enumerate(results):
-            self.since[r].add(stats)
-            self.totals.add(stats)
-        return results[0][0] if chunks else None
+        logits = self._step_results(gather(refs, self.names, "step", self.timeout_s))
+        return logits[0] if chunks else None
 
     def export(self, ops: list[CacheOp], request_id: str, start: int, end: int) -> list[KVExport]:
         parts = gather([a.export.remote(ops, request_id, start, end) for a in self.actors], self.names, "KV export",
