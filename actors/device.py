@@ -24,3 +24,10 @@ def resolve_device(setting: str) -> torch.device:
     if setting == "cuda":
         raise DeviceError("engine.model.device is cuda, but this process sees no GPU (did its actor ask Ray for one?)")
     return torch.device("cpu")
+
+
+def device_name(device: torch.device) -> str:
+    """A device as a benchmark reports it: "cpu", or the GPU's name ("cuda:0 NVIDIA H200")."""
+    if device.type == "cuda":
+        return f"{device} {torch.cuda.get_device_name(device)}"
+    return str(device)

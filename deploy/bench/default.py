@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from actors.device import device_name, resolve_device
 from actors.engine import Engine
 from actors.model.loader import load_model
 from actors.model.quant import quantize_runner_int8
@@ -44,6 +45,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", help="instead of --setups: any model `generate` takes (catalog name, GGUF, folder)")
     p.add_argument("--draft", help="with --target: its draft model (default: an all-layer self-draft)")
     p.add_argument("--dtype", choices=["fp32", "bf16"], default="bf16")
+    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="cpu",
+                   help="where weights, KV cache and sampling run (auto: the GPU if there is one)")
     p.add_argument("--prompts", type=Path, nargs="+",
                    default=[DATASETS / "mt_bench_questions.jsonl", DATASETS / "HumanEval.jsonl.gz"],
                    help="JSONL(.gz) files: MT-Bench ('turns') and/or HumanEval ('prompt'); taken in turn")
@@ -117,7 +120,7 @@ def setups(args: argparse.Namespace) -> list[Setup]:
 def _build(setup: Setup, args: argparse.Namespace, batch: int, costs: dict[str, StepCostModel]) -> dict[str, Engine]:
     draft_name, int8 = setup.draft, setup.int8
     cache = CacheConfig(block_size=16, num_blocks=(setup.num_prompts * (setup.max_tokens + 1024)) // 16 + 64)
-    target, draft = _models(setup, args.dtype)
+    target, draft = _models(setup, args.dtype, args.device)
     target_runner = ModelRunner(target, range(target.num_layers), cache)
     sched = SchedulerConfig(max_batch_size=batch, max_num_batched_tokens=max(256, batch))
     engines = {"off": Engine(target_runner, None, SpeculationConfig(policy="off"), sched)}
@@ -142,13 +145,14 @@ def _build(setup: Setup, args: argparse.Namespace, batch: int, costs: dict[str, 
 _MODELS: dict = {}
 
 
-def _models(setup: Setup, dtype: str) -> tuple:
-    """The setup's (target, draft) LoadedModels, loaded once per run."""
+def _models(setup: Setup, dtype: str, device: str) -> tuple:
+    """The setup's (target, draft) LoadedModels on `device`, loaded once per run."""
     if (setup, dtype) not in _MODELS:
         target_name, draft_name = setup.target, setup.draft
         t0 = time.perf_counter()
-        target = load_model(resolve_model(target_name, dtype), dtype)
-        draft = load_model(resolve_model(draft_name, dtype), dtype) if draft_name else target
+        where = resolve_device(device)
+        target = load_model(resolve_model(target_name, dtype), dtype, where)
+        draft = load_model(resolve_model(draft_name, dtype), dtype, where) if draft_name else target
         _MODELS[(setup, dtype)] = (target, draft)
         print(f"{setup.name}: loaded in {time.perf_counter() - t0:.0f}s", flush=True)
     return _MODELS[(setup, dtype)]
@@ -183,10 +187,11 @@ def _measure(setup: Setup, args: argparse.Namespace, prompts: list[list[int]], b
 def run(args: argparse.Namespace) -> int:
     torch.manual_seed(0)
     report = {"command": "specfleet bench default", "dtype": args.dtype, "k": args.k, "cpu": cpu_model(),
+              "device": device_name(resolve_device(args.device)),
               "threads": torch.get_num_threads(), "setups": {}}
     for setup in setups(args):
         n = setup.num_prompts
-        target = _models(setup, args.dtype)[0]
+        target = _models(setup, args.dtype, args.device)[0]
         prompts = [target.encode(p, chat=True) for p in load_prompts(args.prompts, n)]
         costs: dict[str, StepCostModel] = {}
         rows = {}
@@ -245,7 +250,7 @@ def _print(report: dict) -> None:
 
     console = Console()
     console.print(f"[bold]bench default[/] {report['dtype']}, k <= {report['k']}, {report['threads']} threads, "
-                  f"CPU {report['cpu']}")
+                  f"CPU {report['cpu']}, device {report['device']}")
     for setup, s in report["setups"].items():
         for batch, rows in s["batches"].items():
             t = Table(title=f"{setup} ({s['target']}), batch {batch}, {s['num_prompts']} prompts x "

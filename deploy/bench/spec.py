@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from actors.device import device_name, resolve_device
 from actors.engine import Engine
 from actors.model.loader import LoadedModel, load_model
 from actors.model.quant import quantize_runner_int8
@@ -35,6 +36,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--k", type=int, default=4)
     p.add_argument("--dtype", choices=["fp32", "bf16"], default="bf16")
+    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="cpu",
+                   help="where weights, KV cache and sampling run (auto: the GPU if there is one)")
     p.add_argument("--draft-quantization", choices=["none", "int8"], default="int8",
                    help="int8 also runs the unquantized draft as an extra row")
     p.add_argument("--no-peer", action="store_true", help="skip transformers' assisted generation")
@@ -82,7 +85,7 @@ def _engine_mode(target: ModelRunner, draft: ModelRunner | None, k: int) -> Call
 
 def _peer_mode(target: LoadedModel, draft: LoadedModel) -> Callable:
     def run(ids: list[int], max_tokens: int) -> tuple[list[int], SpecStats]:
-        x = torch.tensor([ids])
+        x = torch.tensor([ids], device=target.device)
         out = target.hf_model.generate(
             x, attention_mask=torch.ones_like(x), assistant_model=draft.hf_model, do_sample=False,
             max_new_tokens=max_tokens, pad_token_id=target.tokenizer.pad_token_id or target.tokenizer.eos_token_id,
@@ -104,8 +107,9 @@ def _agreement(a: list[list[int]], b: list[list[int]]) -> tuple[float, float]:
 def run(args: argparse.Namespace) -> int:
     torch.manual_seed(0)
     t0 = time.perf_counter()
-    target = load_model(resolve_model(args.target, args.dtype), args.dtype)
-    draft = load_model(resolve_model(args.draft, args.dtype), args.dtype)
+    device = resolve_device(args.device)
+    target = load_model(resolve_model(args.target, args.dtype), args.dtype, device)
+    draft = load_model(resolve_model(args.draft, args.dtype), args.dtype, device)
     print(f"loaded target and draft in {time.perf_counter() - t0:.0f}s", flush=True)
     cache = CacheConfig(block_size=16, num_blocks=(args.max_tokens + 4096) // 16)
     target_runner = ModelRunner(target, range(target.num_layers), cache)
@@ -163,7 +167,8 @@ def _report(args: argparse.Namespace, results: dict[str, ModeResult]) -> dict:
     return {
         "command": "specfleet bench spec", "target": args.target, "draft": args.draft, "k": args.k,
         "dtype": args.dtype, "draft_quantization": args.draft_quantization, "num_prompts": args.num_prompts,
-        "max_tokens": args.max_tokens, "threads": torch.get_num_threads(), "modes": modes, "ratios": ratios,
+        "max_tokens": args.max_tokens, "threads": torch.get_num_threads(), "device": device_name(resolve_device(args.device)),
+        "modes": modes, "ratios": ratios,
     }
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -43,10 +44,15 @@ _MT_BENCH_HEADS = (
 PROMPT_LENGTHS = (40, 9, 31, 17, 26, 35, 16, 20, 3, 38, 8, 21, 13, 7, 12, 28)
 
 
+# The device the data-plane tests put their models on: `SPECFLEET_TEST_DEVICE=cuda pytest tests/unit` runs the
+# same tests (lossless included) on a GPU; the default is the CPU, where CI runs.
+TEST_DEVICE = torch.device(os.environ.get("SPECFLEET_TEST_DEVICE", "cpu"))
+
+
 @functools.cache
 def load(path: str | Path) -> LoadedModel:
-    """load_model(path, "fp32"), once per path per session (tests never modify a loaded model)."""
-    return load_model(str(path), "fp32")
+    """load_model(path, "fp32") onto TEST_DEVICE, once per path per session (tests never modify a loaded model)."""
+    return load_model(str(path), "fp32", device=TEST_DEVICE)
 
 
 @functools.cache
@@ -73,7 +79,8 @@ def text_prompts(model: LoadedModel, n: int, offset: int = 0) -> list[list[int]]
 def _reference(path: str, prompt: tuple[int, ...], max_new_tokens: int) -> tuple[int, ...]:
     model = load(path)
     out = model.hf_model.generate(
-        torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+        torch.tensor([prompt], device=model.device),
+        attention_mask=torch.ones(1, len(prompt), dtype=torch.long, device=model.device),
         do_sample=False, max_new_tokens=max_new_tokens,
     )
     return tuple(out[0, len(prompt):].tolist())
