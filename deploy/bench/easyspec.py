@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -89,15 +88,13 @@ def _settings(args) -> list[Setting]:
 def run(args: argparse.Namespace) -> int:
     settings = _settings(args)
     state = local_cluster.read_state(args.state)
-    for key, value in local_cluster.RAY_ENV.items():
-        os.environ[key] = value
     target_path, draft_path = resolve_model(args.target, args.dtype), resolve_model(args.draft, args.dtype)
     target = load_model(target_path, args.dtype)
     prompts = [target.encode(t, chat=True)[:args.max_prompt_tokens] for t in load_prompts(args.prompts, args.num_prompts)]
     cache = CacheConfig(block_size=16, num_blocks=(args.max_prompt_tokens + args.max_tokens + 2 * args.k) // 16 + 8)
     target_runner = ModelRunner(target, range(target.num_layers), cache)
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
-    ray.init(address=state.address, logging_level="ERROR", log_to_driver=False)
+    local_cluster.connect(state, logging_level="ERROR", log_to_driver=False)
     try:
         for s in settings:  # one setting's actors at a time: a draft copy per actor would not fit in memory
             _measure(s, target_path, draft_path, target_runner, cache, prompts, params, args, target)

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import random
 import statistics
 import time
@@ -311,9 +310,7 @@ def run(args: argparse.Namespace) -> int:
     if len(nodes) < 3:
         raise UsageError(f"bench migration needs 3 nodes (two instances and a failover victim); the local cluster "
                          f"has {len(nodes)}: `specfleet cluster up --nodes 3`")
-    for key, value in local_cluster.RAY_ENV.items():
-        os.environ[key] = value
-    ray.init(address=state.address, logging_level="ERROR", log_to_driver=False)
+    local_cluster.connect(state, logging_level="ERROR", log_to_driver=False)
     target = resolve_model(args.model, args.dtype)
     tok = load_model(target, args.dtype)
     if args.stages < 1:

@@ -29,7 +29,6 @@ Arithmetic note: with top-k experts over R ranks spread evenly, a placement that
 from __future__ import annotations
 
 import argparse
-import os
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -150,9 +149,7 @@ def run(args: argparse.Namespace) -> int:
     reference = _one_process(model, cache, measured, params, args.batch)
 
     state = local_cluster.read_state(args.state)
-    for key, value in local_cluster.RAY_ENV.items():
-        os.environ[key] = value
-    ray.init(address=state.address, logging_level="ERROR", log_to_driver=False)
+    local_cluster.connect(state, logging_level="ERROR", log_to_driver=False)
     try:
         for run_ in runs:
             _measure(run_, path, cache, measured, params, args)

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import time
 from pathlib import Path
@@ -73,9 +72,7 @@ def run(args: argparse.Namespace) -> int:
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
     state = local_cluster.read_state(args.state) if any(n > 1 for n in counts) else None
     if state is not None:
-        for key, value in local_cluster.RAY_ENV.items():
-            os.environ[key] = value
-        ray.init(address=state.address, logging_level="ERROR", log_to_driver=False)
+        local_cluster.connect(state, logging_level="ERROR", log_to_driver=False)
     runs: list[dict] = []
     first: list[list[int]] | None = None
     try:

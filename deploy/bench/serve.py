@@ -28,7 +28,7 @@ from pathlib import Path
 
 import httpx
 
-from deploy.infra import local_cluster
+from deploy.infra import local_cluster, ray_node
 from deploy.cli.admin_cmd import add_endpoint_flags, endpoint
 from deploy.bench.prompts import DATASETS, load_prompts
 from deploy.bench.output import pct, save
@@ -120,15 +120,13 @@ def _chunk(t: Trace, obj: dict, now: float) -> None:
 class Direct:
     """Straight to an engine instance: the router routes, the bench consumes the instance's stream over Ray."""
 
-    def __init__(self, address: str, model: str) -> None:
+    def __init__(self, address: str, env: dict[str, str], model: str) -> None:
         import ray
 
         from cluster.router import NAMESPACE, ROUTER_NAME
 
-        for k, v in local_cluster.RAY_ENV.items():
-            os.environ.setdefault(k, v)
         os.environ.pop("RAY_ADDRESS", None)
-        ray.init(address=address, namespace=NAMESPACE, log_to_driver=False, logging_level="ERROR")
+        ray_node.connect(address, env, namespace=NAMESPACE, log_to_driver=False, logging_level="ERROR")
         self.router = ray.get_actor(ROUTER_NAME, namespace=NAMESPACE)
         self.model = model
         self.route_s: list[float] = []
@@ -321,8 +319,12 @@ async def _bench(args: argparse.Namespace, rates: list[float]) -> dict:
                         "mean_prompt_tokens": round(sum(map(len, prompts)) / len(prompts), 1),
                         "duration_s": args.duration, "cpu_count": os.cpu_count()}
         if args.overhead_requests:
-            address = args.address or local_cluster.read_state(args.state).address
-            direct = Direct(address, model)
+            if args.address:
+                address, env = args.address, {}
+            else:
+                state = local_cluster.read_state(args.state)
+                address, env = state.address, local_cluster.client_env(state)
+            direct = Direct(address, env, model)
             try:
                 await direct.stream(prompts[0], 4)  # warm-up of the direct path
                 report["overhead"] = await overhead(c, direct, model, prompts, args.overhead_requests,

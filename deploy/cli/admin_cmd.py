@@ -295,7 +295,8 @@ def _nodes(state_path: Path) -> tuple[list[dict] | None, str | None]:
         return None, None
     state = local_cluster.read_state(state_path)
     try:
-        live = {n.name: n for n in local_cluster.query_nodes(state.address, timeout_s=20.0)}
+        found = local_cluster.query_nodes(state.address, timeout_s=20.0, auth_token_path=state.auth_token_path)
+        live = {n.name: n for n in found}
     except ClusterError as e:
         return [], f"cluster {state.address}: {e}"
     return [{"name": n.spec.name, "head": n.head, "alive": n.spec.name in live and live[n.spec.name].alive,

@@ -27,6 +27,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     up.add_argument("--num-cpus", type=int, default=4, help="CPUs each node offers to Ray (simulated; default 4)")
     up.add_argument("--object-store-mb", type=int, default=256, help="object store per node, MiB (default 256)")
     up.add_argument("--timeout", type=float, default=120.0, help="seconds to wait for every node to be alive")
+    up.add_argument("--host", default="127.0.0.1",
+                    help="the address every node's ports are bound to (default 127.0.0.1: this machine only); "
+                         "another address turns Ray token auth on (see --auth)")
+    up.add_argument("--auth", choices=["auto", "token", "disabled"], default="auto",
+                    help="Ray token auth: auto (on unless --host is loopback), token, or disabled")
+    up.add_argument("--client-server", action="store_true",
+                    help="also start Ray's client server on the head (ray://; off by default: it runs code for "
+                         "anyone who reaches it)")
     up.set_defaults(run=run_up)
 
     status = actions.add_parser("status", help="the cluster's nodes, their labels and resources")
@@ -53,7 +61,8 @@ def run_up(args: argparse.Namespace) -> int:
         inventory = inventory.first(args.nodes)
     try:
         state = local_cluster.up(inventory, args.state, num_cpus=args.num_cpus, object_store_mb=args.object_store_mb,
-                                 timeout_s=args.timeout)
+                                 timeout_s=args.timeout, host=args.host, client_server=args.client_server,
+                                 auth=args.auth)
     except ClusterError as e:
         print(f"specfleet: error: {e}", file=sys.stderr)
         return 1
@@ -62,7 +71,11 @@ def run_up(args: argparse.Namespace) -> int:
         spec = node.spec
         print(f"  {spec.name:<12} {'head' if node.head else 'worker':<6} {spec.accelerator} x{spec.count}, "
               f"{spec.memory_gb:g} GB, speed {spec.speed:g}, pid {node.pid}")
-    print(f"connect: RAY_AUTH_MODE=disabled, ray.init(address=\"{state.address}\"); "
+    if state.auth_token_path:
+        print(f"Ray token auth is on; the token is in {state.auth_token_path} (mode 600). A node joining from another "
+              f"host: RAY_AUTH_MODE=token RAY_AUTH_TOKEN_PATH=<a copy of it> ray start --address={state.address}")
+    print(f"connect: from deploy.infra.local_cluster import connect, read_state; connect(read_state(PATH)) "
+          f"(keeps the address as given; {'token auth' if state.auth_token_path else 'RAY_AUTH_MODE=disabled'}); "
           f"pin work with resources={{\"{NODE_RESOURCE.format(name=state.nodes[0].spec.name)}\": 1}}")
     return 0
 
@@ -70,7 +83,7 @@ def run_up(args: argparse.Namespace) -> int:
 def run_status(args: argparse.Namespace) -> int:
     state = local_cluster.read_state(args.state)
     try:
-        live = local_cluster.query_nodes(state.address, timeout_s=30.0)
+        live = local_cluster.query_nodes(state.address, timeout_s=30.0, auth_token_path=state.auth_token_path)
     except ClusterError as e:
         _print_recorded(state)
         print(f"specfleet: error: {e}", file=sys.stderr)

@@ -5,6 +5,11 @@ Each node is its own raylet with its own temp folder and ports, its inventory la
 creates, and carries the cluster's id in its environment (MARKER): `down` signals those groups and then
 sweeps any process with the marker (Ray workers leave the group), so it stops exactly what `up` started.
 It never runs `ray stop`, which would stop every Ray process on the host.
+
+Closed by default (deploy/infra/ray_node.py): every node and every port of it is bound to `host` (127.0.0.1
+unless asked), the dashboard is off and so is the Ray client server (`client_server` turns it on); a cluster on
+any other address runs with Ray token auth, its token in a file of mode 600 in the cluster's temp folder.
+Clients connect with `connect(state)`.
 """
 
 from __future__ import annotations
@@ -30,12 +35,14 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 
 from deploy import DEFAULT_INVENTORY
 from deploy.cli.flags import UsageError
+from deploy.infra import ray_node
 from placement.inventory import Inventory, NodeSpec, ray_labels, ray_resources
 
 DEFAULT_STATE = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "specfleet" / "cluster.json"
 MARKER = "SPECFLEET_LOCAL_CLUSTER"  # env var: the cluster id, inherited by every process of the cluster
-# Every process started, and every client, uses these. No drain on SIGTERM: a local cluster stops at once.
-RAY_ENV = {"RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0", "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0"}
+# Every process started, and every client, uses these (plus the auth of client_env). No drain on SIGTERM: a local
+# cluster stops at once.
+RAY_ENV = {**ray_node.AUTH_OFF, "RAY_USAGE_STATS_ENABLED": "0", "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0"}
 WORKER_PORTS = 100  # ports per node for Ray worker processes
 # Ray's default ports: a worker's `ray start` checks its worker range against them even when unused there
 # (CI once drew 10000-10099 and `ray start` refused it for holding the client server's default 10001)
@@ -69,12 +76,14 @@ class NodeProcess(_Frozen):
 
 
 class ClusterState(_Frozen):
-    """What `up` started, as written to the state file; `address` is the GCS address clients connect to."""
+    """What `up` started, as written to the state file; `address` is the GCS address clients connect to, with the
+    Ray auth token in `auth_token_path` (None: auth off, on loopback)."""
 
     cluster_id: str
     address: str
     temp_dir: str
     nodes: list[NodeProcess]
+    auth_token_path: str | None = None
 
 
 class LiveNode(_Frozen):
@@ -90,13 +99,24 @@ class LiveNode(_Frozen):
         return self.labels.get("specfleet/node")
 
 
-def ray_env(cluster_id: str | None = None) -> dict[str, str]:
+def ray_env(cluster_id: str | None = None, auth_token_path: str | None = None) -> dict[str, str]:
     """The environment for a cluster's processes (with the marker) or for a client (without)."""
-    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", MARKER)}
+    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", MARKER, "RAY_AUTH_TOKEN")}
     env.update(RAY_ENV)
+    env.update(ray_node.auth_env(auth_token_path))
     if cluster_id is not None:
         env[MARKER] = cluster_id
     return env
+
+
+def client_env(state: ClusterState) -> dict[str, str]:
+    """What a client of the cluster needs in its environment (RAY_ENV and the cluster's auth)."""
+    return {**RAY_ENV, **ray_node.auth_env(state.auth_token_path)}
+
+
+def connect(state: ClusterState, **init_kwargs) -> None:
+    """Connect this process to the cluster as a driver (ray.init with its auth, the loopback address kept)."""
+    ray_node.connect(state.address, client_env(state), **init_kwargs)
 
 
 def read_state(path: Path) -> ClusterState:
@@ -164,17 +184,20 @@ def _allocate_ports(num_nodes: int) -> list[dict[str, int]]:
 
 
 def ray_start_command(node: NodeSpec, head_address: str | None, ports: dict[str, int], temp_dir: str,
-                      num_cpus: int, object_store_mb: int) -> list[str]:
-    """`ray start --block` for one node: the head if `head_address` is None, else a worker joining it."""
-    ray = Path(sys.executable).with_name("ray")  # the venv's ray CLI, beside its python
+                      num_cpus: int, object_store_mb: int, host: str = "127.0.0.1",
+                      client_server: bool = False) -> list[str]:
+    """`ray start --block` for one node, every port bound to `host`: the head if `head_address` is None (dashboard
+    off; the Ray client server only with `client_server`), else a worker joining it (deploy/infra/ray_node.py)."""
     if head_address is None:
         role = ["--head", f"--port={ports['gcs']}", f"--dashboard-port={ports['dashboard']}",
-                f"--ray-client-server-port={ports['ray_client_server']}", "--include-dashboard=false"]
+                "--include-dashboard=false"]
+        role += [f"--ray-client-server-port={ports['ray_client_server']}"] if client_server else []
     else:
         role = [f"--address={head_address}"]
     flags = {name: ports[name] for name in _NODE_PORTS + ("min_worker", "max_worker")}
     return [
-        str(ray), "start", "--block", *role, f"--node-name={node.name}", f"--temp-dir={temp_dir}",
+        sys.executable, "-m", "deploy.infra.ray_node", *(["--client-server"] if client_server else []),
+        "start", "--block", *role, f"--node-ip-address={host}", f"--node-name={node.name}", f"--temp-dir={temp_dir}",
         *(f"--{name.replace('_', '-')}-port={port}" for name, port in flags.items()),
         "--disable-usage-stats", f"--num-cpus={num_cpus}",
         f"--object-store-memory={object_store_mb * 2**20}",
@@ -216,11 +239,11 @@ def _check_running(nodes: list[NodeProcess]) -> None:
                 f"node {node.spec.name}: `ray start` exited; its log ({node.log}) ends:\n{_tail(node.log)}")
 
 
-def _wait_for_port(port: int, nodes: list[NodeProcess], deadline: float) -> None:
+def _wait_for_port(host: str, port: int, nodes: list[NodeProcess], deadline: float) -> None:
     while True:
         _check_running(nodes)
         with socket.socket() as s:
-            if s.connect_ex(("127.0.0.1", port)) == 0:
+            if s.connect_ex((host, port)) == 0:
                 return
         if time.monotonic() > deadline:
             raise ClusterError(f"the head's GCS did not listen on port {port} in time; log:\n{_tail(nodes[0].log)}")
@@ -228,7 +251,7 @@ def _wait_for_port(port: int, nodes: list[NodeProcess], deadline: float) -> None
 
 
 def query_nodes(address: str, expect: int = 0, timeout_s: float = 60.0,
-                watch: list[NodeProcess] | None = None) -> list[LiveNode]:
+                watch: list[NodeProcess] | None = None, auth_token_path: str | None = None) -> list[LiveNode]:
     """The cluster's nodes from its GCS, once at least `expect` are alive (a child process connects, so the
     caller's own Ray connection, if any, is untouched). ClusterError on timeout or if a `watch` node dies."""
     host, _, port = address.rpartition(":")
@@ -237,7 +260,7 @@ def query_nodes(address: str, expect: int = 0, timeout_s: float = 60.0,
             raise ClusterError(f"nothing listens at {address}: the cluster's head is down")
     with tempfile.TemporaryFile("w+") as err:
         probe = subprocess.Popen([sys.executable, "-m", "deploy.infra.local_cluster", address, str(expect), str(timeout_s)],
-                                 env=ray_env(), stdout=subprocess.PIPE, stderr=err, text=True)
+                                 env=ray_env(auth_token_path=auth_token_path), stdout=subprocess.PIPE, stderr=err, text=True)
         deadline = time.monotonic() + timeout_s + 30  # the probe's own connect and import time
         try:
             while probe.poll() is None:
@@ -259,8 +282,11 @@ def query_nodes(address: str, expect: int = 0, timeout_s: float = 60.0,
 
 
 def up(inventory: Inventory, state_path: Path = DEFAULT_STATE, *, num_cpus: int = 4, object_store_mb: int = 256,
-       timeout_s: float = 120.0, die_with_parent: bool = False) -> ClusterState:
-    """Start one Ray node per inventory node (the first is the head); return once all are alive.
+       timeout_s: float = 120.0, die_with_parent: bool = False, host: str = "127.0.0.1", client_server: bool = False,
+       auth: str = "auto") -> ClusterState:
+    """Start one Ray node per inventory node (the first is the head), bound to `host`; return once all are alive.
+
+    `auth`: "token" (Ray token auth), "disabled", or "auto": token unless `host` is a loopback address.
 
     If anything fails, every process started so far is stopped and the temp folder removed before the error
     propagates. The state file is written as soon as every process is launched, so `down` can clean up even
@@ -273,25 +299,31 @@ def up(inventory: Inventory, state_path: Path = DEFAULT_STATE, *, num_cpus: int 
             raise UsageError(f"a cluster is already up (state {state_path}): stop it with `specfleet cluster down`, "
                              f"or pass another --state")
         stop(old)  # a stale record: nothing runs, only its temp folder is left to remove
+    if auth not in ("auto", "token", "disabled"):
+        raise UsageError(f"auth must be auto, token or disabled, not {auth!r}")
     cluster_id = uuid.uuid4().hex[:12]
     root = tempfile.mkdtemp(prefix="sf-", dir="/tmp")  # short: Ray's socket paths must stay under ~107 chars
-    env = ray_env(cluster_id)
+    token = None
+    if auth == "token" or (auth == "auto" and not ray_node.is_loopback(host)):
+        token = str(ray_node.new_token(Path(root) / "ray-auth-token"))
+    env = ray_env(cluster_id, token)
     ports = _allocate_ports(len(inventory.nodes))
-    address = f"127.0.0.1:{ports[0]['gcs']}"
+    address = f"{host}:{ports[0]['gcs']}"
     started: list[NodeProcess] = []
-    state = ClusterState(cluster_id=cluster_id, address=address, temp_dir=root, nodes=[])
+    state = ClusterState(cluster_id=cluster_id, address=address, temp_dir=root, nodes=[], auth_token_path=token)
     deadline = time.monotonic() + timeout_s
     try:
         for i, spec in enumerate(inventory.nodes):
             node = NodeProcess(spec=spec, head=i == 0, pid=0, create_time=0.0, temp_dir=f"{root}/{i}", ports=ports[i])
             command = ray_start_command(spec, None if i == 0 else address, ports[i], node.temp_dir, num_cpus,
-                                        object_store_mb)
+                                        object_store_mb, host, client_server)
             started.append(_start_node(node, command, env, die_with_parent))
             if i == 0:  # workers join once the head's GCS listens
-                _wait_for_port(ports[0]["gcs"], started, deadline)
+                _wait_for_port(host, ports[0]["gcs"], started, deadline)
         state = state.model_copy(update={"nodes": started})
         _write_state(state_path, state)
-        query_nodes(address, expect=len(started), timeout_s=max(1.0, deadline - time.monotonic()), watch=started)
+        query_nodes(address, expect=len(started), timeout_s=max(1.0, deadline - time.monotonic()), watch=started,
+                    auth_token_path=token)
     except BaseException:
         stop(state.model_copy(update={"nodes": started}))
         state_path.unlink(missing_ok=True)
@@ -377,6 +409,7 @@ def _probe(address: str, expect: int, timeout_s: float) -> None:
     """Child-process side of query_nodes: connect, wait for `expect` live nodes, print them as JSON."""
     import ray  # only this child process connects to the cluster
 
+    ray_node.keep_address()
     ray.init(address=address, logging_level="ERROR", log_to_driver=False)
     deadline = time.monotonic() + timeout_s
     while True:
