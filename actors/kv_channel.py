@@ -7,7 +7,8 @@ destination stage's is rank 1, and a two-rank group connects them (made directly
 each process's default group, the pipeline's (actors/p2p.py), alone): NCCL when both instances keep their KV
 on GPUs, gloo otherwise. The KV's tensors go over it in order; their headers (request, layers, token range,
 shape, dtype) go with the coordinator's calls, so the receiver knows what to allocate. Every operation is
-bounded by the channel's timeout: a peer that died fails the transfer, never hangs it.
+bounded by the channel's timeout: a peer that died fails the transfer, never hangs it. The store and gloo's
+pairs listen only on the addresses the two ends use (actors/rendezvous.py).
 
 Tensors cross on the backend's wire device: NCCL sends them GPU to GPU from where the cache holds them; gloo
 carries host memory, so only a GPU instance migrating to or from a CPU instance stages its KV on the host.
@@ -22,6 +23,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from actors import rendezvous
 from actors.kv_cache import KVExport
 
 
@@ -56,14 +58,15 @@ class KVChannel:
         # where tensors must be to cross: the current GPU for NCCL, host memory for gloo
         self.wire = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
         try:
-            self.store = dist.TCPStore(host, int(port), 2, rank == 0, self.timeout)
+            self.store = rendezvous.store(host, int(port), 2, rank == 0, self.timeout)
             if backend == "nccl":
                 options = dist.ProcessGroupNCCL.Options()
                 options._timeout = self.timeout
                 self.group = dist.ProcessGroupNCCL(self.store, rank, 2, options)
             else:
-                self.group = dist.ProcessGroupGloo(self.store, rank, 2, self.timeout)
-        except RuntimeError as e:
+                local = host if rank == 0 else rendezvous.source_address(host)
+                self.group = dist.ProcessGroupGloo(self.store, rank, 2, rendezvous.gloo_options(local, self.timeout))
+        except (RuntimeError, OSError) as e:
             raise ChannelError(f"opening the KV channel at {address} as rank {rank} failed: {e}") from None
         self._lock = threading.Lock()  # one transfer at a time, in the order they were asked for
 

@@ -3,7 +3,7 @@
 The group's backend is NCCL when every stage computes on a GPU (tensors go GPU to GPU) and gloo otherwise,
 through host memory (a GPU stage beside a CPU stage copies to and from it). Each instance has its own process
 group, one rank per target stage (rank = stage index), joined through a
-private TCP rendezvous address and bounded by a timeout: a transfer whose peer died fails (gloo sees the
+private TCP rendezvous address (its store listening there only: actors/rendezvous.py) and bounded by a timeout: a transfer whose peer died fails (gloo sees the
 connection close) or times out, never hangs. One shard process belongs to one instance, so the group is the
 process's default group.
 """
@@ -17,6 +17,8 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+
+from actors import rendezvous
 
 
 class TransferError(RuntimeError):
@@ -61,8 +63,9 @@ class P2P:
         self.wire = self.device if self.backend == "nccl" else torch.device("cpu")
         self.rank, self.world_size = rank, world_size
         self.timeout = timedelta(seconds=timeout_s)
-        dist.init_process_group(self.backend, init_method=init_method, rank=rank, world_size=world_size,
-                                timeout=self.timeout)
+        host, port = init_method.removeprefix("tcp://").rsplit(":", 1)
+        store = rendezvous.store(host, int(port), world_size, rank == 0, self.timeout)
+        dist.init_process_group(self.backend, store=store, rank=rank, world_size=world_size, timeout=self.timeout)
 
     def send(self, x: torch.Tensor, dst: int) -> Transfer:
         """Send x (N, H) to rank `dst`; returns when it is sent."""
