@@ -1,19 +1,54 @@
 """Per-request output: incremental detokenization and stop conditions (EOS, stop ids, stop strings, length).
 
-Text is released only when it is final: an incomplete UTF-8 sequence (decoded as U+FFFD) and the
-last len(longest stop string) - 1 characters are held back until more tokens arrive or the request
-ends, so a stream never shows part of a stop string and never has to take text back. As in vLLM,
-the stop string itself is not part of the output text; the token that completed it stays in the
-token ids; EOS is kept in the ids and (as a special token) left out of the text.
+Work per token does not grow with the output. The text is decoded incrementally (`Detokenizer`, as vLLM and
+TGI do): each new token's text is the decode of a short window of recent tokens less the decode of the same
+window without the new ones, so a tokenizer's context effects (a SentencePiece leading space, byte-level
+merges) come out as in a decode of the whole output. A stop string is searched for only where it could end in
+the new text: from at most len(longest stop) - 1 characters before it (stop strings are bounded:
+cluster/request.py, MAX_STOP_CHARS).
+
+Text is released only when it is final: an incomplete UTF-8 sequence (decoded as U+FFFD) waits for the next
+tokens, and the last len(longest stop string) - 1 characters are held back until more tokens arrive or the
+request ends, so a stream never shows part of a stop string and never has to take text back. As in vLLM, the
+stop string itself is not part of the output text; the token that completed it stays in the token ids; EOS is
+kept in the ids and (as a special token) left out of the text.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 from transformers import PreTrainedTokenizerBase
 
 from cluster.request import FinishReason, SamplingParams
+
+MAX_PENDING = 8  # tokens a decode may wait for (an incomplete UTF-8 sequence needs at most 4 byte tokens)
+
+
+class Detokenizer:
+    """A token sequence's text, one token at a time: `step(ids)` after each append returns that token's new text.
+
+    `prefix` and `read` index `ids`: ids[:read] are decoded already; ids[prefix:read] is the window whose decode is
+    subtracted from the decode of ids[prefix:] (vLLM's prefix_offset / read_offset). A step decodes at most
+    MAX_PENDING + the previous window's tokens, however long the output is.
+    """
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase) -> None:
+        self.tokenizer = tokenizer
+        self.prefix = self.read = 0
+
+    def _decode(self, ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+
+    def step(self, ids: Sequence[int], flush: bool = False) -> str:
+        """The text that ids[read:] add; "" while they end inside a UTF-8 sequence (unless `flush`: the end)."""
+        before = self._decode(ids[self.prefix:self.read])
+        after = self._decode(ids[self.prefix:])
+        waiting = len(ids) - self.read < MAX_PENDING
+        if not flush and waiting and (after.endswith("\ufffd") or len(after) <= len(before)):
+            return ""  # more tokens may complete the character, or add text to a window that added none yet
+        self.prefix, self.read = self.read, len(ids)
+        return after[len(before):]
 
 
 class RequestOutput:
@@ -26,21 +61,30 @@ class RequestOutput:
         eos_token_ids: Iterable[int],
         max_new_tokens: int,
     ) -> None:
-        self.tokenizer = tokenizer
         self.params = params
         self.stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_token_ids))
         self.max_new_tokens = max_new_tokens  # max_tokens, capped by the model's context
         self.token_ids: list[int] = []
-        self.text = ""  # final text so far (stop string excluded once found)
-        self.emitted = 0  # characters of `text` already released
+        self.detok = Detokenizer(tokenizer)
+        self._released: list[str] = []  # text already released, in chunks
+        self.emitted = 0  # characters released
+        self._held = ""  # final text not released yet (stop string excluded once found)
         self.finish_reason: FinishReason | None = None
         self._hold = max((len(s) for s in params.stop), default=1) - 1
 
+    @property
+    def text(self) -> str:
+        """The final text so far (joined on demand: the hot path never builds it)."""
+        return "".join(self._released) + self._held
+
     def restore(self, token_ids: list[int], text_chars: int) -> None:
         """Continue a request generated elsewhere: its tokens so far, of whose text `text_chars` were released."""
-        self.token_ids = list(token_ids)
-        self._update_text()
-        self.emitted = min(text_chars, len(self.text))
+        for tok in token_ids:  # replayed as they came, so the detokenizer's windows are the original run's
+            self.token_ids.append(tok)
+            self._held += self.detok.step(self.token_ids)
+        released = min(text_chars, len(self._held))
+        self._released, self._held = [self._held[:released]], self._held[released:]
+        self.emitted = released
 
     def append(self, tokens: list[int]) -> list[int]:
         """Add tokens in order until one ends the request; returns the tokens actually taken."""
@@ -48,7 +92,8 @@ class RequestOutput:
         for tok in tokens:
             taken.append(tok)
             self.token_ids.append(tok)
-            hit = self._update_text()
+            ends = tok in self.stop_ids or len(self.token_ids) >= self.max_new_tokens
+            hit = self._add_text(self.detok.step(self.token_ids, flush=ends))
             if tok in self.stop_ids or hit:
                 self.finish_reason = FinishReason.STOP
             elif len(self.token_ids) >= self.max_new_tokens:
@@ -57,26 +102,30 @@ class RequestOutput:
                 break
         return taken
 
-    def _update_text(self) -> bool:
-        """Re-decode; on a stop string in the new text, cut the text where it begins and say so."""
-        text = self.tokenizer.decode(self.token_ids, skip_special_tokens=True)
+    def _add_text(self, new: str) -> bool:
+        """Append a token's text; on a stop string ending in it, cut the text where the stop begins and say so."""
+        if not new:
+            return False
+        text = self._held + new
         if self.params.stop:
-            since = max(0, len(self.text) - self._hold - 1)  # text before this was already searched
+            since = max(0, len(self._held) - self._hold)  # a stop ending in `new` starts no earlier
             cut = min((i for s in self.params.stop if (i := text.find(s, since)) >= 0), default=-1)
             if cut >= 0:
-                self.text = text[:cut]
+                self._held = text[:cut]
                 return True
-        self.text = text
+        self._held = text
         return False
 
     def text_delta(self) -> str:
         """Newly final text since the last call."""
-        end = len(self.text)
+        end = len(self._held)
         if self.finish_reason is None:
             end -= self._hold
-            while end > self.emitted and self.text[end - 1] == "\ufffd":
+            while end > 0 and self._held[end - 1] == "\ufffd":
                 end -= 1
-        delta = self.text[self.emitted : max(end, self.emitted)]
+        if end <= 0:
+            return ""
+        delta, self._held = self._held[:end], self._held[end:]
+        self._released.append(delta)
         self.emitted += len(delta)
         return delta
-
