@@ -188,7 +188,7 @@ class LookupDrafter:
     def __init__(self, kind: Literal["ngram", "suffix"], cfg: SpeculationConfig) -> None:
         self.kind: DraftKind = kind
         self.cfg = cfg
-        self.shared = OutputCache(cfg.suffix.depth, cfg.suffix.cache_outputs) if kind == "suffix" else None
+        self.shared = OutputCache(cfg.suffix.depth, cfg.suffix.cache_tokens) if kind == "suffix" else None
         self._ngrams: dict[str, NgramIndex] = {}
         self._suffixes: dict[str, SuffixIndex] = {}
         self._pending: dict[str, list[int]] = {}  # this step's lookahead, reused by propose
@@ -199,7 +199,12 @@ class LookupDrafter:
             index = self._ngrams.setdefault(rid, NgramIndex(self.cfg.ngram.min_n, self.cfg.ngram.max_n))
             return index.propose(seq.token_ids, k)
         own = self._suffixes.setdefault(rid, SuffixIndex(self.cfg.suffix.depth))
-        return suffix_propose(own, self.shared, seq.token_ids, k, self.cfg.suffix.min_prob)
+        shared = self.shared.trie(self._scope(seq)) if self.shared is not None else None
+        return suffix_propose(own, shared, seq.token_ids, k, self.cfg.suffix.min_prob)
+
+    def _scope(self, seq: Sequence) -> str:
+        """Whose recent outputs a request drafts from: its tenant's (suffix.scope: tenant), or everyone's."""
+        return seq.request.tenant if self.cfg.suffix.scope == "tenant" else ""
 
     def lookahead(self, seq: Sequence, k: int) -> int:
         tokens = self._lookup(seq, k) if k > 0 else []
@@ -230,7 +235,7 @@ class LookupDrafter:
         self._ngrams.pop(rid, None)
         self._suffixes.pop(rid, None)
         if finished and self.shared is not None:
-            self.shared.add(seq.output.token_ids)
+            self.shared.add(self._scope(seq), seq.output.token_ids)
 
 
 def make_drafter(cfg: SpeculationConfig, draft: ModelRunner | None, quantized: bool = False,

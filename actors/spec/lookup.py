@@ -5,8 +5,8 @@ speculator): find the most recent earlier occurrence of the last n tokens (n fro
 `min_n`) and propose the tokens that followed it.
 
 Suffix lookup follows SuffixDecoding (Oliaro et al., arXiv 2411.04975): a suffix tree (here a depth-
-bounded suffix trie with occurrence counts) over the request's prompt and output, and optionally a
-shared one over recently served outputs; the longest suffix of the context found in a tree selects a
+bounded suffix trie with occurrence counts) over the request's prompt and output, and optionally one over
+recently served outputs (per tenant, bounded in tokens: OutputCache); the longest suffix of the context found in a tree selects a
 node, and the draft walks its most frequent children while the path's empirical probability
 (product of count(child) / count(node)) stays at or above `min_prob`. The verifier here checks one
 path, not a token tree, so the draft is the single most likely path.
@@ -123,28 +123,58 @@ class SuffixIndex:
 
 
 class OutputCache:
-    """A suffix trie over the outputs of the last `capacity` finished requests (SuffixDecoding's global tree)."""
+    """Suffix tries over the outputs of recently finished requests (SuffixDecoding's global tree), one per scope, and
+    at most `capacity` tokens of outputs in all: the oldest outputs are forgotten first, whichever scope holds them.
+
+    A scope is a tenant (LookupDrafter gives each API key its own, so no key drafts from, and through the
+    proposed-token counts of its responses learns about, another's outputs), or one scope for all when shared.
+    Each token adds at most `depth` nodes, so the tries hold at most capacity * depth nodes (`size`).
+    """
 
     def __init__(self, depth: int, capacity: int) -> None:
-        self.trie = SuffixTrie(depth)
-        self.capacity = capacity
-        self.outputs: deque[tuple[int, ...]] = deque()
+        self.depth, self.capacity = depth, capacity
+        self.tries: dict[str, SuffixTrie] = {}
+        self.outputs: deque[tuple[str, tuple[int, ...]]] = deque()  # (scope, output), oldest first
+        self.tokens = 0  # tokens of `outputs`
 
-    def add(self, output: Sequence[int]) -> None:
+    def trie(self, scope: str) -> SuffixTrie | None:
+        return self.tries.get(scope)
+
+    def add(self, scope: str, output: Sequence[int]) -> None:
         if self.capacity <= 0 or not output:
             return
-        self.outputs.append(tuple(output))
-        self.trie.add(output)
-        while len(self.outputs) > self.capacity:
-            self.trie.add(self.outputs.popleft(), sign=-1)
+        kept = tuple(output[-self.capacity:])  # an output longer than the whole cache keeps its end
+        trie = self.tries.get(scope)
+        if trie is None:
+            trie = self.tries[scope] = SuffixTrie(self.depth)
+        trie.add(kept)
+        self.outputs.append((scope, kept))
+        self.tokens += len(kept)
+        while self.tokens > self.capacity:
+            old_scope, old = self.outputs.popleft()
+            self.tokens -= len(old)
+            old_trie = self.tries[old_scope]
+            old_trie.add(old, sign=-1)
+            if not old_trie.root.children:
+                del self.tries[old_scope]
+
+    def size(self) -> int:
+        """Nodes in all tries (roots excluded)."""
+        count, stack = 0, [t.root for t in self.tries.values()]
+        while stack:
+            node = stack.pop()
+            count += len(node.children)
+            stack.extend(node.children.values())
+        return count
 
     def clear(self) -> None:
         """Forget every output (a benchmark that replays the same prompts must not draft from their answers)."""
-        self.trie = SuffixTrie(self.trie.depth)
+        self.tries.clear()
         self.outputs.clear()
+        self.tokens = 0
 
 
-def suffix_propose(own: SuffixIndex, shared: OutputCache | None, tokens: Sequence[int], k: int,
+def suffix_propose(own: SuffixIndex, shared: SuffixTrie | None, tokens: Sequence[int], k: int,
                    min_prob: float) -> list[int]:
     """SuffixDecoding's choice between the request's own tree and the shared one: the longer match wins
     (ties to the more probable path). The request's own tree holds `tokens` up to the end, so the pattern
@@ -152,7 +182,7 @@ def suffix_propose(own: SuffixIndex, shared: OutputCache | None, tokens: Sequenc
     own.sync(tokens)
     max_len = own.trie.depth - 1
     best, best_key = [], (0, 0.0)
-    for trie in (own.trie, shared.trie if shared is not None else None):
+    for trie in (own.trie, shared):
         if trie is None:
             continue
         node, n = trie.match(tokens, max_len, continued=True)

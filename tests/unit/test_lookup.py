@@ -61,19 +61,19 @@ def test_suffix_walk_follows_the_most_frequent_continuation_while_probable() -> 
 
 
 def test_the_shared_tree_of_recent_outputs_drafts_and_forgets() -> None:
-    shared = OutputCache(depth=8, capacity=2)
-    shared.add([10, 11, 12, 13])
-    assert suffix_propose(SuffixIndex(8), shared, [1, 10, 11], 2, min_prob=0.0) == [12, 13]
-    shared.add([20, 21])
-    shared.add([30, 31])  # capacity 2: the first output is evicted, its counts removed
-    assert suffix_propose(SuffixIndex(8), shared, [1, 10, 11], 2, min_prob=0.0) == []
-    assert not shared.trie.root.children.keys() - {20, 21, 30, 31}
+    shared = OutputCache(depth=8, capacity=8)
+    shared.add("a", [10, 11, 12, 13])
+    assert suffix_propose(SuffixIndex(8), shared.trie("a"), [1, 10, 11], 2, min_prob=0.0) == [12, 13]
+    shared.add("a", [20, 21])
+    shared.add("a", [30, 31, 32])  # 9 tokens > 8: the first output is evicted, its counts removed
+    assert suffix_propose(SuffixIndex(8), shared.trie("a"), [1, 10, 11], 2, min_prob=0.0) == []
+    assert not shared.trie("a").root.children.keys() - {20, 21, 30, 31, 32}
 
 
 def test_a_cleared_output_cache_drafts_nothing_from_earlier_outputs() -> None:
-    cache = OutputCache(depth=8, capacity=4)
-    cache.add([5, 6, 7, 8, 9])
+    cache = OutputCache(depth=8, capacity=8)
+    cache.add("a", [5, 6, 7, 8, 9])
     own = SuffixIndex(8)
-    assert suffix_propose(own, cache, [1, 5, 6], 3, 0.0) == [7, 8, 9]
+    assert suffix_propose(own, cache.trie("a"), [1, 5, 6], 3, 0.0) == [7, 8, 9]
     cache.clear()
-    assert suffix_propose(SuffixIndex(8), cache, [1, 5, 6], 3, 0.0) == [] and not cache.outputs
+    assert cache.trie("a") is None and not cache.outputs
