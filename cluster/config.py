@@ -71,12 +71,15 @@ class NgramConfig(_Frozen):
 
 
 class SuffixConfig(_Frozen):
-    """Suffix-tree lookup (SuffixDecoding): trie depth, the least path probability drafted, and how many
-    recent outputs the shared tree keeps (0: the request's own prompt and output only)."""
+    """Suffix-tree lookup (SuffixDecoding): trie depth, the least path probability drafted, and the tree of recent
+    outputs: at most `cache_tokens` tokens of them per instance (0: the request's own prompt and output only),
+    kept per tenant (`scope: tenant`, one tree per API key: no key drafts from another's outputs) or in one tree
+    for every request (`scope: shared`, for a single-tenant deployment)."""
 
     depth: int = Field(default=24, ge=2, le=64)
     min_prob: float = Field(default=0.1, ge=0.0, le=1.0)
-    cache_outputs: int = Field(default=64, ge=0, le=10_000)
+    cache_tokens: int = Field(default=32_768, ge=0, le=10_000_000)
+    scope: Literal["tenant", "shared"] = "tenant"
 
 
 class DraftParallelConfig(_Frozen):
@@ -182,14 +185,47 @@ class EngineConfig(_Frozen):
     experts: ExpertParallelConfig = ExpertParallelConfig()
 
 
+class KeyLimits(_Frozen):
+    """What one API key may use (deploy/serve/admission.py), checked before any work is done for a request.
+
+    `max_concurrent`: choices (a request with `n: 4` counts 4) admitted and not yet finished, per API replica;
+    `tokens_per_minute`: prompt + n * max_tokens of the requests admitted, a token bucket of that size refilled
+    over a minute (None: no limit); `max_priority`: the highest `priority` a request may ask for (the scheduler
+    preempts the lowest first, so a key that could ask for any priority could starve every other).
+    """
+
+    max_concurrent: int = Field(default=64, ge=1, le=1_000_000)
+    tokens_per_minute: int | None = Field(default=None, ge=1, le=10**12)
+    max_priority: int = Field(default=0, ge=-(2**31), le=2**31 - 1)
+
+
+class APIKey(KeyLimits):
+    """One API key with its own limits: the key is read from the environment variable `key_env` or the file
+    `key_file` (never written in the config); `name` stands for it in logs and as its tenant (suffix cache)."""
+
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")
+    key_env: str | None = None
+    key_file: str | None = None
+
+    @model_validator(mode="after")
+    def _one_source(self) -> "APIKey":
+        if (self.key_env is None) == (self.key_file is None):
+            raise ValueError(f"key {self.name!r}: give exactly one of key_env or key_file")
+        return self
+
+
 class AuthConfig(_Frozen):
-    """API keys: `/v1` and gRPC take any of `api_keys`, `/admin` any of `admin_keys` (Authorization: Bearer).
+    """API keys: `/v1` and gRPC take any of `api_keys` and `keys`, `/admin` any of `admin_keys` (Authorization:
+    Bearer).
 
     Each set is the union of keys written here, the comma-separated keys in the environment variable named
     by `*_env` (a Kubernetes Secret), and the lines of the file named by `*_file`. With `required` (the
     default) a set that comes out empty refuses every request to its routes rather than leaving them open.
+    Keys of `api_keys`, `api_keys_env` and `api_keys_file` have the `limits`; each entry of `keys` has its own.
     """
 
+    keys: tuple[APIKey, ...] = ()
+    limits: KeyLimits = KeyLimits()
     api_keys: tuple[SecretStr, ...] = ()
     admin_keys: tuple[SecretStr, ...] = ()
     api_keys_env: str = "SPECFLEET_API_KEYS"
@@ -198,18 +234,47 @@ class AuthConfig(_Frozen):
     admin_keys_file: str | None = None
     required: bool = True
 
+    @model_validator(mode="after")
+    def _unique_names(self) -> "AuthConfig":
+        names = [k.name for k in self.keys]
+        if len(set(names)) < len(names):
+            raise ValueError(f"serve.auth.keys: names must be unique, got {names}")
+        return self
+
+
+class EdgeConfig(_Frozen):
+    """Bounds on what one request may ask for and on the work done before it is admitted (deploy/serve/edge.py).
+
+    A body must arrive within `body_timeout_s` (408 after). Tokenization (and the chat template) runs on
+    `tokenizer_workers` threads, each with its own copy of the tokenizer; one API key holds at most all but one
+    of them, and at most `tokenizer_queue` requests wait for one (429 beyond). `max_generated_tokens` bounds
+    n * max_tokens of one request (max_tokens as resolved: the rest of the context when not given), and
+    `max_messages` a chat's messages.
+    """
+
+    body_timeout_s: float = Field(default=30.0, gt=0.0, le=3600.0)
+    tokenizer_workers: int = Field(default=2, ge=1, le=64)
+    tokenizer_queue: int = Field(default=64, ge=0, le=100_000)
+    max_generated_tokens: int = Field(default=65_536, ge=1, le=10**9)
+    max_messages: int = Field(default=512, ge=1, le=100_000)
+
 
 class ServeConfig(_Frozen):
-    """The Ray Serve application (deploy/serve/app.py): ports, backpressure and keys."""
+    """The Ray Serve application (deploy/serve/app.py): where it listens, backpressure, bounds and keys.
 
-    http_host: str = "0.0.0.0"
+    `http_host` is where Serve's HTTP proxy (and, on a cluster `specfleet serve` starts Serve on, its gRPC proxy)
+    listens: 127.0.0.1 by default, this machine only; `0.0.0.0` exposes it, behind the API keys.
+    """
+
+    http_host: str = "127.0.0.1"
     http_port: int = Field(default=8000, ge=1, le=65535)
     grpc_port: int = Field(default=9000, ge=1, le=65535)
     # requests admitted but not yet finished, over all instances; beyond it: HTTP 429 / RESOURCE_EXHAUSTED
     max_pending_requests: int = Field(default=256, ge=1)
     retry_after_s: int = Field(default=1, ge=1)
     # a request body (HTTP) or message (gRPC) larger than this is refused: HTTP 413 / RESOURCE_EXHAUSTED
-    max_request_bytes: int = Field(default=1 << 20, ge=1024)
+    max_request_bytes: int = Field(default=1 << 20, ge=1024, le=1 << 30)
+    edge: EdgeConfig = EdgeConfig()
     auth: AuthConfig = AuthConfig()
 
 

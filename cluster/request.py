@@ -16,6 +16,9 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 MAX_SEED = 2**63 - 1  # seeds are non-negative 63-bit integers (what torch's Generator.manual_seed takes)
 MAX_STOPS = 16
+# a stop string's longest length: output is held back by that much while it streams, and each new token's text
+# is searched over that much of what came before it (actors/output.py)
+MAX_STOP_CHARS = 256
 
 
 class InvalidRequest(ValueError):
@@ -61,6 +64,8 @@ class SamplingParams(BaseModel):
     def _no_empty_stop(cls, v: tuple[str, ...]) -> tuple[str, ...]:
         if any(s == "" for s in v):
             raise ValueError("stop strings must not be empty")
+        if any(len(s) > MAX_STOP_CHARS for s in v):
+            raise ValueError(f"stop strings must be at most {MAX_STOP_CHARS} characters")
         return v
 
     @property
@@ -132,6 +137,7 @@ class Request:
     priority: int = 0  # higher is served first
     arrival_time: float = 0.0
     resume: Resume | None = None
+    tenant: str = ""  # who sent it (an API key's tenant name): what it may share with others is scoped by it
 
 
 @dataclass

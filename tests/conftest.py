@@ -11,7 +11,7 @@ import ray
 import torch
 
 from deploy import DEFAULT_INVENTORY
-from deploy.infra import local_cluster
+from deploy.infra import local_cluster, ray_node
 from deploy.infra.local_cluster import ClusterState
 from placement.inventory import Inventory, load_inventory
 from tests.fixtures.tiny_models import DRAFT_NOISE, FAMILIES, build_tiny_model, perturbed_copy, write_tiny_gguf
@@ -103,11 +103,13 @@ def ray_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RayCluster
 
 @pytest.fixture(scope="module")
 def ray_driver(ray_cluster: RayCluster) -> Iterator[RayCluster]:
-    """This test process connected to `ray_cluster` as a driver, with the cluster's RAY_AUTH_MODE."""
+    """This test process connected to `ray_cluster` as a driver, with the cluster's auth and its loopback address
+    kept (deploy/infra/ray_node.py)."""
     with pytest.MonkeyPatch.context() as mp:
-        for key, value in local_cluster.RAY_ENV.items():
+        for key, value in local_cluster.client_env(ray_cluster.state).items():
             mp.setenv(key, value)
         mp.delenv("RAY_ADDRESS", raising=False)
+        ray_node.keep_address()
         ray.init(address=ray_cluster.address, logging_level="ERROR", log_to_driver=False)
         try:
             yield ray_cluster

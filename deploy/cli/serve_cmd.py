@@ -6,6 +6,7 @@ It connects to the local cluster recorded in `--state` (or any Ray cluster with 
 with its HTTP proxy on the head node and the gRPC proxy beside it, deploys `deploy.app:build_app`, waits for
 every instance to load, and returns; the application keeps running. Key files named by the config that do not
 exist yet are created with a random key (mode 600), so a fresh machine gets a working key at a known place.
+Its servers listen on `serve.http_host` (`--host`): 127.0.0.1 unless asked (deploy/serve/serve_env.py).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from pathlib import Path
 
 from cluster.config import SpecfleetConfig, load_config
 from deploy import DEFAULT_CONFIG
-from deploy.infra import local_cluster
+from deploy.infra import local_cluster, ray_node
 from deploy.cli.flags import UsageError
 from deploy.rpc import codegen
 
@@ -31,6 +32,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     where.add_argument("--state", type=Path, default=local_cluster.DEFAULT_STATE,
                        help="the local cluster's state file (from `specfleet cluster up`)")
     where.add_argument("--address", help="a Ray cluster's GCS address instead of the local cluster")
+    p.add_argument("--host", help="override serve.http_host: where HTTP and gRPC listen (default 127.0.0.1, this "
+                                  "machine only; 0.0.0.0 exposes the app, behind its API keys)")
     p.add_argument("--http-port", type=int, help="override serve.http_port")
     p.add_argument("--grpc-port", type=int, help="override serve.grpc_port")
     p.add_argument("--timeout", type=float, default=900.0, help="seconds to wait for the app to be running")
@@ -55,22 +58,25 @@ def ensure_key_files(cfg: SpecfleetConfig) -> dict[str, Path]:
     return out
 
 
-def with_ports(cfg: SpecfleetConfig, http_port: int | None, grpc_port: int | None) -> SpecfleetConfig:
-    serve_cfg = cfg.serve.model_copy(update={k: v for k, v in (("http_port", http_port), ("grpc_port", grpc_port))
-                                             if v is not None})
+def with_ports(cfg: SpecfleetConfig, http_port: int | None, grpc_port: int | None,
+               host: str | None = None) -> SpecfleetConfig:
+    changes = (("http_port", http_port), ("grpc_port", grpc_port), ("http_host", host))
+    serve_cfg = cfg.serve.model_copy(update={k: v for k, v in changes if v is not None})
     return cfg.model_copy(update={"serve": serve_cfg})
 
 
-def deploy(cfg: SpecfleetConfig, address: str, timeout_s: float = 900.0) -> str:
-    """Start Serve on the cluster at `address` and deploy the app; returns the HTTP base URL."""
-    import ray
+def deploy(cfg: SpecfleetConfig, address: str, timeout_s: float = 900.0, env: dict[str, str] | None = None) -> str:
+    """Start Serve on the cluster at `address` (clients' environment `env`: local_cluster.client_env) and deploy
+    the app; returns the HTTP base URL."""
     from ray import serve
     from ray.serve.config import gRPCOptions
 
     from deploy.app import APP_NAME, build_app
+    from deploy.serve import serve_env
 
     codegen.ensure()
-    ray.init(address=address, namespace="specfleet", log_to_driver=False, logging_level="ERROR")
+    ray_node.connect(address, env or {}, namespace="specfleet", log_to_driver=False, logging_level="ERROR",
+                     runtime_env=serve_env.runtime_env(cfg.serve))
     try:
         serve.start(proxy_location="HeadOnly", http_options={"host": cfg.serve.http_host, "port": cfg.serve.http_port},
                     grpc_options=gRPCOptions(port=cfg.serve.grpc_port,
@@ -79,6 +85,8 @@ def deploy(cfg: SpecfleetConfig, address: str, timeout_s: float = 900.0) -> str:
         serve.run(build_app({"config": cfg}), name=APP_NAME, route_prefix="/", blocking=False)
         _wait_running(APP_NAME, t0 + timeout_s)
     finally:
+        import ray
+
         ray.shutdown()
     host = "127.0.0.1" if cfg.serve.http_host in ("0.0.0.0", "::") else cfg.serve.http_host
     return f"http://{host}:{cfg.serve.http_port}"
@@ -100,13 +108,20 @@ def _wait_running(app: str, deadline: float) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    cfg = with_ports(load_config(args.config), args.http_port, args.grpc_port)
-    address = args.address or local_cluster.read_state(args.state).address
+    cfg = with_ports(load_config(args.config), args.http_port, args.grpc_port, args.host)
+    if args.address:
+        address, env = args.address, {}
+    else:
+        state = local_cluster.read_state(args.state)
+        address, env = state.address, local_cluster.client_env(state)
     keys = ensure_key_files(cfg)
-    url = deploy(cfg, address, args.timeout)
+    url = deploy(cfg, address, args.timeout, env)
     model = cfg.engine.model.served_name
     key_ref = f"$(cat {keys['api']})" if "api" in keys else f"${cfg.serve.auth.api_keys_env}"
     print(f"specfleet is serving {model!r} at {url} (gRPC on port {cfg.serve.grpc_port})")
+    if ray_node.is_loopback(cfg.serve.http_host):
+        print(f"it listens on {cfg.serve.http_host} only (this machine); to expose it, behind its API keys: "
+              f"specfleet serve --host 0.0.0.0 (or serve.http_host in the config), on a fresh `specfleet cluster up`")
     print(f"API key: {keys.get('api', '$' + cfg.serve.auth.api_keys_env)}; "
           f"admin key: {keys.get('admin', '$' + cfg.serve.auth.admin_keys_env)}")
     print("try:\n"

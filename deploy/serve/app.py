@@ -95,6 +95,7 @@ class SpecfleetAPI(HttpRoutes, GrpcMethods):
     def __init__(self, cfg: SpecfleetConfig, instances: list[DeploymentHandle]) -> None:
         from deploy.model_store import resolve_model
         from deploy.serve.auth import KeySet
+        from deploy.serve.edge import Edge
         from deploy.serve.frontend import Frontend
 
         self.cfg = cfg
@@ -102,6 +103,7 @@ class SpecfleetAPI(HttpRoutes, GrpcMethods):
         self.router = get_or_create_router(cfg.router)
         ray.get(self.router.configure.remote(cfg.router), timeout=30)
         self.frontend = Frontend(cfg, self.router, resolve=lambda s: resolve_model(s, cfg.engine.model.dtype))
+        self.edge = Edge(cfg.serve, self.frontend)
         self.api_keys = KeySet.load(cfg.serve.auth)
         self.admin_keys = KeySet.load(cfg.serve.auth, admin=True)
         log.info("API keys: %d for /v1 and gRPC, %d for /admin (from %s)", len(self.api_keys), len(self.admin_keys),

@@ -1,25 +1,41 @@
-"""API keys: the sets of keys that open `/v1` (and gRPC) and `/admin`, and a constant-time check.
+"""API keys: the sets of keys that open `/v1` (and gRPC) and `/admin`, each key with its tenant, and a constant-time check.
 
-Keys come from the config, an environment variable and a file (cluster/config.py, AuthConfig). They are
-held as SecretStr and never logged: errors name where keys were looked for, never a key.
+Keys come from the config, environment variables and files (cluster/config.py, AuthConfig). They are held only
+here and never logged: errors name where keys were looked for, never a key. A key's `Tenant` carries its name
+(the config's name for a key of `keys`, else `key-` and a prefix of the key's sha256, which does not reveal it)
+and its limits (deploy/serve/admission.py).
 """
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
-from cluster.config import AuthConfig
+from cluster.config import AuthConfig, KeyLimits
+
+ANONYMOUS = "anonymous"  # the tenant of every request when no keys are required and none are set
+
+
+@dataclass(frozen=True)
+class Tenant:
+    """Who a request comes from, as far as limits and caches are concerned."""
+
+    name: str
+    limits: KeyLimits
 
 
 class KeySet:
-    """A set of accepted keys; `check` compares in constant time against each."""
+    """A set of accepted keys, each with its tenant; `match` compares in constant time against each."""
 
-    def __init__(self, keys: set[str], source: str, required: bool = True) -> None:
-        self._keys = tuple(sorted(k for k in keys if k))
+    def __init__(self, keys: dict[str, Tenant], source: str, required: bool = True,
+                 default: KeyLimits = KeyLimits()) -> None:
+        self._keys = tuple(sorted((k.encode(), t) for k, t in keys.items() if k))
         self.source = source  # where the keys came from, for messages
         self.required = required  # an empty set refuses everything, unless keys are not required
+        self._anonymous = Tenant(ANONYMOUS, default)
 
     @classmethod
     def load(cls, cfg: AuthConfig, admin: bool = False) -> "KeySet":
@@ -29,24 +45,47 @@ class KeySet:
         keys = {k.get_secret_value() for k in literal}
         keys |= {k.strip() for k in os.environ.get(env, "").split(",") if k.strip()}
         if file:
-            try:
-                keys |= {line.strip() for line in Path(file).expanduser().read_text().splitlines() if line.strip()}
-            except OSError as e:
-                raise ValueError(f"cannot read the {'admin' if admin else 'API'} key file {file}: {e.strerror}") from None
-        return cls(keys, f"config, ${env}" + (f", {file}" if file else ""), cfg.required)
+            keys |= set(_read_keys(file, "admin" if admin else "API"))
+        tenants = {k: Tenant(_anonymous_name(k), cfg.limits) for k in keys}
+        sources = [f"${env}"] + ([file] if file else [])
+        if not admin:
+            for entry in cfg.keys:  # named keys with their own limits
+                found = ([os.environ.get(entry.key_env, "").strip()] if entry.key_env
+                         else _read_keys(entry.key_file, f"key {entry.name!r}")[:1])
+                if not found or not found[0]:
+                    raise ValueError(f"key {entry.name!r}: no key in {'$' + entry.key_env if entry.key_env else entry.key_file}")
+                limits = KeyLimits(**entry.model_dump(include=set(KeyLimits.model_fields)))
+                tenants[found[0]] = Tenant(entry.name, limits)
+                sources.append(entry.name)
+        return cls(tenants, "config, " + ", ".join(sources), cfg.required, cfg.limits)
 
     def __len__(self) -> int:
         return len(self._keys)
 
-    def check(self, authorization: str | None) -> bool:
-        """Whether an `Authorization: Bearer KEY` header (or gRPC metadata value) carries an accepted key; with
-        no keys at all and `required` off, anything passes."""
+    def match(self, authorization: str | None) -> Tenant | None:
+        """The tenant of an `Authorization: Bearer KEY` header (or gRPC metadata value), or None if no key is
+        accepted; with no keys at all and `required` off, anything passes as the anonymous tenant."""
         if not self._keys and not self.required:
-            return True
+            return self._anonymous
         if not authorization or not authorization.startswith("Bearer "):
-            return False
+            return None
         given = authorization[len("Bearer "):].strip().encode()
-        ok = False
-        for key in self._keys:  # no early exit: the time taken does not tell which key matched
-            ok |= hmac.compare_digest(given, key.encode())
-        return ok
+        found = None
+        for key, tenant in self._keys:  # no early exit: the time taken does not tell which key matched
+            if hmac.compare_digest(given, key):
+                found = tenant
+        return found
+
+    def check(self, authorization: str | None) -> bool:
+        return self.match(authorization) is not None
+
+
+def _read_keys(file: str, what: str) -> list[str]:
+    try:
+        return [line.strip() for line in Path(file).expanduser().read_text().splitlines() if line.strip()]
+    except OSError as e:
+        raise ValueError(f"cannot read the {what} key file {file}: {e.strerror}") from None
+
+
+def _anonymous_name(key: str) -> str:
+    return "key-" + hashlib.sha256(key.encode()).hexdigest()[:12]

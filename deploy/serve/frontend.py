@@ -30,8 +30,7 @@ import dataclasses
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 from pydantic import ValidationError
@@ -47,6 +46,7 @@ from cluster.request import (FinishReason, InvalidRequest, Request, RequestStatu
 from cluster.router import Overloaded
 from deploy.serve.metrics import Metrics
 from deploy.serve.openai_api import APIError, from_validation_error
+from deploy.serve.tokenizing import TokenizerPool, max_chars_per_token
 
 log = logging.getLogger(__name__)
 MAX_FAILOVERS = 3  # instances one request may resume on after failures, before its stream ends in an error
@@ -65,6 +65,7 @@ class Prepared:
     params: tuple[SamplingParams, ...]  # one per choice (n)
     priority: int
     arrival: float
+    tenant: str = ""  # the API key's tenant (Request.tenant)
 
 
 @dataclass
@@ -102,9 +103,12 @@ class Frontend:
         self.router = router
         self.metrics = Metrics(self.model_name)
         self._releases: set[asyncio.Task] = set()  # supervised release calls under way
-        # tokenization is CPU work: one thread, off the event loop (and one at a time: tokenizers are not
-        # safe to share between threads)
-        self._tokenizing = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize")
+        # tokenization is CPU work: off the event loop, on a bounded pool fair among tenants (deploy/serve/tokenizing.py)
+        edge = cfg.serve.edge
+        self.tokenizing = TokenizerPool(self.tokenizer, edge.tokenizer_workers, edge.tokenizer_queue,
+                                        cfg.serve.retry_after_s)
+        chars = max_chars_per_token(self.tokenizer)  # a text longer than the context * this cannot fit
+        self.max_prompt_chars = None if chars is None else self.max_model_len * chars
 
     # ---- validation ---------------------------------------------------------------------------------
     def check_model(self, model: str) -> None:
@@ -112,30 +116,32 @@ class Frontend:
             raise APIError(404, f"the model {model!r} does not exist; this server serves {self.model_name!r}",
                            param="model", code="model_not_found")
 
-    async def encode_prompt(self, prompt: str | list[int]) -> list[int]:
-        """A prompt's token ids (a string is tokenized on the tokenizer's thread; ids are checked in `prepare`)."""
+    async def encode_prompt(self, prompt: str | list[int], tenant: str = "") -> list[int]:
+        """A prompt's token ids (a string is tokenized on the tokenizer pool; ids are checked in `prepare`)."""
         if isinstance(prompt, str):
-            return await asyncio.get_running_loop().run_in_executor(self._tokenizing, self.tokenizer.encode, prompt)
+            self._check_chars(len(prompt), "prompt")
+            return await self.tokenizing.run(tenant, _encode, prompt)
         return list(prompt)
 
-    async def encode_chat(self, messages: list[dict]) -> list[int]:
-        """The chat template applied and tokenized on the tokenizer's thread."""
-        return await asyncio.get_running_loop().run_in_executor(self._tokenizing, self._encode_chat, messages)
-
-    def _encode_chat(self, messages: list[dict]) -> list[int]:
+    async def encode_chat(self, messages: list[dict], tenant: str = "") -> list[int]:
+        """The chat template applied and tokenized on the tokenizer pool."""
         if self.tokenizer.chat_template is None:
             raise APIError(400, f"the model {self.model_name!r} has no chat template; use /v1/completions",
                            param="messages")
-        try:
-            ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
-                                                     return_dict=False)
-        except Exception as e:  # noqa: BLE001 - a template that rejects the conversation is the client's error
-            raise APIError(400, f"the chat template rejected the messages: {e}", param="messages") from None
-        return list(ids)
+        self._check_chars(sum(len(m["content"].strip()) for m in messages), "messages")
+        return await self.tokenizing.run(tenant, _encode_chat, messages)
+
+    def _check_chars(self, chars: int, param: str) -> None:
+        """Refuse, without tokenizing it, a text too long to fit the context whatever its tokens (see
+        deploy/serve/tokenizing.py, max_chars_per_token)."""
+        if self.max_prompt_chars is not None and chars > self.max_prompt_chars:
+            raise APIError(400, f"the {param} has {chars} characters, more than this model's context of "
+                                f"{self.max_model_len} tokens can hold with this tokenizer ({self.max_prompt_chars})",
+                           param=param, code="context_length_exceeded")
 
     def prepare(self, prompt_ids: list[int], *, max_tokens: int | None, temperature: float, top_p: float,
                 top_k: int, seed: int | None, stop: tuple[str, ...], n: int, priority: int, ignore_eos: bool,
-                prompt_param: str = "prompt", prefix: str = "cmpl") -> Prepared:
+                prompt_param: str = "prompt", prefix: str = "cmpl", tenant: str = "") -> Prepared:
         """Check the prompt and build each choice's sampling parameters, with the checks of cluster/request.py (the
         engine's own), so that what the engine would refuse is a 400 naming the field here."""
         arrival = time.monotonic()
@@ -151,7 +157,7 @@ class Frontend:
                            code=e.code or "invalid_value") from None
         except ValidationError as e:
             raise from_validation_error(e) from None
-        return Prepared(f"{prefix}-{uuid.uuid4().hex}", tuple(prompt_ids), params, priority, arrival)
+        return Prepared(f"{prefix}-{uuid.uuid4().hex}", tuple(prompt_ids), params, priority, arrival, tenant)
 
     # ---- dispatch -----------------------------------------------------------------------------------
     async def start(self, prep: Prepared) -> "Call":
@@ -229,6 +235,18 @@ class Frontend:
             log.error("releasing %s failed", task.get_name(), exc_info=task.exception())
 
 
+def _encode(tokenizer, prompt: str) -> list[int]:
+    return tokenizer.encode(prompt)
+
+
+def _encode_chat(tokenizer, messages: list[dict]) -> list[int]:
+    try:
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+    except Exception as e:  # noqa: BLE001 - a template that rejects the conversation is the client's error
+        raise APIError(400, f"the chat template rejected the messages: {str(e)[:300]}", param="messages") from None
+    return list(ids)
+
+
 class Call:
     """A started request: iterate it for (choice index, StreamItem); `aclose` (or leaving early) aborts the rest."""
 
@@ -237,12 +255,21 @@ class Call:
         self._open = set(range(len(ids)))  # choices not yet released
         self._tasks: list[asyncio.Task] = []
         self._closed = False
+        self._on_close: list[Callable[[], None]] = []  # e.g. the admission ticket's release (deploy/serve/edge.py)
+
+    def on_close(self, callback: Callable[[], None]) -> None:
+        """Call `callback` once, when the call closes (at once if it already has)."""
+        if self._closed:
+            callback()
+        else:
+            self._on_close.append(callback)
 
     async def _one(self, index: int, out: asyncio.Queue) -> None:
         """Stream one choice from its instance; follow it when it migrates, resume it elsewhere when its instance
         fails (failover: the prompt plus the tokens streamed so far, KV recomputed there)."""
         rid = self.ids[index]
-        request = Request(rid, self.prep.prompt_ids, self.prep.params[index], self.prep.priority, time.time())
+        request = Request(rid, self.prep.prompt_ids, self.prep.params[index], self.prep.priority, time.time(),
+                          tenant=self.prep.tenant)
         tokens: list[int] = []
         chars = 0
         method = "generate"
@@ -312,6 +339,9 @@ class Call:
             self.f.release([self.ids[i] for i in still], [self.routed[i] for i in still], RequestStatus.ABORTED,
                            abort=True)
             self._open.clear()
+        callbacks, self._on_close = self._on_close, []
+        for callback in callbacks:
+            callback()
 
     def _finished(self, index: int, item: StreamItem) -> None:
         reason = item.delta.finish_reason

@@ -13,13 +13,14 @@ from collections.abc import AsyncIterator
 import grpc
 
 from cluster.request import FinishReason, SpecStats
+from deploy.serve.auth import Tenant
 from deploy.serve.frontend import Call
 from deploy.serve.openai_api import APIError
 from deploy.rpc import specfleet_pb2 as pb
 
 STATUS = {400: grpc.StatusCode.INVALID_ARGUMENT, 401: grpc.StatusCode.UNAUTHENTICATED, 404: grpc.StatusCode.NOT_FOUND,
-          413: grpc.StatusCode.RESOURCE_EXHAUSTED, 429: grpc.StatusCode.RESOURCE_EXHAUSTED,
-          503: grpc.StatusCode.UNAVAILABLE}
+          408: grpc.StatusCode.DEADLINE_EXCEEDED, 413: grpc.StatusCode.RESOURCE_EXHAUSTED,
+          429: grpc.StatusCode.RESOURCE_EXHAUSTED, 503: grpc.StatusCode.UNAVAILABLE}
 
 
 def _spec(stats: SpecStats) -> pb.SpecDecodeStats:
@@ -42,16 +43,21 @@ def _failure(error: str | None, rejected: bool) -> APIError:
 class GrpcMethods:
     """Mixed into the Serve ingress class (deploy/serve/app.py), beside the HTTP routes."""
 
-    def _grpc_auth(self, grpc_context) -> None:
+    def _grpc_auth(self, grpc_context) -> Tenant:
         metadata = dict(grpc_context.invocation_metadata())
-        if not self.api_keys.check(metadata.get("authorization")):
+        tenant = self.api_keys.match(metadata.get("authorization"))
+        if tenant is None:
             raise APIError(401, "missing or invalid API key: send metadata `authorization: Bearer <key>`")
+        return tenant
 
     def _fail(self, grpc_context, e: APIError) -> None:
         grpc_context.set_code(STATUS.get(e.status, grpc.StatusCode.INTERNAL))
         grpc_context.set_details(e.message)
 
-    async def _start(self, request: pb.GenerateRequest) -> Call:
+    async def _start(self, request: pb.GenerateRequest, tenant: Tenant) -> Call:
+        """The request through the edge (deploy/serve/edge.py). Serve's gRPC proxy already refused a message over
+        serve.max_request_bytes (RAY_SERVE_GRPC_MAX_MESSAGE_SIZE, deploy/serve/serve_env.py); the check here
+        covers a proxy started without it."""
         f = self.frontend
         limit = self.cfg.serve.max_request_bytes
         if request.ByteSize() > limit:
@@ -59,28 +65,33 @@ class GrpcMethods:
         f.check_model(request.model)
         which = request.WhichOneof("input")
         if which == "prompt":
-            ids, param, default_max = await f.encode_prompt(request.prompt), "prompt", 16
+            encode, param, default_max = (lambda: f.encode_prompt(request.prompt, tenant.name)), "prompt", 16
         elif which == "chat":
             if not request.chat.messages:
                 raise APIError(400, "chat.messages is empty", param="chat")
-            ids = await f.encode_chat([{"role": m.role, "content": m.content} for m in request.chat.messages])
-            param, default_max = "chat", None
+            self.edge.check_messages(len(request.chat.messages))
+            messages = [{"role": m.role, "content": m.content} for m in request.chat.messages]
+            encode, param, default_max = (lambda: f.encode_chat(messages, tenant.name)), "chat", None
         elif which == "prompt_token_ids":
-            ids, param, default_max = list(request.prompt_token_ids.ids), "prompt_token_ids", 16
+            ids = list(request.prompt_token_ids.ids)
+            encode, param, default_max = (lambda: f.encode_prompt(ids)), "prompt_token_ids", 16
         else:
             raise APIError(400, "give one of prompt, chat or prompt_token_ids", param="input")
         temperature = request.temperature if request.HasField("temperature") else 1.0
         top_p = request.top_p if request.HasField("top_p") else 1.0
-        prep = f.prepare(ids, max_tokens=request.max_tokens if request.HasField("max_tokens") else default_max,
-                         temperature=temperature, top_p=top_p, top_k=request.top_k,
-                         seed=request.seed if request.HasField("seed") else None, stop=tuple(request.stop), n=1,
-                         priority=request.priority, ignore_eos=request.ignore_eos, prompt_param=param)
-        return await f.start(prep)
+        max_tokens = request.max_tokens if request.HasField("max_tokens") else default_max
+        if max_tokens is not None and max_tokens < 1:
+            raise APIError(400, f"max_tokens must be at least 1, got {max_tokens}", param="max_tokens")
+        return await self.edge.start(
+            tenant, n=1, priority=request.priority, max_tokens=max_tokens, encode=encode,
+            prepare=lambda ids: f.prepare(ids, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
+                                          top_k=request.top_k, seed=request.seed if request.HasField("seed") else None,
+                                          stop=tuple(request.stop), n=1, priority=request.priority,
+                                          ignore_eos=request.ignore_eos, prompt_param=param, tenant=tenant.name))
 
     async def Generate(self, request: pb.GenerateRequest, grpc_context) -> pb.GenerateResponse:  # noqa: N802
         try:
-            self._grpc_auth(grpc_context)
-            call = await self._start(request)
+            call = await self._start(request, self._grpc_auth(grpc_context))
             [c] = await call.collect()
             if c.finish_reason == FinishReason.ERROR:
                 raise _failure(c.error, c.rejected)
@@ -93,8 +104,7 @@ class GrpcMethods:
 
     async def GenerateStream(self, request: pb.GenerateRequest, grpc_context) -> AsyncIterator[pb.GenerateChunk]:  # noqa: N802
         try:
-            self._grpc_auth(grpc_context)
-            call = await self._start(request)
+            call = await self._start(request, self._grpc_auth(grpc_context))
         except APIError as e:  # a stream's status is only read from an exception raised after set_code (Serve 2.60)
             self._fail(grpc_context, e)
             raise

@@ -1,8 +1,10 @@
 """HTTP routes of the API replica: the OpenAI API under /v1, /health, /metrics and the operator's /admin.
 
-Bodies are parsed by hand (json, then the pydantic models of deploy/serve/openai_api.py) so that every malformed
-request gets an OpenAI-style error body with the field it concerns, never FastAPI's default 422 or a 500.
-Streams are server-sent events ending with `data: [DONE]`.
+Bodies are read within `serve.edge.body_timeout_s` (408 after) and `serve.max_request_bytes` (413), then parsed by
+hand (json, then the pydantic models of deploy/serve/openai_api.py) so that every malformed request gets an
+OpenAI-style error body with the field it concerns, never FastAPI's default 422 or a 500. Work starts only once
+the request has passed the edge (deploy/serve/edge.py). Streams are server-sent events ending with `data: [DONE]`.
+The OpenAPI schema (`/openapi.json`) describes the bodies these routes take, for clients and for fuzzing.
 """
 
 from __future__ import annotations
@@ -19,15 +21,19 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from cluster.config import ServeConfig
 from cluster.request import FinishReason, SpecStats
+from deploy.serve.auth import Tenant
 from deploy.serve.frontend import Call
 from cluster.registry import NoInstanceAvailable
+from deploy.serve import openapi
 from deploy.serve.metrics import CONTENT_TYPE
 from deploy.serve.openai_api import (APIError, ChatCompletionRequest, CompletionRequest, choice, chunk_body,
                                completion_body, from_validation_error, model_list, usage, usage_chunk)
 
 log = logging.getLogger(__name__)
-http_app = FastAPI(title="specfleet", docs_url=None, redoc_url=None, openapi_url=None)
+http_app = FastAPI(title="specfleet", docs_url=None, redoc_url=None, openapi_url="/openapi.json")
+openapi.install(http_app)
 
 
 @http_app.exception_handler(APIError)
@@ -48,27 +54,37 @@ async def _unexpected(_: Request, e: Exception) -> JSONResponse:
     return JSONResponse(err.body(), status_code=500)
 
 
-async def _read(request: Request, limit: int) -> bytes:
-    """The body, refused with 413 once it is known to exceed `limit` bytes (declared, or as it arrives)."""
+async def _read(request: Request, limit: int, timeout_s: float) -> bytes:
+    """The body, refused with 413 once it is known to exceed `limit` bytes (declared, or as it arrives), and with
+    408 if it has not all arrived within `timeout_s` (a client that trickles a body holds a connection and a
+    slot of the replica's concurrency for as long as it likes otherwise)."""
     too_large = APIError(413, f"the body exceeds this server's limit of {limit} bytes (serve.max_request_bytes)",
                          code="request_too_large")
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > limit:
         raise too_large
     raw = bytearray()
-    async for chunk in request.stream():
-        raw += chunk
-        if len(raw) > limit:
-            raise too_large
+
+    async def arrive() -> None:
+        async for chunk in request.stream():
+            raw.extend(chunk)
+            if len(raw) > limit:
+                raise too_large
+
+    try:
+        await asyncio.wait_for(arrive(), timeout_s)
+    except asyncio.TimeoutError:
+        raise APIError(408, f"the body did not arrive within {timeout_s:g} s (serve.edge.body_timeout_s)",
+                       code="request_timeout") from None
     return bytes(raw)
 
 
-async def _body(request: Request, model: type, limit: int) -> object:
-    raw = await _read(request, limit)
+async def _body(request: Request, model: type, cfg: ServeConfig) -> object:
+    raw = await _read(request, cfg.max_request_bytes, cfg.edge.body_timeout_s)
     try:
         data = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise APIError(400, f"the body is not valid JSON: {e}", code="invalid_json") from None
+    except (ValueError, RecursionError) as e:  # bad JSON or UTF-8, a too-long integer, nesting too deep
+        raise APIError(400, f"the body is not valid JSON: {str(e)[:200]}", code="invalid_json") from None
     if not isinstance(data, dict):
         raise APIError(400, "the body must be a JSON object", code="invalid_json")
     try:
@@ -132,12 +148,14 @@ class HttpRoutes:
     """Route bodies, mixed into the Serve ingress class (deploy/serve/app.py), which declares the routes and sets cfg,
     frontend, router, api_keys and admin_keys."""
 
-    def _auth(self, request: Request, admin: bool = False) -> None:
+    def _auth(self, request: Request, admin: bool = False) -> Tenant:
         keys = self.admin_keys if admin else self.api_keys
-        if not keys.check(request.headers.get("authorization")):
+        tenant = keys.match(request.headers.get("authorization"))
+        if tenant is None:
             what = "admin key" if admin else "API key"
             raise APIError(401, f"missing or invalid {what}: send `Authorization: Bearer <key>`",
                            type_="authentication_error", code="invalid_api_key")
+        return tenant
 
     # ---- OpenAI ---------------------------------------------------------------------------------------
     async def _models(self, request: Request) -> JSONResponse:
@@ -145,28 +163,30 @@ class HttpRoutes:
         return JSONResponse(model_list(await self.router.models.remote()))
 
     async def _completions(self, request: Request) -> Response:
-        self._auth(request)
-        body: CompletionRequest = await _body(request, CompletionRequest, self.cfg.serve.max_request_bytes)
+        tenant = self._auth(request)
+        body: CompletionRequest = await _body(request, CompletionRequest, self.cfg.serve)
         f = self.frontend
         f.check_model(body.model)
-        ids = await f.encode_prompt(body.prompt)
-        prep = f.prepare(ids, max_tokens=body.max_tokens, **body.sampling_args())
+        call = await self.edge.start(
+            tenant, n=body.n, priority=body.priority, max_tokens=body.max_tokens,
+            encode=lambda: f.encode_prompt(body.prompt, tenant.name),
+            prepare=lambda ids: f.prepare(ids, max_tokens=body.max_tokens, **body.sampling_args(), tenant=tenant.name))
         prefix = body.prompt if body.echo and isinstance(body.prompt, str) else ""
-        return await self._respond(await f.start(prep), body, chat=False, prefix=prefix)
+        return await self._respond(call, body, chat=False, prefix=prefix)
 
     async def _chat_completions(self, request: Request) -> Response:
-        self._auth(request)
-        body: ChatCompletionRequest = await _body(request, ChatCompletionRequest, self.cfg.serve.max_request_bytes)
+        tenant = self._auth(request)
+        body: ChatCompletionRequest = await _body(request, ChatCompletionRequest, self.cfg.serve)
         f = self.frontend
         f.check_model(body.model)
-        try:
-            messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-        except ValueError as e:
-            raise APIError(400, str(e), param="messages") from None
-        ids = await f.encode_chat(messages)
-        prep = f.prepare(ids, max_tokens=body.token_limit, **body.sampling_args(), prompt_param="messages",
-                         prefix="chatcmpl")
-        return await self._respond(await f.start(prep), body, chat=True)
+        self.edge.check_messages(len(body.messages))
+        messages = [m.template_dict() for m in body.messages]
+        call = await self.edge.start(
+            tenant, n=body.n, priority=body.priority, max_tokens=body.token_limit,
+            encode=lambda: f.encode_chat(messages, tenant.name),
+            prepare=lambda ids: f.prepare(ids, max_tokens=body.token_limit, **body.sampling_args(),
+                                          prompt_param="messages", prefix="chatcmpl", tenant=tenant.name))
+        return await self._respond(call, body, chat=True)
 
     async def _respond(self, call: Call, body, chat: bool, prefix: str = "") -> Response:
         """The response of a started call; whatever goes wrong before the response owns the call closes it."""

@@ -1,19 +1,36 @@
 """The OpenAI API as vLLM serves it: request bodies (pydantic), response and stream-chunk bodies, error bodies.
 
-Unknown fields are ignored, as vLLM does; fields we know are type-checked strictly (`"max_tokens": "12"` is a
-400, not a conversion), and a wrong one becomes a 400 that names it (`param`). The bounds of the sampling
-fields are not repeated here: they are `SamplingParams`' (cluster/request.py), checked when the frontend
-builds it. Per-request speculation stats ride in an extension field, `spec_decode`.
+Fields are type-checked strictly (`"max_tokens": "12"` is a 400, not a conversion) and every integer is bounded,
+so a wrong one becomes a 400 that names it (`param`). A field the server does not implement is a 400 that names
+it too (`code: unsupported_parameter`), never silently dropped: the OpenAI fields that would change the output
+(`response_format`, `tools`, `logprobs`...) are refused unless they carry their neutral value (`"logprobs":
+false`, `"presence_penalty": 0`), and any other unknown field is refused outright. `user` is accepted and
+ignored, as it only labels the caller. The sampling fields' ranges are `SamplingParams`' (cluster/request.py),
+checked when the frontend builds it. Per-request speculation stats ride in an extension field, `spec_decode`.
 """
 
 from __future__ import annotations
 
 import time
-from typing import Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
+from pydantic.json_schema import SkipJsonSchema
 
-from cluster.request import SpecStats
+from cluster.request import MAX_SEED, MAX_STOP_CHARS, MAX_STOPS, SpecStats
+
+INT32_MAX = 2**31 - 1
+# OpenAI / vLLM fields this server does not implement, each with the values that ask for nothing (accepted)
+UNSUPPORTED: dict[str, tuple] = {
+    "logprobs": (None, False, 0), "top_logprobs": (None, 0), "prompt_logprobs": (None, 0),
+    "response_format": (None, {"type": "text"}), "tools": (None, []), "tool_choice": (None, "none", "auto"),
+    "parallel_tool_calls": (None,), "functions": (None, []), "function_call": (None, "none", "auto"),
+    "logit_bias": (None, {}), "presence_penalty": (None, 0), "frequency_penalty": (None, 0),
+    "repetition_penalty": (None, 1), "min_p": (None, 0), "min_tokens": (None, 0), "best_of": (None, 1),
+    "suffix": (None, ""), "stop_token_ids": (None, []), "include_stop_str_in_output": (None, False),
+    "skip_special_tokens": (None, True), "guided_json": (None,), "guided_regex": (None,),
+    "guided_choice": (None,), "guided_grammar": (None,), "use_beam_search": (None, False),
+}
 
 
 class APIError(Exception):
@@ -34,34 +51,84 @@ class APIError(Exception):
 
 def from_validation_error(e: ValidationError) -> APIError:
     """The first problem of a request body, as a 400 naming the field."""
-    err = e.errors()[0]
-    param = ".".join(str(p) for p in err["loc"]) or None
-    return APIError(400, f"{param}: {err['msg']}" if param else err["msg"], param=param, code="invalid_value")
+    err = e.errors(include_url=False)[0]
+    param = ".".join(str(p) for p in err["loc"] if not _union_member(p)) or None
+    if err["type"] == "extra_forbidden" or (param in UNSUPPORTED):
+        return APIError(400, f"{param}: not supported by this server", param=param, code="unsupported_parameter")
+    if err["type"].startswith("json_"):
+        return APIError(400, f"the body is not valid JSON: {err['msg']}", code="invalid_json")
+    msg = err["msg"][:300]  # an error may quote the input (a huge integer, say): never echo all of it
+    return APIError(400, f"{param}: {msg}" if param else msg, param=param, code="invalid_value")
+
+
+def _union_member(loc: int | str) -> bool:
+    """Whether a location step names the member of a union that was tried (`constrained-str`, `list[TextPart]`,
+    `str`), not a field: pydantic puts those in error locations."""
+    return isinstance(loc, str) and (not loc.isidentifier() or loc in ("str", "int", "float", "bool", "list", "none"))
 
 
 class _Body(BaseModel):
-    model_config = ConfigDict(extra="ignore", frozen=True, strict=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
 
 class StreamOptions(_Body):
     include_usage: bool = False
 
 
+StopString = Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]
+Int32 = Annotated[int, Field(ge=-INT32_MAX - 1, le=INT32_MAX)]
+Unsupported = SkipJsonSchema[Any]  # accepted only with its neutral value (UNSUPPORTED); left out of the schema
+
+
 class _Sampling(_Body):
     """Fields the completion and chat bodies share."""
 
-    model: str
-    max_tokens: int | None = None
+    model: str = Field(max_length=256)
+    max_tokens: int | None = Field(default=None, ge=1, le=INT32_MAX)
     temperature: float = 1.0
     top_p: float = 1.0
-    top_k: int = 0
-    seed: int | None = None
-    stop: str | list[str] | None = None
+    top_k: int = Field(default=0, ge=-1, le=INT32_MAX)
+    seed: int | None = Field(default=None, ge=0, le=MAX_SEED)
+    stop: StopString | Annotated[list[StopString], Field(max_length=MAX_STOPS)] | None = None
     n: int = Field(default=1, ge=1, le=16)
     stream: bool = False
     stream_options: StreamOptions | None = None
-    priority: int = 0  # higher is served first (vLLM's field; vLLM sorts the other way, see docs/serving.md)
+    priority: Int32 = 0  # higher is served first (vLLM's field; vLLM sorts the other way, see docs/serving.md)
     ignore_eos: bool = False
+    user: str | None = Field(default=None, max_length=256)  # OpenAI's end-user label: accepted, not used
+    # not implemented: declared so that asking for them is a 400 naming the field (UNSUPPORTED)
+    logprobs: Unsupported = None
+    top_logprobs: Unsupported = None
+    prompt_logprobs: Unsupported = None
+    response_format: Unsupported = None
+    tools: Unsupported = None
+    tool_choice: Unsupported = None
+    parallel_tool_calls: Unsupported = None
+    functions: Unsupported = None
+    function_call: Unsupported = None
+    logit_bias: Unsupported = None
+    presence_penalty: Unsupported = None
+    frequency_penalty: Unsupported = None
+    repetition_penalty: Unsupported = None
+    min_p: Unsupported = None
+    min_tokens: Unsupported = None
+    best_of: Unsupported = None
+    stop_token_ids: Unsupported = None
+    include_stop_str_in_output: Unsupported = None
+    skip_special_tokens: Unsupported = None
+    guided_json: Unsupported = None
+    guided_regex: Unsupported = None
+    guided_choice: Unsupported = None
+    guided_grammar: Unsupported = None
+    use_beam_search: Unsupported = None
+
+    @field_validator(*(name for name in UNSUPPORTED if name != "suffix"), mode="before")
+    @classmethod
+    def _unsupported(cls, v: object, info: ValidationInfo) -> object:
+        if not any(v == neutral and isinstance(v, bool) == isinstance(neutral, bool)  # False is no 0 here
+                   for neutral in UNSUPPORTED[info.field_name]):
+            raise ValueError("not supported by this server")
+        return None
 
     @property
     def stop_list(self) -> tuple[str, ...]:
@@ -78,9 +145,15 @@ class _Sampling(_Body):
 
 
 class CompletionRequest(_Sampling):
-    prompt: str | list[int] = Field(min_length=1)
-    max_tokens: int | None = 16  # OpenAI's default for completions
+    prompt: str | list[Annotated[int, Field(ge=0, le=INT32_MAX)]] = Field(min_length=1)
+    max_tokens: int | None = Field(default=16, ge=1, le=INT32_MAX)  # OpenAI's default for completions
     echo: bool = False
+    suffix: Unsupported = None
+
+    @field_validator("suffix", mode="before")
+    @classmethod
+    def _no_suffix(cls, v: object, info: ValidationInfo) -> object:
+        return _Sampling._unsupported(v, info)
 
     @field_validator("prompt", mode="before")
     @classmethod
@@ -92,24 +165,34 @@ class CompletionRequest(_Sampling):
         return v
 
 
+class TextPart(_Body):
+    """A content part: only text parts are supported (an image part is a 400 naming it)."""
+
+    type: Literal["text"]
+    text: str
+
+
 class ChatMessage(_Body):
     role: Literal["system", "user", "assistant", "tool", "developer"]
-    content: str | list[dict] | None = None
+    content: str | list[TextPart] | None = None
+    name: str | None = Field(default=None, max_length=256)
 
     def text(self) -> str:
-        if isinstance(self.content, list):  # content parts: only text parts are supported
-            parts = []
-            for p in self.content:
-                if p.get("type") != "text" or not isinstance(p.get("text"), str):
-                    raise ValueError("only text content parts are supported")
-                parts.append(p["text"])
-            return "".join(parts)
+        if isinstance(self.content, list):
+            return "".join(p.text for p in self.content)
         return self.content or ""
+
+    def template_dict(self) -> dict:
+        """The message as the chat template takes it."""
+        out = {"role": self.role, "content": self.text()}
+        if self.name is not None:
+            out["name"] = self.name
+        return out
 
 
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = None
+    max_completion_tokens: int | None = Field(default=None, ge=1, le=INT32_MAX)
 
     @property
     def token_limit(self) -> int | None:

@@ -19,6 +19,15 @@ from deploy.infra import local_cluster
 from tests.fixtures.tiny_models import DRAFT_NOISE, build_tiny_model, perturbed_copy
 
 API_KEY, ADMIN_KEY = "sk-test-api", "sk-test-admin"
+# keys with their own limits (serve.auth.keys), read from files: name -> (key, limits)
+LIMITED_KEYS = {
+    "hostile": ("sk-test-hostile", {"max_concurrent": 4}),
+    "narrow": ("sk-test-narrow", {"max_concurrent": 2}),
+    "metered": ("sk-test-metered", {"tokens_per_minute": 200}),
+    "vip": ("sk-test-vip", {"max_priority": 10}),
+    "fuzz": ("sk-test-fuzz", {"max_concurrent": 4, "tokens_per_minute": 100_000}),
+}
+BODY_TIMEOUT_S = 4.0
 MODEL = "tiny-llama"
 MAX_PENDING = 12
 # the served model's context: long enough that a streamed request (LONG tokens) is still running while the CLI
@@ -53,12 +62,17 @@ def specfleet(*args: str, timeout: float = 300.0) -> subprocess.CompletedProcess
 
 @pytest.fixture(scope="session")
 def served_app(ray_cluster, tmp_path_factory) -> Iterator[ServedApp]:
-    """`specfleet serve` of a config with a tiny llama pair of CONTEXT positions (k=3), two instances, keys and a
-    small queue limit."""
+    """`specfleet serve` of a config with a tiny llama pair of CONTEXT positions (k=3), two instances, keys (some
+    with their own limits) and a small queue limit."""
     root = tmp_path_factory.mktemp("served-models")
     target = build_tiny_model("llama", root / "target", max_position_embeddings=CONTEXT)
     draft = perturbed_copy(target, root / "draft", DRAFT_NOISE)
     http_port, grpc_port = _free_port(), _free_port()
+    keys_dir = tmp_path_factory.mktemp("keys")
+    keys = []
+    for name, (key, limits) in LIMITED_KEYS.items():
+        (keys_dir / name).write_text(key + "\n")
+        keys.append({"name": name, "key_file": str(keys_dir / name), **limits})
     config = {
         "engine": {"model": {"target": str(target), "draft": str(draft), "name": MODEL},
                    "speculation": {"policy": "fixed", "k": 3},
@@ -66,7 +80,8 @@ def served_app(ray_cluster, tmp_path_factory) -> Iterator[ServedApp]:
                    "cache": {"block_size": 4, "num_blocks": 512}},
         "router": {"instances": 2, "instance_num_cpus": 0.5, "stats_interval_s": 0.2},
         "serve": {"http_port": http_port, "grpc_port": grpc_port, "max_pending_requests": MAX_PENDING,
-                  "auth": {"api_keys": [API_KEY], "admin_keys": [ADMIN_KEY]}},
+                  "edge": {"body_timeout_s": BODY_TIMEOUT_S},
+                  "auth": {"api_keys": [API_KEY], "admin_keys": [ADMIN_KEY], "keys": keys}},
     }
     path = tmp_path_factory.mktemp("serve") / "config.yaml"
     path.write_text(yaml.safe_dump(config))

@@ -54,7 +54,7 @@ def test_minimal_config_takes_defaults(tmp_path: Path) -> None:
     ("text", "key"),
     [
         ("engine:\n  model: {target: x}\nrouters: {}\n", "routers"),
-        ("engine:\n  model: {target: x}\nserve: {auth: {keys: [a]}}\n", "serve.auth.keys"),
+        ("engine:\n  model: {target: x}\nserve: {auth: {tokens: [a]}}\n", "serve.auth.tokens"),
         ("engine:\n  model: {target: x}\n  turbo: true\n", "engine.turbo"),
         ("engine:\n  model: {target: x, drafts: y}\n", "engine.model.drafts"),
         ("engine:\n  model: {target: x}\n  cache: {blocksize: 8}\n", "engine.cache.blocksize"),

@@ -1,0 +1,54 @@
+"""What Serve's processes get from the `specfleet serve` driver that starts Serve: where its servers listen, and
+the gRPC message limit.
+
+Serve's HTTP proxy listens on `http_options.host`, but Ray Serve 2.60 has no host for its other servers: the
+gRPC proxy listens on `[::]:PORT` and every replica on `[::]:0` (its server for calls between deployments),
+every interface both. And the gRPC proxy takes messages of up to 2 GiB unless RAY_SERVE_GRPC_MAX_MESSAGE_SIZE
+(read when a proxy's process imports Serve) says otherwise, so a huge message crossed into the replica before
+anything refused it. `specfleet serve` starts Serve from a job whose runtime_env (`runtime_env`) carries both:
+environment variables, which the Serve controller inherits from the job and the proxies and replicas from the
+controller, and `bind_servers` as the worker process setup hook, which makes those servers listen on
+`serve.http_host` instead of every interface (it wraps the two functions Serve adds their ports with). On
+Kubernetes pods listen on every interface behind a NetworkPolicy, and the head's environment carries the
+message limit (deploy/infra/k8s_render.py).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from cluster.config import ServeConfig
+
+BIND_HOST_ENV = "SPECFLEET_BIND_HOST"
+GRPC_MAX_MESSAGE_ENV = "RAY_SERVE_GRPC_MAX_MESSAGE_SIZE"
+ALL_INTERFACES = ("0.0.0.0", "::", "[::]", "")
+
+
+def runtime_env(cfg: ServeConfig) -> dict:
+    """The runtime_env of the job that starts Serve."""
+    return {"worker_process_setup_hook": f"{__name__}.bind_servers",
+            "env_vars": {BIND_HOST_ENV: cfg.http_host, GRPC_MAX_MESSAGE_ENV: str(cfg.max_request_bytes)}}
+
+
+def on_host(address: str, host: str) -> str:
+    """`address` (HOST:PORT) moved to `host` if it names every interface; otherwise unchanged."""
+    bound, _, port = address.rpartition(":")
+    if bound not in ALL_INTERFACES:
+        return address
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def bind_servers() -> None:
+    """Worker setup hook: Serve's gRPC servers in this process listen on $SPECFLEET_BIND_HOST only."""
+    host = os.environ.get(BIND_HOST_ENV, "")
+    if host in ALL_INTERFACES:
+        return
+    from ray._common import tls_utils
+    from ray.serve._private import default_impl
+
+    add_port = tls_utils.add_port_to_grpc_server  # replicas' server, imported by name into Serve's replica module
+    for module in (tls_utils, sys.modules.get("ray.serve._private.replica")):  # (loaded already, or later)
+        if module is not None:
+            module.add_port_to_grpc_server = lambda server, address: add_port(server, on_host(address, host))
+    default_impl.add_grpc_address = lambda server, address: server.add_insecure_port(on_host(address, host))

@@ -1,0 +1,194 @@
+"""The app closed by default and an edge that hostile clients cannot bend, through real Ray Serve on the local cluster.
+
+Every listening port of the cluster and the app is on loopback; malformed or abusive bodies are 400s with an
+OpenAI error body (never 500s); each API key's concurrency, tokens per minute and priority are enforced before
+any work; a trickled body is cut off; Serve's gRPC proxy itself refuses a message over the limit.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import httpx
+import psutil
+import pytest
+
+from deploy.infra import local_cluster
+from deploy.rpc import specfleet_pb2 as pb
+from deploy.rpc import specfleet_pb2_grpc as pb_grpc
+from tests.serve.conftest import API_KEY, BODY_TIMEOUT_S, CONTEXT, LIMITED_KEYS, MODEL, ServedApp
+
+LOOPBACK = {"127.0.0.1", "::1", "::ffff:127.0.0.1"}
+
+
+def key(name: str) -> str:
+    return LIMITED_KEYS[name][0]
+
+
+def assert_error(r: httpx.Response, status: int, param: str | None = None, code: str | None = None) -> dict:
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert isinstance(err["message"], str) and err["message"] and err["type"]
+    if param is not None:
+        assert err["param"] == param, err
+    if code is not None:
+        assert err["code"] == code, err
+    return err
+
+
+def test_every_port_of_the_cluster_and_the_app_listens_on_loopback_only(served_app: ServedApp, ray_cluster) -> None:
+    state = local_cluster.read_state(ray_cluster.state_path)
+    procs = local_cluster.running_processes(state)
+    listening = [(c.laddr.ip, c.laddr.port, p.pid) for p in procs
+                 for c in _connections(p) if c.status == psutil.CONN_LISTEN]
+    ports = {port for _, port, _ in listening}
+    http_port, grpc_port = int(served_app.url.rsplit(":", 1)[1]), int(served_app.grpc_target.rsplit(":", 1)[1])
+    assert {state.nodes[0].ports["gcs"], http_port, grpc_port} <= ports  # the GCS and both Serve proxies are seen
+    open_ = [(ip, port, " ".join(_cmdline(psutil.Process(pid)))[:120]) for ip, port, pid in listening if ip not in LOOPBACK]
+    assert open_ == []
+    assert not any("ray.util.client.server" in " ".join(_cmdline(p)) for p in procs)  # no Ray client server
+
+
+def _connections(p: psutil.Process) -> list:
+    try:
+        return p.net_connections("inet")
+    except psutil.Error:  # exited since the listing
+        return []
+
+
+def _cmdline(p: psutil.Process) -> list[str]:
+    try:
+        return p.cmdline()
+    except psutil.Error:
+        return []
+
+
+@pytest.mark.parametrize(("route", "raw", "param", "code"), [
+    ("/v1/completions", '{"model": "M", "prompt": "hi", "max_tokens": ' + "9" * 5000 + "}", None, "invalid_json"),
+    ("/v1/completions", "[" * 200_000, None, "invalid_json"),
+    ("/v1/chat/completions", '{"model": "M", "messages": ' + "[" * 50_000 + "]" * 50_000 + "}", None, "invalid_json"),
+    ("/v1/completions", b'{"model": "M", "prompt": "\xff\xfe"}', None, "invalid_json"),
+])
+def test_bodies_that_break_a_parser_are_400s_not_500s(served_app: ServedApp, route: str, raw: str | bytes,
+                                                      param: str | None, code: str) -> None:
+    with served_app.client() as c:
+        r = c.post(route, content=raw.replace("M", MODEL) if isinstance(raw, str) else raw,
+                   headers={"content-type": "application/json"})
+    assert_error(r, 400, param, code)
+
+
+@pytest.mark.parametrize(("extra", "param", "code"), [
+    ({"priority": 10**29}, "priority", "invalid_value"),
+    ({"priority": 1}, "priority", "priority_not_allowed"),  # the key's max_priority is 0
+    ({"stop": "x" * 60_000}, "stop", "invalid_value"),
+    ({"stop": [f"s{i}" for i in range(17)]}, "stop", "invalid_value"),
+    ({"n": 16, "max_tokens": 5000}, "max_tokens", "limit_exceeded"),  # n * max_tokens over serve.edge's bound
+    ({"seed": 2**64}, "seed", "invalid_value"),
+    ({"top_k": -(2**40)}, "top_k", "invalid_value"),
+    ({"response_format": {"type": "json_object"}}, "response_format", "unsupported_parameter"),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools", "unsupported_parameter"),
+    ({"logprobs": True}, "logprobs", "unsupported_parameter"),
+    ({"top_logprobs": 5}, "top_logprobs", "unsupported_parameter"),
+    ({"presence_penalty": 0.5}, "presence_penalty", "unsupported_parameter"),
+    ({"turbo": True}, "turbo", "unsupported_parameter"),
+])
+def test_out_of_bounds_and_unimplemented_fields_are_400s_that_name_the_field(served_app: ServedApp, extra: dict,
+                                                                              param: str, code: str) -> None:
+    with served_app.client() as c:
+        for route, body in (("/v1/completions", {"model": MODEL, "prompt": "hello", "max_tokens": 4}),
+                            ("/v1/chat/completions", {"model": MODEL, "max_tokens": 4,
+                                                      "messages": [{"role": "user", "content": "hello"}]})):
+            assert_error(c.post(route, json={**body, **extra}), 400, param, code)
+
+
+def test_neutral_values_of_unimplemented_fields_are_accepted(served_app: ServedApp) -> None:
+    body = {"model": MODEL, "prompt": "hello", "max_tokens": 2, "logprobs": None, "presence_penalty": 0,
+            "frequency_penalty": 0.0, "response_format": {"type": "text"}, "user": "someone"}
+    with served_app.client() as c:
+        assert c.post("/v1/completions", json=body).status_code == 200
+
+
+def test_too_many_messages_and_a_prompt_too_long_for_the_context_are_refused_before_tokenizing(
+        served_app: ServedApp) -> None:
+    with served_app.client() as c:
+        many = [{"role": "user", "content": "hi"}] * 600
+        assert_error(c.post("/v1/chat/completions", json={"model": MODEL, "messages": many}), 400, "messages",
+                     "limit_exceeded")
+        huge = "lorem ipsum " * 80_000  # ~1 MB: far beyond CONTEXT tokens whatever the tokenizer makes of it
+        assert_error(c.post("/v1/completions", json={"model": MODEL, "prompt": huge}), 400, "prompt",
+                     "context_length_exceeded")
+
+
+def test_a_body_that_trickles_in_is_cut_off_with_408(served_app: ServedApp) -> None:
+    host, port = served_app.url.removeprefix("http://").rsplit(":", 1)
+    body = json.dumps({"model": MODEL, "prompt": "hello", "max_tokens": 2}).encode()
+    with socket.create_connection((host, int(port)), timeout=BODY_TIMEOUT_S + 60) as s:
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  b"Authorization: Bearer " + API_KEY.encode() + b"\r\n"
+                  b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body[:10])
+        t0 = time.monotonic()
+        reply = s.recv(65536).decode(errors="replace")  # the rest never comes
+        waited = time.monotonic() - t0
+    assert reply.startswith("HTTP/1.1 408"), reply[:300]
+    assert '"request_timeout"' in reply and waited >= BODY_TIMEOUT_S * 0.9
+
+
+def test_a_keys_concurrency_limit_counts_choices_and_is_checked_first(served_app: ServedApp) -> None:
+    narrow = key("narrow")  # max_concurrent 2
+    with served_app.client(narrow) as c:
+        assert_error(c.post("/v1/completions", json={"model": MODEL, "prompt": "hi", "n": 3}), 400, "n",
+                     "limit_exceeded")
+    body = {"model": MODEL, "prompt": "hello", "max_tokens": 600, "ignore_eos": True, "temperature": 0}
+    start = threading.Barrier(6)
+
+    def send(api_key: str) -> httpx.Response:
+        with served_app.client(api_key) as c:
+            start.wait()
+            return c.post("/v1/completions", json=body)
+
+    with ThreadPoolExecutor(6) as pool:  # 5 at once from one key (each runs for hundreds of steps), 1 from another
+        replies = list(pool.map(send, [narrow] * 5 + [API_KEY]))
+    refused = [r for r in replies[:5] if r.status_code == 429]
+    assert len(refused) >= 3 and all(r.status_code in (200, 429) for r in replies[:5])
+    for r in refused:
+        assert_error(r, 429, code="too_many_concurrent_requests")
+        assert int(r.headers["retry-after"]) >= 1
+    assert replies[5].status_code == 200, replies[5].text  # another key is not held back by this one's limit
+    with served_app.client(narrow) as c:  # ended requests gave their share back
+        assert c.post("/v1/completions", json={**body, "max_tokens": 2}).status_code == 200
+
+
+def test_a_keys_tokens_per_minute_count_prompt_and_n_times_max_tokens(served_app: ServedApp) -> None:
+    with served_app.client(key("metered")) as c:  # 200 tokens per minute
+        assert_error(c.post("/v1/completions", json={"model": MODEL, "prompt": [1, 2, 3], "max_tokens": 100,
+                                                     "n": 2}), 400, "max_tokens", "limit_exceeded")  # 203 > 200
+        ok = c.post("/v1/completions", json={"model": MODEL, "prompt": [1, 2, 3], "max_tokens": 150})
+        assert ok.status_code == 200, ok.text
+        r = c.post("/v1/completions", json={"model": MODEL, "prompt": [1, 2, 3], "max_tokens": 150})
+        assert_error(r, 429, code="tokens_per_minute_exceeded")
+        assert 1 <= int(r.headers["retry-after"]) <= 60
+
+
+def test_a_keys_max_priority_caps_the_priority_it_may_ask_for(served_app: ServedApp) -> None:
+    body = {"model": MODEL, "prompt": "hi", "max_tokens": 2}
+    with served_app.client(key("vip")) as c:  # max_priority 10
+        assert c.post("/v1/completions", json={**body, "priority": 10}).status_code == 200
+        assert_error(c.post("/v1/completions", json={**body, "priority": 11}), 400, "priority", "priority_not_allowed")
+    with served_app.client() as c:
+        assert c.post("/v1/completions", json={**body, "priority": -5}).status_code == 200  # lower is always allowed
+
+
+def test_serves_grpc_proxy_refuses_a_message_over_the_limit_before_it_crosses(served_app: ServedApp) -> None:
+    with grpc.insecure_channel(served_app.grpc_target, options=[("grpc.max_send_message_length", 8 << 20)]) as ch:
+        stub = pb_grpc.SpecfleetStub(ch)
+        request = pb.GenerateRequest(model=MODEL, prompt="x" * (1 << 20) + "y" * 1000, max_tokens=2)
+        with pytest.raises(grpc.RpcError) as err:
+            stub.Generate(request, metadata=[("authorization", f"Bearer {API_KEY}")], timeout=60)
+    assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    # grpc's own message, from the proxy's server: the replica's check would say "serve.max_request_bytes"
+    assert "larger than max" in err.value.details(), err.value.details()
