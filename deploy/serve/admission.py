@@ -81,13 +81,14 @@ class Admission:
             raise APIError(400, f"priority {priority} is above this API key's max_priority "
                                 f"({tenant.limits.max_priority})", param="priority", code="priority_not_allowed")
 
-    def admit(self, tenant: Tenant, n: int, min_tokens: int = 0) -> Ticket:
-        """Admit a request of `n` choices that will cost at least `min_tokens` (known before tokenizing), or raise
-        APIError: 400 if it can never be admitted under the key's limits, 429 if not now."""
+    def precheck(self, tenant: Tenant) -> None:
+        """429 at once, before the body is even read, when no request of this key could be admitted now: the key
+        or the replica has no room for one more choice, or the key's token bucket is empty."""
+        self._room(tenant, 1)
+        self._check_tokens(tenant, 1, take=False)
+
+    def _room(self, tenant: Tenant, n: int) -> None:
         limits = tenant.limits
-        if n > limits.max_concurrent:
-            raise APIError(400, f"n = {n} choices exceed this API key's max_concurrent ({limits.max_concurrent})",
-                           param="n", code="limit_exceeded")
         if self.by_tenant.get(tenant.name, 0) + n > limits.max_concurrent:
             raise too_many(f"this API key already has {self.by_tenant[tenant.name]} choices in flight, of "
                            f"max_concurrent {limits.max_concurrent}", "too_many_concurrent_requests",
@@ -95,6 +96,15 @@ class Admission:
         if self.in_flight + n > self.max_pending:
             raise too_many(f"the server is busy: {self.in_flight} choices pending, of max_pending_requests "
                            f"{self.max_pending}", "too_many_pending_requests", self.retry_after_s)
+
+    def admit(self, tenant: Tenant, n: int, min_tokens: int = 0) -> Ticket:
+        """Admit a request of `n` choices that will cost at least `min_tokens` (known before tokenizing), or raise
+        APIError: 400 if it can never be admitted under the key's limits, 429 if not now."""
+        limits = tenant.limits
+        if n > limits.max_concurrent:
+            raise APIError(400, f"n = {n} choices exceed this API key's max_concurrent ({limits.max_concurrent})",
+                           param="n", code="limit_exceeded")
+        self._room(tenant, n)
         if min_tokens:
             self._check_tokens(tenant, min_tokens, take=False)
         self.in_flight += n

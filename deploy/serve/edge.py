@@ -1,7 +1,10 @@
 """The API replica's edge: what a request passes, in order, before any work is done for it (HTTP and gRPC alike).
 
+    edge.precheck(tenant)            # before the body is read
     call = await edge.start(tenant, n=..., priority=..., max_tokens=..., encode=..., prepare=...)
 
+0. before the body is read: 429 if the key or the replica has no room for even one more choice, or the key's
+   tokens-per-minute bucket is empty (a key at its limit costs no body transfer or parsing);
 1. the key's priority cap, and n * max_tokens when max_tokens is given (400);
 2. admission (deploy/serve/admission.py): the key's concurrency, the replica's pending limit, and whether the
    key's tokens-per-minute bucket could take even the tokens known so far (429 with Retry-After);
@@ -31,6 +34,9 @@ class Edge:
         self.cfg: EdgeConfig = cfg.edge
         self.frontend = frontend
         self.admission = Admission(cfg.max_pending_requests, cfg.retry_after_s)
+
+    def precheck(self, tenant: Tenant) -> None:
+        self.admission.precheck(tenant)
 
     def check_messages(self, count: int) -> None:
         if count > self.cfg.max_messages:

@@ -109,6 +109,10 @@ class Frontend:
                                         cfg.serve.retry_after_s)
         chars = max_chars_per_token(self.tokenizer)  # a text longer than the context * this cannot fit
         self.max_prompt_chars = None if chars is None else self.max_model_len * chars
+        # a completion body larger than this holds a prompt that cannot fit, as text (6 bytes per character at
+        # most, escaped) or as token ids (11 bytes each at most), besides its other fields (a few KB, bounded)
+        self.max_completion_body = (None if chars is None
+                                    else max(6 * self.max_prompt_chars, 11 * self.max_model_len) + (16 << 10))
 
     # ---- validation ---------------------------------------------------------------------------------
     def check_model(self, model: str) -> None:
@@ -130,6 +134,14 @@ class Frontend:
                            param="messages")
         self._check_chars(sum(len(m["content"].strip()) for m in messages), "messages")
         return await self.tokenizing.run(tenant, _encode_chat, messages)
+
+    def check_completion_body(self, content_length: str) -> None:
+        """Refuse, before reading it, a completion body whose declared size means a prompt that cannot fit."""
+        if self.max_completion_body is not None and content_length.isdigit() \
+                and int(content_length) > self.max_completion_body:
+            raise APIError(400, f"a completion body of {content_length} bytes holds a prompt longer than this model's "
+                                f"context of {self.max_model_len} tokens can hold", param="prompt",
+                           code="context_length_exceeded")
 
     def _check_chars(self, chars: int, param: str) -> None:
         """Refuse, without tokenizing it, a text too long to fit the context whatever its tokens (see

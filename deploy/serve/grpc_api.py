@@ -58,6 +58,7 @@ class GrpcMethods:
         """The request through the edge (deploy/serve/edge.py). Serve's gRPC proxy already refused a message over
         serve.max_request_bytes (RAY_SERVE_GRPC_MAX_MESSAGE_SIZE, deploy/serve/serve_env.py); the check here
         covers a proxy started without it."""
+        self.edge.precheck(tenant)
         f = self.frontend
         limit = self.cfg.serve.max_request_bytes
         if request.ByteSize() > limit:

@@ -80,15 +80,11 @@ async def _read(request: Request, limit: int, timeout_s: float) -> bytes:
 
 
 async def _body(request: Request, model: type, cfg: ServeConfig) -> object:
+    """The body parsed once, by pydantic's JSON parser, strictly against JSON's own types ("12" is no integer); bad
+    JSON or UTF-8, an integer too long, nesting too deep are 400s like any other error (from_validation_error)."""
     raw = await _read(request, cfg.max_request_bytes, cfg.edge.body_timeout_s)
     try:
-        data = json.loads(raw)
-    except (ValueError, RecursionError) as e:  # bad JSON or UTF-8, a too-long integer, nesting too deep
-        raise APIError(400, f"the body is not valid JSON: {str(e)[:200]}", code="invalid_json") from None
-    if not isinstance(data, dict):
-        raise APIError(400, "the body must be a JSON object", code="invalid_json")
-    try:
-        return model.model_validate_json(raw, strict=True)  # JSON's own types: "12" is no integer
+        return model.model_validate_json(raw, strict=True)
     except ValidationError as e:
         raise from_validation_error(e) from None
 
@@ -164,6 +160,8 @@ class HttpRoutes:
 
     async def _completions(self, request: Request) -> Response:
         tenant = self._auth(request)
+        self.edge.precheck(tenant)
+        self.frontend.check_completion_body(request.headers.get("content-length", ""))
         body: CompletionRequest = await _body(request, CompletionRequest, self.cfg.serve)
         f = self.frontend
         f.check_model(body.model)
@@ -176,6 +174,7 @@ class HttpRoutes:
 
     async def _chat_completions(self, request: Request) -> Response:
         tenant = self._auth(request)
+        self.edge.precheck(tenant)
         body: ChatCompletionRequest = await _body(request, ChatCompletionRequest, self.cfg.serve)
         f = self.frontend
         f.check_model(body.model)

@@ -56,7 +56,9 @@ def from_validation_error(e: ValidationError) -> APIError:
     if err["type"] == "extra_forbidden" or (param in UNSUPPORTED):
         return APIError(400, f"{param}: not supported by this server", param=param, code="unsupported_parameter")
     if err["type"].startswith("json_"):
-        return APIError(400, f"the body is not valid JSON: {err['msg']}", code="invalid_json")
+        return APIError(400, f"the body is not valid JSON: {err['msg'][:200]}", code="invalid_json")
+    if err["type"] == "model_type" and not err["loc"]:
+        return APIError(400, "the body must be a JSON object", code="invalid_json")
     msg = err["msg"][:300]  # an error may quote the input (a huge integer, say): never echo all of it
     return APIError(400, f"{param}: {msg}" if param else msg, param=param, code="invalid_value")
 

@@ -21,7 +21,7 @@ from tests.fixtures.tiny_models import DRAFT_NOISE, build_tiny_model, perturbed_
 API_KEY, ADMIN_KEY = "sk-test-api", "sk-test-admin"
 # keys with their own limits (serve.auth.keys), read from files: name -> (key, limits)
 LIMITED_KEYS = {
-    "hostile": ("sk-test-hostile", {"max_concurrent": 4}),
+    "hostile": ("sk-test-hostile", {"max_concurrent": 4, "tokens_per_minute": 600}),
     "narrow": ("sk-test-narrow", {"max_concurrent": 2}),
     "metered": ("sk-test-metered", {"tokens_per_minute": 200}),
     "vip": ("sk-test-vip", {"max_priority": 10}),

@@ -70,7 +70,7 @@ def _cmdline(p: psutil.Process) -> list[str]:
 
 @pytest.mark.parametrize(("route", "raw", "param", "code"), [
     ("/v1/completions", '{"model": "M", "prompt": "hi", "max_tokens": ' + "9" * 5000 + "}", None, "invalid_json"),
-    ("/v1/completions", "[" * 200_000, None, "invalid_json"),
+    ("/v1/chat/completions", "[" * 200_000, None, "invalid_json"),
     ("/v1/chat/completions", '{"model": "M", "messages": ' + "[" * 50_000 + "]" * 50_000 + "}", None, "invalid_json"),
     ("/v1/completions", b'{"model": "M", "prompt": "\xff\xfe"}', None, "invalid_json"),
 ])
