@@ -276,6 +276,12 @@ class ServeConfig(_Frozen):
     max_request_bytes: int = Field(default=1 << 20, ge=1024, le=1 << 30)
     edge: EdgeConfig = EdgeConfig()
     auth: AuthConfig = AuthConfig()
+    # custom Ray resources each API replica needs: pins the replicas (which read the key files) to the nodes that
+    # hold them (on Kubernetes the head, which alone mounts the keys: deploy/infra/k8s_render.py)
+    api_resources: dict[str, float] = {}
+
+    def __hash__(self) -> int:  # frozen, but a dict field is unhashable: hash the canonical JSON instead
+        return hash(self.model_dump_json())
 
 
 class MigrationConfig(_Frozen):

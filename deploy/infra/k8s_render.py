@@ -6,6 +6,12 @@ inventory becomes one RayService worker group whose pods carry the Ray custom re
 set of interchangeable pods, so the per-node pin (`specfleet_node_<name>`) and the `specfleet/node`
 label cannot be given to each pod; they are left out, and pods of a group are told apart by kind
 (`accelerator_<kind>`, `specfleet/accelerator`) and by the `specfleet/group` label (docs/kubernetes.md).
+
+Closed by default (docs/security.md): Ray token auth (`authOptions: {mode: token}`: the operator generates the
+token and gives it to every Ray container and to its own dashboard client), the API keys from the Secret mounted
+as files into the head alone (where the API replicas are pinned by the `specfleet_api` resource), no Ray client
+port, and the gRPC message limit in the head's environment. k8s/base/networkpolicy.yaml admits Ray's ports only
+from the cluster's own pods and the operator.
 """
 
 from __future__ import annotations
@@ -25,6 +31,8 @@ GRPC_SERVICER = "deploy.rpc.specfleet_pb2_grpc.add_SpecfleetServicer_to_server"
 APP_LABEL = {"app.kubernetes.io/name": "specfleet"}
 DASHBOARD_AGENT_PORT = 52365  # Ray's default dashboard agent port, which answers the raylet health check
 GPU_RESOURCE = "nvidia.com/gpu"
+KEYS_DIR = "/etc/specfleet/keys"  # where the head mounts the Secret with the API keys
+API_RESOURCE = "specfleet_api"  # a Ray resource only the head offers: the API replicas, which read the keys, run there
 
 
 @dataclass(frozen=True)
@@ -40,7 +48,7 @@ class RenderOptions:
     sim_cpus: int = 2
     head_cpus: int = 2
     head_memory: str = "8Gi"
-    secret: str = "specfleet-api-keys"  # holds keys `api-keys` and `admin-keys`, comma-separated
+    secret: str = "specfleet-api-keys"  # holds `api-keys` and `admin-keys` (keys separated by commas or lines)
 
 
 def group_name(kind: str) -> str:
@@ -100,7 +108,6 @@ def worker_groups(inventory: Inventory, config: SpecfleetConfig, opts: RenderOpt
                 "image": opts.image,
                 "imagePullPolicy": "IfNotPresent",
                 "resources": {"requests": dict(limits), "limits": dict(limits)},
-                "env": _key_env(config, opts),
                 "ports": [{"name": "metrics", "containerPort": 8080}],
                 # engines, not Serve proxies, run here (proxy_location HeadOnly), so readiness is the
                 # raylet's health rather than KubeRay's default Serve-proxy check
@@ -128,40 +135,59 @@ def worker_groups(inventory: Inventory, config: SpecfleetConfig, opts: RenderOpt
 
 
 def head_group(config: SpecfleetConfig, opts: RenderOptions) -> dict:
-    """The head: GCS, dashboard, the router and the Serve proxy; no accelerator, no accelerator resources."""
+    """The head: GCS, dashboard, the router, the Serve proxy and the API replicas (the only pods with the keys);
+    no accelerator, no accelerator resources."""
     limits = {"cpu": str(opts.head_cpus), "memory": opts.head_memory}
     serve = config.serve
     return {
+        # the operator deploys the Serve config through the dashboard from its own pod: it listens on the pod's
+        # address, behind Ray token auth and the NetworkPolicy (the operator and the cluster's pods only)
         "rayStartParams": {"dashboard-host": "0.0.0.0"},
-        "resources": {"CPU": str(opts.head_cpus)},
+        "resources": {"CPU": str(opts.head_cpus), API_RESOURCE: "1"},
         "labels": {f"{LABEL_PREFIX}role": "head"},
-        "template": {"metadata": {"labels": dict(APP_LABEL)}, "spec": {"containers": [{
-            "name": "ray-head",
-            "image": opts.image,
-            "imagePullPolicy": "IfNotPresent",
-            "resources": {"requests": dict(limits), "limits": dict(limits)},
-            "env": _key_env(config, opts),
-            "ports": [
-                {"name": "gcs", "containerPort": 6379},
-                {"name": "dashboard", "containerPort": 8265},
-                {"name": "client", "containerPort": 10001},
-                {"name": "metrics", "containerPort": 8080},
-                {"name": "serve", "containerPort": serve.http_port},
-                {"name": "grpc", "containerPort": serve.grpc_port},
-            ],
-        }]}},
+        "template": {"metadata": {"labels": dict(APP_LABEL)}, "spec": {
+            "containers": [{
+                "name": "ray-head",
+                "image": opts.image,
+                "imagePullPolicy": "IfNotPresent",
+                "resources": {"requests": dict(limits), "limits": dict(limits)},
+                # Serve's gRPC proxy refuses a larger message itself (deploy/serve/serve_env.py)
+                "env": [{"name": "RAY_SERVE_GRPC_MAX_MESSAGE_SIZE", "value": str(serve.max_request_bytes)}],
+                "volumeMounts": [{"name": "api-keys", "mountPath": KEYS_DIR, "readOnly": True}],
+                # no port for Ray's client server (10001): nothing outside the pod should reach it
+                "ports": [
+                    {"name": "gcs", "containerPort": 6379},
+                    {"name": "dashboard", "containerPort": 8265},
+                    {"name": "metrics", "containerPort": 8080},
+                    {"name": "serve", "containerPort": serve.http_port},
+                    {"name": "grpc", "containerPort": serve.grpc_port},
+                ],
+            }],
+            # readable by the image's user (uid 1000) through the group fsGroup gives the files, by no one else
+            "securityContext": {"fsGroup": 1000},
+            "volumes": [{"name": "api-keys", "secret": {"secretName": opts.secret, "defaultMode": 0o440}}],
+        }},
     }
 
 
-def serve_config(config: SpecfleetConfig) -> dict:
-    """The Ray Serve config (serveConfigV2): deploy.app:build_app with the project's config inline."""
+def pod_config(config: SpecfleetConfig) -> SpecfleetConfig:
+    """The config as the pods serve it: keys read from the files the head mounts, the API replicas pinned there."""
     auth = config.serve.auth
     if auth.api_keys or auth.admin_keys:
         raise ConfigError("serve.auth.api_keys/admin_keys are set in the config: on Kubernetes keys come from "
-                          f"the Secret (env {auth.api_keys_env}, {auth.admin_keys_env}); remove them from the file")
+                          f"the Secret, mounted at {KEYS_DIR} in the head; remove them from the file")
+    auth = auth.model_copy(update={"api_keys_file": f"{KEYS_DIR}/api-keys", "admin_keys_file": f"{KEYS_DIR}/admin-keys"})
+    serve = config.serve.model_copy(update={"auth": auth, "api_resources": {API_RESOURCE: 0.001}})
+    return config.model_copy(update={"serve": serve})
+
+
+def serve_config(config: SpecfleetConfig) -> dict:
+    """The Ray Serve config (serveConfigV2): deploy.app:build_app with the project's config (as `pod_config` makes
+    it) inline. In a pod Serve listens on every interface: the Service and the NetworkPolicy decide who reaches it."""
+    config = pod_config(config)
     return {
         "proxy_location": "HeadOnly",
-        "http_options": {"host": config.serve.http_host, "port": config.serve.http_port},
+        "http_options": {"host": "0.0.0.0", "port": config.serve.http_port},
         "grpc_options": {"port": config.serve.grpc_port, "grpc_servicer_functions": [GRPC_SERVICER]},
         "applications": [{
             "name": "specfleet",
@@ -186,6 +212,9 @@ def rayservice(inventory: Inventory, config: SpecfleetConfig, opts: RenderOption
             "serveConfigV2": _yaml(serve_config(config)),
             "rayClusterConfig": {
                 "rayVersion": RAY_VERSION,
+                # Ray token auth: KubeRay (v1.5.1+) generates a token Secret per RayCluster, sets RAY_AUTH_MODE and
+                # RAY_AUTH_TOKEN in every Ray container, and sends the token with its own dashboard calls
+                "authOptions": {"mode": "token"},
                 "enableInTreeAutoscaling": True,
                 "autoscalerOptions": {"version": "v2", "upscalingMode": "Default", "idleTimeoutSeconds": 300},
                 "headGroupSpec": head_group(config, opts),
@@ -203,7 +232,7 @@ def rayservice_patch(inventory: Inventory, config: SpecfleetConfig, opts: Render
         "kind": "RayService",
         "metadata": {"name": opts.name},
         "spec": {"serveConfigV2": _yaml(serve_config(config)),
-                 "rayClusterConfig": {key: cluster[key] for key in ("headGroupSpec", "workerGroupSpecs")}},
+                 "rayClusterConfig": {key: cluster[key] for key in ("authOptions", "headGroupSpec", "workerGroupSpecs")}},
     }
 
 
@@ -211,12 +240,6 @@ def dump(doc: dict, header: str = "") -> str:
     """YAML text of `doc`, keys in the order built, after `header` lines turned into comments."""
     comment = "".join(f"# {line}\n" if line else "#\n" for line in header.splitlines())
     return comment + _yaml(doc)
-
-
-def _key_env(config: SpecfleetConfig, opts: RenderOptions) -> list[dict]:
-    auth = config.serve.auth
-    return [{"name": env, "valueFrom": {"secretKeyRef": {"name": opts.secret, "key": key}}}
-            for env, key in ((auth.api_keys_env, "api-keys"), (auth.admin_keys_env, "admin-keys"))]
 
 
 def _cpus(node: NodeSpec, opts: RenderOptions) -> int:

@@ -170,7 +170,8 @@ def build_app(args: dict) -> serve.Application:
     specs = fleet_specs(cfg)  # the fleet, planned once (deploy/serve/fleet.py)
     instances = [SpecfleetInstance.options(name=f"SpecfleetInstance-{s.instance_id}", num_replicas=1).bind(s, cfg.router)
                  for s in specs]
-    return SpecfleetAPI.bind(cfg, instances)
+    api = SpecfleetAPI.options(ray_actor_options={"num_cpus": 0, "resources": dict(cfg.serve.api_resources)})
+    return api.bind(cfg, instances)
 
 
 __all__ = ["build_app", "find_router", "APP_NAME"]

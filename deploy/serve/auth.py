@@ -82,9 +82,10 @@ class KeySet:
 
 def _read_keys(file: str, what: str) -> list[str]:
     try:
-        return [line.strip() for line in Path(file).expanduser().read_text().splitlines() if line.strip()]
+        text = Path(file).expanduser().read_text()
     except OSError as e:
         raise ValueError(f"cannot read the {what} key file {file}: {e.strerror}") from None
+    return [k.strip() for k in text.replace(",", "\n").splitlines() if k.strip()]  # one per line, or commas
 
 
 def _anonymous_name(key: str) -> str:

@@ -6,6 +6,7 @@ import copy
 import functools
 import shutil
 import subprocess
+import tempfile
 from pathlib import Path
 
 import jsonschema
@@ -79,6 +80,18 @@ def assert_valid(docs: list[dict]) -> None:
     assert not {k: v for k, v in problems.items() if v}, problems
 
 
+DEMO_KEYS = "api-keys=sk-test-demo-api\nadmin-keys=sk-test-demo-admin\n"  # what a user writes (cpu-demo)
+
+
+@functools.cache
+def _tree() -> Path:
+    """A copy of k8s/ with the file a user creates for the cpu-demo overlay's keys (never in the repository)."""
+    root = Path(tempfile.mkdtemp(prefix="specfleet-k8s-")) / "k8s"
+    shutil.copytree(ROOT / "k8s", root)
+    (root / "overlays" / "cpu-demo" / "api-keys.env").write_text(DEMO_KEYS)
+    return root
+
+
 @functools.cache
 def _build(path: str) -> str:
     kubectl = shutil.which("kubectl")
@@ -91,7 +104,7 @@ def _build(path: str) -> str:
 
 def kustomize(overlay: str) -> list[dict]:
     """The documents `kubectl kustomize k8s/overlays/<overlay>` (or `k8s/base`) builds, offline."""
-    path = ROOT / "k8s" / ("base" if overlay == "base" else f"overlays/{overlay}")
+    path = _tree() / ("base" if overlay == "base" else f"overlays/{overlay}")
     return [d for d in yaml.safe_load_all(_build(str(path))) if d]
 
 

@@ -32,15 +32,18 @@ def test_rayservice_shape(rayservice):
         assert not ({"num-cpus", "num-gpus", "resources"} & group["rayStartParams"].keys())  # conflicts with `resources`
 
 
-def test_api_keys_come_from_the_secret_in_every_container(rayservice):
+def test_api_keys_are_mounted_from_the_secret_into_the_head_alone(rayservice):
     cluster = rayservice["spec"]["rayClusterConfig"]
-    pods = [cluster["headGroupSpec"]] + cluster["workerGroupSpecs"]
-    for group in pods:
-        for container in group["template"]["spec"]["containers"]:
-            env = {e["name"]: e for e in container["env"]}
-            for name in ("SPECFLEET_API_KEYS", "SPECFLEET_ADMIN_KEYS"):
-                assert env[name]["valueFrom"]["secretKeyRef"]["name"] == "specfleet-api-keys"
-                assert "value" not in env[name]
+    head = cluster["headGroupSpec"]["template"]["spec"]
+    (volume,) = head["volumes"]
+    assert volume["secret"]["secretName"] == "specfleet-api-keys" and volume["secret"]["defaultMode"] == 0o440
+    (mount,) = head["containers"][0]["volumeMounts"]
+    assert (mount["name"], mount["mountPath"], mount["readOnly"]) == (volume["name"], "/etc/specfleet/keys", True)
+    assert cluster["headGroupSpec"]["resources"]["specfleet_api"] == "1"  # the API replicas are pinned here
+    for group in cluster["workerGroupSpecs"]:  # engines never see a key
+        assert "specfleet-api-keys" not in str(group) and "volumes" not in group["template"]["spec"]
+    for container in _containers(rayservice):
+        assert not [e for e in container.get("env", []) if "KEYS" in e["name"]]
 
 
 def test_cpu_demo_simulates_the_demo_fleet_without_gpus():

@@ -7,6 +7,7 @@ import importlib
 import yaml
 
 from cluster.config import load_config, parse_config
+from deploy.infra.k8s_render import pod_config
 from tests.k8s.manifests import ROOT
 
 SERVICER = "deploy.rpc.specfleet_pb2_grpc.add_SpecfleetServicer_to_server"
@@ -21,7 +22,8 @@ def test_serve_config_carries_the_specfleet_config(rayservice, overlay):
     (app,) = serve["applications"]
     assert app["import_path"] == "deploy.app:build_app" and app["route_prefix"] == "/"
     config = parse_config(app["args"]["config"], source=f"{overlay} serveConfigV2")
-    assert config == load_config(ROOT / "k8s" / "overlays" / overlay / "specfleet-config.yaml")
+    assert config == pod_config(load_config(ROOT / "k8s" / "overlays" / overlay / "specfleet-config.yaml"))
+    assert config.serve.auth.api_keys_file == "/etc/specfleet/keys/api-keys"  # the files the head mounts
     assert serve["http_options"] == {"host": "0.0.0.0", "port": config.serve.http_port} and config.serve.http_port == 8000
     assert serve["grpc_options"] == {"port": config.serve.grpc_port, "grpc_servicer_functions": [SERVICER]}
     assert config.serve.grpc_port == 9000 and serve["proxy_location"] == "HeadOnly"
