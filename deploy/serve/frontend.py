@@ -182,11 +182,11 @@ class Frontend:
         except Overloaded as e:
             self.release(ids[:len(routed)], routed, RequestStatus.ABORTED)
             retry = str(self.cfg.serve.retry_after_s)
-            raise APIError(429, f"the server is busy: {e}; retry after {retry} s", type_="rate_limit_error",
+            raise APIError(429, f"the server is busy: {_cause(e)}; retry after {retry} s", type_="rate_limit_error",
                            code="too_many_pending_requests", headers={"Retry-After": retry}) from None
         except NoInstanceAvailable as e:
             self.release(ids[:len(routed)], routed, RequestStatus.ABORTED)
-            raise APIError(503, f"no instance can take the request: {e}", type_="service_unavailable",
+            raise APIError(503, f"no instance can take the request: {_cause(e)}", type_="service_unavailable",
                            code="no_instance") from None
         except BaseException:  # cancelled (the client left) or the router failed: nothing may stay routed
             self.release(ids[:len(routed)], routed, RequestStatus.ABORTED)
@@ -245,6 +245,12 @@ class Frontend:
         self._releases.discard(task)
         if not task.cancelled() and task.exception() is not None:
             log.error("releasing %s failed", task.get_name(), exc_info=task.exception())
+
+
+def _cause(e: BaseException) -> str:
+    """An error's own message: one raised in an actor arrives as Ray's RayTaskError, traceback included, which a
+    client must not see."""
+    return str(getattr(e, "cause", None) or e)
 
 
 def _encode(tokenizer, prompt: str) -> list[int]:

@@ -25,7 +25,7 @@ LIMITED_KEYS = {
     "narrow": ("sk-test-narrow", {"max_concurrent": 2}),
     "metered": ("sk-test-metered", {"tokens_per_minute": 200}),
     "vip": ("sk-test-vip", {"max_priority": 10}),
-    "fuzz": ("sk-test-fuzz", {"max_concurrent": 4, "tokens_per_minute": 100_000}),
+    "fuzz": ("sk-test-fuzz", {"max_concurrent": 2, "tokens_per_minute": 5000}),
 }
 BODY_TIMEOUT_S = 4.0
 MODEL = "tiny-llama"

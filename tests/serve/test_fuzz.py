@@ -1,0 +1,50 @@
+"""Fuzzing the served app against its own OpenAPI schema (schemathesis, served by FastAPI at /openapi.json).
+
+The schema is built here from the app's routes, the same document the app serves (checked below; schemathesis's
+lazy `from_fixture` loading does not run under pytest 9), and the generated requests go to the served app.
+
+Every route gets up to EXAMPLES generated requests (bodies, path and query parameters from the schema, valid and
+not), with a key: the fuzz key for /v1 (its own limits, tests/serve/conftest.py), the admin key for /admin. No
+answer may be a 5xx, and every 4xx carries an OpenAI-style JSON error body. Generated bodies name the served
+model, so that they get past the model check into admission, tokenization and the engine.
+"""
+
+from __future__ import annotations
+
+import json
+
+import schemathesis
+from hypothesis import HealthCheck, settings
+
+from deploy.app import build_app  # noqa: F401 - declares the routes on http_app (deploy/serve/app.py)
+from deploy.serve import openapi
+from deploy.serve.http_api import http_app
+from tests.serve.conftest import ADMIN_KEY, LIMITED_KEYS, MODEL, ServedApp
+
+EXAMPLES = 250  # per route at most: routes without parameters stop at the few cases there are
+
+
+schema = schemathesis.openapi.from_dict(openapi.build(http_app))
+
+
+def test_the_fuzzed_schema_is_the_one_the_app_serves(served_app: ServedApp) -> None:
+    with served_app.client() as c:
+        assert c.get("/openapi.json").json() == json.loads(json.dumps(openapi.build(http_app)))
+
+
+@schema.parametrize()
+@settings(max_examples=EXAMPLES, deadline=None, database=None, derandomize=True,
+          suppress_health_check=list(HealthCheck))
+def test_no_route_answers_a_generated_request_with_a_5xx_or_a_4xx_without_an_error_body(case, served_app) -> None:
+    key = ADMIN_KEY if case.path.startswith("/admin") else LIMITED_KEYS["fuzz"][0]
+    if isinstance(case.body, dict) and "model" in case.body:
+        case.body["model"] = MODEL
+    response = case.call(base_url=served_app.url, headers={"Authorization": f"Bearer {key}"}, timeout=120)
+    status = response.status_code
+    if case.path == "/health" and status == 503:  # its documented answer while no instance takes requests
+        assert response.json()["status"] == "unavailable"
+        return
+    assert status < 500, (case.method, case.path, case.body, response.text[:500])
+    if status >= 400:
+        error = response.json()["error"]
+        assert isinstance(error["message"], str) and error["message"] and isinstance(error["type"], str)
