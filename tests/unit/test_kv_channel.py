@@ -6,6 +6,7 @@ import asyncio
 import threading
 import time
 
+import psutil
 import pytest
 import torch
 
@@ -79,3 +80,20 @@ def test_an_unknown_backend_is_refused_before_anything_opens() -> None:
 def test_gloo_carries_host_tensors_without_a_copy() -> None:
     src, dst = open_pair()
     assert src.wire == dst.wire == torch.device("cpu")
+
+
+def test_a_channel_listens_only_on_the_address_its_two_ends_use() -> None:
+    def listening() -> set[tuple[str, int]]:
+        return {(c.laddr.ip, c.laddr.port) for c in psutil.Process().net_connections("inet")
+                if c.status == psutil.CONN_LISTEN}
+
+    before = listening()
+    src, dst = open_pair()  # the rendezvous store (rank 0) and gloo's pairs (both ranks) listen while it is open
+    opened = listening() - before
+    assert opened, "the channel opened no listening socket"
+    assert {ip for ip, _ in opened} <= {"127.0.0.1", "::ffff:127.0.0.1"}, opened  # never :: or 0.0.0.0
+    sent = exports(1)
+    sender = threading.Thread(target=src.send, args=(sent,))
+    sender.start()
+    assert torch.equal(dst.recv((KVHeader.of(sent[0]),))[0].k, sent[0].k)
+    sender.join(10)

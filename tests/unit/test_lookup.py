@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import random
+from types import SimpleNamespace
 
+from actors.spec.drafters import LookupDrafter
 from actors.spec.lookup import NgramIndex, OutputCache, SuffixIndex, SuffixTrie, suffix_propose
+from cluster.config import SpeculationConfig
 
 
 def brute_ngram(tokens: list[int], k: int, min_n: int, max_n: int) -> list[int]:
@@ -77,3 +80,35 @@ def test_a_cleared_output_cache_drafts_nothing_from_earlier_outputs() -> None:
     assert suffix_propose(own, cache.trie("a"), [1, 5, 6], 3, 0.0) == [7, 8, 9]
     cache.clear()
     assert cache.trie("a") is None and not cache.outputs
+
+
+def test_the_output_cache_is_bounded_in_tokens_and_nodes_whatever_the_outputs() -> None:
+    rng = random.Random(0)
+    depth, capacity = 6, 500
+    cache = OutputCache(depth, capacity)
+    for i in range(300):  # far more than fits, outputs of every length, one much longer than the cache
+        output = [rng.randrange(50) for _ in range(rng.choice([1, 20, 200, 2000]))]
+        cache.add(f"tenant-{i % 3}", output)
+        assert cache.tokens <= capacity and sum(len(o) for _, o in cache.outputs) == cache.tokens
+        assert cache.size() <= capacity * depth
+    # what remains is exactly the trie of what is kept: removing every kept output empties it
+    for scope, output in list(cache.outputs):
+        cache.tries[scope].add(output, sign=-1)
+    assert all(not t.root.children for t in cache.tries.values())
+
+
+def _seq(rid: str, tenant: str, tokens: list[int]):
+    return SimpleNamespace(request_id=rid, request=SimpleNamespace(tenant=tenant), token_ids=tokens,
+                           output=SimpleNamespace(token_ids=tokens[3:]))
+
+
+def test_a_tenant_never_drafts_from_another_tenants_outputs() -> None:
+    drafter = LookupDrafter("suffix", SpeculationConfig(method="suffix"))
+    secret = [1, 2, 3, 41, 42, 43, 44, 45, 46]
+    drafter.release(_seq("a-1", "alice", secret), finished=True)
+    probe = [9, 9, 9, 41, 42, 43]
+    assert drafter._lookup(_seq("a-2", "alice", probe), 3) == [44, 45, 46]  # alice drafts from her own outputs
+    assert drafter._lookup(_seq("b-1", "bob", probe), 3) == []  # bob does not see them
+    shared = LookupDrafter("suffix", SpeculationConfig(method="suffix", suffix={"scope": "shared"}))
+    shared.release(_seq("a-1", "alice", secret), finished=True)
+    assert shared._lookup(_seq("b-1", "bob", probe), 3) == [44, 45, 46]  # scope: shared (single-tenant setups)
