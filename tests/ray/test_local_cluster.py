@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -138,3 +140,54 @@ def test_worker_port_ranges_never_hold_rays_default_ports(monkeypatch: pytest.Mo
         ports = set(range(node["min_worker"], node["max_worker"] + 1))
         assert not ports & local_cluster.RAY_DEFAULT_PORTS
         assert node["min_worker"] >= 15000
+
+
+LOOPBACK = {"127.0.0.1", "::ffff:127.0.0.1", "::1"}
+
+
+def _listening(state: ClusterState) -> set[tuple[str, int, str]]:
+    out = set()
+    for proc in running_processes(state):
+        try:
+            out |= {(c.laddr.ip, c.laddr.port, proc.name()) for c in proc.net_connections("inet")
+                    if c.status == psutil.CONN_LISTEN}
+        except psutil.Error:  # exited since the listing
+            pass
+    return out
+
+
+def test_every_port_of_the_cluster_listens_on_loopback_and_no_client_server_runs(ray_driver) -> None:
+    listening = _listening(ray_driver.state)
+    assert ray_driver.state.nodes[0].ports["gcs"] in {port for _, port, _ in listening}
+    assert {(ip, port, name) for ip, port, name in listening if ip not in LOOPBACK} == set()
+    client = [p for p in running_processes(ray_driver.state) if "ray.util.client.server" in " ".join(p.cmdline())]
+    assert client == [] and ray_driver.state.auth_token_path is None  # loopback: this machine only, no token
+
+
+def _network_address() -> str:
+    """This machine's address on its default route (no packet is sent), or a skip where there is none."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect(("10.255.255.255", 9))
+        except OSError:
+            pytest.skip("this machine has no network address to bind a cluster to")
+        return s.getsockname()[0]
+
+
+def test_a_cluster_on_a_network_address_runs_with_ray_token_auth(tmp_path: Path) -> None:
+    host = _network_address()
+    state_path = tmp_path / "net.json"
+    state = local_cluster.up(load_inventory(DEFAULT_INVENTORY).first(1), state_path, host=host, num_cpus=1,
+                             die_with_parent=True)
+    try:
+        assert state.address.startswith(f"{host}:") and state.auth_token_path
+        assert os.stat(state.auth_token_path).st_mode & 0o777 == 0o600
+        probe = ("import sys, ray; from deploy.infra import ray_node; ray_node.keep_address(); "
+                 "ray.init(address=sys.argv[1], logging_level='ERROR'); print(len(ray.nodes()))")
+        without = subprocess.run([sys.executable, "-c", probe, state.address], capture_output=True, text=True,
+                                 timeout=180, env={**os.environ, **local_cluster.RAY_ENV})
+        assert without.returncode != 0 and "token" in without.stderr.lower()  # refused: no token
+        nodes = local_cluster.query_nodes(state.address, expect=1, auth_token_path=state.auth_token_path)
+        assert [n.alive for n in nodes] == [True]  # with the cluster's token
+    finally:
+        local_cluster.down(state_path)
