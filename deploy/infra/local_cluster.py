@@ -293,14 +293,14 @@ def up(inventory: Inventory, state_path: Path = DEFAULT_STATE, *, num_cpus: int 
     after an interrupted `up`. `die_with_parent` (Linux; for test fixtures) stops the nodes when the calling
     thread's process dies; by default the cluster outlives it, as `specfleet cluster up` needs.
     """
+    if auth not in ("auto", "token", "disabled"):
+        raise UsageError(f"auth must be auto, token or disabled, not {auth!r}")
     if state_path.exists():
         old = read_state(state_path)
         if running_processes(old):
             raise UsageError(f"a cluster is already up (state {state_path}): stop it with `specfleet cluster down`, "
                              f"or pass another --state")
         stop(old)  # a stale record: nothing runs, only its temp folder is left to remove
-    if auth not in ("auto", "token", "disabled"):
-        raise UsageError(f"auth must be auto, token or disabled, not {auth!r}")
     cluster_id = uuid.uuid4().hex[:12]
     root = tempfile.mkdtemp(prefix="sf-", dir="/tmp")  # short: Ray's socket paths must stay under ~107 chars
     token = None
