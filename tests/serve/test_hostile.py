@@ -31,7 +31,7 @@ ROUNDS = 5
 MAX_RATIO = 2.0
 # a refused hostile request is sent again after this long (Retry-After says 1 s). Without any pause the hostile
 # threads spend the machine's 2 cores on having requests refused (docs/benchmarks.md gives that figure too)
-RETRY_S = float(os.environ.get("SPECFLEET_HOSTILE_RETRY_S", "0.1"))
+RETRY_S = float(os.environ.get("SPECFLEET_HOSTILE_RETRY_S", "0.25"))
 
 
 def p99(values: list[float]) -> float:
