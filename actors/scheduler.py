@@ -30,12 +30,12 @@ class KVSpace(Protocol):
 
 @dataclass
 class Work:
-    """One request's share of a step: `num_new` of its known tokens for the target, then k drafts."""
+    """One request's share of a step: `num_new` of its known tokens for the target (drafts come on top: the
+    speculation plan, actors/spec/plan.py, gives each emitting work its k)."""
 
     seq: Sequence
     start: int  # the target's cache length before the step: position of the first new token
     num_new: int
-    k: int = 0
     emits: bool = field(init=False)  # the chunk reaches the newest token: the step verifies and emits
 
     def __post_init__(self) -> None:
@@ -46,12 +46,22 @@ class Work:
         return self.num_new > 1 or not self.emits
 
 
+@dataclass(frozen=True)
+class Failed:
+    """A request the scheduler gave up on this step (it can never fit), with the reason."""
+
+    seq: Sequence
+    message: str
+
+
 @dataclass
 class Schedule:
-    """A step's plan: the works, in priority order, and the target tokens left for drafts."""
+    """A step's plan: the works, in priority order, the target tokens left for drafts, and the requests that
+    failed to be scheduled (already out of the queues, their KV freed)."""
 
     works: list[Work]
     draft_budget: int
+    failed: list[Failed] = field(default_factory=list)
 
     @property
     def num_prefill_tokens(self) -> int:
@@ -61,13 +71,11 @@ class Schedule:
 class Scheduler:
     """Waiting and running queues of one engine, and the per-step plan."""
 
-    def __init__(self, cfg: SchedulerConfig, kv: KVSpace, max_k: int,
-                 release: Callable[[Sequence], None], fail: Callable[[Sequence, str], None]) -> None:
+    def __init__(self, cfg: SchedulerConfig, kv: KVSpace, max_k: int, release: Callable[[Sequence], None]) -> None:
         self.cfg = cfg
         self.kv = kv
         self.max_k = max_k  # drafts per request the policy may ask for
         self._release = release  # frees a request's KV in every cache
-        self._fail = fail  # ends a request with an error
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -86,6 +94,7 @@ class Scheduler:
 
     def schedule(self) -> Schedule:
         budget = self.cfg.max_num_batched_tokens
+        failed: list[Failed] = []
         decodes = [s for s in sorted(self.running, key=Sequence.order_key) if self._pending(s) == 1]
         works: list[Work] = []
         for seq in decodes:  # 1: running decodes, one token each
@@ -113,7 +122,7 @@ class Scheduler:
                 self._release(seq)
                 if not self.running:  # alone in an empty cache and still no room: it never fits
                     self.waiting.remove(seq)
-                    self._fail(seq, "the request does not fit in the KV cache")
+                    failed.append(Failed(seq, "the request does not fit in the KV cache"))
                     continue
                 break
             self.waiting.remove(seq)
@@ -122,7 +131,7 @@ class Scheduler:
             works.append(Work(seq, start, n))
             left -= n
         used = sum(w.num_new for w in works)
-        return Schedule(works, budget - used)
+        return Schedule(works, budget - used, failed)
 
     def _pending(self, seq: Sequence) -> int:
         """Known tokens the target has not processed yet (1 when decoding)."""
