@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import copy
 import itertools
+import logging
 import time
 from collections.abc import Callable, Sequence as Seq
 from dataclasses import dataclass
@@ -49,12 +50,20 @@ from actors.verification import verify
 from cluster.config import EngineConfig, SchedulerConfig, SpeculationConfig
 from cluster.migration import Link
 from cluster.migration_policy import InstanceLoad, RequestLoad
+from cluster.prefix import ChainNames, root_hash
 from cluster.request import (FinishReason, InvalidRequest, Request, Resume, SamplingParams, SpecStats, TokenDelta,
                              check_prompt)
 from cluster.stats import EngineStats
 
 
+log = logging.getLogger(__name__)
+
 RequestError = InvalidRequest  # a request the engine cannot take (empty prompt, too long, bad token ids...)
+
+
+def model_identity(runner) -> str:
+    """What names a runner's KV content in the prefix cache: its checkpoint and dtype (cluster/prefix.py root)."""
+    return f"{runner.model.source}|{runner.model.dtype}"
 
 
 @dataclass
@@ -83,6 +92,7 @@ class Engine:
         cost_model: StepCostModel | None = None,
         draft_quantized: bool = False,
         calibration: CalibrationFile | None = None,
+        prefix_caching: bool = False,
     ) -> None:
         if draft is not None and draft.model.config.vocab_size != target.model.config.vocab_size:
             raise ValueError(
@@ -104,6 +114,11 @@ class Engine:
         self.eos_token_ids = target.model.eos_token_ids
         self._ids = itertools.count()
         self._stats = StepCounters()
+        # automatic prefix caching: where every shard's cache replays every op (not data-parallel expert ranks)
+        self.prefix_caching = prefix_caching and target.replicated_cache
+        if prefix_caching and not self.prefix_caching:
+            log.warning("prefix caching is off: the target's expert-parallel ranks each hold their own requests' "
+                        "KV (engine.experts.attention: data), so a cached block is not where another request runs")
         self.calibration = calibration  # where this setup's calibration is saved (None: time it at every start)
         if self.policy.name == "goodput" and not self.cost_model.fitted:
             self.calibrate()
@@ -121,7 +136,8 @@ class Engine:
         if calibration_dir is not None and cfg.speculation.policy == "goodput":
             calibration = CalibrationFile(calibration_dir, setup_of(cfg, target[0].device))
         return cls(target[0], draft, cfg.speculation, cfg.scheduler, cfg.model.max_model_len,
-                   draft_quantized=cfg.model.draft_quantization == "int8", calibration=calibration)
+                   draft_quantized=cfg.model.draft_quantization == "int8", calibration=calibration,
+                   prefix_caching=cfg.cache.prefix_caching)
 
     @property
     def policy(self) -> SpecPolicy:
@@ -163,6 +179,12 @@ class Engine:
                 gen.set_state(torch.frombuffer(bytearray(resume.generator_state), dtype=torch.uint8))
         seq = Sequence(request, tokens, out, gen, seqno=next(self._ids),
                        acceptance=Acceptance(0.0, 0.0, self.acceptance.decay))  # its own rounds only
+        if self.prefix_caching:
+            seq.target_names = ChainNames(root_hash(model_identity(self.target), request.cache_salt),
+                                          self.target.cache.block_size)
+            if isinstance(self.drafter, ModelDrafter) and self.draft.replicated_cache:
+                seq.draft_names = ChainNames(root_hash(model_identity(self.draft), request.cache_salt),
+                                             self.draft.cache.block_size)
         if resume is not None and resume.stats is not None:
             seq.stats = copy.deepcopy(resume.stats)
         self.scheduler.add(seq)
@@ -278,6 +300,10 @@ class Engine:
                 if self.drafter is not None:
                     self.drafter.accepted(seq, n_before + v.accepted)
             deltas.append(TokenDelta(rid, tuple(taken), seq.output.text_delta(), seq.output.finish_reason))
+        if self.prefix_caching:
+            for d in plan.works:  # prompt chunks and accepted tokens whose blocks filled up join the prefix cache
+                if d.work.seq.status is not SeqStatus.FINISHED:
+                    self._commit(d.work.seq)
         return deltas
 
     def _observe(self, plan: SpecPlan, drafts: Drafts, scores: Scores, deltas: list[TokenDelta], plan_s: float,
@@ -397,8 +423,16 @@ class Engine:
         self._free(seq)
 
     # ---- KV and errors ----------------------------------------------------------------------
+    def _commit(self, seq: Sequence) -> None:
+        """Name the request's full target blocks whose KV is final (its accepted tokens) in the prefix cache."""
+        cache, rid = self.target.cache, seq.request_id
+        if seq.target_names is not None and cache.has(rid):
+            cache.commit(rid, seq.target_names.upto(seq.token_ids, cache.length(rid)))
+
     def _free(self, seq: Sequence) -> None:
-        """Free a request's KV (finished, aborted, failed or preempted) and what the drafter holds for it."""
+        """Free a request's KV (finished, aborted, failed or preempted) and what the drafter holds for it; with
+        prefix caching its full blocks stay cached for later requests that start alike."""
+        self._commit(seq)
         self.target.cache.free(seq.request_id)
         if self.drafter is not None:
             self.drafter.release(seq, finished=seq.status is SeqStatus.FINISHED and seq.output.finish_reason is not None)
@@ -453,4 +487,6 @@ class Engine:
             moe_local_rate=ep.local_rate if ep else 0.0,
             moe_alltoall_bytes_per_token=ep.bytes_per_token if ep else 0.0,
             moe_s_per_token=ep.seconds_per_token if ep else 0.0,
+            prefix_cache_queries=self.scheduler.prefix_queries, prefix_cache_hits=self.scheduler.prefix_hits,
+            kv_blocks_cached=tc.num_cached_blocks,
         )

@@ -39,12 +39,9 @@ class _Seq:
 
 
 @dataclass
-class PrefixCounters:
-    """Prefix-cache figures since the start, in tokens (vLLM's prefix_cache_queries / prefix_cache_hits), and the
-    names of blocks cached and evicted since the last `take_events` (what the router's index is fed)."""
+class PrefixEvents:
+    """Names of the blocks cached and evicted since the last `take_events` (what the router's index is fed)."""
 
-    queries: int = 0
-    hits: int = 0
     stored: list[int] = field(default_factory=list)
     removed: list[int] = field(default_factory=list)
 
@@ -77,7 +74,7 @@ class BlockPool:
         self._name: dict[int, int] = {}  # block -> its name, for named blocks
         self._block: dict[int, int] = {}  # name -> the block that holds it
         self._cached: OrderedDict[int, None] = OrderedDict()  # named blocks no request holds, least recent first
-        self.prefix = PrefixCounters()
+        self.prefix = PrefixEvents()
 
     # ---- accounting -------------------------------------------------------------------------
     @property
@@ -159,11 +156,10 @@ class BlockPool:
         seq.length = length
 
     # ---- the prefix cache -------------------------------------------------------------------
-    def match(self, request_id: str, names: Sequence[int], query_tokens: int) -> int:
+    def match(self, request_id: str, names: Sequence[int]) -> int:
         """Start a request that holds nothing here with the cached blocks named by the leading `names` of its
-        prompt (cluster/prefix.py); returns the tokens they hold (its length). `query_tokens` is what it asked
-        for, for the hit-rate figures. The caller leaves at least its last prompt token out of `names`, so the
-        forward that emits its first token has a token to run."""
+        prompt (cluster/prefix.py); returns the tokens they hold (its length). The caller leaves at least its last
+        prompt token out of `names`, so the forward that emits its first token has a token to run."""
         if request_id in self._seqs:
             raise ValueError(f"{request_id} already holds KV here: only a request that starts can reuse a prefix")
         seq = _Seq()
@@ -177,8 +173,6 @@ class BlockPool:
             seq.blocks.append(block)
         seq.named = len(seq.blocks)
         seq.length = seq.named * self.block_size
-        self.prefix.queries += query_tokens
-        self.prefix.hits += seq.length
         if seq.blocks:
             self._seqs[request_id] = seq
         return seq.length

@@ -53,10 +53,9 @@ class Match:
 
     request_id: str
     names: tuple[int, ...]
-    query_tokens: int
 
     def apply(self, pool: BlockPool) -> None:
-        pool.match(self.request_id, self.names, self.query_tokens)
+        pool.match(self.request_id, self.names)
 
 
 @dataclass(frozen=True)
@@ -103,10 +102,10 @@ class KVLedger(BlockPool):
             super().free(request_id)
             self._ops.append(Free(request_id))
 
-    def match(self, request_id: str, names, query_tokens: int) -> int:
-        got = super().match(request_id, names, query_tokens)
-        if got:  # a miss changes nothing a shard must replay (its figures are the ledger's)
-            self._ops.append(Match(request_id, tuple(names[: got // self.block_size]), 0))
+    def match(self, request_id: str, names) -> int:
+        got = super().match(request_id, names)
+        if got:  # a miss changes nothing a shard must replay
+            self._ops.append(Match(request_id, tuple(names[: got // self.block_size])))
         return got
 
     def commit(self, request_id: str, names) -> None:

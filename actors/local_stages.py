@@ -34,6 +34,7 @@ class LocalStages:
 
     exports_kv = True
     kv_links = True
+    replicated_cache = True  # every stage replays every cache op: block tables agree (prefix caching needs it)
 
     def __init__(self, runners: Sequence[ModelRunner], names: Sequence[str] | None = None) -> None:
         if not runners:

@@ -25,7 +25,9 @@ class KVSpace(Protocol):
     """What the scheduler needs of the instance's target KV cache (block accounting is per request)."""
 
     def length(self, request_id: str) -> int: ...
+    def has(self, request_id: str) -> bool: ...
     def reserve(self, request_id: str, total_tokens: int) -> bool: ...
+    def match(self, request_id: str, names: list[int]) -> int: ...
 
 
 @dataclass
@@ -79,6 +81,8 @@ class Scheduler:
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self.prefix_queries = 0  # prompt tokens admitted with the prefix cache asked, and those it held
+        self.prefix_hits = 0
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -116,7 +120,7 @@ class Scheduler:
         for seq in sorted(self.waiting, key=Sequence.order_key):  # 3: admit new and preempted requests
             if left <= 0 or len(self.running) >= self.cfg.max_batch_size:
                 break
-            start = self.kv.length(seq.request_id)  # 0, or the KV a migrated request brought along
+            start = self._start(seq)  # 0, the KV a migrated request brought along, or a cached prefix
             n = min(len(seq.token_ids) - start, left)
             if not self.kv.reserve(seq.request_id, start + n):
                 self._release(seq)
@@ -128,10 +132,21 @@ class Scheduler:
             self.waiting.remove(seq)
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)
+            if seq.target_names is not None:
+                self.prefix_queries += len(seq.token_ids)
+                self.prefix_hits += start
             works.append(Work(seq, start, n))
             left -= n
         used = sum(w.num_new for w in works)
         return Schedule(works, budget - used, failed)
+
+    def _start(self, seq: Sequence) -> int:
+        """Where a request being admitted starts: the KV it holds, or the longest cached prefix of its tokens (all
+        but the last: one token must run to give the logits of the next)."""
+        rid = seq.request_id
+        if seq.target_names is None or self.kv.has(rid):
+            return self.kv.length(rid)
+        return self.kv.match(rid, seq.target_names.upto(seq.token_ids, len(seq.token_ids) - 1))
 
     def _pending(self, seq: Sequence) -> int:
         """Known tokens the target has not processed yet (1 when decoding)."""

@@ -9,6 +9,7 @@ import torch
 
 from actors.output import RequestOutput
 from actors.spec.policy import Acceptance
+from cluster.prefix import ChainNames
 from cluster.request import Request, SpecStats
 
 
@@ -31,6 +32,9 @@ class Sequence:
     num_preemptions: int = 0
     seqno: int = 0  # order of arrival at this engine, the tie-break after arrival_time
     acceptance: Acceptance = field(default_factory=lambda: Acceptance.prior(0.7))  # per-token acceptance estimate
+    # its blocks' names in the target's and the draft's prefix caches (None: that cache does not share blocks)
+    target_names: ChainNames | None = None
+    draft_names: ChainNames | None = None
 
     @property
     def request_id(self) -> str:

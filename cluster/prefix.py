@@ -47,3 +47,18 @@ def block_hashes(tokens: Sequence[int], block_size: int, root: BlockHash,
         parent = next_hash(parent, tokens[start:start + block_size])
         out.append(parent)
     return out
+
+
+class ChainNames:
+    """The names of one growing token sequence's full blocks (a request's prompt and output), each hashed once."""
+
+    def __init__(self, root: BlockHash, block_size: int) -> None:
+        self.root, self.block_size = root, block_size
+        self._names: list[BlockHash] = []
+
+    def upto(self, tokens: Sequence[int], n: int) -> list[BlockHash]:
+        """Names of the full blocks within tokens[:n] (`tokens` only ever grows at its end)."""
+        full = n // self.block_size
+        if len(self._names) < full:
+            self._names = block_hashes(tokens[: full * self.block_size], self.block_size, self.root, self._names)
+        return self._names[:full]

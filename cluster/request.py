@@ -132,6 +132,8 @@ class Request:
     priority: int = 0  # higher is served first
     arrival_time: float = 0.0
     resume: Resume | None = None
+    # a tenant's own prefix cache: requests share cached KV blocks only with requests of the same salt (None: all)
+    cache_salt: str | None = None
 
 
 @dataclass

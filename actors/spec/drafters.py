@@ -87,8 +87,12 @@ class ModelDrafter:
         return max(0, end - self.runner.cache.length(seq.request_id))
 
     def reserve(self, w: Work, k: int) -> int:
-        if k > 0 and not self.runner.reserve(w.seq.request_id, w.start + w.num_new + k - 1):
-            self.runner.cache.free(w.seq.request_id)  # draft KV is optional: drop it, catch up later
+        seq, cache = w.seq, self.runner.cache
+        end = w.start + w.num_new
+        if k > 0 and seq.draft_names is not None and not cache.has(seq.request_id):  # a cached prefix skips catch-up
+            self._exact[seq.request_id] = cache.match(seq.request_id, seq.draft_names.upto(seq.token_ids, end - 1))
+        if k > 0 and not self.runner.reserve(seq.request_id, end + k - 1):
+            self.release(seq, finished=False)  # draft KV is optional: drop it, catch up later
             return 0
         return k
 
@@ -151,8 +155,18 @@ class ModelDrafter:
             if self.calibrate:
                 keep = min(keep, self._exact.get(rid, 0))
             self.runner.cache.crop(rid, keep)
+            self._commit(seq)
+
+    def _commit(self, seq: Sequence) -> None:
+        """Name the request's full draft blocks in the prefix cache: what it holds between steps is its accepted
+        tokens' KV, computed in true layer order (without bonus calibration a layer-parallel draft's is not: it
+        is never shared)."""
+        cache, rid = self.runner.cache, seq.request_id
+        if seq.draft_names is not None and self.calibrate and cache.has(rid):
+            cache.commit(rid, seq.draft_names.upto(seq.token_ids, cache.length(rid)))
 
     def release(self, seq: Sequence, finished: bool) -> None:
+        self._commit(seq)
         self.runner.cache.free(seq.request_id)
         self._exact.pop(seq.request_id, None)
         self._drafted.pop(seq.request_id, None)
