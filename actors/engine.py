@@ -21,6 +21,7 @@ The draft's KV is optional: when its cache is out of blocks a request simply dra
 from __future__ import annotations
 
 import copy
+import functools
 import itertools
 import logging
 import time
@@ -45,8 +46,9 @@ from actors.spec.drafters import Drafter, ModelDrafter, make_drafter
 from actors.spec.plan import SpeculationPlanner
 from actors.spec.policy import Acceptance, SpecPolicy, make_policy
 from actors.spec.sampling import make_generator
+from actors.spec.structured import GrammarCompiler
 from actors.step import Drafts, Scores, SpecPlan, Verdict
-from actors.verification import verify
+from actors.verification import logprobs_of, verify
 from cluster.config import EngineConfig, SchedulerConfig, SpeculationConfig
 from cluster.migration import Link
 from cluster.migration_policy import InstanceLoad, RequestLoad
@@ -179,7 +181,10 @@ class Engine:
                 gen.set_state(torch.frombuffer(bytearray(resume.generator_state), dtype=torch.uint8))
         seq = Sequence(request, tokens, out, gen, seqno=next(self._ids),
                        acceptance=Acceptance(0.0, 0.0, self.acceptance.decay))  # its own rounds only
-        if self.prefix_caching:
+        if params.structured is not None:
+            seq.grammar = self.grammars.matcher(params.structured)
+            seq.grammar.consume(out.token_ids)  # a resumed request's tokens so far
+        if self.prefix_caching and params.prompt_logprobs is None:  # scoring a prompt runs every position of it
             seq.target_names = ChainNames(root_hash(model_identity(self.target), request.cache_salt),
                                           self.target.cache.block_size)
             if isinstance(self.drafter, ModelDrafter) and self.draft.replicated_cache:
@@ -192,10 +197,21 @@ class Engine:
 
     def check_request(self, request: Request) -> None:
         """Raise RequestError if the request can never be served; changes nothing."""
-        check_prompt(request.prompt_token_ids, request.params.max_tokens, self.max_model_len,
-                     self.target.model.config.vocab_size)
+        params, vocab = request.params, self.target.model.config.vocab_size
+        check_prompt(request.prompt_token_ids, params.max_tokens, self.max_model_len, vocab)
         if any(s.request_id == request.request_id for s in self.waiting + self.running):
             raise RequestError(f"request id {request.request_id!r} is already in use")
+        if any(t >= vocab for t in params.logit_bias):
+            raise RequestError(f"logit_bias token ids must be in [0, {vocab})", param="logit_bias")
+        if any(not 0 <= t < vocab for t in params.stop_token_ids):
+            raise RequestError(f"stop_token_ids must be in [0, {vocab})", param="stop_token_ids")
+        if params.structured is not None:
+            self.grammars.grammar(params.structured)  # compiled once per spec: an invalid one is a 400 here
+
+    @functools.cached_property
+    def grammars(self) -> GrammarCompiler:
+        """Structured outputs' grammars for this tokenizer (built on the first request that asks)."""
+        return GrammarCompiler(self.tokenizer, self.target.model.config.vocab_size, sorted(self.eos_token_ids))
 
     def abort(self, request_id: str) -> TokenDelta | None:
         """Cancel a request and free its KV; returns its final delta, or None if it is unknown."""
@@ -248,7 +264,7 @@ class Engine:
         scores = self._score(plan, drafts)
         t2 = time.perf_counter()
         verdicts = verify(plan, drafts, scores)
-        deltas += self._apply(plan, verdicts)
+        deltas += self._apply(plan, scores, verdicts)
         self._observe(plan, drafts, scores, deltas, plan_s=t1 - t0, apply_s=time.perf_counter() - t2,
                       step_s=time.perf_counter() - t0)
         return deltas
@@ -263,22 +279,32 @@ class Engine:
     def _score(self, plan: SpecPlan, drafts: Drafts) -> Scores:
         """One target forward over every work's chunk plus its drafts; logits (k+1, V) for each emitting work."""
         t0 = time.perf_counter()
-        chunks, rows, n = [], {}, 0
+        chunks, rows, prompt_rows, n = [], {}, {}, 0
         for d in plan.works:
             w, tokens = d.work, drafts.of(d.request_id).tokens
-            logits = len(tokens) + 1 if w.emits else 0
+            scored = self._scores_prompt(w)  # prompt positions it wants logprobs after (all of this chunk's)
+            logits = (len(tokens) + 1 if w.emits else 0) + (w.num_new - (1 if w.emits else 0) if scored else 0)
             chunks.append(SeqChunk(d.request_id, tuple(w.seq.token_ids[w.start:w.start + w.num_new] + tokens), logits))
-            if logits:
-                rows[d.request_id] = (n, logits)
-                n += logits
-        logits = self.target.forward(chunks)  # (sum over emitting works of k+1, V)
+            if scored:
+                prompt_rows[d.request_id] = (n, w.num_new)
+            if w.emits:
+                rows[d.request_id] = (n + logits - len(tokens) - 1, len(tokens) + 1)
+            n += logits
+        logits = self.target.forward(chunks)  # (sum over works of the rows each asked for, V)
         tokens = sum(len(c.token_ids) for c in chunks)
         attention = sum(len(c.token_ids) * self.target.cache.length(c.request_id) for c in chunks) / ATTENTION_UNIT
-        return Scores(logits, rows, ForwardShape(1, tokens, attention), time.perf_counter() - t0)
+        return Scores(logits, rows, ForwardShape(1, tokens, attention), time.perf_counter() - t0, prompt_rows)
 
-    def _apply(self, plan: SpecPlan, verdicts: dict[str, Verdict]) -> list[TokenDelta]:
+    @staticmethod
+    def _scores_prompt(w) -> bool:
+        """Whether this chunk's positions give prompt logprobs: the request asked, and the chunk is in its prompt."""
+        return w.seq.request.params.prompt_logprobs is not None and w.start < len(w.seq.request.prompt_token_ids)
+
+    def _apply(self, plan: SpecPlan, scores: Scores, verdicts: dict[str, Verdict]) -> list[TokenDelta]:
         """Emit each round's tokens, then crop rejected KV (target and drafter) or free a finished request."""
         deltas = []
+        for rid, (first, n) in scores.prompt_rows.items():
+            self._score_prompt(plan, rid, scores.logits[first:first + n])
         for d in plan.emitting:
             seq, v = d.work.seq, verdicts[d.request_id]
             n_before = len(seq.token_ids)
@@ -288,8 +314,14 @@ class Engine:
                 seq.stats.record(v.proposed, v.accepted)
                 seq.acceptance.update(v.proposed, v.accepted)
                 self.acceptance.update(v.proposed, v.accepted)
-            taken = seq.output.append(list(v.tokens))
+            if seq.output.max_new_tokens == 0:  # a prompt being scored: nothing to generate
+                seq.output.finish_reason = FinishReason.LENGTH
+                taken = []
+            else:
+                taken = seq.output.append(list(v.tokens))
             seq.token_ids.extend(taken)
+            if seq.grammar is not None:
+                seq.grammar.consume(taken)
             rid = seq.request_id
             if seq.output.finish_reason is not None:
                 self.scheduler.remove(rid)
@@ -299,12 +331,36 @@ class Engine:
                 self.target.cache.crop(rid, n_before + v.accepted)
                 if self.drafter is not None:
                     self.drafter.accepted(seq, n_before + v.accepted)
-            deltas.append(TokenDelta(rid, tuple(taken), seq.output.text_delta(), seq.output.finish_reason))
+            deltas.append(TokenDelta(rid, tuple(taken), seq.output.text_delta(), seq.output.finish_reason,
+                                     logprobs=v.logprobs[: len(taken)] if v.logprobs is not None else None,
+                                     prompt_logprobs=self._take_prompt_logprobs(seq)))
         if self.prefix_caching:
             for d in plan.works:  # prompt chunks and accepted tokens whose blocks filled up join the prefix cache
                 if d.work.seq.status is not SeqStatus.FINISHED:
                     self._commit(d.work.seq)
         return deltas
+
+    def _score_prompt(self, plan: SpecPlan, request_id: str, logits: torch.Tensor) -> None:
+        """Record the logprobs of the prompt tokens a chunk's rows (n, V) predict (raw logits: vLLM's prompt
+        logprobs are not processed)."""
+        w = next(d.work for d in plan.works if d.request_id == request_id)
+        seq, prompt = w.seq, w.seq.request.prompt_token_ids
+        if seq.prompt_logprobs is None:
+            seq.prompt_logprobs = [None]
+        start = len(seq.prompt_logprobs) - 1  # rows already scored (a recomputed chunk is not scored twice)
+        targets = [(i, prompt[w.start + i + 1]) for i in range(logits.shape[0])
+                   if start <= w.start + i and w.start + i + 1 < len(prompt)]
+        if targets:
+            rows = logits[[i for i, _ in targets]].float().log_softmax(-1)  # (T, V)
+            seq.prompt_logprobs += logprobs_of(rows, [t for _, t in targets], seq.request.params.prompt_logprobs)
+
+    @staticmethod
+    def _take_prompt_logprobs(seq: Sequence) -> tuple | None:
+        """The prompt's logprobs, once: with the request's first delta."""
+        if seq.prompt_logprobs is None or seq.prompt_logprobs_sent:
+            return None
+        seq.prompt_logprobs_sent = True
+        return tuple(seq.prompt_logprobs)
 
     def _observe(self, plan: SpecPlan, drafts: Drafts, scores: Scores, deltas: list[TokenDelta], plan_s: float,
                  apply_s: float, step_s: float) -> None:

@@ -14,6 +14,7 @@ import torch
 
 from actors.scheduler import Schedule, Work
 from actors.spec.cost_model import ForwardShape
+from cluster.request import TokenLogprob
 
 
 @dataclass
@@ -81,6 +82,9 @@ class Scores:
     rows: Mapping[str, tuple[int, int]]  # request id -> (first row, number of rows = k + 1)
     shape: ForwardShape = ForwardShape()
     seconds: float = 0.0
+    # request id -> (first row, n): rows of the prompt positions a request scores (prompt_logprobs), row i the
+    # logits after its prompt token start + i (they give the logprob of token start + i + 1)
+    prompt_rows: Mapping[str, tuple[int, int]] = field(default_factory=dict)
 
     def of(self, request_id: str) -> torch.Tensor:
         """The request's logits (k + 1, V)."""
@@ -96,3 +100,4 @@ class Verdict:
     proposed: int
     accepted: int
     tokens: tuple[int, ...]
+    logprobs: tuple[TokenLogprob, ...] | None = None  # one per token, if the request asked

@@ -24,6 +24,7 @@ from actors.scheduler import Work
 from actors.sequence import Sequence
 from actors.spec.cost_model import ATTENTION_UNIT, ForwardShape
 from actors.spec.lookup import NgramIndex, OutputCache, SuffixIndex, suffix_propose
+from actors.spec.processors import process_request, processes
 from actors.spec.sampling import probs_from_logits, sample
 from actors.step import Drafting, Drafts, Proposal
 from cluster.config import DraftParallelConfig, SpeculationConfig
@@ -102,13 +103,14 @@ class ModelDrafter:
         t_start = time.perf_counter()
         out = {d.request_id: Proposal() for d in drafting}
         probs: dict[str, list[torch.Tensor]] = {d.request_id: [] for d in drafting}
+        stuck: set[str] = set()  # requests whose last draft the grammar refused (it is not stepped over)
         sizes: list[int] = []  # tokens fed by each draft forward
         attention = 0.0
         for j in range(max((d.k for d in drafting), default=0)):
             exact = j == 0 and self.calibrate  # a round's first forward re-runs what the parallel ones approximated
             rows, chunks = [], []
             for d in drafting:
-                if j >= d.k:
+                if j >= d.k or d.request_id in stuck:
                     continue
                 rid, w = d.request_id, d.work
                 if j == 0:
@@ -119,6 +121,8 @@ class ModelDrafter:
                 else:
                     chunks.append(SeqChunk(rid, (out[rid].tokens[-1],)))
                 rows.append(d)
+            if not chunks:  # every request stopped drafting early (its grammar allowed nothing more)
+                break
             t0 = time.perf_counter()
             logits = self.runner.forward(chunks, parallel=self.parallel and not exact)  # (works drafting at j, V)
             if exact:
@@ -128,6 +132,13 @@ class ModelDrafter:
                     self.calibration.seconds += time.perf_counter() - t0
             sizes.append(sum(len(c.token_ids) for c in chunks))
             attention += sum(len(c.token_ids) * self.runner.cache.length(c.request_id) for c in chunks) / ATTENTION_UNIT
+            processed = [i for i, d in enumerate(rows) if processes(d.work.seq)]
+            if processed:  # as the target will process them: penalties, bias, min_tokens, the grammar's mask
+                logits = logits.float().clone()
+                for i in processed:
+                    seq = rows[i].work.seq
+                    logits[i:i + 1] = process_request(seq, logits[i:i + 1], (), seq.output.stop_ids,
+                                                      before=out[rows[i].request_id].tokens)
             greedy = [i for i, d in enumerate(rows) if d.work.seq.greedy]
             picked = logits[greedy].argmax(-1).tolist() if greedy else []  # one transfer for the greedy rows
             for i, token in zip(greedy, picked):
@@ -138,6 +149,16 @@ class ModelDrafter:
                     q = probs_from_logits(row[None].to(self.device or row.device), seq.request.params)  # (1, V)
                     out[d.request_id].tokens.append(int(sample(q, seq.generator)))
                     probs[d.request_id].append(q[0])
+            for d in rows:  # a grammar follows the proposal, so the next position is masked after it
+                seq, p = d.work.seq, out[d.request_id]
+                if seq.grammar is not None and not seq.grammar.step(p.tokens[-1]):
+                    p.tokens.pop()  # refused (nothing was allowed): the round stops drafting here
+                    if probs[d.request_id]:
+                        probs[d.request_id].pop()
+                    stuck.add(d.request_id)
+        for d in drafting:  # the grammar steps back: verification walks the drafts again from the emitted tokens
+            if d.work.seq.grammar is not None:
+                d.work.seq.grammar.back(len(out[d.request_id].tokens))
         for d in drafting:
             p, q = out[d.request_id], probs[d.request_id]
             if q:
@@ -225,7 +246,10 @@ class LookupDrafter:
             tokens = self._pending.pop(d.request_id, None)
             if tokens is None and d.k > 0:
                 tokens = self._lookup(d.work.seq, d.k)
-            out[d.request_id] = Proposal(list((tokens or [])[:d.k]))
+            tokens = list((tokens or [])[:d.k])
+            if d.work.seq.grammar is not None:  # a token the grammar refuses would never be accepted: cut there
+                tokens = tokens[: d.work.seq.grammar.valid_prefix(tokens)]
+            out[d.request_id] = Proposal(tokens)
         self._pending.clear()
         return Drafts(out, ForwardShape(), time.perf_counter() - t0)
 
