@@ -10,15 +10,18 @@ group removed before the error propagates.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
 import ray
+import torch
 from ray.actor import ActorHandle
 from ray.util.placement_group import PlacementGroup
 
 from actors.ep_stages import ep_stages
 from actors.instance import Instance
+from actors.loading import load_runners
+from actors.local_stages import LocalStages
 from actors.model.loader import load_config, load_metadata
 from actors.pipeline import PipelineRunner
 from actors.ray_stages import GroupStages, RayStages, gather
@@ -268,3 +271,15 @@ def _stages(group: StageGroup, timeout_s: float) -> RayStages:
     if group.group:
         return GroupStages(group.actors, group.names, group.layer_ids[0], timeout_s)
     return RayStages(group.actors, group.names, group.layer_ids, timeout_s)
+
+
+def local_instance(cfg: EngineConfig, stages: Sequence[tuple[int, int]] | None = None,
+                   device: torch.device | str | None = None) -> Instance:
+    """An Instance whose stages (and draft) all run in this process, on `device` (default: the config's)."""
+    target, draft = load_runners(cfg, stages, device)
+    pipeline = PipelineRunner(target[0].model, cfg.cache, LocalStages(target), target[-1].device)
+    draft_pipeline = None
+    if draft is not None:
+        draft_pipeline = PipelineRunner(draft.model, cfg.cache, LocalStages([draft], ["draft (in process)"]),
+                                        draft.device)
+    return Instance(cfg, pipeline, draft_pipeline)

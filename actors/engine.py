@@ -35,6 +35,7 @@ from transformers import PreTrainedTokenizerBase
 from actors.engine_stats import StepCounters
 from actors.kv_cache import KVExport
 from actors.kv_links import LinkedKV, kv_span
+from actors.loading import load_runners
 from actors.model.metadata import SeqChunk
 from actors.model.runner import ModelRunner
 from actors.output import RequestOutput
@@ -131,8 +132,6 @@ class Engine:
         """Load the model pair named by `cfg` (files or hub ids, already resolved) onto `device` (default: the
         config's `model.device`) and build the engine; a goodput engine keeps its calibration in
         `calibration_dir` (actors/spec/calibration.py) and reuses it on later starts of the same setup."""
-        from actors.local_stages import load_runners  # it builds on this module's neighbours, not on Engine
-
         target, draft = load_runners(cfg, None, device)
         calibration = None
         if calibration_dir is not None and cfg.speculation.policy == "goodput":
