@@ -22,7 +22,7 @@ from actors.ep_stages import ep_stages
 from actors.instance import Instance
 from actors.loading import load_runners
 from actors.local_stages import LocalStages
-from actors.model.loader import load_config, load_metadata
+from actors.model.loader import load_metadata, load_model_config
 from actors.pipeline import PipelineRunner
 from actors.ray_stages import GroupStages, RayStages, gather
 from actors.shard import ShardSpec
@@ -65,7 +65,7 @@ class Shards:
 def shard_specs(cfg: EngineConfig, layout: ShardLayout) -> tuple[list[ShardSpec], ShardSpec | None]:
     """What each target stage and the draft load; PlacementError if the layout does not fit the config."""
     m, ep = cfg.model, cfg.experts
-    num_layers = load_config(m.target).num_hidden_layers
+    num_layers = load_model_config(m.target).num_hidden_layers
     layout.check(num_layers)
     last = len(layout.stages) - 1
     if ep.enabled:  # expert parallelism: each slot of the layout is one rank, holding every layer
@@ -96,7 +96,7 @@ def draft_spec(cfg: EngineConfig) -> ShardSpec | None:
     if cfg.speculation.policy == "off" or (m.draft is None and m.draft_layers is None):
         return None
     if m.draft is not None:
-        source, layer_ids = m.draft, tuple(range(load_config(m.draft).num_hidden_layers))
+        source, layer_ids = m.draft, tuple(range(load_model_config(m.draft).num_hidden_layers))
     else:
         source, layer_ids = m.target, tuple(m.draft_layers or ())
     return ShardSpec(source, m.dtype, layer_ids, first=True, last=True, cache=cfg.cache,
