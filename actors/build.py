@@ -10,16 +10,19 @@ group removed before the error propagates.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
 import ray
+import torch
 from ray.actor import ActorHandle
 from ray.util.placement_group import PlacementGroup
 
 from actors.ep_stages import ep_stages
 from actors.instance import Instance
-from actors.model.loader import load_config, load_metadata
+from actors.loading import load_runners
+from actors.local_stages import LocalStages
+from actors.model.loader import load_metadata, load_model_config
 from actors.pipeline import PipelineRunner
 from actors.ray_stages import GroupStages, RayStages, gather
 from actors.shard import ShardSpec
@@ -62,7 +65,7 @@ class Shards:
 def shard_specs(cfg: EngineConfig, layout: ShardLayout) -> tuple[list[ShardSpec], ShardSpec | None]:
     """What each target stage and the draft load; PlacementError if the layout does not fit the config."""
     m, ep = cfg.model, cfg.experts
-    num_layers = load_config(m.target).num_hidden_layers
+    num_layers = load_model_config(m.target).num_hidden_layers
     layout.check(num_layers)
     last = len(layout.stages) - 1
     if ep.enabled:  # expert parallelism: each slot of the layout is one rank, holding every layer
@@ -93,7 +96,7 @@ def draft_spec(cfg: EngineConfig) -> ShardSpec | None:
     if cfg.speculation.policy == "off" or (m.draft is None and m.draft_layers is None):
         return None
     if m.draft is not None:
-        source, layer_ids = m.draft, tuple(range(load_config(m.draft).num_hidden_layers))
+        source, layer_ids = m.draft, tuple(range(load_model_config(m.draft).num_hidden_layers))
     else:
         source, layer_ids = m.target, tuple(m.draft_layers or ())
     return ShardSpec(source, m.dtype, layer_ids, first=True, last=True, cache=cfg.cache,
@@ -268,3 +271,15 @@ def _stages(group: StageGroup, timeout_s: float) -> RayStages:
     if group.group:
         return GroupStages(group.actors, group.names, group.layer_ids[0], timeout_s)
     return RayStages(group.actors, group.names, group.layer_ids, timeout_s)
+
+
+def local_instance(cfg: EngineConfig, stages: Sequence[tuple[int, int]] | None = None,
+                   device: torch.device | str | None = None) -> Instance:
+    """An Instance whose stages (and draft) all run in this process, on `device` (default: the config's)."""
+    target, draft = load_runners(cfg, stages, device)
+    pipeline = PipelineRunner(target[0].model, cfg.cache, LocalStages(target), target[-1].device)
+    draft_pipeline = None
+    if draft is not None:
+        draft_pipeline = PipelineRunner(draft.model, cfg.cache, LocalStages([draft], ["draft (in process)"]),
+                                        draft.device)
+    return Instance(cfg, pipeline, draft_pipeline)

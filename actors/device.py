@@ -27,7 +27,7 @@ def resolve_device(setting: str) -> torch.device:
 
 
 def device_name(device: torch.device) -> str:
-    """A device as a benchmark reports it: "cpu", or the GPU's name ("cuda:0 NVIDIA H200")."""
+    """A device as calibration keys and benchmarks name it: "cpu", or the GPU's model ("cuda:NVIDIA H200")."""
     if device.type == "cuda":
-        return f"{device} {torch.cuda.get_device_name(device)}"
-    return str(device)
+        return f"cuda:{torch.cuda.get_device_name(device)}"
+    return device.type

@@ -1,13 +1,15 @@
 """The instance engine: continuous batching with lossless speculative decoding; `step()` maps the data plane.
 
-Each step: the scheduler (actors/scheduler.py) admits and chunks work under the KV block and token
-budgets; the policy (actors/spec/policy.py) picks each emitting request's k; the drafter
-(actors/spec/drafters.py: a draft model, or a model-free n-gram / suffix lookup) proposes up to k tokens
-per request (a draft model's first forward also catches up on the tokens it has not seen: the prompt,
-and every token since the request last drafted); the target scores every prefill chunk and all k+1
-positions of every decode in one forward; greedy matching or rejection sampling accepts a prefix;
-rejected KV is cropped in both caches. See actors/spec/verify.py for the vocabulary (accepted,
-recovered, bonus).
+Each step hands one typed object to the next (actors/step.py):
+  schedule  the scheduler (actors/scheduler.py) admits and chunks work under the KV block and token budgets;
+  plan      the speculation planner (actors/spec/plan.py) gives each emitting request its k and reserves KV;
+  propose   the drafter (actors/spec/drafters.py: a draft model, or a model-free n-gram / suffix lookup)
+            proposes up to k tokens per request (a draft model's first forward also catches up on the tokens
+            it has not seen: the prompt, and every token since the request last drafted);
+  score     the target scores every prefill chunk and all k+1 positions of every decode in one forward;
+  verify    greedy matching or rejection sampling decides every round (actors/verification.py);
+  apply     the one place that emits, crops rejected KV in both caches, frees finished requests and records.
+See actors/spec/verify.py for the vocabulary (accepted, recovered, bonus).
 
 KV invariants after every step, per running request with n = len(token_ids):
   target cache holds tokens [0, m), m <= n-1, with m = n-1 once its prompt is processed;
@@ -19,38 +21,52 @@ The draft's KV is optional: when its cache is out of blocks a request simply dra
 from __future__ import annotations
 
 import copy
+import functools
 import itertools
+import logging
 import time
 from collections.abc import Callable, Sequence as Seq
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from transformers import PreTrainedTokenizerBase
 
+from actors.engine_stats import StepCounters
+from actors.kv_cache import KVExport
+from actors.kv_links import LinkedKV, kv_span
+from actors.loading import load_runners
 from actors.model.metadata import SeqChunk
 from actors.model.runner import ModelRunner
 from actors.output import RequestOutput
-from actors.scheduler import Schedule, Scheduler, Work
+from actors.scheduler import Failed, Scheduler
 from actors.sequence import Sequence, SeqStatus
-from actors.spec.calibration import REPEATS as CALIBRATION_REPEATS, SIZES as CALIBRATION_SIZES
-from actors.spec.calibration import CalibrationFile, TimedForward, setup_of
+from actors.spec.calibration import CalibrationFile, calibrate, setup_of
 from actors.spec.cost_model import ATTENTION_UNIT, ForwardShape, StepCostModel
-from actors.spec.drafters import Drafter, ModelDrafter, Proposal, make_drafter
-from actors.spec.policy import Acceptance, BatchBase, Candidate, make_policy
-from actors.spec.sampling import make_generator, probs_from_logits
-from actors.spec.verify import verify_greedy, verify_sampled
+from actors.spec.drafters import Drafter, ModelDrafter, make_drafter
+from actors.spec.plan import SpeculationPlanner
+from actors.spec.policy import Acceptance, SpecPolicy, make_policy
+from actors.spec.sampling import make_generator
+from actors.spec.structured import GrammarCompiler
+from actors.step import Drafts, Scores, SpecPlan, Verdict
+from actors.verification import logprobs_of, verify
 from cluster.config import EngineConfig, SchedulerConfig, SpeculationConfig
-from actors.kv_cache import KVExport
-from actors.kv_links import LinkedKV, kv_span
 from cluster.migration import Link
+from cluster.migration_policy import InstanceLoad, RequestLoad
+from cluster.prefix import ChainNames, root_hash
 from cluster.request import (FinishReason, InvalidRequest, Request, Resume, SamplingParams, SpecStats, TokenDelta,
                              check_prompt)
-from cluster.migration_policy import InstanceLoad, RequestLoad
 from cluster.stats import EngineStats
 
 
+log = logging.getLogger(__name__)
+
 RequestError = InvalidRequest  # a request the engine cannot take (empty prompt, too long, bad token ids...)
+
+
+def model_identity(runner) -> str:
+    """What names a runner's KV content in the prefix cache: its checkpoint and dtype (cluster/prefix.py root)."""
+    return f"{runner.model.source}|{runner.model.dtype}"
 
 
 @dataclass
@@ -79,6 +95,7 @@ class Engine:
         cost_model: StepCostModel | None = None,
         draft_quantized: bool = False,
         calibration: CalibrationFile | None = None,
+        prefix_caching: bool = False,
     ) -> None:
         if draft is not None and draft.model.config.vocab_size != target.model.config.vocab_size:
             raise ValueError(
@@ -89,17 +106,22 @@ class Engine:
         self.device = target.device  # where the target's logits arrive: sampling and verification run here
         self.drafter: Drafter | None = make_drafter(speculation, draft, draft_quantized, self.device)
         self.cost_model = cost_model or StepCostModel()
-        self.policy = make_policy(speculation, self.drafter is not None, self.cost_model,
-                                  draft_forwards=self.drafter is not None and self.drafter.runs_forwards)
-        self.k = speculation.k if self.policy.name != "off" else 0  # the most drafts a request gets
+        policy = make_policy(speculation, self.drafter is not None, self.cost_model,
+                             draft_forwards=self.drafter is not None and self.drafter.runs_forwards)
+        self.k = speculation.k if policy.name != "off" else 0  # the most drafts a request gets
         self.acceptance = Acceptance.prior(speculation.prior_acceptance, decay=speculation.acceptance_decay)
-        self.scheduler = Scheduler(scheduler, target.cache, self.k, self._free, self._fail)
+        self.scheduler = Scheduler(scheduler, target.cache, self.k, self._free)
+        self.planner = SpeculationPlanner(policy, self.drafter, target, self.k, self.acceptance)
         self.max_model_len = min(max_model_len or target.model.max_model_len, target.model.max_model_len)
         self.tokenizer: PreTrainedTokenizerBase = target.model.tokenizer
         self.eos_token_ids = target.model.eos_token_ids
-        self._finished: list[TokenDelta] = []  # ended outside a step's verification (errors), reported next step
         self._ids = itertools.count()
-        self._stats = _Counters()
+        self._stats = StepCounters()
+        # automatic prefix caching: where every shard's cache replays every op (not data-parallel expert ranks)
+        self.prefix_caching = prefix_caching and target.replicated_cache
+        if prefix_caching and not self.prefix_caching:
+            log.warning("prefix caching is off: the target's expert-parallel ranks each hold their own requests' "
+                        "KV (engine.experts.attention: data), so a cached block is not where another request runs")
         self.calibration = calibration  # where this setup's calibration is saved (None: time it at every start)
         if self.policy.name == "goodput" and not self.cost_model.fitted:
             self.calibrate()
@@ -110,14 +132,22 @@ class Engine:
         """Load the model pair named by `cfg` (files or hub ids, already resolved) onto `device` (default: the
         config's `model.device`) and build the engine; a goodput engine keeps its calibration in
         `calibration_dir` (actors/spec/calibration.py) and reuses it on later starts of the same setup."""
-        from actors.local_stages import load_runners  # it builds on this module's neighbours, not on Engine
-
         target, draft = load_runners(cfg, None, device)
         calibration = None
         if calibration_dir is not None and cfg.speculation.policy == "goodput":
             calibration = CalibrationFile(calibration_dir, setup_of(cfg, target[0].device))
         return cls(target[0], draft, cfg.speculation, cfg.scheduler, cfg.model.max_model_len,
-                   draft_quantized=cfg.model.draft_quantization == "int8", calibration=calibration)
+                   draft_quantized=cfg.model.draft_quantization == "int8", calibration=calibration,
+                   prefix_caching=cfg.cache.prefix_caching)
+
+    @property
+    def policy(self) -> SpecPolicy:
+        """The speculation-length policy (the planner's)."""
+        return self.planner.policy
+
+    @policy.setter
+    def policy(self, policy: SpecPolicy) -> None:
+        self.planner.policy = policy
 
     @property
     def waiting(self) -> list[Sequence]:
@@ -150,6 +180,15 @@ class Engine:
                 gen.set_state(torch.frombuffer(bytearray(resume.generator_state), dtype=torch.uint8))
         seq = Sequence(request, tokens, out, gen, seqno=next(self._ids),
                        acceptance=Acceptance(0.0, 0.0, self.acceptance.decay))  # its own rounds only
+        if params.structured is not None:
+            seq.grammar = self.grammars.matcher(params.structured)
+            seq.grammar.consume(out.token_ids)  # a resumed request's tokens so far
+        if self.prefix_caching and params.prompt_logprobs is None:  # scoring a prompt runs every position of it
+            seq.target_names = ChainNames(root_hash(model_identity(self.target), request.cache_salt),
+                                          self.target.cache.block_size)
+            if isinstance(self.drafter, ModelDrafter) and self.draft.replicated_cache:
+                seq.draft_names = ChainNames(root_hash(model_identity(self.draft), request.cache_salt),
+                                             self.draft.cache.block_size)
         if resume is not None and resume.stats is not None:
             seq.stats = copy.deepcopy(resume.stats)
         self.scheduler.add(seq)
@@ -157,10 +196,21 @@ class Engine:
 
     def check_request(self, request: Request) -> None:
         """Raise RequestError if the request can never be served; changes nothing."""
-        check_prompt(request.prompt_token_ids, request.params.max_tokens, self.max_model_len,
-                     self.target.model.config.vocab_size)
+        params, vocab = request.params, self.target.model.config.vocab_size
+        check_prompt(request.prompt_token_ids, params.max_tokens, self.max_model_len, vocab)
         if any(s.request_id == request.request_id for s in self.waiting + self.running):
             raise RequestError(f"request id {request.request_id!r} is already in use")
+        if any(t >= vocab for t in params.logit_bias):
+            raise RequestError(f"logit_bias token ids must be in [0, {vocab})", param="logit_bias")
+        if any(not 0 <= t < vocab for t in params.stop_token_ids):
+            raise RequestError(f"stop_token_ids must be in [0, {vocab})", param="stop_token_ids")
+        if params.structured is not None:
+            self.grammars.grammar(params.structured)  # compiled once per spec: an invalid one is a 400 here
+
+    @functools.cached_property
+    def grammars(self) -> GrammarCompiler:
+        """Structured outputs' grammars for this tokenizer (built on the first request that asks)."""
+        return GrammarCompiler(self.tokenizer, self.target.model.config.vocab_size, sorted(self.eos_token_ids))
 
     def abort(self, request_id: str) -> TokenDelta | None:
         """Cancel a request and free its KV; returns its final delta, or None if it is unknown."""
@@ -173,7 +223,7 @@ class Engine:
         return TokenDelta(request_id, (), seq.output.text_delta(), FinishReason.ABORT)
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running or self._finished)
+        return bool(self.waiting or self.running)
 
     def generate(self, prompts: Seq[Seq[int]], params: SamplingParams | Seq[SamplingParams],
                  step: Callable[[], list[TokenDelta]] | None = None) -> list[Completion]:
@@ -201,114 +251,127 @@ class Engine:
 
     # ---- the step ---------------------------------------------------------------------------
     def step(self) -> list[TokenDelta]:
-        """One step: schedule, choose k, draft, verify in one target forward, accept, emit."""
+        """One step: schedule -> plan speculation -> propose -> score -> verify -> apply."""
         t0 = time.perf_counter()
-        plan = self.scheduler.schedule()
-        deltas, self._finished = self._finished, []
-        if not plan.works:
+        schedule = self.scheduler.schedule()
+        deltas = [self._failed(f) for f in schedule.failed]
+        if not schedule.works:
             return deltas
-        self._choose_k(plan)
+        plan = self.planner.plan(schedule, running=len(self.running))
         t1 = time.perf_counter()
-        proposals, draft_shape = self._propose(plan.works)
+        drafts = self._propose(plan)
+        scores = self._score(plan, drafts)
         t2 = time.perf_counter()
-        target_logits, target_shape = self._score(plan.works, proposals)
-        t3 = time.perf_counter()
-        emitting = 0
-        for w, proposal, logits in zip(plan.works, proposals, target_logits, strict=True):
-            if w.emits:
-                deltas.append(self._accept(w, proposal, logits))
-                emitting += 1
-        t4 = time.perf_counter()
-        # a lookup drafter runs no forward: its (small) time is part of the step's per-request overhead
-        lookup_s = t2 - t1 if self.drafter is not None and not self.drafter.runs_forwards else 0.0
-        self.cost_model.observe(target_shape, t3 - t2, draft_shape, t2 - t1,
-                                requests=emitting, overhead_s=(t1 - t0) + (t4 - t3) + lookup_s)
-        self._stats.record(plan, deltas, t4 - t0)
-        drafted = sum(len(p.tokens) for p in proposals)
-        if drafted and self.drafter is not None and self.drafter.runs_forwards:
-            self._stats.drafted += drafted
-            self._stats.draft_s += t2 - t1
+        verdicts = verify(plan, drafts, scores)
+        deltas += self._apply(plan, scores, verdicts)
+        self._observe(plan, drafts, scores, deltas, plan_s=t1 - t0, apply_s=time.perf_counter() - t2,
+                      step_s=time.perf_counter() - t0)
         return deltas
 
-    def _choose_k(self, plan: Schedule) -> None:
-        """Set each emitting work's k from the policy, capped by what the drafter can propose and by the KV it
-        can reserve. The draft follows no prefill chunk: it catches up when a request next drafts, and the
-        policy is told each request's catch-up (its draft backlog) as part of that request's cost."""
-        emitting = [w for w in plan.works if w.emits]
-        if self.k == 0 or not emitting:
-            return
-        chunks = [w for w in plan.works if not w.emits]
-        tokens = sum(w.num_new for w in chunks)
-        attention = sum(w.num_new * (w.start + w.num_new) for w in chunks) / ATTENTION_UNIT
-        base = BatchBase(ForwardShape(1, tokens, attention), running=len(self.running))
-        cands = []
-        for w in emitting:
-            end = w.start + w.num_new
-            limit = max(0, min(self.k, w.seq.remaining - 1))
-            limit = self.drafter.lookahead(w.seq, limit) if limit else 0
-            # the request's own rounds over a prior that is the engine's current estimate (learnt from every
-            # request): a fixed prior outweighed one failed round, and a refit then made a random draft look worth it
-            rate = w.seq.acceptance.blend(self.acceptance.rate)
-            cands.append(Candidate(rate, limit, w.num_new, end,
-                                   draft_backlog=self.drafter.backlog(w.seq, end), remaining=w.seq.remaining))
-        for w, k in zip(emitting, self.policy.choose(cands, base, plan.draft_budget)):
-            w.k = self._reserve_drafts(w, k)
+    def _propose(self, plan: SpecPlan) -> Drafts:
+        """Each drafting work's proposal (none where k = 0)."""
+        drafting = plan.drafting
+        if self.drafter is None or not drafting:
+            return Drafts({})
+        return self.drafter.propose(drafting)
 
-    def _reserve_drafts(self, w: Work, k: int) -> int:
-        """Reserve KV for k drafts (target: n + k tokens; the drafter its own); the k that fits."""
-        rid, n = w.seq.request_id, w.start + w.num_new
-        while k > 0 and not self.target.reserve(rid, n + k):
-            k -= 1
-        return self.drafter.reserve(w, k) if k > 0 else 0
-
-    def _propose(self, works: list[Work]) -> tuple[list[Proposal], ForwardShape]:
-        """Each work's proposal (empty where k = 0) and the shape of the draft's forwards for the cost model."""
-        if self.drafter is None or not any(w.k for w in works):
-            return [Proposal() for _ in works], ForwardShape()
-        return self.drafter.propose(works)
-
-    def _score(self, works: list[Work], proposals: list[Proposal]) -> tuple[list[torch.Tensor], ForwardShape]:
-        """One target forward over every work's chunk plus its drafts; logits (k+1, V) for emitting works."""
-        chunks = [
-            SeqChunk(w.seq.request_id, tuple(w.seq.token_ids[w.start:w.start + w.num_new] + p.tokens),
-                     len(p.tokens) + 1 if w.emits else 0)
-            for w, p in zip(works, proposals, strict=True)
-        ]
-        logits = self.target.forward(chunks)  # (sum over emitting works of k+1, V)
+    def _score(self, plan: SpecPlan, drafts: Drafts) -> Scores:
+        """One target forward over every work's chunk plus its drafts; logits (k+1, V) for each emitting work."""
+        t0 = time.perf_counter()
+        chunks, rows, prompt_rows, n = [], {}, {}, 0
+        for d in plan.works:
+            w, tokens = d.work, drafts.of(d.request_id).tokens
+            scored = self._scores_prompt(w)  # prompt positions it wants logprobs after (all of this chunk's)
+            logits = (len(tokens) + 1 if w.emits else 0) + (w.num_new - (1 if w.emits else 0) if scored else 0)
+            chunks.append(SeqChunk(d.request_id, tuple(w.seq.token_ids[w.start:w.start + w.num_new] + tokens), logits))
+            if scored:
+                prompt_rows[d.request_id] = (n, w.num_new)
+            if w.emits:
+                rows[d.request_id] = (n + logits - len(tokens) - 1, len(tokens) + 1)
+            n += logits
+        logits = self.target.forward(chunks)  # (sum over works of the rows each asked for, V)
         tokens = sum(len(c.token_ids) for c in chunks)
         attention = sum(len(c.token_ids) * self.target.cache.length(c.request_id) for c in chunks) / ATTENTION_UNIT
-        return list(logits.split([c.num_logits for c in chunks])), ForwardShape(1, tokens, attention)
+        return Scores(logits, rows, ForwardShape(1, tokens, attention), time.perf_counter() - t0, prompt_rows)
 
-    def _accept(self, w: Work, proposal: Proposal, logits: torch.Tensor) -> TokenDelta:
-        """Verify one request's drafts, emit the accepted tokens plus one, and crop rejected KV."""
-        seq = w.seq
-        n_before = len(seq.token_ids)
-        draft = proposal.tokens
-        d = torch.tensor(draft, dtype=torch.long, device=logits.device)  # (k,)
-        if seq.greedy:
-            accepted, extra = verify_greedy(d, logits)
-        else:
-            p = probs_from_logits(logits, seq.request.params)  # (k+1, V)
-            q = proposal.q(p.shape[-1], p.device)  # (k, V)
-            accepted, extra = verify_sampled(d, q, p, seq.generator)
-        seq.stats.k_history.append(len(draft))
-        if draft:
-            self._stats.by_position(len(draft), accepted)
-            seq.stats.record(len(draft), accepted)
-            seq.acceptance.update(len(draft), accepted)
-            self.acceptance.update(len(draft), accepted)
-        taken = seq.output.append(draft[:accepted] + [extra])
-        seq.token_ids.extend(taken)
-        rid = seq.request_id
-        if seq.output.finish_reason is not None:
-            self.scheduler.remove(rid)
-            seq.status = SeqStatus.FINISHED
-            self._free(seq)
-        else:
-            self.target.cache.crop(rid, n_before + accepted)
-            if self.drafter is not None:
-                self.drafter.accepted(seq, n_before + accepted)
-        return TokenDelta(rid, tuple(taken), seq.output.text_delta(), seq.output.finish_reason)
+    @staticmethod
+    def _scores_prompt(w) -> bool:
+        """Whether this chunk's positions give prompt logprobs: the request asked, and the chunk is in its prompt."""
+        return w.seq.request.params.prompt_logprobs is not None and w.start < len(w.seq.request.prompt_token_ids)
+
+    def _apply(self, plan: SpecPlan, scores: Scores, verdicts: dict[str, Verdict]) -> list[TokenDelta]:
+        """Emit each round's tokens, then crop rejected KV (target and drafter) or free a finished request."""
+        deltas = []
+        for rid, (first, n) in scores.prompt_rows.items():
+            self._score_prompt(plan, rid, scores.logits[first:first + n])
+        for d in plan.emitting:
+            seq, v = d.work.seq, verdicts[d.request_id]
+            n_before = len(seq.token_ids)
+            seq.stats.k_history.append(v.proposed)
+            if v.proposed:
+                self._stats.by_position(v)
+                seq.stats.record(v.proposed, v.accepted)
+                seq.acceptance.update(v.proposed, v.accepted)
+                self.acceptance.update(v.proposed, v.accepted)
+            if seq.output.max_new_tokens == 0:  # a prompt being scored: nothing to generate
+                seq.output.finish_reason = FinishReason.LENGTH
+                taken = []
+            else:
+                taken = seq.output.append(list(v.tokens))
+            seq.token_ids.extend(taken)
+            if seq.grammar is not None:
+                seq.grammar.consume(taken)
+            rid = seq.request_id
+            if seq.output.finish_reason is not None:
+                self.scheduler.remove(rid)
+                seq.status = SeqStatus.FINISHED
+                self._free(seq)
+            else:
+                self.target.cache.crop(rid, n_before + v.accepted)
+                if self.drafter is not None:
+                    self.drafter.accepted(seq, n_before + v.accepted)
+            deltas.append(TokenDelta(rid, tuple(taken), seq.output.text_delta(), seq.output.finish_reason,
+                                     logprobs=v.logprobs[: len(taken)] if v.logprobs is not None else None,
+                                     prompt_logprobs=self._take_prompt_logprobs(seq)))
+        if self.prefix_caching:
+            for d in plan.works:  # prompt chunks and accepted tokens whose blocks filled up join the prefix cache
+                if d.work.seq.status is not SeqStatus.FINISHED:
+                    self._commit(d.work.seq)
+        return deltas
+
+    def _score_prompt(self, plan: SpecPlan, request_id: str, logits: torch.Tensor) -> None:
+        """Record the logprobs of the prompt tokens a chunk's rows (n, V) predict (raw logits: vLLM's prompt
+        logprobs are not processed)."""
+        w = next(d.work for d in plan.works if d.request_id == request_id)
+        seq, prompt = w.seq, w.seq.request.prompt_token_ids
+        if seq.prompt_logprobs is None:
+            seq.prompt_logprobs = [None]
+        start = len(seq.prompt_logprobs) - 1  # rows already scored (a recomputed chunk is not scored twice)
+        targets = [(i, prompt[w.start + i + 1]) for i in range(logits.shape[0])
+                   if start <= w.start + i and w.start + i + 1 < len(prompt)]
+        if targets:
+            rows = logits[[i for i, _ in targets]].float().log_softmax(-1)  # (T, V)
+            seq.prompt_logprobs += logprobs_of(rows, [t for _, t in targets], seq.request.params.prompt_logprobs)
+
+    @staticmethod
+    def _take_prompt_logprobs(seq: Sequence) -> tuple | None:
+        """The prompt's logprobs, once: with the request's first delta."""
+        if seq.prompt_logprobs is None or seq.prompt_logprobs_sent:
+            return None
+        seq.prompt_logprobs_sent = True
+        return tuple(seq.prompt_logprobs)
+
+    def _observe(self, plan: SpecPlan, drafts: Drafts, scores: Scores, deltas: list[TokenDelta], plan_s: float,
+                 apply_s: float, step_s: float) -> None:
+        """Feed the step's times to the cost model (the goodput policy's) and the counters (the stats')."""
+        forwards = self.drafter is not None and self.drafter.runs_forwards
+        lookup_s = 0.0 if forwards else drafts.seconds  # a lookup's (small) time is per-request overhead
+        self.cost_model.observe(scores.shape, scores.seconds, drafts.shape, drafts.seconds if forwards else 0.0,
+                                requests=len(plan.emitting), overhead_s=plan_s + apply_s + lookup_s)
+        self._stats.record(plan, deltas, step_s)
+        drafted = sum(len(p.tokens) for p in drafts.proposals.values())
+        if drafted and forwards:
+            self._stats.draft_stage(drafted, drafts.seconds)
 
     # ---- live migration (cluster/migration.py drives these between steps) ----------------------
     def kv_length(self, request_id: str) -> int:
@@ -415,50 +478,34 @@ class Engine:
         self._free(seq)
 
     # ---- KV and errors ----------------------------------------------------------------------
+    def _commit(self, seq: Sequence) -> None:
+        """Name the request's full target blocks whose KV is final (its accepted tokens) in the prefix cache."""
+        cache, rid = self.target.cache, seq.request_id
+        if seq.target_names is not None and cache.has(rid):
+            cache.commit(rid, seq.target_names.upto(seq.token_ids, cache.length(rid)))
+
     def _free(self, seq: Sequence) -> None:
-        """Free a request's KV (finished, aborted, failed or preempted) and what the drafter holds for it."""
+        """Free a request's KV (finished, aborted, failed or preempted) and what the drafter holds for it; with
+        prefix caching its full blocks stay cached for later requests that start alike."""
+        self._commit(seq)
         self.target.cache.free(seq.request_id)
         if self.drafter is not None:
             self.drafter.release(seq, finished=seq.status is SeqStatus.FINISHED and seq.output.finish_reason is not None)
 
-    def _fail(self, seq: Sequence, message: str) -> None:
+    @staticmethod
+    def _failed(failure: Failed) -> TokenDelta:
+        """A request the scheduler gave up on ends with an error."""
+        seq = failure.seq
         seq.status = SeqStatus.FINISHED
         seq.output.finish_reason = FinishReason.ERROR
-        self._finished.append(TokenDelta(seq.request_id, (), "", FinishReason.ERROR, error=message))
+        return TokenDelta(seq.request_id, (), "", FinishReason.ERROR, error=failure.message)
 
     # ---- cost model and stats ---------------------------------------------------------------
     def calibrate(self) -> None:
-        """Seed the step-time model with timed forwards of a throwaway request at a few sizes (pinned points),
-        or with the points saved for this setup by an earlier start (`self.calibration`)."""
-        models = {"target": self.cost_model.target, "draft": self.cost_model.draft}
-        saved = self.calibration.load() if self.calibration is not None else None
-        points = saved if saved is not None else self._time_forwards()
-        for p in points:
-            models[p.phase].observe(ForwardShape(1, p.tokens, p.attention), p.seconds, pinned=True)
-        if saved is None and self.calibration is not None:
-            self.calibration.save(points)
-
-    def _time_forwards(self) -> list[TimedForward]:
-        """Time one forward of a throwaway request at each of the calibration's (new tokens, context) sizes."""
-        points = []
+        """Seed the step-time model with timed forwards at a few sizes, or with the points saved for this setup by
+        an earlier start (`self.calibration`; actors/spec/calibration.py)."""
         runners = [("target", self.target)] + ([("draft", self.draft)] if self.draft is not None else [])
-        for phase, runner in runners:
-            rid = "__calibration__"
-            for new, ctx in CALIBRATION_SIZES * CALIBRATION_REPEATS:
-                if ctx + new > self.max_model_len or not runner.reserve(rid, ctx + new):
-                    continue
-                have = runner.cache.length(rid)
-                if have > ctx:
-                    runner.cache.crop(rid, ctx)
-                elif have < ctx:  # context to attend to (not timed)
-                    runner.forward([SeqChunk(rid, tuple(range(have + 1, ctx + 1)), 0)])
-                chunk = SeqChunk(rid, tuple(range(1, new + 1)))
-                t0 = time.perf_counter()
-                runner.forward([chunk])
-                seconds = time.perf_counter() - t0
-                points.append(TimedForward(phase, new, new * (ctx + new) / ATTENTION_UNIT, seconds))
-            runner.cache.free(rid)
-        return points
+        calibrate(self.cost_model, runners, self.max_model_len, self.calibration)
 
     def load(self, instance_id: str) -> InstanceLoad:
         """This engine's load in target KV blocks, per request, for the router's migration policies."""
@@ -489,49 +536,12 @@ class Engine:
             batch_size=c.batch_size, batch_tokens=c.batch_tokens, prefill_tokens=c.prefill_tokens,
             mean_k=c.mean_k, acceptance=self.acceptance.rate, tokens_emitted=c.tokens_emitted,
             num_preemptions=self.scheduler.num_preemptions, policy=self.policy.name,
-            draft_s_per_token=c.draft_s / c.drafted if c.drafted else 0.0,
-            acceptance_by_position=tuple(a / p for a, p in zip(c.accepted_at, c.proposed_at)),
+            draft_s_per_token=c.draft_s_per_token, acceptance_by_position=c.acceptance_by_position,
             calibration_tokens=calibration.tokens if calibration else 0,
             calibration_s=calibration.seconds if calibration else 0.0,
             moe_local_rate=ep.local_rate if ep else 0.0,
             moe_alltoall_bytes_per_token=ep.bytes_per_token if ep else 0.0,
             moe_s_per_token=ep.seconds_per_token if ep else 0.0,
+            prefix_cache_queries=self.scheduler.prefix_queries, prefix_cache_hits=self.scheduler.prefix_hits,
+            kv_blocks_cached=tc.num_cached_blocks,
         )
-
-
-@dataclass
-class _Counters:
-    """Running figures behind Engine.stats()."""
-
-    steps: int = 0
-    step_s: float = 0.0
-    step_ema_s: float = 0.0
-    batch_size: int = 0
-    batch_tokens: int = 0
-    prefill_tokens: int = 0
-    mean_k: float = 0.0
-    tokens_emitted: int = 0
-    drafted: int = 0  # draft tokens proposed by a draft model, and the draft stage's seconds for them
-    draft_s: float = 0.0
-    proposed_at: list[int] = field(default_factory=list)  # per draft position: rounds that drafted it
-    accepted_at: list[int] = field(default_factory=list)  # and in how many it was accepted
-
-    def by_position(self, k: int, accepted: int) -> None:
-        """A round of k drafts of which the first `accepted` were taken."""
-        while len(self.proposed_at) < k:
-            self.proposed_at.append(0)
-            self.accepted_at.append(0)
-        for j in range(k):
-            self.proposed_at[j] += 1
-            self.accepted_at[j] += j < accepted
-
-    def record(self, plan: Schedule, deltas: list[TokenDelta], seconds: float) -> None:
-        self.steps += 1
-        self.step_s = seconds
-        self.step_ema_s = seconds if self.steps == 1 else 0.9 * self.step_ema_s + 0.1 * seconds
-        self.batch_size = len(plan.works)
-        self.batch_tokens = sum(w.num_new + w.k for w in plan.works)
-        self.prefill_tokens = plan.num_prefill_tokens
-        ks = [w.k for w in plan.works if w.emits]
-        self.mean_k = sum(ks) / len(ks) if ks else 0.0
-        self.tokens_emitted += sum(len(d.token_ids) for d in deltas)

@@ -63,6 +63,9 @@ class EPStages:
 
     exports_kv = True
     kv_links = False
+    # each rank replays only its own requests' cache ops, so a block named on one rank means nothing on another:
+    # no prefix caching here (a request would need placing where its prefix is; not built)
+    replicated_cache = False
 
     def __init__(self, actors: Sequence[ActorHandle], names: Sequence[str], num_layers: int, timeout_s: float,
                  place: Placer = lightest) -> None:
@@ -166,6 +169,8 @@ class EPStages:
 class ShuffledStages(EPStages):
     """StageExecutor over expert-parallel ranks with tensor-parallel attention: each rank holds a slice of the heads
     of every request, so every op and chunk goes to every rank (actors/moe/shuffle.py)."""
+
+    replicated_cache = True
 
     def __init__(self, actors: Sequence[ActorHandle], names: Sequence[str], num_layers: int, timeout_s: float,
                  num_heads: int, num_kv_heads: int) -> None:

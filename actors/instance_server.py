@@ -35,7 +35,7 @@ from actors.ep_stages import EPStages
 from actors.kv_links import LinkedKV, kv_span
 from actors.pipeline import PipelineRunner
 from actors.sequence import Sequence
-from actors.local_stages import local_instance
+from actors.build import local_instance
 from actors.serving import ServingLoop, StreamItem
 from cluster.request import FinishReason, Request, RequestStatus, TokenDelta
 from cluster.migration import Link

@@ -12,6 +12,7 @@ engine then queues or preempts.
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -34,10 +35,28 @@ class KVExport:
 class _Seq:
     blocks: list[int] = field(default_factory=list)
     length: int = 0  # tokens whose KV is written
+    named: int = 0  # leading blocks named (committed to the prefix cache): never cropped, never written again
+
+
+@dataclass
+class PrefixEvents:
+    """Names of the blocks cached and evicted since the last `take_events` (what the router's index is fed)."""
+
+    stored: list[int] = field(default_factory=list)
+    removed: list[int] = field(default_factory=list)
 
 
 class BlockPool:
-    """Block accounting of a paged cache, without storage: free blocks, per-request block tables and lengths.
+    """Block accounting of a paged cache, without storage: free blocks, per-request block tables and lengths, and
+    the prefix cache (automatic prefix caching, as in vLLM; blocks named by cluster/prefix.py).
+
+    A full block whose KV is final can be named (`commit`): its name is the hash of every token up to its end.
+    Named blocks are shared: `match` starts a new request with the named blocks that begin its prompt, each
+    reference-counted. A named block whose last holder lets go stays cached (evictable) and is reused, least
+    recently released first, only when no unnamed block is free; a request's tail blocks are released before its
+    head, so a cached chain loses its tail first. A named block is full and lies before its holders' lengths, so
+    nothing ever writes into it: a request writes only at or after its length (appends, drafts), and crops only
+    back to a length at or after its named prefix.
 
     Replaying the same calls on two pools of the same size gives the same block tables, which is what lets a
     driver keep a storage-free mirror of its shards' caches (actors/kv_ledger.py).
@@ -49,17 +68,28 @@ class BlockPool:
         self.block_size = block_size
         self.num_blocks = num_blocks - 1  # usable; the last is scratch
         self.scratch_block = num_blocks - 1
-        self._free: list[int] = list(range(self.num_blocks - 1, -1, -1))  # pop() gives low ids first
+        self._free: list[int] = list(range(self.num_blocks - 1, -1, -1))  # unnamed; pop() gives low ids first
         self._seqs: dict[str, _Seq] = {}
+        self._refs: list[int] = [0] * self.num_blocks  # requests holding each block
+        self._name: dict[int, int] = {}  # block -> its name, for named blocks
+        self._block: dict[int, int] = {}  # name -> the block that holds it
+        self._cached: OrderedDict[int, None] = OrderedDict()  # named blocks no request holds, least recent first
+        self.prefix = PrefixEvents()
 
     # ---- accounting -------------------------------------------------------------------------
     @property
     def num_free_blocks(self) -> int:
-        return len(self._free)
+        """Blocks a reservation may take: unnamed free ones and cached ones (evicted on use)."""
+        return len(self._free) + len(self._cached)
 
     @property
     def num_used_blocks(self) -> int:
-        return self.num_blocks - len(self._free)
+        return self.num_blocks - self.num_free_blocks
+
+    @property
+    def num_cached_blocks(self) -> int:
+        """Free blocks that still hold a named prefix (reused by a request that starts with it)."""
+        return len(self._cached)
 
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -74,6 +104,11 @@ class BlockPool:
     def block_table(self, request_id: str) -> list[int]:
         return self._seqs[request_id].blocks
 
+    def named_blocks(self, request_id: str) -> int:
+        """Leading blocks of a request that are named (shared with the prefix cache)."""
+        seq = self._seqs.get(request_id)
+        return seq.named if seq else 0
+
     def extra_blocks_needed(self, request_id: str, total_tokens: int) -> int:
         """Blocks a request must still get to hold `total_tokens` tokens."""
         seq = self._seqs.get(request_id)
@@ -83,10 +118,13 @@ class BlockPool:
     def reserve(self, request_id: str, total_tokens: int) -> bool:
         """Make room for `total_tokens` tokens of a request; False (and no change) if out of blocks."""
         need = self.extra_blocks_needed(request_id, total_tokens)
-        if need > len(self._free):
+        if need > self.num_free_blocks:
             return False
         seq = self._seqs.setdefault(request_id, _Seq())
-        seq.blocks.extend(self._free.pop() for _ in range(need))
+        for _ in range(need):
+            block = self._take()
+            self._refs[block] = 1
+            seq.blocks.append(block)
         return True
 
     def crop(self, request_id: str, length: int) -> None:
@@ -94,16 +132,21 @@ class BlockPool:
         seq = self._seqs[request_id]
         if length > seq.length:
             raise ValueError(f"cannot crop {request_id} to {length}: it holds {seq.length} tokens")
+        if length < seq.named * self.block_size:
+            raise ValueError(f"cannot crop {request_id} to {length}: its first {seq.named} blocks are shared")
         seq.length = length
         keep = self.blocks_for(length)
-        self._free.extend(reversed(seq.blocks[keep:]))
+        for block in reversed(seq.blocks[keep:]):
+            self._release(block)
         del seq.blocks[keep:]
 
     def free(self, request_id: str) -> None:
-        """Release every block of a request (finished, aborted or preempted). Unknown ids are a no-op."""
+        """Release every block of a request (finished, aborted or preempted). Unknown ids are a no-op. Named blocks
+        stay cached; the tail goes first, so the head of a chain outlives its tail."""
         seq = self._seqs.pop(request_id, None)
         if seq is not None:
-            self._free.extend(reversed(seq.blocks))
+            for block in reversed(seq.blocks):
+                self._release(block)
 
     def set_length(self, request_id: str, length: int) -> None:
         """Record that KV up to `length` tokens is written (after a forward wrote it)."""
@@ -111,6 +154,72 @@ class BlockPool:
         if self.blocks_for(length) > len(seq.blocks):
             raise ValueError(f"{request_id}: length {length} exceeds its reserved blocks")
         seq.length = length
+
+    # ---- the prefix cache -------------------------------------------------------------------
+    def match(self, request_id: str, names: Sequence[int]) -> int:
+        """Start a request that holds nothing here with the cached blocks named by the leading `names` of its
+        prompt (cluster/prefix.py); returns the tokens they hold (its length). The caller leaves at least its last
+        prompt token out of `names`, so the forward that emits its first token has a token to run."""
+        if request_id in self._seqs:
+            raise ValueError(f"{request_id} already holds KV here: only a request that starts can reuse a prefix")
+        seq = _Seq()
+        for name in names:
+            block = self._block.get(name)
+            if block is None:
+                break
+            if self._refs[block] == 0:
+                del self._cached[block]
+            self._refs[block] += 1
+            seq.blocks.append(block)
+        seq.named = len(seq.blocks)
+        seq.length = seq.named * self.block_size
+        if seq.blocks:
+            self._seqs[request_id] = seq
+        return seq.length
+
+    def commit(self, request_id: str, names: Sequence[int]) -> None:
+        """Name the request's leading blocks by `names` (one per full block, its KV final: the request's own
+        accepted tokens); those already named are skipped. A block whose name another block already holds stays
+        private: the cache keeps one block per name."""
+        seq = self._seqs.get(request_id)
+        if seq is None:
+            return
+        if len(names) * self.block_size > seq.length:
+            raise ValueError(f"{request_id}: {len(names)} blocks named but only {seq.length} tokens written")
+        for i in range(seq.named, len(names)):
+            block, name = seq.blocks[i], names[i]
+            if name not in self._block and block not in self._name:
+                self._name[block], self._block[name] = name, block
+                self.prefix.stored.append(name)
+        seq.named = max(seq.named, len(names))
+
+    def take_events(self) -> tuple[list[int], list[int]]:
+        """Names cached and evicted since the last call (stored, removed)."""
+        out = (self.prefix.stored, self.prefix.removed)
+        self.prefix.stored, self.prefix.removed = [], []
+        return out
+
+    def cached_names(self) -> list[int]:
+        """Every name this pool holds (held or cached): a snapshot for the router's index."""
+        return list(self._block)
+
+    def _take(self) -> int:
+        """A free block for a new use: an unnamed one, else the least recently released cached one (evicted)."""
+        if self._free:
+            return self._free.pop()
+        block, _ = self._cached.popitem(last=False)
+        name = self._name.pop(block)
+        del self._block[name]
+        self.prefix.removed.append(name)
+        return block
+
+    def _release(self, block: int) -> None:
+        self._refs[block] -= 1
+        if self._refs[block] == 0:
+            if block in self._name:
+                self._cached[block] = None
+            else:
+                self._free.append(block)
 
 
 class KVCache(BlockPool):

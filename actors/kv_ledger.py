@@ -1,6 +1,6 @@
 """A driver's storage-free mirror of its shards' KV caches: block accounting that records the ops to replay.
 
-The engine and scheduler reserve, crop and free KV on the driver; each op that changes the accounting is
+The engine and scheduler reserve, crop, free, match and commit KV on the driver; each op that changes the accounting is
 recorded as a `CacheOp` and shipped to every shard with the next call that reaches it (a step, an export,
 an import). Every shard replays the same ops, in the same order, on a `BlockPool` of the same size as the
 ledger's, so its block tables stay identical to the ledger's and its usage is known without asking it.
@@ -47,7 +47,29 @@ class Free:
         pool.free(self.request_id)
 
 
-CacheOp = Reserve | Crop | Free
+@dataclass(frozen=True)
+class Match:
+    """Start a request with the cached blocks its prompt's leading names find (BlockPool.match)."""
+
+    request_id: str
+    names: tuple[int, ...]
+
+    def apply(self, pool: BlockPool) -> None:
+        pool.match(self.request_id, self.names)
+
+
+@dataclass(frozen=True)
+class Commit:
+    """Name a request's leading full blocks (BlockPool.commit)."""
+
+    request_id: str
+    names: tuple[int, ...]
+
+    def apply(self, pool: BlockPool) -> None:
+        pool.commit(self.request_id, self.names)
+
+
+CacheOp = Reserve | Crop | Free | Match | Commit
 
 
 def replay(ops: list[CacheOp], pool: BlockPool) -> None:
@@ -79,6 +101,18 @@ class KVLedger(BlockPool):
         if self.has(request_id):
             super().free(request_id)
             self._ops.append(Free(request_id))
+
+    def match(self, request_id: str, names) -> int:
+        got = super().match(request_id, names)
+        if got:  # a miss changes nothing a shard must replay
+            self._ops.append(Match(request_id, tuple(names[: got // self.block_size])))
+        return got
+
+    def commit(self, request_id: str, names) -> None:
+        before = self.named_blocks(request_id)
+        super().commit(request_id, names)
+        if self.named_blocks(request_id) > before:
+            self._ops.append(Commit(request_id, tuple(names)))
 
     @property
     def pending(self) -> int:

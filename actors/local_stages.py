@@ -12,19 +12,13 @@ from collections.abc import Sequence
 
 import torch
 
-from actors.device import resolve_device
-from actors.instance import Instance
 from actors.kv_cache import KVExport
 from actors.kv_ledger import CacheOp, replay
 from actors.kv_links import KVPorts, LinkedKV, LinkPart, import_stage, send_stage
-from actors.model.loader import load_model
 from actors.model.metadata import SeqChunk
-from actors.model.quant import quantize_runner_int8
 from actors.model.runner import ModelRunner
 from actors.p2p import free_address
-from actors.pipeline import PipelineRunner, ShardFailure
-from actors.spec import easyspec
-from cluster.config import ConfigError, EngineConfig
+from actors.pipeline import ShardFailure
 from cluster.migration import Link
 
 
@@ -34,6 +28,7 @@ class LocalStages:
 
     exports_kv = True
     kv_links = True
+    replicated_cache = True  # every stage replays every cache op: block tables agree (prefix caching needs it)
 
     def __init__(self, runners: Sequence[ModelRunner], names: Sequence[str] | None = None) -> None:
         if not runners:
@@ -111,48 +106,3 @@ class LocalStages:
         for r in runners:
             replay(ops, r.cache)
         return runners
-
-
-def load_runners(cfg: EngineConfig, stages: Sequence[tuple[int, int]] | None = None,
-                 device: torch.device | str | None = None) -> tuple[list[ModelRunner], ModelRunner | None]:
-    """Load `cfg`'s model pair in this process onto `device` (default: the config's `model.device`, resolved
-    here): one runner per target stage (layer ranges [start, end); None: one stage of every layer) and the
-    draft's runner (None when speculation is off or there is no draft).
-
-    A self-speculative draft (`draft_layers`) shares the target's weights; an int8 draft is quantized here.
-    """
-    m = cfg.model
-    device = resolve_device(m.device) if device is None else torch.device(device)
-    target_model = load_model(m.target, m.dtype, device)
-    n = target_model.num_layers
-    bounds = list(stages) if stages is not None else [(0, n)]
-    last = len(bounds) - 1
-    target = [ModelRunner(target_model, range(a, b), cfg.cache, first=i == 0, last=i == last)
-              for i, (a, b) in enumerate(bounds)]
-    if cfg.speculation.policy == "off" or cfg.speculation.method != "model":
-        return target, None  # no draft model: plain decoding, or a model-free (lookup) drafter
-    if m.draft is not None:
-        draft_model = load_model(m.draft, m.dtype, device)
-        draft = ModelRunner(draft_model, range(draft_model.num_layers), cfg.cache)
-    elif m.draft_layers is not None:
-        if any(not 0 <= i < n for i in m.draft_layers):
-            raise ConfigError(f"model.draft_layers: {list(m.draft_layers)} not within the target's {n} layers")
-        draft = ModelRunner(target_model, m.draft_layers, cfg.cache)
-    else:
-        return target, None
-    if m.draft_quantization == "int8":
-        quantize_runner_int8(draft)
-    easyspec.enable(draft, cfg.speculation.draft_parallel)
-    return target, draft
-
-
-def local_instance(cfg: EngineConfig, stages: Sequence[tuple[int, int]] | None = None,
-                   device: torch.device | str | None = None) -> Instance:
-    """An Instance whose stages (and draft) all run in this process, on `device` (default: the config's)."""
-    target, draft = load_runners(cfg, stages, device)
-    pipeline = PipelineRunner(target[0].model, cfg.cache, LocalStages(target), target[-1].device)
-    draft_pipeline = None
-    if draft is not None:
-        draft_pipeline = PipelineRunner(draft.model, cfg.cache, LocalStages([draft], ["draft (in process)"]),
-                                        draft.device)
-    return Instance(cfg, pipeline, draft_pipeline)

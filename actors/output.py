@@ -47,8 +47,23 @@ class Detokenizer:
         waiting = len(ids) - self.read < MAX_PENDING
         if not flush and waiting and (after.endswith("\ufffd") or len(after) <= len(before)):
             return ""  # more tokens may complete the character, or add text to a window that added none yet
-        self.prefix, self.read = self.read, len(ids)
+        end = len(ids)
+        if not flush and after.endswith("\ufffd"):  # waited long enough: release up to a clean split (below)
+            end, after = self._clean_split(ids, after)
+        self.prefix, self.read = self.read, end
         return after[len(before):]
+
+    def _clean_split(self, ids: Sequence[int], after: str) -> tuple[int, str]:
+        """The latest end in ids[read:] whose text does not depend on the ids after it, with that text.
+
+        A run of invalid bytes waits no longer than MAX_PENDING tokens, but its last few tokens may still begin a
+        character (a UTF-8 lead byte waiting for its continuation): the split keeps up to 3 of them pending where
+        the decode of the two parts equals the decode of the whole, so the text stays that of the whole output."""
+        for end in range(len(ids) - 1, max(self.read, len(ids) - 4), -1):
+            head = self._decode(ids[self.prefix:end])
+            if head + self._decode(ids[end:]) == after:
+                return end, head
+        return len(ids), after
 
 
 class RequestOutput:

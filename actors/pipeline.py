@@ -36,6 +36,7 @@ class StageExecutor(Protocol):
     layer_ids: list[tuple[int, ...]]  # per stage, in pipeline order
     exports_kv: bool  # whether `export` and `import_` work (a layer-parallel draft's KV is rebuilt, not moved)
     kv_links: bool  # whether its stages send and receive a migration's KV themselves (the link methods below)
+    replicated_cache: bool  # whether every stage replays every cache op (prefix caching shares blocks only then)
 
     def run(self, ops: list[CacheOp], chunks: list[SeqChunk], parallel: bool = False) -> torch.Tensor | None:
         """One forward through every stage: the last stage's logits (sum num_logits, V); None if no chunks.
@@ -106,6 +107,11 @@ class PipelineRunner:
     @property
     def layer_ids(self) -> list[int]:
         return [i for ids in self.executor.layer_ids for i in ids]
+
+    @property
+    def replicated_cache(self) -> bool:
+        """Whether every stage's cache replays every op (block sharing works only then)."""
+        return self.executor.replicated_cache
 
     @property
     def exports_kv(self) -> bool:

@@ -31,6 +31,7 @@ class RayStages:
 
     exports_kv = True
     kv_links = True
+    replicated_cache = True  # every stage replays every cache op: block tables agree (prefix caching needs it)
 
     def __init__(self, actors: Sequence[ActorHandle], names: Sequence[str], layer_ids: Sequence[Sequence[int]],
                  timeout_s: float) -> None:
@@ -114,6 +115,7 @@ class GroupStages(RayStages):
 
     exports_kv = False
     kv_links = False
+    replicated_cache = True
 
     def __init__(self, actors: Sequence[ActorHandle], names: Sequence[str], layer_ids: Sequence[int],
                  timeout_s: float) -> None:

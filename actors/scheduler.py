@@ -25,17 +25,19 @@ class KVSpace(Protocol):
     """What the scheduler needs of the instance's target KV cache (block accounting is per request)."""
 
     def length(self, request_id: str) -> int: ...
+    def has(self, request_id: str) -> bool: ...
     def reserve(self, request_id: str, total_tokens: int) -> bool: ...
+    def match(self, request_id: str, names: list[int]) -> int: ...
 
 
 @dataclass
 class Work:
-    """One request's share of a step: `num_new` of its known tokens for the target, then k drafts."""
+    """One request's share of a step: `num_new` of its known tokens for the target (drafts come on top: the
+    speculation plan, actors/spec/plan.py, gives each emitting work its k)."""
 
     seq: Sequence
     start: int  # the target's cache length before the step: position of the first new token
     num_new: int
-    k: int = 0
     emits: bool = field(init=False)  # the chunk reaches the newest token: the step verifies and emits
 
     def __post_init__(self) -> None:
@@ -46,12 +48,22 @@ class Work:
         return self.num_new > 1 or not self.emits
 
 
+@dataclass(frozen=True)
+class Failed:
+    """A request the scheduler gave up on this step (it can never fit), with the reason."""
+
+    seq: Sequence
+    message: str
+
+
 @dataclass
 class Schedule:
-    """A step's plan: the works, in priority order, and the target tokens left for drafts."""
+    """A step's plan: the works, in priority order, the target tokens left for drafts, and the requests that
+    failed to be scheduled (already out of the queues, their KV freed)."""
 
     works: list[Work]
     draft_budget: int
+    failed: list[Failed] = field(default_factory=list)
 
     @property
     def num_prefill_tokens(self) -> int:
@@ -61,16 +73,16 @@ class Schedule:
 class Scheduler:
     """Waiting and running queues of one engine, and the per-step plan."""
 
-    def __init__(self, cfg: SchedulerConfig, kv: KVSpace, max_k: int,
-                 release: Callable[[Sequence], None], fail: Callable[[Sequence, str], None]) -> None:
+    def __init__(self, cfg: SchedulerConfig, kv: KVSpace, max_k: int, release: Callable[[Sequence], None]) -> None:
         self.cfg = cfg
         self.kv = kv
         self.max_k = max_k  # drafts per request the policy may ask for
         self._release = release  # frees a request's KV in every cache
-        self._fail = fail  # ends a request with an error
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self.prefix_queries = 0  # prompt tokens admitted with the prefix cache asked, and those it held
+        self.prefix_hits = 0
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -86,6 +98,7 @@ class Scheduler:
 
     def schedule(self) -> Schedule:
         budget = self.cfg.max_num_batched_tokens
+        failed: list[Failed] = []
         decodes = [s for s in sorted(self.running, key=Sequence.order_key) if self._pending(s) == 1]
         works: list[Work] = []
         for seq in decodes:  # 1: running decodes, one token each
@@ -107,22 +120,33 @@ class Scheduler:
         for seq in sorted(self.waiting, key=Sequence.order_key):  # 3: admit new and preempted requests
             if left <= 0 or len(self.running) >= self.cfg.max_batch_size:
                 break
-            start = self.kv.length(seq.request_id)  # 0, or the KV a migrated request brought along
+            start = self._start(seq)  # 0, the KV a migrated request brought along, or a cached prefix
             n = min(len(seq.token_ids) - start, left)
             if not self.kv.reserve(seq.request_id, start + n):
                 self._release(seq)
                 if not self.running:  # alone in an empty cache and still no room: it never fits
                     self.waiting.remove(seq)
-                    self._fail(seq, "the request does not fit in the KV cache")
+                    failed.append(Failed(seq, "the request does not fit in the KV cache"))
                     continue
                 break
             self.waiting.remove(seq)
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)
+            if seq.target_names is not None:
+                self.prefix_queries += len(seq.token_ids)
+                self.prefix_hits += start
             works.append(Work(seq, start, n))
             left -= n
         used = sum(w.num_new for w in works)
-        return Schedule(works, budget - used)
+        return Schedule(works, budget - used, failed)
+
+    def _start(self, seq: Sequence) -> int:
+        """Where a request being admitted starts: the KV it holds, or the longest cached prefix of its tokens (all
+        but the last: one token must run to give the logits of the next)."""
+        rid = seq.request_id
+        if seq.target_names is None or self.kv.has(rid):
+            return self.kv.length(rid)
+        return self.kv.match(rid, seq.target_names.upto(seq.token_ids, len(seq.token_ids) - 1))
 
     def _pending(self, seq: Sequence) -> int:
         """Known tokens the target has not processed yet (1 when decoding)."""

@@ -9,7 +9,9 @@ import torch
 
 from actors.output import RequestOutput
 from actors.spec.policy import Acceptance
-from cluster.request import Request, SpecStats
+from actors.spec.structured import GrammarState
+from cluster.prefix import ChainNames
+from cluster.request import Request, SpecStats, TokenLogprob
 
 
 class SeqStatus(enum.Enum):
@@ -31,6 +33,13 @@ class Sequence:
     num_preemptions: int = 0
     seqno: int = 0  # order of arrival at this engine, the tie-break after arrival_time
     acceptance: Acceptance = field(default_factory=lambda: Acceptance.prior(0.7))  # per-token acceptance estimate
+    # its blocks' names in the target's and the draft's prefix caches (None: that cache does not share blocks)
+    target_names: ChainNames | None = None
+    draft_names: ChainNames | None = None
+    grammar: GrammarState | None = None  # its structured output's matcher, at the tokens it emitted
+    # its prompt's logprobs as the prefill computes them (the first token has none), delivered with its first delta
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+    prompt_logprobs_sent: bool = False
 
     @property
     def request_id(self) -> str:

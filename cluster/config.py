@@ -130,6 +130,9 @@ class CacheConfig(_Frozen):
 
     block_size: int = Field(default=16, ge=1, le=1024)
     num_blocks: int = Field(default=2048, ge=2)
+    # automatic prefix caching (actors/kv_cache.py BlockPool): full blocks named by their tokens are shared between
+    # requests and kept after they end, so a prompt that starts like an earlier one skips that part of its prefill
+    prefix_caching: bool = False
 
 
 class SchedulerConfig(_Frozen):

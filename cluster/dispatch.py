@@ -3,11 +3,16 @@
 `least_load` follows Llumnix's "virtual usage" (OSDI '24, section 4.4.1) in its simplest form: the KV blocks
 an instance holds plus the blocks its waiting queue will need, over its total, with a draining instance
 counted as full. `round_robin` ignores load and cycles through instances in registration order.
+`cache_aware` sends a request where the longest prefix of its prompt is already cached (the router's
+prefix index, cluster/prefix_index.py, says how many leading blocks each instance holds), unless that
+instance's virtual usage is more than `max_load_gap` above the least loaded one's: then least load decides,
+as llm-d's prefix-cache and load scorers and SGLang's cache-aware router trade the two.
 """
 
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -22,10 +27,18 @@ class InstanceView:
     stats: EngineStats | None  # None until the first poll
     in_flight: int  # requests routed to it and not finished (the router's own count, fresher than stats)
     draining: bool = False
+    cached_blocks: int = 0  # leading blocks of the request being routed that it holds (the prefix index's count)
 
     @property
     def capacity_blocks(self) -> int:
         return self.stats.kv_blocks_used + self.stats.kv_blocks_free if self.stats else 0
+
+    @property
+    def queued(self) -> int:
+        """Requests routed to it that it does not run yet (by the router's count when the stats lag behind)."""
+        if self.stats is None:
+            return self.in_flight
+        return max(self.in_flight - self.stats.running, self.stats.waiting)
 
     def virtual_usage(self, blocks_per_request: float) -> float:
         """Fraction of the instance's KV that its running and queued requests claim (inf when draining)."""
@@ -33,15 +46,57 @@ class InstanceView:
             return float("inf")
         if self.stats is None or self.capacity_blocks == 0:
             return self.in_flight * blocks_per_request  # no stats yet: fall back on the request count
-        queued = max(self.in_flight - self.stats.running, self.stats.waiting)
-        return (self.stats.kv_blocks_used + queued * blocks_per_request) / self.capacity_blocks
+        return (self.stats.kv_blocks_used + self.queued * blocks_per_request) / self.capacity_blocks
+
+
+LoadKey = tuple[float, int, str]
+
+
+class Fleet(Protocol):
+    """The accepting instances a request may go to, as a dispatch policy reads them (non-empty)."""
+
+    def least_loaded(self) -> InstanceView:
+        """The instance with the smallest load key (the policy's `load_key`)."""
+        ...
+
+    def views(self) -> list[InstanceView]:
+        """Every instance, in registration order (costs O(n): for policies that must look at all)."""
+        ...
+
+    def holders(self) -> Iterator[InstanceView]:
+        """Instances holding some of the request's prefix (cached_blocks > 0), most blocks first, the least
+        loaded instance first among those of its depth; a fleet may bound how many of one depth it offers (the
+        router's offers at most 64, in no particular order)."""
+        ...
+
+
+class ListFleet:
+    """A Fleet over a plain list of views (small fleets and tests); the router keeps an indexed one."""
+
+    def __init__(self, views: list[InstanceView], key: Callable[[InstanceView], LoadKey]) -> None:
+        self._views, self._key = views, key
+
+    def least_loaded(self) -> InstanceView:
+        return min(self._views, key=self._key)
+
+    def views(self) -> list[InstanceView]:
+        return list(self._views)
+
+    def holders(self) -> Iterator[InstanceView]:
+        least = self.least_loaded().instance_id
+        return iter(sorted((v for v in self._views if v.cached_blocks > 0),
+                           key=lambda v: (-v.cached_blocks, v.instance_id != least)))
 
 
 class DispatchPolicy(Protocol):
     name: str
 
-    def choose(self, instances: list[InstanceView]) -> str:
-        """The id of the instance to dispatch to; `instances` is non-empty and holds only healthy ones."""
+    def load_key(self, view: InstanceView) -> LoadKey:
+        """How loaded an instance is, smallest first (the fleet keeps instances ordered by it)."""
+        ...
+
+    def choose(self, fleet: Fleet) -> str:
+        """The id of the instance to dispatch to, from the healthy, accepting instances of `fleet`."""
         ...
 
 
@@ -53,26 +108,68 @@ class LeastLoad:
     def __init__(self, blocks_per_request: float = 8.0) -> None:
         self.blocks_per_request = blocks_per_request
 
-    def choose(self, instances: list[InstanceView]) -> str:
-        best = min(instances, key=lambda v: (v.virtual_usage(self.blocks_per_request), v.in_flight, v.instance_id))
-        return best.instance_id
+    def load_key(self, view: InstanceView) -> LoadKey:
+        return view.virtual_usage(self.blocks_per_request), view.in_flight, view.instance_id
+
+    def choose(self, fleet: Fleet) -> str:
+        return fleet.least_loaded().instance_id
 
 
-class RoundRobin:
+class RoundRobin(LeastLoad):
     """Each instance in turn, skipping draining ones while another is available."""
 
     name = "round_robin"
 
     def __init__(self) -> None:
+        super().__init__()
         self._counter = itertools.count()
 
-    def choose(self, instances: list[InstanceView]) -> str:
-        open_ = [v for v in instances if not v.draining] or instances
+    def choose(self, fleet: Fleet) -> str:
+        views = fleet.views()
+        open_ = [v for v in views if not v.draining] or views
         return open_[next(self._counter) % len(open_)].instance_id
 
 
-def make_dispatch(name: str) -> DispatchPolicy:
-    policies = {"least_load": LeastLoad, "round_robin": RoundRobin}
-    if name not in policies:
-        raise ValueError(f"unknown dispatch policy {name!r}; choose one of {', '.join(policies)}")
-    return policies[name]()
+class CacheAware(LeastLoad):
+    """The instance holding most of the request's prefix among those not overloaded next to the least loaded one
+    (virtual usage at most `max_load_gap` above its, and at most `max_queue_gap` more requests queued); with no
+    such holder, least load. Ties go to the lower usage, then the fewest in flight, then by id.
+
+    The queue bound is what keeps a popular prefix from piling requests on its holders: KV usage alone lets one
+    instance take dozens of queued requests before it looks loaded, and each waits for a batch slot."""
+
+    name = "cache_aware"
+
+    def __init__(self, max_load_gap: float = 0.25, max_queue_gap: int = 2, blocks_per_request: float = 8.0) -> None:
+        super().__init__(blocks_per_request)
+        self.max_load_gap, self.max_queue_gap = max_load_gap, max_queue_gap
+
+    def choose(self, fleet: Fleet) -> str:
+        least = fleet.least_loaded()
+        ceiling = least.virtual_usage(self.blocks_per_request) + self.max_load_gap
+        max_queued = least.queued + self.max_queue_gap
+        best: InstanceView | None = None
+        for v in fleet.holders():  # most cached blocks first: the first depth with a holder under the ceiling wins
+            if best is not None and v.cached_blocks < best.cached_blocks:
+                break
+            if v.instance_id == least.instance_id:
+                return v.instance_id  # no holder of this depth is less loaded
+            key = self.load_key(v)
+            if key[0] <= ceiling and v.queued <= max_queued and (best is None or key < self.load_key(best)):
+                best = v
+        return (best or least).instance_id
+
+
+DISPATCH_POLICIES = ("least_load", "round_robin", "cache_aware")
+
+
+def make_dispatch(name: str, max_load_gap: float = 0.25, max_queue_gap: int = 2) -> DispatchPolicy:
+    """The named policy; `max_load_gap` (a fraction of an instance's KV blocks) and `max_queue_gap` (queued
+    requests) are cache_aware's margins."""
+    if name == "least_load":
+        return LeastLoad()
+    if name == "round_robin":
+        return RoundRobin()
+    if name == "cache_aware":
+        return CacheAware(max_load_gap, max_queue_gap)
+    raise ValueError(f"unknown dispatch policy {name!r}; choose one of {', '.join(DISPATCH_POLICIES)}")

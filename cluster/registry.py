@@ -7,11 +7,15 @@ plain data, so dispatch, draining and failure handling are tested without a clus
 from __future__ import annotations
 
 import time
-from collections.abc import Collection
+from collections import Counter
+from collections.abc import Collection, Iterator, Sequence
 from dataclasses import dataclass, field
 
-from cluster.dispatch import DispatchPolicy, InstanceView
+from cluster.dispatch import DispatchPolicy, InstanceView, ListFleet
 from cluster.instances import InstancePlace, InstanceRow
+from cluster.load_order import LoadOrder
+from cluster.prefix import BlockHash
+from cluster.prefix_index import PrefixIndex
 from cluster.request import RequestStatus
 from cluster.stats import EngineStats
 
@@ -51,8 +55,8 @@ class InstanceEntry:
         """Whether dispatch may send it new requests."""
         return self.healthy and not self.draining
 
-    def view(self) -> InstanceView:
-        return InstanceView(self.instance_id, self.stats, len(self.in_flight), self.draining)
+    def view(self, cached_blocks: int = 0) -> InstanceView:
+        return InstanceView(self.instance_id, self.stats, len(self.in_flight), self.draining, cached_blocks)
 
     def row(self, removed_at: float | None = None) -> InstanceRow:
         return InstanceRow(instance_id=self.instance_id, model=self.model, node=self.node, healthy=self.healthy,
@@ -78,15 +82,79 @@ class RequestEntry:
                 "status": self.status.value, "created_at": self.created_at, "finished_at": self.finished_at}
 
 
+class _IndexedFleet:
+    """The accepting instances of one model as a dispatch policy reads them, from the registry's load order and
+    prefix index: the least loaded in O(log n), the holders of a request's prefix deepest first."""
+
+    PER_DEPTH = 64  # holders of one depth offered to the policy (a shared system prompt may be held by all)
+    SCANNED = 256  # holders looked at in all: a route's cost stays bounded however widely its prefix is held
+
+    def __init__(self, registry: "Registry", order: LoadOrder, model: str | None, blocks: Sequence[BlockHash]) -> None:
+        self.registry, self.order, self.model, self.blocks = registry, order, model, blocks
+        self.cached: dict[str, int] = {}  # what `holders` offered: instance -> leading blocks held
+
+    def least_loaded(self) -> InstanceView:
+        instance_id = self.order.first()
+        return self.registry.instances[instance_id].view(self.cached.get(instance_id, 0))
+
+    def views(self) -> list[InstanceView]:
+        return [e.view(self.cached.get(e.instance_id, 0)) for e in self.registry.instances.values()
+                if e.instance_id in self.order]
+
+    def holders(self) -> Iterator[InstanceView]:
+        least, scanned = self.order.first(), 0
+        for depth, instances in self.registry.prefix.deepest(self.blocks):
+            if least in instances and least not in self.cached:
+                self.cached[least] = depth
+                yield self.registry.instances[least].view(depth)
+            offered = 0
+            for instance_id in instances:
+                scanned += 1
+                if scanned > self.SCANNED:
+                    return
+                if instance_id in self.order and instance_id not in self.cached:
+                    self.cached[instance_id] = depth
+                    yield self.registry.instances[instance_id].view(depth)
+                    offered += 1
+                    if offered == self.PER_DEPTH:
+                        break
+
+
 class Registry:
     """Instances and requests; `route` applies the dispatch policy to the healthy, non-draining instances."""
 
-    def __init__(self, policy: DispatchPolicy, keep_finished: int = 1000) -> None:
-        self.policy = policy
+    def __init__(self, policy: DispatchPolicy, keep_finished: int = 1000, prefix: PrefixIndex | None = None) -> None:
+        self.prefix = prefix or PrefixIndex()  # which instance holds which KV blocks (cache-aware dispatch)
+        self.decisions: Counter[str] = Counter()  # routing decisions by reason (see `route`)
+        self._orders: dict[str | None, LoadOrder] = {None: LoadOrder()}  # accepting instances by load, per model
+        self._policy = policy
         self.instances: dict[str, InstanceEntry] = {}
         self.requests: dict[str, RequestEntry] = {}
         self.keep_finished = keep_finished  # finished rows kept for `specfleet requests`, oldest dropped first
         self._finished_order: list[str] = []
+
+    @property
+    def policy(self) -> DispatchPolicy:
+        return self._policy
+
+    @policy.setter
+    def policy(self, policy: DispatchPolicy) -> None:
+        """Another dispatch policy (a redeployed app's): its load keys order the instances from now on."""
+        self._policy = policy
+        self._orders = {None: LoadOrder()}
+        for entry in self.instances.values():
+            self._touch(entry)
+
+    def _touch(self, entry: InstanceEntry) -> None:
+        """Keep the load orders current after anything that changes an instance's load or whether it accepts."""
+        orders = (self._orders[None], self._orders.setdefault(entry.model, LoadOrder()))
+        if entry.accepting and self.instances.get(entry.instance_id) is entry:
+            key = self._policy.load_key(entry.view())
+            for order in orders:
+                order.set(entry.instance_id, key)
+        else:
+            for order in orders:
+                order.discard(entry.instance_id)
 
     # ---- instances --------------------------------------------------------------------------
     def register(self, instance_id: str, model: str, node: str, now: float,
@@ -97,6 +165,7 @@ class Registry:
         if old is not None:
             entry.in_flight = old.in_flight
         self.instances[instance_id] = entry
+        self._touch(entry)
         return entry
 
     def update(self, instance_id: str, stats: EngineStats, healthy: bool, error: str | None, now: float) -> None:
@@ -104,6 +173,7 @@ class Registry:
         if entry is None:
             return
         entry.stats, entry.healthy, entry.error, entry.last_seen = stats, healthy, error, now
+        self._touch(entry)
 
     def mark_unhealthy(self, instance_id: str, error: str) -> list[str]:
         """Take an instance out of dispatch; returns its in-flight requests (they end with its error)."""
@@ -111,32 +181,50 @@ class Registry:
         if entry is None:
             return []
         entry.healthy, entry.error = False, error
+        self._touch(entry)
         return sorted(entry.in_flight)
 
     def remove(self, instance_id: str) -> InstanceEntry | None:
-        return self.instances.pop(instance_id, None)
+        self.prefix.drop_instance(instance_id)
+        entry = self.instances.pop(instance_id, None)
+        if entry is not None:
+            self._touch(entry)
+        return entry
 
     def set_draining(self, instance_id: str, draining: bool = True) -> InstanceEntry:
         entry = self.instances.get(instance_id)
         if entry is None:
             raise KeyError(instance_id)
         entry.draining = draining
+        self._touch(entry)
         return entry
 
     def models(self) -> list[str]:
         return sorted({e.model for e in self.instances.values() if e.healthy})
 
     # ---- requests ---------------------------------------------------------------------------
-    def route(self, request_id: str, priority: int, now: float, model: str | None = None) -> str:
-        """Choose an instance for a new request and record it as running there."""
+    def route(self, request_id: str, priority: int, now: float, model: str | None = None,
+              blocks: Sequence[BlockHash] = ()) -> str:
+        """Choose an instance for a new request and record it as running there. `blocks` names the full KV blocks
+        of its prompt (cluster/prefix.py): a cache-aware policy sees how many leading ones each instance holds,
+        and they count at the chosen instance at once (provisionally, until its events confirm them).
+
+        Each decision is counted by reason in `decisions`: `prefix` (sent where part of its prompt is cached),
+        `load_over_prefix` (an instance held part of it but was too loaded), `load` (no instance held any)."""
         if request_id in self.requests and self.requests[request_id].status == RequestStatus.RUNNING:
             raise ValueError(f"request id {request_id!r} is already running")
-        views = [e.view() for e in self.instances.values()
-                 if e.accepting and (model is None or e.model == model)]
-        if not views:
+        order = self._orders.get(model)
+        if not order:
             raise NoInstanceAvailable(self._why_none(model))
-        instance_id = self.policy.choose(views)
-        self.instances[instance_id].in_flight.add(request_id)
+        fleet = _IndexedFleet(self, order, model, blocks)
+        instance_id = self._policy.choose(fleet)
+        self.decisions["prefix" if fleet.cached.get(instance_id) else "load_over_prefix" if fleet.cached
+                       else "load"] += 1
+        if blocks:
+            self.prefix.routed(instance_id, blocks, now)
+        entry = self.instances[instance_id]
+        entry.in_flight.add(request_id)
+        self._touch(entry)
         self.requests[request_id] = RequestEntry(request_id, instance_id, priority, RequestStatus.RUNNING, now)
         return instance_id
 
@@ -148,6 +236,7 @@ class Registry:
         inst = self.instances.get(entry.instance_id)
         if inst is not None:
             inst.in_flight.discard(request_id)
+            self._touch(inst)
         self._finished_order.append(request_id)
         while len(self._finished_order) > self.keep_finished:
             self.requests.pop(self._finished_order.pop(0), None)
@@ -194,7 +283,7 @@ class Registry:
         if not views:
             raise NoInstanceAvailable(self._why_none(model) if len(exclude) < len(self.instances)
                                       else "no other instance is left")
-        return self.policy.choose(views)
+        return self._policy.choose(ListFleet(views, self._policy.load_key))
 
     def rehome(self, request_id: str, instance_id: str) -> None:
         """A request now runs at `instance_id` (it migrated there, or resumed there after a failure)."""
@@ -202,7 +291,9 @@ class Registry:
         old = self.instances.get(entry.instance_id)
         if old is not None:
             old.in_flight.discard(request_id)
+            self._touch(old)
         self.instances[instance_id].in_flight.add(request_id)
+        self._touch(self.instances[instance_id])
         entry.instance_id, entry.ended_at_instance = instance_id, None
 
     def reroute(self, request_id: str, exclude: set[str], now: float, model: str | None = None) -> str:

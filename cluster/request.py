@@ -11,7 +11,7 @@ import enum
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 
 MAX_SEED = 2**63 - 1  # seeds are non-negative 63-bit integers (what torch's Generator.manual_seed takes)
@@ -19,6 +19,8 @@ MAX_STOPS = 16
 # a stop string's longest length: output is held back by that much while it streams, and each new token's text
 # is searched over that much of what came before it (actors/output.py)
 MAX_STOP_CHARS = 256
+MAX_LOGPROBS = 20  # top logprobs per token (OpenAI's limit)
+MAX_LOGIT_BIAS = 300  # tokens a logit_bias may list (OpenAI's limit)
 
 
 class InvalidRequest(ValueError):
@@ -27,6 +29,25 @@ class InvalidRequest(ValueError):
     def __init__(self, message: str, param: str | None = None, code: str | None = None) -> None:
         super().__init__(message)
         self.param, self.code = param, code
+
+
+class StructuredOutput(BaseModel):
+    """What a request's output must match (exactly one field set): a JSON schema, any JSON object, a regular
+    expression, or one of a list of strings (vLLM's guided_json / json_object / guided_regex / guided_choice)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    json_schema: dict | None = None
+    json_object: bool = False
+    regex: str | None = Field(default=None, max_length=10_000)
+    choice: tuple[str, ...] | None = Field(default=None, min_length=1, max_length=1_000)
+
+    @model_validator(mode="after")
+    def _exactly_one(self) -> "StructuredOutput":
+        given = sum((self.json_schema is not None, self.json_object, self.regex is not None, self.choice is not None))
+        if given != 1:
+            raise ValueError("a structured output takes exactly one of json_schema, json_object, regex, choice")
+        return self
 
 
 class SamplingParams(BaseModel):
@@ -42,10 +63,23 @@ class SamplingParams(BaseModel):
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     top_k: int = Field(default=0, ge=-1)
     seed: int | None = Field(default=None, ge=0, le=MAX_SEED)
-    max_tokens: int = Field(default=16, ge=1)
+    max_tokens: int = Field(default=16, ge=0)  # 0 only to score a prompt (with prompt_logprobs)
     stop: tuple[str, ...] = Field(default=(), max_length=MAX_STOPS)
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    # logits processors, applied to the target's logits at every scored position and to the draft's while it
+    # proposes (actors/spec/processors.py): OpenAI's presence and frequency penalties, HF's repetition penalty,
+    # a bias per token id, and the least tokens generated before EOS or a stop token id may end the request
+    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    repetition_penalty: float = Field(default=1.0, gt=0.0, le=2.0)
+    logit_bias: dict[int, float] = Field(default_factory=dict, max_length=MAX_LOGIT_BIAS)
+    min_tokens: int = Field(default=0, ge=0)
+    # log-probabilities: of each generated token and its `logprobs` most likely alternatives (0: the token's
+    # only); of each prompt token and its `prompt_logprobs` alternatives (the first prompt token has none)
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    prompt_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    structured: StructuredOutput | None = None  # what the output must match (actors/spec/structured.py)
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -67,6 +101,23 @@ class SamplingParams(BaseModel):
         if any(len(s) > MAX_STOP_CHARS for s in v):
             raise ValueError(f"stop strings must be at most {MAX_STOP_CHARS} characters")
         return v
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias_range(cls, v: dict[int, float]) -> dict[int, float]:
+        if any(not -100.0 <= b <= 100.0 for b in v.values()):
+            raise ValueError("logit_bias values must be in [-100, 100]")
+        if any(t < 0 for t in v):
+            raise ValueError("logit_bias keys must be token ids (non-negative)")
+        return v
+
+    @model_validator(mode="after")
+    def _scoring_only_without_tokens(self) -> "SamplingParams":
+        if self.max_tokens == 0 and self.prompt_logprobs is None:
+            raise ValueError("max_tokens must be at least 1 (0 only scores a prompt, with prompt_logprobs)")
+        if self.min_tokens > self.max_tokens:
+            raise ValueError("min_tokens must not exceed max_tokens")
+        return self
 
     @property
     def greedy(self) -> bool:
@@ -138,6 +189,8 @@ class Request:
     arrival_time: float = 0.0
     resume: Resume | None = None
     tenant: str = ""  # who sent it (an API key's tenant name): what it may share with others is scoped by it
+    # a tenant's own prefix cache: requests share cached KV blocks only with requests of the same salt (None: all)
+    cache_salt: str | None = None
 
 
 @dataclass
@@ -196,6 +249,15 @@ class SpecStats:
 
 
 @dataclass(frozen=True)
+class TokenLogprob:
+    """A token's log-probability under the target's processed distribution, and the most likely alternatives."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()  # (token id, logprob), most likely first
+
+
+@dataclass(frozen=True)
 class TokenDelta:
     """What one engine step emitted for one request: new tokens, new text, and the end if it ended."""
 
@@ -207,6 +269,9 @@ class TokenDelta:
     # the error is the instance's (it lost a shard, its loop failed), not the request's: the request may resume
     # on another instance from its tokens (failover)
     instance_failure: bool = False
+    logprobs: tuple[TokenLogprob, ...] | None = None  # one per token of token_ids, if the request asked
+    # the prompt's, on the request's first delta, if it asked: one per prompt token (None for the first)
+    prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None
 
     @property
     def finished(self) -> bool:

@@ -37,6 +37,11 @@ class EngineStats:
     moe_local_rate: float = 0.0
     moe_alltoall_bytes_per_token: float = 0.0
     moe_s_per_token: float = 0.0
+    # automatic prefix caching (the target's cache) since start, in tokens, under vLLM's names: prompt tokens that
+    # asked the cache, and those it held; and the blocks it holds that no request uses now (reusable)
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    kv_blocks_cached: int = 0
 
     def as_dict(self) -> dict:
         return asdict(self)

@@ -15,7 +15,7 @@ def measure_speed(
 
     dtype defaults to bfloat16 on CUDA (what the catalog's tensor-core figures count) and float32 on CPU.
     A relative number: compare devices measured with the same arguments, and pass the results to
-    `placement.catalog.override_speeds`.
+    `placement.inventory.override_speeds`.
     """
     device = torch.device(device)
     if dtype is None:

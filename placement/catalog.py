@@ -1,11 +1,11 @@
-"""Device catalog: known accelerator kinds -> memory and relative speed, and filling or overriding a node's figures."""
+"""Device catalog: known accelerator kinds -> memory and relative speed (a pure table; placement/inventory.py
+fills and overrides nodes' figures from it)."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from typing import Any, NamedTuple
 
-from placement.inventory import Inventory, NodeSpec
 
 
 class DeviceKind(NamedTuple):
@@ -51,14 +51,11 @@ def lookup(accelerator: str) -> DeviceKind:
     return kind
 
 
-def complete_node(entry: Mapping[str, Any] | NodeSpec) -> NodeSpec:
-    """A NodeSpec from a raw inventory entry (e.g. a YAML mapping), its missing memory_gb and speed filled in.
-
-    A key that is absent or None is taken from the catalog entry of the node's accelerator; declared
-    figures always win. Example: `{"name": "n0", "accelerator": "l4-24g", "count": 2}` becomes a node
-    of 2 devices of 24 GB and speed 121.
-    """
-    raw = dict(entry.model_dump() if isinstance(entry, NodeSpec) else entry)
+def fill_figures(entry: Mapping[str, Any]) -> dict[str, Any]:
+    """A copy of a raw inventory entry (e.g. a YAML mapping) with its missing `memory_gb` and `speed` taken from
+    the catalog entry of its accelerator; declared figures always win. Example: `{"name": "n0", "accelerator":
+    "l4-24g", "count": 2}` gains `memory_gb: 24.0, speed: 121.0`."""
+    raw = dict(entry)
     missing = [key for key in ("memory_gb", "speed") if raw.get(key) is None]
     if missing:
         if "accelerator" not in raw:
@@ -66,25 +63,4 @@ def complete_node(entry: Mapping[str, Any] | NodeSpec) -> NodeSpec:
         kind = lookup(str(raw["accelerator"]))
         for key in missing:
             raw[key] = getattr(kind, key)
-    return NodeSpec.model_validate(raw)
-
-
-def override_speeds(inventory: Inventory, measured: Mapping[str, float]) -> Inventory:
-    """A copy of `inventory` with the speeds of the nodes named in `measured` replaced by the measured ones.
-
-    Nodes not named keep their speed, so measure every node (or none): a measured figure (achieved
-    TFLOPS) and a catalog peak are not the same kind of number. A name that is not a node, or a
-    speed that is not positive, is a CatalogError.
-    """
-    names = {node.name for node in inventory.nodes}
-    unknown = sorted(set(measured) - names)
-    if unknown:
-        raise CatalogError(f"measured speeds for unknown nodes {unknown}; nodes are {sorted(names)}")
-    bad = {name: speed for name, speed in measured.items() if not speed > 0}
-    if bad:
-        raise CatalogError(f"measured speeds must be positive, got {bad}")
-    raw = inventory.model_dump()
-    for node in raw["nodes"]:
-        if node["name"] in measured:
-            node["speed"] = float(measured[node["name"]])
-    return Inventory.model_validate(raw)
+    return raw

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Annotated
+from collections.abc import Mapping
+from typing import Annotated, Any
 
 import yaml
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from cluster.config import ConfigError
+from placement.catalog import CatalogError, fill_figures
 
 # Node names and accelerator kinds become Ray label values and parts of Ray resource names, so they follow
 # Ray's (Kubernetes') label value syntax: 1-63 alphanumerics, '-', '_' or '.', alphanumeric at both ends.
@@ -113,8 +115,6 @@ def load_inventory(path: str | Path) -> Inventory:
 
 def parse_inventory(raw: object, source: str = "<inventory>") -> Inventory:
     """Validate an already-parsed mapping `{"nodes": [...]}`; `source` names where it came from in errors."""
-    from placement.catalog import CatalogError, complete_node  # the catalog imports this module
-
     if not isinstance(raw, dict):
         raise ConfigError(f"{source}: expected a mapping with a 'nodes' list, got {type(raw).__name__}")
     nodes = raw.get("nodes")
@@ -158,3 +158,30 @@ def inventory_from_labels(nodes: list[dict[str, str]]) -> Inventory:
     if not specs:
         raise ConfigError("no node of this cluster carries specfleet labels (start it with `specfleet cluster up`)")
     return Inventory(nodes=sorted(specs, key=lambda s: s.name))
+
+
+def complete_node(entry: Mapping[str, Any] | NodeSpec) -> NodeSpec:
+    """A NodeSpec from a raw inventory entry, its missing memory_gb and speed filled from the device catalog
+    (placement/catalog.py `fill_figures`)."""
+    return NodeSpec.model_validate(fill_figures(entry.model_dump() if isinstance(entry, NodeSpec) else entry))
+
+
+def override_speeds(inventory: Inventory, measured: Mapping[str, float]) -> Inventory:
+    """A copy of `inventory` with the speeds of the nodes named in `measured` replaced by the measured ones.
+
+    Nodes not named keep their speed, so measure every node (or none): a measured figure (achieved
+    TFLOPS) and a catalog peak are not the same kind of number. A name that is not a node, or a
+    speed that is not positive, is a CatalogError.
+    """
+    names = {node.name for node in inventory.nodes}
+    unknown = sorted(set(measured) - names)
+    if unknown:
+        raise CatalogError(f"measured speeds for unknown nodes {unknown}; nodes are {sorted(names)}")
+    bad = {name: speed for name, speed in measured.items() if not speed > 0}
+    if bad:
+        raise CatalogError(f"measured speeds must be positive, got {bad}")
+    raw = inventory.model_dump()
+    for node in raw["nodes"]:
+        if node["name"] in measured:
+            node["speed"] = float(measured[node["name"]])
+    return Inventory.model_validate(raw)

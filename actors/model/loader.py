@@ -101,7 +101,7 @@ def _location(source: str) -> tuple[str, dict]:
     return source, {}  # a hub id
 
 
-def load_config(source: str) -> PretrainedConfig:
+def load_model_config(source: str) -> PretrainedConfig:
     """Read only the model's config, refusing unsupported architectures with the supported list."""
     where, kwargs = _location(source)
     try:
@@ -119,7 +119,7 @@ def load_model(source: str, dtype: str = "fp32", device: torch.device | str = "c
     ("meta" allocates nothing: for checking where tensors go)."""
     if dtype not in DTYPES:
         raise ModelLoadError(f"unsupported dtype {dtype!r}; supported: {', '.join(DTYPES)}")
-    config = load_config(source)
+    config = load_model_config(source)
     where, kwargs = _location(source)
     try:
         tokenizer = AutoTokenizer.from_pretrained(where, **kwargs)
@@ -136,7 +136,7 @@ def load_metadata(source: str, dtype: str = "fp32") -> LoadedModel:
     """Config, tokenizer and generation config of `source`, no weights (`hf_model` None): what a driver needs."""
     if dtype not in DTYPES:
         raise ModelLoadError(f"unsupported dtype {dtype!r}; supported: {', '.join(DTYPES)}")
-    config = load_config(source)
+    config = load_model_config(source)
     where, kwargs = _location(source)
     try:
         tokenizer = AutoTokenizer.from_pretrained(where, **kwargs)

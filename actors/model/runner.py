@@ -75,6 +75,7 @@ class ModelRunner:
     """Runs `layer_ids` of a loaded model in order; embeds tokens if `first`, returns logits if `last`."""
 
     exports_kv = True  # the PipelineRunner interface: its KV can be exported and imported
+    replicated_cache = True  # one cache: block sharing works
 
     def __init__(
         self,

@@ -27,8 +27,14 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Literal
 
+import time
+from collections.abc import Iterable
+
 import torch
 
+from actors.device import device_name
+from actors.model.metadata import SeqChunk
+from actors.spec.cost_model import ATTENTION_UNIT, ForwardShape, StepCostModel
 from cluster.config import EngineConfig
 
 log = logging.getLogger(__name__)
@@ -60,13 +66,6 @@ def model_identity(source: str) -> dict:
     files = [path] if path.is_file() else sorted(p for p in path.iterdir() if p.is_file())
     stats = [(p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in files]
     return {"source": str(path.resolve()), "files": hashlib.sha256(repr(stats).encode()).hexdigest()[:16]}
-
-
-def device_name(device: torch.device) -> str:
-    """The accelerator's model (CUDA), or "cpu"."""
-    if device.type == "cuda":
-        return f"cuda:{torch.cuda.get_device_name(device)}"
-    return device.type
 
 
 def machine() -> dict:
@@ -135,3 +134,41 @@ class CalibrationFile:
         except BaseException:
             Path(tmp).unlink(missing_ok=True)
             raise
+
+
+def time_forwards(runners: Iterable[tuple[Literal["target", "draft"], object]], max_model_len: int
+                  ) -> list[TimedForward]:
+    """Time one forward of a throwaway request at each of SIZES (new tokens, context) on each runner."""
+    points = []
+    for phase, runner in runners:
+        rid = "__calibration__"
+        for new, ctx in SIZES * REPEATS:
+            if ctx + new > max_model_len or not runner.reserve(rid, ctx + new):
+                continue
+            have = runner.cache.length(rid)
+            if have > ctx:
+                runner.cache.crop(rid, ctx)
+            elif have < ctx:  # context to attend to (not timed)
+                runner.forward([SeqChunk(rid, tuple(range(have + 1, ctx + 1)), 0)])
+            chunk = SeqChunk(rid, tuple(range(1, new + 1)))
+            t0 = time.perf_counter()
+            runner.forward([chunk])
+            seconds = time.perf_counter() - t0
+            points.append(TimedForward(phase, new, new * (ctx + new) / ATTENTION_UNIT, seconds))
+        runner.cache.free(rid)
+    return points
+
+
+def calibrate(cost: StepCostModel, runners: list[tuple[Literal["target", "draft"], object]], max_model_len: int,
+              saved: "CalibrationFile | None") -> None:
+    """Seed the step-time model with timed forwards of a throwaway request at a few sizes (pinned points), or
+    with the points `saved` for this setup by an earlier start (and save fresh ones there)."""
+    models = {"target": cost.target, "draft": cost.draft}
+    points = saved.load() if saved is not None else None
+    fresh = points is None
+    if fresh:
+        points = time_forwards(runners, max_model_len)
+    for p in points:
+        models[p.phase].observe(ForwardShape(1, p.tokens, p.attention), p.seconds, pinned=True)
+    if fresh and saved is not None:
+        saved.save(points)

@@ -1,7 +1,7 @@
 """Draft kinds behind one interface: a draft model (plain, int8 or a layer subset of the target) and model-free lookups.
 
-The engine asks a drafter, per step, for a `Proposal` per emitting work: up to `work.k` tokens and, for
-sampled requests, the draft distribution q of each. A model drafter runs its own forwards over its own
+The engine asks a drafter, per step, for a `Proposal` (actors/step.py) per drafting work: up to its k tokens
+and, for sampled requests, the draft distribution q of each. A model drafter runs its own forwards over its own
 KV; its cache follows a request only while the request drafts: it catches up on the tokens it has not
 seen (lazily, in its first forward of the next round that drafts), so a request the policy gives k = 0
 costs it nothing. A lookup drafter (n-gram, suffix; actors/spec/lookup.py) runs no forward and holds no
@@ -12,7 +12,8 @@ sampling (actors/spec/verify.py) still emits exactly the target's distribution.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass
 from typing import Literal, Protocol
 
 import torch
@@ -23,25 +24,12 @@ from actors.scheduler import Work
 from actors.sequence import Sequence
 from actors.spec.cost_model import ATTENTION_UNIT, ForwardShape
 from actors.spec.lookup import NgramIndex, OutputCache, SuffixIndex, suffix_propose
+from actors.spec.processors import process_request, processes
 from actors.spec.sampling import probs_from_logits, sample
+from actors.step import Drafting, Drafts, Proposal
 from cluster.config import DraftParallelConfig, SpeculationConfig
 
 DraftKind = Literal["model", "model_int8", "ngram", "suffix"]
-
-
-@dataclass
-class Proposal:
-    """One work's draft for this step: tokens (k,) and, for a sampled request, q (k, V) (None: one-hot/greedy)."""
-
-    tokens: list[int] = field(default_factory=list)
-    probs: torch.Tensor | None = None
-
-    def q(self, vocab_size: int, device: torch.device) -> torch.Tensor:
-        """The draft distributions (k, V): the model's, or one-hot on each proposed token."""
-        if self.probs is not None:
-            return self.probs
-        index = torch.tensor(self.tokens, dtype=torch.long, device=device)[:, None]  # (k, 1)
-        return torch.zeros(len(self.tokens), vocab_size, device=device).scatter_(1, index, 1.0)
 
 
 class Drafter(Protocol):
@@ -62,8 +50,8 @@ class Drafter(Protocol):
         """Room for k drafts of this work; returns the k that fits."""
         ...
 
-    def propose(self, works: list[Work]) -> tuple[list[Proposal], ForwardShape]:
-        """A proposal of `w.k` tokens (fewer for a lookup without a match) per work, and the forwards it ran."""
+    def propose(self, drafting: Seq[Drafting]) -> Drafts:
+        """A proposal of k tokens (fewer for a lookup without a match) per drafting work, and the forwards it ran."""
         ...
 
     def accepted(self, seq: Sequence, length: int) -> None:
@@ -100,33 +88,41 @@ class ModelDrafter:
         return max(0, end - self.runner.cache.length(seq.request_id))
 
     def reserve(self, w: Work, k: int) -> int:
-        if k > 0 and not self.runner.reserve(w.seq.request_id, w.start + w.num_new + k - 1):
-            self.runner.cache.free(w.seq.request_id)  # draft KV is optional: drop it, catch up later
+        seq, cache = w.seq, self.runner.cache
+        end = w.start + w.num_new
+        if k > 0 and seq.draft_names is not None and not cache.has(seq.request_id):  # a cached prefix skips catch-up
+            self._exact[seq.request_id] = cache.match(seq.request_id, seq.draft_names.upto(seq.token_ids, end - 1))
+        if k > 0 and not self.runner.reserve(seq.request_id, end + k - 1):
+            self.release(seq, finished=False)  # draft KV is optional: drop it, catch up later
             return 0
         return k
 
-    def propose(self, works: list[Work]) -> tuple[list[Proposal], ForwardShape]:
+    def propose(self, drafting: Seq[Drafting]) -> Drafts:
         """Forward j feeds each work still drafting at position j one token; the first also feeds each its
         backlog (prompt chunks and accepted tokens it has not seen), so a request that paused catches up here."""
-        out = [Proposal() for _ in works]
-        probs: list[list[torch.Tensor]] = [[] for _ in works]
+        t_start = time.perf_counter()
+        out = {d.request_id: Proposal() for d in drafting}
+        probs: dict[str, list[torch.Tensor]] = {d.request_id: [] for d in drafting}
+        stuck: set[str] = set()  # requests whose last draft the grammar refused (it is not stepped over)
         sizes: list[int] = []  # tokens fed by each draft forward
         attention = 0.0
-        for j in range(max([w.k for w in works], default=0)):
+        for j in range(max((d.k for d in drafting), default=0)):
             exact = j == 0 and self.calibrate  # a round's first forward re-runs what the parallel ones approximated
             rows, chunks = [], []
-            for i, w in enumerate(works):
-                if j >= w.k:
+            for d in drafting:
+                if j >= d.k or d.request_id in stuck:
                     continue
-                rid = w.seq.request_id
+                rid, w = d.request_id, d.work
                 if j == 0:
                     have, end = self.runner.cache.length(rid), w.start + w.num_new
                     if self.parallel and exact:
                         self.calibration.tokens += max(0, min(end, self._drafted.get(rid, have)) - have)
                     chunks.append(SeqChunk(rid, tuple(w.seq.token_ids[have:end])))
                 else:
-                    chunks.append(SeqChunk(rid, (out[i].tokens[-1],)))
-                rows.append(i)
+                    chunks.append(SeqChunk(rid, (out[rid].tokens[-1],)))
+                rows.append(d)
+            if not chunks:  # every request stopped drafting early (its grammar allowed nothing more)
+                break
             t0 = time.perf_counter()
             logits = self.runner.forward(chunks, parallel=self.parallel and not exact)  # (works drafting at j, V)
             if exact:
@@ -136,20 +132,41 @@ class ModelDrafter:
                     self.calibration.seconds += time.perf_counter() - t0
             sizes.append(sum(len(c.token_ids) for c in chunks))
             attention += sum(len(c.token_ids) * self.runner.cache.length(c.request_id) for c in chunks) / ATTENTION_UNIT
-            for i, row in zip(rows, logits):
-                seq = works[i].seq
-                if seq.greedy:
-                    out[i].tokens.append(int(row.argmax()))
-                else:
+            processed = [i for i, d in enumerate(rows) if processes(d.work.seq)]
+            if processed:  # as the target will process them: penalties, bias, min_tokens, the grammar's mask
+                logits = logits.float().clone()
+                for i in processed:
+                    seq = rows[i].work.seq
+                    logits[i:i + 1] = process_request(seq, logits[i:i + 1], (), seq.output.stop_ids,
+                                                      before=out[rows[i].request_id].tokens)
+            greedy = [i for i, d in enumerate(rows) if d.work.seq.greedy]
+            picked = logits[greedy].argmax(-1).tolist() if greedy else []  # one transfer for the greedy rows
+            for i, token in zip(greedy, picked):
+                out[rows[i].request_id].tokens.append(token)
+            for d, row in zip(rows, logits):
+                seq = d.work.seq
+                if not seq.greedy:
                     q = probs_from_logits(row[None].to(self.device or row.device), seq.request.params)  # (1, V)
-                    out[i].tokens.append(int(sample(q, seq.generator)))
-                    probs[i].append(q[0])
-        for w, p, q in zip(works, out, probs):
+                    out[d.request_id].tokens.append(int(sample(q, seq.generator)))
+                    probs[d.request_id].append(q[0])
+            for d in rows:  # a grammar follows the proposal, so the next position is masked after it
+                seq, p = d.work.seq, out[d.request_id]
+                if seq.grammar is not None and not seq.grammar.step(p.tokens[-1]):
+                    p.tokens.pop()  # refused (nothing was allowed): the round stops drafting here
+                    if probs[d.request_id]:
+                        probs[d.request_id].pop()
+                    stuck.add(d.request_id)
+        for d in drafting:  # the grammar steps back: verification walks the drafts again from the emitted tokens
+            if d.work.seq.grammar is not None:
+                d.work.seq.grammar.back(len(out[d.request_id].tokens))
+        for d in drafting:
+            p, q = out[d.request_id], probs[d.request_id]
             if q:
                 p.probs = torch.stack(q)  # (k, V)
             if p.tokens:
-                self._drafted[w.seq.request_id] = w.start + w.num_new + len(p.tokens) - 1  # draft KV written up to
-        return out, ForwardShape(len(sizes), sum(sizes), attention, tuple(sizes))
+                self._drafted[d.request_id] = d.work.start + d.work.num_new + len(p.tokens) - 1  # draft KV written up to
+        shape = ForwardShape(len(sizes), sum(sizes), attention, tuple(sizes))
+        return Drafts(out, shape, time.perf_counter() - t_start)
 
     def accepted(self, seq: Sequence, length: int) -> None:
         """Keep the draft KV of the accepted prefix; with calibration, only as far as it was computed exactly."""
@@ -159,8 +176,18 @@ class ModelDrafter:
             if self.calibrate:
                 keep = min(keep, self._exact.get(rid, 0))
             self.runner.cache.crop(rid, keep)
+            self._commit(seq)
+
+    def _commit(self, seq: Sequence) -> None:
+        """Name the request's full draft blocks in the prefix cache: what it holds between steps is its accepted
+        tokens' KV, computed in true layer order (without bonus calibration a layer-parallel draft's is not: it
+        is never shared)."""
+        cache, rid = self.runner.cache, seq.request_id
+        if seq.draft_names is not None and self.calibrate and cache.has(rid):
+            cache.commit(rid, seq.draft_names.upto(seq.token_ids, cache.length(rid)))
 
     def release(self, seq: Sequence, finished: bool) -> None:
+        self._commit(seq)
         self.runner.cache.free(seq.request_id)
         self._exact.pop(seq.request_id, None)
         self._drafted.pop(seq.request_id, None)
@@ -217,15 +244,19 @@ class LookupDrafter:
     def reserve(self, w: Work, k: int) -> int:
         return k
 
-    def propose(self, works: list[Work]) -> tuple[list[Proposal], ForwardShape]:
-        out = []
-        for w in works:
-            tokens = self._pending.pop(w.seq.request_id, None)
-            if tokens is None and w.k > 0:
-                tokens = self._lookup(w.seq, w.k)
-            out.append(Proposal(list((tokens or [])[:w.k])))
+    def propose(self, drafting: Seq[Drafting]) -> Drafts:
+        t0 = time.perf_counter()
+        out = {}
+        for d in drafting:
+            tokens = self._pending.pop(d.request_id, None)
+            if tokens is None and d.k > 0:
+                tokens = self._lookup(d.work.seq, d.k)
+            tokens = list((tokens or [])[:d.k])
+            if d.work.seq.grammar is not None:  # a token the grammar refuses would never be accepted: cut there
+                tokens = tokens[: d.work.seq.grammar.valid_prefix(tokens)]
+            out[d.request_id] = Proposal(tokens)
         self._pending.clear()
-        return out, ForwardShape()
+        return Drafts(out, ForwardShape(), time.perf_counter() - t0)
 
     def accepted(self, seq: Sequence, length: int) -> None:
         pass  # the indexes only ever read accepted tokens

@@ -21,7 +21,7 @@ import ray
 
 from actors.build import ray_instance
 from actors.engine import Engine
-from actors.model.loader import load_config, load_model
+from actors.model.loader import load_model, load_model_config
 from actors.model.runner import ModelRunner
 from actors.p2p import Transfer
 from cluster.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, SpeculationConfig
@@ -112,7 +112,7 @@ def _one_process(cfg: EngineConfig, target_model, prompts, params) -> dict:
 
 def _distributed(cfg: EngineConfig, state, n: int, prompts, params, num_cpus: float, timeout_s: float) -> dict:
     inventory = Inventory(nodes=[node.spec for node in state.nodes])
-    sizes = [model_size_from_config(load_config(p)) for p in (cfg.model.target, cfg.model.draft)]
+    sizes = [model_size_from_config(load_model_config(p)) for p in (cfg.model.target, cfg.model.draft)]
     kv_tokens = cfg.cache.num_blocks * cfg.cache.block_size
     layout = ShardLayout.from_plan(plan(inventory, sizes[0], sizes[1], kv_tokens=kv_tokens, num_stages=n).instances[0])
     instance = ray_instance(cfg, layout, num_cpus=num_cpus, step_timeout_s=timeout_s, group_timeout_s=timeout_s)

@@ -200,7 +200,7 @@ def in_process(config: Path, prompts: list[list[int]], n: int, max_tokens: int, 
     actor (actors/serving.py), without Ray: TTFT and end-to-end p50 of the overhead phase's requests."""
     import threading
 
-    from actors.local_stages import local_instance
+    from actors.build import local_instance
     from actors.serving import ServingLoop, StreamItem
     from cluster.config import load_config
     from cluster.request import Request, SamplingParams

@@ -186,6 +186,9 @@ def run_status(args: argparse.Namespace) -> int:
     draft_ms = "-" if load["draft_ms_per_token"] is None else f"{load['draft_ms_per_token']:.2f}"
     print(f"speculation: acceptance {acc}, mean k {k}, draft {draft_ms} ms per drafted token (mean over instances); "
           f"calibration re-ran {load['calibration_tokens']} tokens in {load['calibration_s']:.2f} s")
+    if load["prefix_cache_queries"]:
+        print(f"prefix cache: {load['prefix_cache_hits']} of {load['prefix_cache_queries']} prompt tokens found "
+              f"cached ({load['prefix_cache_hit_rate']:.1%})")
     if load["moe_local_rate"] is not None:
         print(f"expert parallelism: {load['moe_local_rate']:.1%} of expert activations local, "
               f"{load['moe_bytes_per_token']:.0f} all-to-all bytes and {load['moe_ms_per_token']:.2f} MoE-layer ms "
@@ -330,7 +333,15 @@ def _load(inst: Instances) -> dict:
             "draft_ms_per_token": round(1e3 * sum(s.draft_s_per_token for s in spec) / len(spec), 3) if spec else None,
             "calibration_tokens": sum(s.calibration_tokens for s in spec),
             "calibration_s": round(sum(s.calibration_s for s in spec), 3),
+            **_prefix_cache(stats),
             **_expert_load([s for s in stats if s.moe_alltoall_bytes_per_token or s.moe_local_rate])}
+
+
+def _prefix_cache(stats: list) -> dict:
+    """Fleet-wide prefix cache figures in tokens (each instance's since it started), and the hit rate."""
+    queries, hits = sum(s.prefix_cache_queries for s in stats), sum(s.prefix_cache_hits for s in stats)
+    return {"prefix_cache_queries": queries, "prefix_cache_hits": hits,
+            "prefix_cache_hit_rate": round(hits / queries, 4) if queries else None}
 
 
 def _expert_load(ep: list) -> dict:
@@ -343,13 +354,15 @@ def _expert_load(ep: list) -> dict:
 
 def _print_instances(inst: Instances, names: dict[str, str]) -> None:
     print(f"{'INSTANCE':<14} {'MODEL':<24} {'NODE':<14} {'STATE':<9} {'FLIGHT':>6} {'RUN':>4} {'WAIT':>4} "
-          f"{'KV USED':>11} {'ACCEPT':>6} {'K':>5} {'STEP ms':>7}")
+          f"{'KV USED':>11} {'ACCEPT':>6} {'K':>5} {'STEP ms':>7} {'PREFIX HIT':>10}")
     for i in inst.instances:
         state = "unhealthy" if not i.healthy else "draining" if i.draining else "ok"
         s = i.stats
         kv = f"{s.kv_blocks_used}/{s.kv_blocks_used + s.kv_blocks_free}" if s else "-"
+        hit = f"{s.prefix_cache_hits / s.prefix_cache_queries:.2f}" if s and s.prefix_cache_queries else "-"
         cols = (f"{s.running:>4} {s.waiting:>4} {kv:>11} {s.acceptance:>6.2f} {s.mean_k:>5.2f} "
-                f"{s.step_time_ema_s * 1e3:>7.1f}") if s else f"{'-':>4} {'-':>4} {kv:>11} {'-':>6} {'-':>5} {'-':>7}"
+                f"{s.step_time_ema_s * 1e3:>7.1f} {hit:>10}") if s else \
+            f"{'-':>4} {'-':>4} {kv:>11} {'-':>6} {'-':>5} {'-':>7} {'-':>10}"
         node = names.get(i.node, i.node[:12])
         print(f"{i.instance_id:<14} {i.model[:24]:<24} {node:<14} {state:<9} {i.in_flight:>6} {cols}")
         if i.place.stages:

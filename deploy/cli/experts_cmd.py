@@ -135,7 +135,7 @@ def run_plan(args: argparse.Namespace) -> int:
 
 def run_apply(args: argparse.Namespace) -> int:
     from cluster.config import load_config
-    from actors.model.loader import load_config as model_config
+    from actors.model.loader import load_model_config as model_config
     from deploy.model_store import resolve_model
 
     plan = _plan(args.plan)

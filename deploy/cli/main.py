@@ -40,6 +40,9 @@ COMMANDS: list[tuple[tuple[str, ...], str, str, str]] = [
      "deploy.bench.serve", "add_arguments"),
     (("bench", "attention"), "attention over the paged KV cache: gather-then-SDPA vs the whole pool, per layer",
      "deploy.bench.attention", "add_arguments"),
+    (("bench", "router-sim"), "the router's dispatch and migration planning at fleet scale (1,000 simulated "
+     "instances, a multi-turn trace): route() and planning latency, prefix hit rate, index memory",
+     "deploy.bench.router_sim", "add_arguments"),
     (("bench", "start"), "time to first token from a fresh process: cold (converting GGUF) vs warm (cached)",
      "deploy.bench.start", "add_arguments"),
     (("train-moe",), "train a small MoE model on CPU for the expert-parallel benchmarks", "deploy.bench.train_moe",

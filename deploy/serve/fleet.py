@@ -11,7 +11,7 @@ Catalog names are fetched here, on the node that builds the app; on a multi-node
 
 from __future__ import annotations
 
-from actors.model.loader import load_config
+from actors.model.loader import load_model_config
 from cluster.config import EngineConfig, SpecfleetConfig
 from deploy.model_store import resolve_model
 from placement.fleet import InstanceSpec, plan_fleet
@@ -64,6 +64,6 @@ def fleet_specs(cfg: SpecfleetConfig, inventory: Inventory | None = None, pins: 
     engine = resolved(cfg.engine)
     m = engine.model
     dtype_bytes = DTYPE_BYTES[m.dtype]
-    target = model_size_from_config(load_config(m.target), dtype_bytes=dtype_bytes)
-    draft = model_size_from_config(load_config(m.draft), dtype_bytes=dtype_bytes) if m.draft else None
+    target = model_size_from_config(load_model_config(m.target), dtype_bytes=dtype_bytes)
+    draft = model_size_from_config(load_model_config(m.draft), dtype_bytes=dtype_bytes) if m.draft else None
     return plan_fleet(engine, cfg.router, inventory, target, draft, pins=pins, gpu_nodes=gpu_nodes or set())

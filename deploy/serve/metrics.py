@@ -6,7 +6,8 @@ end-to-end latency, and queue time (submission to first scheduling, as the engin
 load come from the router's latest stats of each instance when /metrics is scraped, beside the router's own
 request table (its pending count and each instance's requests in flight), so a divergence between what the
 router counts and what the instances run shows. Migration and failover counts are the router's own
-(cluster-wide, since the router started), exposed as counters and a downtime histogram.
+(cluster-wide, since the router started), exposed as counters and a downtime histogram; prefix cache queries and
+hits (in tokens) are each instance's own counts since it started.
 """
 
 from __future__ import annotations
@@ -76,8 +77,12 @@ class Metrics:
                            "MoE-layer seconds per token (over every MoE layer, all-to-all included)", inst, registry=r)
         self.healthy_instances = Gauge("specfleet:healthy_instances", "Instances the router dispatches to", m,
                                        registry=r)
+        self.cached_blocks = Gauge("specfleet:kv_cache_cached_blocks",
+                                   "Free target KV blocks that still hold a cached prefix (reusable)", inst, registry=r)
         self.migration_figures: MigrationStats | None = None  # the router's, as of the last scrape
+        self.instance_rows: list[InstanceRow] = []  # the router's rows, as of the last scrape
         r.register(_MigrationCollector(self))
+        r.register(_PrefixCacheCollector(self))
 
     def finished(self, reason: str, prompt_tokens: int, stats: SpecStats | None) -> None:
         """A choice ended (its generated tokens were counted as they streamed, in the frontend's _Timer)."""
@@ -95,8 +100,9 @@ class Metrics:
         """Refresh the load gauges from the router's `instances()` rows."""
         for g in (self.running, self.waiting, self.kv_usage, self.preemptions, self.router_in_flight,
                   self.draft_s_per_token, self.calibration_tokens, self.calibration_s, self.moe_local_rate,
-                  self.moe_bytes, self.moe_s):
+                  self.moe_bytes, self.moe_s, self.cached_blocks):
             g.clear()
+        self.instance_rows = list(instances)
         healthy = 0
         for row in instances:
             healthy += row.accepting
@@ -113,6 +119,7 @@ class Metrics:
             self.draft_s_per_token.labels(*labels).set(s.draft_s_per_token)
             self.calibration_tokens.labels(*labels).set(s.calibration_tokens)
             self.calibration_s.labels(*labels).set(s.calibration_s)
+            self.cached_blocks.labels(*labels).set(s.kv_blocks_cached)
             if s.moe_alltoall_bytes_per_token or s.moe_local_rate:  # an expert-parallel instance
                 self.moe_local_rate.labels(*labels).set(s.moe_local_rate)
                 self.moe_bytes.labels(*labels).set(s.moe_alltoall_bytes_per_token)
@@ -148,3 +155,27 @@ class _MigrationCollector:
         yield HistogramMetricFamily("specfleet:migration_downtime_seconds",
                                     "A finished migration's downtime: the request stopped at its source until its "
                                     "commit at the destination", buckets=buckets, sum_value=s.downtime_sum_s)
+
+
+class _PrefixCacheCollector:
+    """specfleet:prefix_cache_queries and specfleet:prefix_cache_hits per instance, in tokens (vLLM's names): each
+    instance's own cumulative counts, as its latest stats report them."""
+
+    def __init__(self, metrics: Metrics) -> None:
+        self.metrics = metrics
+
+    def describe(self):
+        return []  # collected at scrape time only
+
+    def collect(self):
+        labels = ["model_name", "instance"]
+        queries = CounterMetricFamily("specfleet:prefix_cache_queries",
+                                      "Prefix cache queries, in prompt tokens looked up", labels=labels)
+        hits = CounterMetricFamily("specfleet:prefix_cache_hits", "Prefix cache hits, in prompt tokens found cached",
+                                   labels=labels)
+        for row in self.metrics.instance_rows:
+            if row.stats is not None:
+                queries.add_metric([row.model, row.instance_id], row.stats.prefix_cache_queries)
+                hits.add_metric([row.model, row.instance_id], row.stats.prefix_cache_hits)
+        yield queries
+        yield hits

@@ -8,7 +8,7 @@ from ray._private import state as ray_state
 
 from actors.build import draft_group_runner, ray_instance
 from actors.engine import Engine
-from actors.local_stages import local_instance
+from actors.build import local_instance
 from cluster.config import DraftParallelConfig
 from cluster.request import SamplingParams
 from tests.ray.test_pipeline_instance import CACHE, CPUS, NEW_TOKENS, TWO_STAGES, engine_config

@@ -13,7 +13,7 @@ import pytest
 
 from actors.build import ray_instance
 from actors.instance import Instance, InstanceUnhealthy
-from actors.local_stages import local_instance
+from actors.build import local_instance
 from actors.serving import ServingLoop, StreamItem
 from cluster.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, SpeculationConfig
 from cluster.request import FinishReason, Request, SamplingParams

@@ -11,7 +11,7 @@ from ray._private import state as ray_state
 
 from actors.build import build_shards, ray_instance
 from actors.instance import Instance
-from actors.model.loader import load_config, load_metadata
+from actors.model.loader import load_metadata, load_model_config
 from actors.model.metadata import SeqChunk
 from actors.pipeline import PipelineRunner
 from actors.ray_stages import RayStages
@@ -38,7 +38,7 @@ def engine_config(target, draft=None, k: int = 3) -> EngineConfig:
 
 def planned_three_stages(ray_cluster, target, draft) -> ShardLayout:
     """The planner's layout for three stages over the cluster's inventory (the draft goes to the fastest node)."""
-    sizes = [model_size_from_config(load_config(str(p)), dtype_bytes=4) for p in (target, draft)]
+    sizes = [model_size_from_config(load_model_config(str(p)), dtype_bytes=4) for p in (target, draft)]
     p = plan(ray_cluster.inventory, sizes[0], sizes[1], kv_tokens=CACHE.num_blocks * CACHE.block_size, num_stages=3)
     return ShardLayout.from_plan(p.instances[0])
 

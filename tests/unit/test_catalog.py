@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from placement.benchmark import measure_speed
-from placement.catalog import CATALOG, CatalogError, complete_node, lookup, override_speeds
+from placement.catalog import CATALOG, CatalogError, lookup
+from placement.inventory import complete_node, override_speeds
 from placement.inventory import Inventory, NodeSpec
 
 

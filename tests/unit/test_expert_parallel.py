@@ -110,8 +110,14 @@ def test_an_expert_plan_changes_what_crosses_not_the_logits(tiny_models) -> None
         want = runner(model).forward(chunks)
     layers = moe_layers(runner(model))
     plan = ExpertPlan(num_ranks=2, layers=tuple(layers), ranks=((1, 0, 0, 1),) * len(layers))
-    got, _, _ = ep_forward(tiny_models["mixtral"], 2, [chunks[:2], chunks[2:]], plan)
+    got, planned, _ = ep_forward(tiny_models["mixtral"], 2, [chunks[:2], chunks[2:]], plan)
     torch.testing.assert_close(torch.cat([got[0], got[1]]), want, rtol=1e-5, atol=1e-5)
+    _, contiguous, _ = ep_forward(tiny_models["mixtral"], 2, [chunks[:2], chunks[2:]], None)
+    routed = [(s.activations, s.tokens) for s in planned]
+    assert routed == [(s.activations, s.tokens) for s in contiguous]  # the same tokens chose the same experts
+    # ...but they are served elsewhere: another share of them on their own rank, other bytes on the wire
+    assert [(s.local, s.bytes_sent) for s in planned] != [(s.local, s.bytes_sent) for s in contiguous]
+    assert [s.served for s in planned] != [s.served for s in contiguous]
 
 
 def test_a_request_goes_where_its_predicted_experts_are_within_the_slack() -> None:

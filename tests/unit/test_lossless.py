@@ -195,8 +195,10 @@ def test_stop_strings_end_the_output_right_before_them(tiny_models, tiny_draft_m
         for s in _stop_strings(text):
             cases.append((prompt, reference, (s,)))
         mid = len(text) // 2
-        cases.append((prompt, reference, (text[-2:], text[mid : mid + 2])))  # the earlier wins
-        cases.append((prompt, reference, (text[mid + 1 : mid + 3], text[mid : mid + 3])))  # both end at once
+        pairs = [(text[-2:], text[mid : mid + 2]),  # the earlier wins
+                 (text[mid + 1 : mid + 3], text[mid : mid + 3])]  # both end at once
+        # a U+FFFD in a prefix's decode may be a character still incomplete, which a stream never shows as text
+        cases += [(prompt, reference, stop) for stop in pairs if not any("\ufffd" in s for s in stop)]
     assert len(cases) >= 12
 
     params = [SamplingParams(temperature=0, max_tokens=NEW_TOKENS, stop=stop) for _, _, stop in cases]

@@ -51,6 +51,17 @@ def test_streamed_text_equals_a_decode_of_the_whole_output(tokenizer) -> None:
         assert text == tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
 
 
+def test_a_long_run_of_invalid_bytes_keeps_a_lead_byte_for_its_continuation(tokenizer) -> None:
+    """More lead bytes in a row than a decode waits for (a random model's output does this): the text released
+    when the wait runs out must not swallow the last lead byte, which the next token completes."""
+    lead, *rest = [t for t in tokenizer.encode("\u05ae", add_special_tokens=False)]  # U+05AE is D6 AE in UTF-8
+    assert rest, "the character should take two byte tokens"
+    for run in range(1, 3 * MAX_PENDING):
+        ids = [lead] * run + rest + tokenizer.encode(" ok", add_special_tokens=False)
+        text, _ = stream(tokenizer, ids, SamplingParams(max_tokens=10**6))
+        assert text == tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False), run
+
+
 def test_decoding_work_per_token_does_not_grow_with_the_output(tokenizer) -> None:
     rng = random.Random(1)
     counting = CountingTokenizer(tokenizer)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from cluster.dispatch import InstanceView, LeastLoad, RoundRobin, make_dispatch
+from cluster.dispatch import InstanceView, LeastLoad, ListFleet, RoundRobin, make_dispatch
 from cluster.registry import NoInstanceAvailable, Registry, RequestStatus
 from cluster.stats import EngineStats
 
@@ -22,19 +22,21 @@ def test_least_load_picks_the_lowest_virtual_usage_counting_queued_demand() -> N
     a_queued = InstanceView("a", stats(used=50, free=50), in_flight=2)  # two routed, not yet seen: (50 + 20)/100
     b = InstanceView("b", stats(used=10, free=90, running=1, waiting=5), in_flight=6)  # (10 + 5*10)/100 = 0.6
     c = InstanceView("c", stats(used=0, free=100), in_flight=0, draining=True)  # inf
-    assert policy.choose([a, b, c]) == "a"
-    assert policy.choose([a_queued, b, c]) == "b"
-    assert policy.choose([b, InstanceView("d", stats(used=55, free=45, running=1), in_flight=1)]) == "d"  # 0.55 < 0.6
+    assert policy.choose(ListFleet([a, b, c], policy.load_key)) == "a"
+    assert policy.choose(ListFleet([a_queued, b, c], policy.load_key)) == "b"
+    d = InstanceView("d", stats(used=55, free=45, running=1), in_flight=1)
+    assert policy.choose(ListFleet([b, d], policy.load_key)) == "d"  # 0.55 < 0.6
     # an instance without stats yet is judged by its requests in flight
-    assert policy.choose([InstanceView("x", None, in_flight=3), InstanceView("y", None, in_flight=1)]) == "y"
+    x, y = InstanceView("x", None, in_flight=3), InstanceView("y", None, in_flight=1)
+    assert policy.choose(ListFleet([x, y], policy.load_key)) == "y"
 
 
 def test_round_robin_cycles_and_skips_draining_instances() -> None:
     policy = RoundRobin()
     views = [InstanceView(i, None, 0) for i in "abc"]
-    assert [policy.choose(views) for _ in range(6)] == list("abcabc")
+    assert [policy.choose(ListFleet(views, policy.load_key)) for _ in range(6)] == list("abcabc")
     views[1] = InstanceView("b", None, 0, draining=True)
-    assert {policy.choose(views) for _ in range(4)} == {"a", "c"}
+    assert {policy.choose(ListFleet(views, policy.load_key)) for _ in range(4)} == {"a", "c"}
     with pytest.raises(ValueError, match="unknown dispatch policy"):
         make_dispatch("random")
 

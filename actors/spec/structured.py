@@ -1,0 +1,150 @@
+"""Structured outputs: a request's grammar (JSON schema, JSON object, regex, choice) as a token mask per position.
+
+Built on llguidance (Microsoft's Rust constrained-decoding engine; its masks cost tens of microseconds a token):
+the request's spec is compiled once per distinct spec and tokenizer (an LRU cache), and each request gets a
+matcher that has consumed exactly the tokens it emitted. Speculation goes through the same matcher, which can
+look ahead and step back:
+- a draft model proposes under the mask of the state after its own earlier drafts (so it proposes only allowed
+  tokens); a lookup drafter's proposal is cut at its first token the grammar refuses (`valid_prefix`);
+- verification masks position j of the target's k + 1 with the state after the round's first j drafts, then
+  steps back (`masks`), so the accepted prefix and the recovered or bonus token are what plain constrained
+  decoding would emit; only the tokens a round emits are consumed for good (`consume`).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections import OrderedDict
+from collections.abc import Sequence
+from functools import cached_property
+
+import torch
+
+from cluster.request import InvalidRequest, StructuredOutput
+
+try:  # an optional dependency until a request asks for structured output
+    import llguidance
+    import llguidance.hf
+except ImportError:  # pragma: no cover - exercised only where llguidance is not installed
+    llguidance = None
+
+
+# JSON as json.dumps writes it: ", " and ": " between items, no other whitespace (a model is not left to pad its
+# output with whitespace the schema allows; llguidance's flexible default lets a weak model wander in it)
+JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
+def grammar_of(spec: StructuredOutput) -> str:
+    """The llguidance grammar of a spec (not yet checked)."""
+    if spec.json_schema is not None:
+        return llguidance.LLMatcher.grammar_from_json_schema(spec.json_schema, overrides=JSON_LAYOUT)
+    if spec.json_object:
+        return llguidance.LLMatcher.grammar_from_json_schema({"type": "object"}, overrides=JSON_LAYOUT)
+    if spec.regex is not None:
+        return llguidance.LLMatcher.grammar_from_regex(spec.regex)
+    if spec.choice is not None:
+        return llguidance.LLMatcher.grammar_from_regex("|".join(f"(?:{re.escape(c)})" for c in spec.choice))
+    raise InvalidRequest("a structured output needs a JSON schema, JSON object mode, a regex or choices",
+                         param="response_format")
+
+
+class GrammarCompiler:
+    """Grammars of one tokenizer, compiled once per distinct spec (at most `cache_size` kept)."""
+
+    def __init__(self, hf_tokenizer, vocab_size: int, eos_token_ids: Sequence[int], cache_size: int = 256) -> None:
+        if llguidance is None:
+            raise InvalidRequest("structured outputs need the llguidance package, which is not installed here",
+                                 param="response_format")
+        self.hf_tokenizer, self.vocab_size, self.eos = hf_tokenizer, vocab_size, list(eos_token_ids)
+        self.cache_size = cache_size
+        self._grammars: OrderedDict[str, str] = OrderedDict()
+
+    @cached_property
+    def tokenizer(self):
+        """llguidance's view of the tokenizer (about a second to build: once, on the first structured request)."""
+        return llguidance.hf.from_tokenizer(self.hf_tokenizer, n_vocab=self.vocab_size, eos_token=self.eos)
+
+    def grammar(self, spec: StructuredOutput) -> str:
+        """The checked grammar of `spec`; InvalidRequest (a 400) naming what is wrong with it."""
+        key = spec.model_dump_json()
+        if key in self._grammars:
+            self._grammars.move_to_end(key)
+            return self._grammars[key]
+        try:
+            grammar = grammar_of(spec)
+        except (ValueError, TypeError) as e:
+            raise InvalidRequest(f"invalid structured output: {e}", param="response_format") from None
+        error = llguidance.LLMatcher.validate_grammar(grammar, self.tokenizer)
+        if error:
+            raise InvalidRequest(f"invalid structured output: {error}", param="response_format")
+        self._grammars[key] = grammar
+        while len(self._grammars) > self.cache_size:
+            self._grammars.popitem(last=False)
+        return grammar
+
+    def matcher(self, spec: StructuredOutput) -> "GrammarState":
+        return GrammarState(llguidance.LLMatcher(self.tokenizer, self.grammar(spec), log_level=0), self.vocab_size,
+                            self.eos)
+
+
+class GrammarState:
+    """One request's matcher: it has consumed exactly the request's emitted tokens between steps."""
+
+    def __init__(self, matcher, vocab_size: int, eos_token_ids: Sequence[int]) -> None:
+        self.matcher, self.vocab_size, self.eos = matcher, vocab_size, frozenset(eos_token_ids)
+        self._bitmask = torch.zeros(1, (vocab_size + 31) // 32, dtype=torch.int32)  # host buffer, reused
+
+    def consume(self, tokens: Sequence[int]) -> None:
+        """Tokens the request emitted for good (an end of sequence after a complete grammar ends it: not fed)."""
+        tokens = list(tokens)
+        while tokens and tokens[-1] in self.eos and self.matcher.is_stopped():
+            tokens.pop()
+        if tokens and not self.matcher.consume_tokens(tokens):
+            raise RuntimeError(f"the grammar refused an emitted token: {self.matcher.get_error()}")
+
+    def valid_prefix(self, tokens: Sequence[int]) -> int:
+        """How many leading `tokens` the grammar allows from here."""
+        return self.matcher.validate_tokens(list(tokens)) if tokens else 0
+
+    def allowed(self) -> torch.Tensor:
+        """The tokens allowed next, as a bool row (V,) on the host."""
+        self.matcher.unsafe_compute_mask_ptr(self._bitmask.data_ptr(), self._bitmask.numel() * 4)
+        bits = (self._bitmask[0, :, None] >> torch.arange(32, dtype=torch.int32)) & 1  # (W, 32)
+        return bits.reshape(-1)[: self.vocab_size].bool()
+
+    def masks(self, drafts: Sequence[int]) -> torch.Tensor:
+        """Allowed tokens (len(drafts) + 1, V) at each position of a round: position j after `drafts[:j]`."""
+        rows = [self.allowed()]
+        stepped = 0
+        for t in drafts:
+            if not self.step(t):
+                break  # a draft the grammar refuses is never accepted: later positions cannot matter
+            stepped += 1
+            rows.append(self.allowed())
+        if stepped:
+            self.matcher.rollback(stepped)
+        while len(rows) < len(drafts) + 1:  # positions after a refused draft: anything (they are never reached)
+            rows.append(torch.ones(self.vocab_size, dtype=torch.bool))
+        return torch.stack(rows)
+
+    def step(self, token: int) -> bool:
+        """Look ahead one proposed token (undone with `back`); False, and no step, if the grammar refuses it."""
+        return self.matcher.validate_tokens([token]) == 1 and self.matcher.consume_token(token)
+
+    def back(self, n: int) -> None:
+        if n:
+            self.matcher.rollback(n)
+
+    @property
+    def finished(self) -> bool:
+        """The grammar is complete: only the end of the sequence may follow."""
+        return self.matcher.is_stopped()
+
+
+def parse_schema(text: str) -> dict:
+    """A JSON schema given as a string (gRPC carries it so)."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise InvalidRequest(f"the JSON schema is not valid JSON: {e}", param="response_format") from None
