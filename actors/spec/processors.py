@@ -7,7 +7,8 @@ counts them as generated, and the grammar mask of position j is the matcher's af
 (actors/spec/grammar.py). The same function processes the draft model's logits while it proposes (the draft
 position then sees the tokens it proposed before), so the draft samples from what it will be verified against.
 
-Semantics, as vLLM and the OpenAI API define them:
+Semantics, as vLLM and the OpenAI API define them, applied in vLLM's order (repetition, then frequency and presence,
+then bias):
 - presence_penalty / frequency_penalty (OpenAI): subtract `presence * [count > 0] + frequency * count`, counts over
   the generated tokens only;
 - repetition_penalty (HF, Keskar et al. 2019, CTRL): a token seen in the prompt or the output has its logit divided
@@ -47,14 +48,14 @@ def process(logits: torch.Tensor, params: SamplingParams, prompt: Sequence[int],
     counts = steps.cumsum(0)  # (P, V)
     if output:
         counts += torch.bincount(torch.tensor(list(output), dtype=torch.long, device=device), minlength=v)[:v]
-    if params.frequency_penalty or params.presence_penalty:
-        out -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0).float()
     if params.repetition_penalty != 1.0:
         seen = counts > 0
         if prompt:
             seen[:, torch.tensor(list(prompt), dtype=torch.long, device=device)] = True
         penalized = torch.where(out > 0, out / params.repetition_penalty, out * params.repetition_penalty)
         out = torch.where(seen, penalized, out)
+    if params.frequency_penalty or params.presence_penalty:
+        out -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0).float()
     if params.logit_bias:
         ids = torch.tensor(list(params.logit_bias), dtype=torch.long, device=device)
         bias = torch.tensor(list(params.logit_bias.values()), dtype=out.dtype, device=device)

@@ -25,15 +25,15 @@ PENALTIES = {
 
 def brute_force(logits: torch.Tensor, params: SamplingParams, prompt: list[int], output: list[int],
                 stop_ids: list[int]) -> torch.Tensor:
-    """One position at a time, by the definitions (OpenAI's penalties, HF's repetition penalty)."""
+    """One position at a time, by the definitions (HF's repetition penalty, then OpenAI's penalties: vLLM's order)."""
     out = logits.clone()
     v = out.shape[0]
-    for t in range(v):
-        c = output.count(t)
-        out[t] -= params.frequency_penalty * c + params.presence_penalty * (c > 0)
     if params.repetition_penalty != 1.0:
         hf = RepetitionPenaltyLogitsProcessor(params.repetition_penalty)
         out = hf(torch.tensor([prompt + output]), out[None])[0]
+    for t in range(v):
+        c = output.count(t)
+        out[t] -= params.frequency_penalty * c + params.presence_penalty * (c > 0)
     for t, b in params.logit_bias.items():
         out[t] += b
     if len(output) < params.min_tokens:
