@@ -148,3 +148,17 @@ def parse_schema(text: str) -> dict:
         return json.loads(text)
     except json.JSONDecodeError as e:
         raise InvalidRequest(f"the JSON schema is not valid JSON: {e}", param="response_format") from None
+
+
+def check(spec: StructuredOutput, param: str) -> None:
+    """Check a spec without a tokenizer (no vocabulary to build: the API edge does this before admitting a
+    request); InvalidRequest naming `param` if the schema or regex is invalid."""
+    if llguidance is None:
+        raise InvalidRequest("structured outputs need the llguidance package, which is not installed here",
+                             param=param)
+    try:
+        error = llguidance.LLMatcher.validate_grammar(grammar_of(spec))
+    except (ValueError, TypeError, RecursionError) as e:
+        error = str(e) or type(e).__name__
+    if error:
+        raise InvalidRequest(f"{param}: invalid structured output: {error[:500]}", param=param)

@@ -39,11 +39,13 @@ from ray.exceptions import RayError
 
 from actors.model.loader import load_metadata
 from actors.serving import StreamItem
+from actors.spec.structured import check as check_structured
 from cluster.config import SpecfleetConfig
 from cluster.registry import NoInstanceAvailable
 from cluster.request import (FinishReason, InvalidRequest, Request, RequestStatus, Resume, SamplingParams,
-                             SpecStats, TokenDelta, check_prompt)
+                             SpecStats, StructuredOutput, TokenDelta, TokenLogprob, check_prompt)
 from cluster.router import Overloaded
+from deploy.serve.logprobs import TokenStrings
 from deploy.serve.metrics import Metrics
 from deploy.serve.openai_api import APIError, from_validation_error
 from deploy.serve.tokenizing import TokenizerPool, max_chars_per_token
@@ -79,10 +81,15 @@ class Choice:
     error: str | None = None
     stats: SpecStats = field(default_factory=SpecStats)
     rejected: bool = False  # the engine refused the request (see StreamItem.rejected)
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # one per token, if the request asked
+    prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None
 
     def add(self, item: StreamItem) -> None:
         self.text += item.delta.text
         self.token_ids.extend(item.delta.token_ids)
+        self.logprobs.extend(item.delta.logprobs or ())
+        if self.prompt_logprobs is None:  # the first (a request resumed elsewhere may score its prompt again)
+            self.prompt_logprobs = item.delta.prompt_logprobs
         self.rejected |= item.rejected
         if item.delta.finished:
             self.finish_reason, self.error = item.delta.finish_reason, item.delta.error
@@ -98,6 +105,7 @@ class Frontend:
         self.model_name = m.served_name
         self.meta = load_metadata(resolve(m.target), m.dtype)  # tokenizer, chat template, context length
         self.tokenizer = self.meta.tokenizer
+        self.token_strings = TokenStrings(self.tokenizer)  # what logprobs name each token by
         self.max_model_len = min(m.max_model_len or self.meta.max_model_len, self.meta.max_model_len)
         self.vocab_size = self.meta.config.vocab_size
         self.router = router
@@ -151,19 +159,35 @@ class Frontend:
                                 f"{self.max_model_len} tokens can hold with this tokenizer ({self.max_prompt_chars})",
                            param=param, code="context_length_exceeded")
 
-    def prepare(self, prompt_ids: list[int], *, max_tokens: int | None, temperature: float, top_p: float,
-                top_k: int, seed: int | None, stop: tuple[str, ...], n: int, priority: int, ignore_eos: bool,
-                prompt_param: str = "prompt", prefix: str = "cmpl", tenant: str = "") -> Prepared:
-        """Check the prompt and build each choice's sampling parameters, with the checks of cluster/request.py (the
-        engine's own), so that what the engine would refuse is a 400 naming the field here."""
+    async def check_structured(self, spec: StructuredOutput | None, param: str | None, tenant: str = "") -> None:
+        """Compile-check a structured output's schema or regex (on the tokenizer pool: a schema can be large), so
+        that an invalid one is a 400 naming its field before the request is routed."""
+        if spec is not None:
+            try:
+                await self.tokenizing.run(tenant, _check_structured, spec, param)
+            except InvalidRequest as e:
+                raise APIError(400, str(e), param=e.param, code="invalid_value") from None
+
+    def prepare(self, prompt_ids: list[int], *, max_tokens: int | None, seed: int | None, n: int, priority: int,
+                prompt_param: str = "prompt", prefix: str = "cmpl", tenant: str = "", **sampling) -> Prepared:
+        """Check the prompt and build each choice's sampling parameters (`sampling`: SamplingParams' other fields),
+        with the checks of cluster/request.py (the engine's own), so that what the engine would refuse is a 400
+        naming the field here; token ids (logit_bias, stop_token_ids) are checked against the vocabulary."""
         arrival = time.monotonic()
+        for field_ in ("logit_bias", "stop_token_ids"):
+            if any(t >= self.vocab_size for t in sampling.get(field_) or ()):
+                raise APIError(400, f"{field_}: token ids must be in [0, {self.vocab_size})", param=field_,
+                               code="invalid_value")
+        if sampling.get("structured") is not None and sampling.get("min_tokens"):
+            raise APIError(400, "min_tokens cannot be combined with a structured output (the grammar decides where "
+                                "the output may end)", param="min_tokens", code="invalid_value")
+        if max_tokens == 0 and sampling.get("prompt_logprobs") is None:
+            raise APIError(400, "max_tokens must be at least 1 (0 only scores a prompt: with echo and logprobs)",
+                           param="max_tokens", code="invalid_value")
         try:
             max_tokens = check_prompt(prompt_ids, max_tokens, self.max_model_len, self.vocab_size)
-            params = tuple(
-                SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k,
-                               seed=None if seed is None else seed + i, max_tokens=max_tokens, stop=stop,
-                               ignore_eos=ignore_eos)
-                for i in range(n))
+            params = tuple(SamplingParams(seed=None if seed is None else seed + i, max_tokens=max_tokens, **sampling)
+                           for i in range(n))
         except InvalidRequest as e:
             raise APIError(400, str(e), param=prompt_param if e.param == "prompt" else e.param,
                            code=e.code or "invalid_value") from None
@@ -255,6 +279,10 @@ def _cause(e: BaseException) -> str:
 
 def _encode(tokenizer, prompt: str) -> list[int]:
     return tokenizer.encode(prompt)
+
+
+def _check_structured(_tokenizer, spec: StructuredOutput, param: str) -> None:
+    check_structured(spec, param)
 
 
 def _encode_chat(tokenizer, messages: list[dict]) -> list[int]:

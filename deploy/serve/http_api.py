@@ -26,7 +26,7 @@ from cluster.request import FinishReason, SpecStats
 from deploy.serve.auth import Tenant
 from deploy.serve.frontend import Call
 from cluster.registry import NoInstanceAvailable
-from deploy.serve import openapi
+from deploy.serve import logprobs, openapi
 from deploy.serve.metrics import CONTENT_TYPE
 from deploy.serve.openai_api import (APIError, ChatCompletionRequest, CompletionRequest, choice, chunk_body,
                                completion_body, from_validation_error, model_list, usage, usage_chunk)
@@ -165,11 +165,10 @@ class HttpRoutes:
         body: CompletionRequest = await _body(request, CompletionRequest, self.cfg.serve)
         f = self.frontend
         f.check_model(body.model)
-        call = await self.edge.start(
-            tenant, n=body.n, priority=body.priority, max_tokens=body.max_tokens,
-            encode=lambda: f.encode_prompt(body.prompt, tenant.name),
-            prepare=lambda ids: f.prepare(ids, max_tokens=body.max_tokens, **body.sampling_args(), tenant=tenant.name))
-        prefix = body.prompt if body.echo and isinstance(body.prompt, str) else ""
+        call = await self._start_body(tenant, body, body.max_tokens, lambda: f.encode_prompt(body.prompt, tenant.name))
+        prefix = ""
+        if body.echo:
+            prefix = body.prompt if isinstance(body.prompt, str) else f.tokenizer.decode(call.prep.prompt_ids)
         return await self._respond(call, body, chat=False, prefix=prefix)
 
     async def _chat_completions(self, request: Request) -> Response:
@@ -180,23 +179,45 @@ class HttpRoutes:
         f.check_model(body.model)
         self.edge.check_messages(len(body.messages))
         messages = [m.template_dict() for m in body.messages]
-        call = await self.edge.start(
-            tenant, n=body.n, priority=body.priority, max_tokens=body.token_limit,
-            encode=lambda: f.encode_chat(messages, tenant.name),
-            prepare=lambda ids: f.prepare(ids, max_tokens=body.token_limit, **body.sampling_args(),
-                                          prompt_param="messages", prefix="chatcmpl", tenant=tenant.name))
+        call = await self._start_body(tenant, body, body.token_limit, lambda: f.encode_chat(messages, tenant.name),
+                                 prompt_param="messages", prefix="chatcmpl")
         return await self._respond(call, body, chat=True)
+
+    async def _start_body(self, tenant: Tenant, body, max_tokens: int | None, encode, **naming) -> Call:
+        """The body's request through the edge: its structured output is checked with the prompt's tokenization."""
+        f = self.frontend
+        spec, spec_param = body.structured()
+        sampling = {**body.sampling_args(), "logprobs": body.logprobs_count,
+                    "prompt_logprobs": body.prompt_logprobs_count, "structured": spec}
+
+        async def checked_encode() -> list[int]:
+            await f.check_structured(spec, spec_param, tenant.name)
+            return await encode()
+
+        return await self.edge.start(
+            tenant, n=body.n, priority=body.priority, max_tokens=max_tokens, encode=checked_encode,
+            prepare=lambda ids: f.prepare(ids, max_tokens=max_tokens, **sampling, tenant=tenant.name, **naming))
 
     async def _respond(self, call: Call, body, chat: bool, prefix: str = "") -> Response:
         """The response of a started call; whatever goes wrong before the response owns the call closes it."""
         try:
             if body.stream:
-                return ClosingStreamingResponse(self._stream(call, chat, body.include_usage, prefix), call,
+                return ClosingStreamingResponse(self._stream(call, body, chat, prefix), call,
                                                 media_type="text/event-stream")
             return await self._complete(call, body, chat, prefix)
         except BaseException:
             call.close()
             raise
+
+    def _logprobs(self, body, chat: bool, prompt_ids, prompt: tuple | None, generated, offset: int = 0):
+        """The `logprobs` of a choice (or of a chunk's tokens), and the text offset after them (completions)."""
+        strings = self.frontend.token_strings
+        if body.logprobs_count is None:
+            return None, offset
+        if chat:
+            return logprobs.chat(generated, strings), offset
+        scored = list(zip(prompt_ids, prompt)) if prompt is not None else []
+        return logprobs.completion(scored + [(lp.token_id, lp) for lp in generated], strings, offset)
 
     async def _complete(self, call: Call, body, chat: bool, prefix: str) -> Response:
         rid, model, p = call.prep.request_id, self.frontend.model_name, len(call.prep.prompt_ids)
@@ -209,24 +230,30 @@ class HttpRoutes:
         total = SpecStats()
         for c in choices:
             total.merge(c.stats)
-        out = [choice(c.index, prefix + c.text, c.finish_reason.value if c.finish_reason else None, chat, c.stats)
+        out = [choice(c.index, prefix + c.text, c.finish_reason.value if c.finish_reason else None, chat, c.stats,
+                      self._logprobs(body, chat, call.prep.prompt_ids, c.prompt_logprobs, c.logprobs)[0])
                for c in choices]
         return JSONResponse(completion_body(rid, model, out, usage(p, sum(len(c.token_ids) for c in choices)),
                                             total, chat))
 
-    async def _stream(self, call: Call, chat: bool, include_usage: bool, prefix: str) -> AsyncIterator[str]:
+    async def _stream(self, call: Call, body, chat: bool, prefix: str) -> AsyncIterator[str]:
         try:
-            async for event in self._events(call, chat, include_usage, prefix):
+            async for event in self._events(call, body, chat, prefix):
                 yield event
         finally:
             call.close()
 
-    async def _events(self, call: Call, chat: bool, include_usage: bool, prefix: str) -> AsyncIterator[str]:
+    async def _events(self, call: Call, body, chat: bool, prefix: str) -> AsyncIterator[str]:
+        """Chunks as the tokens come; each carries its tokens' logprobs if asked. The echoed prompt comes first,
+        before any token, or (scoring the prompt) with the prompt's logprobs, which arrive with the first delta."""
         rid, model, created = call.prep.request_id, self.frontend.model_name, int(time.time())
+        prompt_ids = call.prep.prompt_ids
         started: set[int] = set()
+        offsets = [0] * len(call.ids)  # completions' text_offset so far, per choice
         completion_tokens, total = 0, SpecStats()
+        scoring = prefix and body.prompt_logprobs_count is not None
         for index in range(len(call.ids)):  # the role (chat) or the echoed prompt first, so clients see the start
-            if chat or prefix:
+            if chat or (prefix and not scoring):
                 started.add(index)
                 yield _sse(chunk_body(rid, model, created, index, prefix, None, chat, first=True))
         async for index, item in call:
@@ -237,14 +264,19 @@ class HttpRoutes:
             if d.error:
                 err = APIError(503, d.error, type_="service_unavailable", code="instance_failed")
                 yield _sse(err.body())
-            if d.text or d.finished:
+            if scoring and index not in started:
+                lp, offsets[index] = self._logprobs(body, chat, prompt_ids, d.prompt_logprobs or None, (),
+                                                    offsets[index])
+                started.add(index)
+                yield _sse(chunk_body(rid, model, created, index, prefix, None, chat, logprobs=lp))
+            if d.text or d.finished or d.logprobs:
+                lp, offsets[index] = self._logprobs(body, chat, prompt_ids, None, d.logprobs or (), offsets[index])
                 reason = d.finish_reason.value if d.finished else None
                 yield _sse(chunk_body(rid, model, created, index, d.text, reason, chat,
-                                      first=chat and index not in started))
+                                      first=chat and index not in started, logprobs=lp))
                 started.add(index)
-        if include_usage:
-            yield _sse(usage_chunk(rid, model, created, usage(len(call.prep.prompt_ids), completion_tokens), total,
-                                   chat))
+        if body.include_usage:
+            yield _sse(usage_chunk(rid, model, created, usage(len(prompt_ids), completion_tokens), total, chat))
         yield _sse("[DONE]")
 
     # ---- health and metrics ---------------------------------------------------------------------------

@@ -3,34 +3,38 @@
 Fields are type-checked strictly (`"max_tokens": "12"` is a 400, not a conversion) and every integer is bounded,
 so a wrong one becomes a 400 that names it (`param`). A field the server does not implement is a 400 that names
 it too (`code: unsupported_parameter`), never silently dropped: the OpenAI fields that would change the output
-(`response_format`, `tools`, `logprobs`...) are refused unless they carry their neutral value (`"logprobs":
-false`, `"presence_penalty": 0`), and any other unknown field is refused outright. `user` is accepted and
-ignored, as it only labels the caller. The sampling fields' ranges are `SamplingParams`' (cluster/request.py),
-checked when the frontend builds it. Per-request speculation stats ride in an extension field, `spec_decode`.
+(`tools`, `best_of`, `min_p`...) are refused unless they carry their neutral value (`"tools": []`), and any
+other unknown field is refused outright. `user` is accepted and ignored, as it only labels the caller. The
+sampling fields' ranges are `SamplingParams`' (cluster/request.py), checked when the frontend builds it; the
+structured-output fields (`response_format`, vLLM's `guided_json` / `guided_regex` / `guided_choice`) become one
+`StructuredOutput`. Per-request speculation stats ride in an extension field, `spec_decode`; logprobs are built
+in deploy/serve/logprobs.py.
 """
 
 from __future__ import annotations
 
+import json
 import time
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
+from pydantic import (BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator,
+                      model_validator)
 from pydantic.json_schema import SkipJsonSchema
 
-from cluster.request import MAX_SEED, MAX_STOP_CHARS, MAX_STOPS, SpecStats
+from cluster.request import (MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_SEED, MAX_STOP_CHARS, MAX_STOPS, SpecStats,
+                             StructuredOutput)
 
 INT32_MAX = 2**31 - 1
 # OpenAI / vLLM fields this server does not implement, each with the values that ask for nothing (accepted)
 UNSUPPORTED: dict[str, tuple] = {
-    "logprobs": (None, False, 0), "top_logprobs": (None, 0), "prompt_logprobs": (None, 0),
-    "response_format": (None, {"type": "text"}), "tools": (None, []), "tool_choice": (None, "none", "auto"),
+    "prompt_logprobs": (None, 0), "tools": (None, []), "tool_choice": (None, "none", "auto"),
     "parallel_tool_calls": (None,), "functions": (None, []), "function_call": (None, "none", "auto"),
-    "logit_bias": (None, {}), "presence_penalty": (None, 0), "frequency_penalty": (None, 0),
-    "repetition_penalty": (None, 1), "min_p": (None, 0), "min_tokens": (None, 0), "best_of": (None, 1),
-    "suffix": (None, ""), "stop_token_ids": (None, []), "include_stop_str_in_output": (None, False),
-    "skip_special_tokens": (None, True), "guided_json": (None,), "guided_regex": (None,),
-    "guided_choice": (None,), "guided_grammar": (None,), "use_beam_search": (None, False),
+    "min_p": (None, 0), "best_of": (None, 1), "suffix": (None, ""), "include_stop_str_in_output": (None, False),
+    "skip_special_tokens": (None, True), "guided_grammar": (None,), "use_beam_search": (None, False),
 }
+TOOLS = ("tools", "tool_choice", "parallel_tool_calls", "functions", "function_call")
+MAX_STOP_TOKEN_IDS = 64
+MAX_CHOICES = 1_000  # guided_choice's strings (StructuredOutput's bound)
 
 
 class APIError(Exception):
@@ -53,6 +57,9 @@ def from_validation_error(e: ValidationError) -> APIError:
     """The first problem of a request body, as a 400 naming the field."""
     err = e.errors(include_url=False)[0]
     param = ".".join(str(p) for p in err["loc"] if not _union_member(p)) or None
+    if param in TOOLS:
+        return APIError(400, f"{param}: tool calling is not supported by this server (docs/serving.md)",
+                        param=param, code="unsupported_parameter")
     if err["type"] == "extra_forbidden" or (param in UNSUPPORTED):
         return APIError(400, f"{param}: not supported by this server", param=param, code="unsupported_parameter")
     if err["type"].startswith("json_"):
@@ -79,7 +86,32 @@ class StreamOptions(_Body):
 
 StopString = Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]
 Int32 = Annotated[int, Field(ge=-INT32_MAX - 1, le=INT32_MAX)]
+TokenId = Annotated[int, Field(ge=0, le=INT32_MAX)]
+TopLogprobs = Annotated[int, Field(ge=0, le=MAX_LOGPROBS)]
 Unsupported = SkipJsonSchema[Any]  # accepted only with its neutral value (UNSUPPORTED); left out of the schema
+
+
+class JsonSchemaFormat(_Body):
+    """`response_format.json_schema`: OpenAI's named schema (`strict` is accepted: output always matches)."""
+
+    model_config = ConfigDict(populate_by_name=True)
+    name: str = Field(max_length=256)
+    description: str | None = Field(default=None, max_length=4096)
+    schema_: dict = Field(alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Body):
+    """OpenAI's `response_format`: plain text, any JSON object, or JSON matching a schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_with_its_type(self) -> "ResponseFormat":
+        if (self.json_schema is None) == (self.type == "json_schema"):
+            raise ValueError("give `json_schema` exactly when `type` is \"json_schema\"")
+        return self
 
 
 class _Sampling(_Body):
@@ -98,29 +130,31 @@ class _Sampling(_Body):
     priority: Int32 = 0  # higher is served first (vLLM's field; vLLM sorts the other way, see docs/serving.md)
     ignore_eos: bool = False
     user: str | None = Field(default=None, max_length=256)  # OpenAI's end-user label: accepted, not used
+    # logits processors (ranges: SamplingParams'); logit_bias maps token ids, as JSON strings, to a bias
+    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    repetition_penalty: float = Field(default=1.0, gt=0.0, le=2.0)
+    logit_bias: Annotated[dict[Annotated[str, Field(max_length=12)], Annotated[float, Field(ge=-100, le=100)]],
+                          Field(max_length=MAX_LOGIT_BIAS)] | None = None
+    min_tokens: int = Field(default=0, ge=0, le=INT32_MAX)
+    stop_token_ids: Annotated[list[TokenId], Field(max_length=MAX_STOP_TOKEN_IDS)] | None = None
+    # structured outputs: at most one of these (OpenAI's response_format, vLLM's guided_*)
+    response_format: ResponseFormat | None = None
+    guided_json: dict | Annotated[str, Field(max_length=1 << 20)] | None = None
+    guided_regex: str | None = Field(default=None, max_length=10_000)
+    guided_choice: Annotated[list[Annotated[str, Field(max_length=1000)]],
+                             Field(min_length=1, max_length=MAX_CHOICES)] | None = None
     # not implemented: declared so that asking for them is a 400 naming the field (UNSUPPORTED)
-    logprobs: Unsupported = None
-    top_logprobs: Unsupported = None
     prompt_logprobs: Unsupported = None
-    response_format: Unsupported = None
     tools: Unsupported = None
     tool_choice: Unsupported = None
     parallel_tool_calls: Unsupported = None
     functions: Unsupported = None
     function_call: Unsupported = None
-    logit_bias: Unsupported = None
-    presence_penalty: Unsupported = None
-    frequency_penalty: Unsupported = None
-    repetition_penalty: Unsupported = None
     min_p: Unsupported = None
-    min_tokens: Unsupported = None
     best_of: Unsupported = None
-    stop_token_ids: Unsupported = None
     include_stop_str_in_output: Unsupported = None
     skip_special_tokens: Unsupported = None
-    guided_json: Unsupported = None
-    guided_regex: Unsupported = None
-    guided_choice: Unsupported = None
     guided_grammar: Unsupported = None
     use_beam_search: Unsupported = None
 
@@ -137,20 +171,77 @@ class _Sampling(_Body):
         return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
 
     def sampling_args(self) -> dict:
-        """The keyword arguments of Frontend.prepare that the body gives as they are (not max_tokens)."""
+        """The keyword arguments of Frontend.prepare that the body gives (not max_tokens, logprobs, structured)."""
         return {"temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k, "seed": self.seed,
-                "stop": self.stop_list, "n": self.n, "priority": self.priority, "ignore_eos": self.ignore_eos}
+                "stop": self.stop_list, "n": self.n, "priority": self.priority, "ignore_eos": self.ignore_eos,
+                "presence_penalty": self.presence_penalty, "frequency_penalty": self.frequency_penalty,
+                "repetition_penalty": self.repetition_penalty, "logit_bias": self.bias(),
+                "min_tokens": self.min_tokens, "stop_token_ids": tuple(self.stop_token_ids or ())}
+
+    def bias(self) -> dict[int, float]:
+        """logit_bias with its keys as token ids (their range is checked against the vocabulary in `prepare`)."""
+        out = {}
+        for key, value in (self.logit_bias or {}).items():
+            if not (key.isascii() and key.isdigit()):
+                raise APIError(400, f"logit_bias: keys must be token ids (non-negative integers), got {key[:20]!r}",
+                               param="logit_bias", code="invalid_value")
+            out[int(key)] = value
+        return out
+
+    def structured(self) -> tuple[StructuredOutput | None, str | None]:
+        """The structured output asked for, and the field that asked (None, None: none)."""
+        given = []
+        rf = self.response_format
+        if rf is not None and rf.type == "json_object":
+            given.append(("response_format", StructuredOutput(json_object=True)))
+        elif rf is not None and rf.type == "json_schema":
+            given.append(("response_format", StructuredOutput(json_schema=rf.json_schema.schema_)))
+        if self.guided_json is not None:
+            given.append(("guided_json", StructuredOutput(json_schema=_schema(self.guided_json))))
+        if self.guided_regex is not None:
+            given.append(("guided_regex", StructuredOutput(regex=self.guided_regex)))
+        if self.guided_choice is not None:
+            given.append(("guided_choice", StructuredOutput(choice=tuple(self.guided_choice))))
+        if len(given) > 1:
+            raise APIError(400, f"give one structured output, not {' and '.join(p for p, _ in given)}",
+                           param=given[1][0], code="invalid_value")
+        return (given[0][1], given[0][0]) if given else (None, None)
 
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
 
+def _schema(v: dict | str) -> dict:
+    """guided_json's schema, given as an object or as JSON text (vLLM takes both)."""
+    if isinstance(v, dict):
+        return v
+    try:
+        schema = json.loads(v)
+    except ValueError as e:
+        raise APIError(400, f"guided_json: not valid JSON: {str(e)[:200]}", param="guided_json",
+                       code="invalid_value") from None
+    if not isinstance(schema, dict):
+        raise APIError(400, "guided_json: a JSON schema is an object", param="guided_json", code="invalid_value")
+    return schema
+
+
 class CompletionRequest(_Sampling):
     prompt: str | list[Annotated[int, Field(ge=0, le=INT32_MAX)]] = Field(min_length=1)
-    max_tokens: int | None = Field(default=16, ge=1, le=INT32_MAX)  # OpenAI's default for completions
+    # OpenAI's default for completions; 0 only scores the prompt (echo with logprobs)
+    max_tokens: int | None = Field(default=16, ge=0, le=INT32_MAX)
     echo: bool = False
+    logprobs: TopLogprobs | None = None  # the top alternatives per token (0: the chosen token's own only)
     suffix: Unsupported = None
+
+    @property
+    def logprobs_count(self) -> int | None:
+        return self.logprobs
+
+    @property
+    def prompt_logprobs_count(self) -> int | None:
+        """echo with logprobs returns the prompt's logprobs too (how evaluation harnesses score a prompt)."""
+        return self.logprobs if self.echo else None
 
     @field_validator("suffix", mode="before")
     @classmethod
@@ -195,6 +286,23 @@ class ChatMessage(_Body):
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1, le=INT32_MAX)
+    logprobs: bool = False
+    top_logprobs: TopLogprobs | None = None  # needs logprobs: true
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _top_with_logprobs(cls, v: int | None, info: ValidationInfo) -> int | None:
+        if v is not None and not info.data.get("logprobs"):
+            raise ValueError("top_logprobs needs `logprobs: true`")
+        return v
+
+    @property
+    def logprobs_count(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+    @property
+    def prompt_logprobs_count(self) -> None:
+        return None
 
     @property
     def token_limit(self) -> int | None:
@@ -220,24 +328,25 @@ def completion_body(rid: str, model: str, choices: list[dict], usage_: dict, sta
             "model": model, "choices": choices, "usage": usage_, "spec_decode": spec_decode(stats)}
 
 
-def choice(index: int, text: str, finish_reason: str | None, chat: bool, stats: SpecStats | None = None) -> dict:
+def choice(index: int, text: str, finish_reason: str | None, chat: bool, stats: SpecStats | None = None,
+           logprobs: dict | None = None) -> dict:
     body: dict = {"index": index, "finish_reason": finish_reason}
     if chat:
-        body["message"] = {"role": "assistant", "content": text}
+        body.update(message={"role": "assistant", "content": text}, logprobs=logprobs)
     else:
-        body.update(text=text, logprobs=None)
+        body.update(text=text, logprobs=logprobs)
     if stats is not None:
         body["spec_decode"] = spec_decode(stats)
     return body
 
 
 def chunk_body(rid: str, model: str, created: int, index: int, text: str | None, finish_reason: str | None,
-               chat: bool, first: bool = False) -> dict:
+               chat: bool, first: bool = False, logprobs: dict | None = None) -> dict:
     if chat:
         delta: dict = {"role": "assistant", "content": text or ""} if first else ({"content": text} if text else {})
-        c = {"index": index, "delta": delta, "finish_reason": finish_reason}
+        c = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
     else:
-        c = {"index": index, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
+        c = {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": finish_reason}
     return {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion", "created": created,
             "model": model, "choices": [c]}
 
