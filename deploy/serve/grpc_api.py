@@ -12,7 +12,10 @@ from collections.abc import AsyncIterator
 
 import grpc
 
-from cluster.request import FinishReason, SpecStats
+from pydantic import ValidationError
+
+from actors.spec.structured import parse_schema
+from cluster.request import FinishReason, InvalidRequest, SpecStats, StructuredOutput
 from deploy.serve.auth import Tenant
 from deploy.serve.frontend import Call
 from deploy.serve.openai_api import APIError
@@ -31,6 +34,29 @@ def _spec(stats: SpecStats) -> pb.SpecDecodeStats:
 
 def _usage(prompt: int, completion: int) -> pb.Usage:
     return pb.Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+
+
+def _opt(request: pb.GenerateRequest, name: str, default):
+    """An optional field's value, or `default` when it is unset."""
+    return getattr(request, name) if request.HasField(name) else default
+
+
+def _structured(request: pb.GenerateRequest) -> StructuredOutput | None:
+    """The request's structured output (its JSON schema parsed: a 400 naming `structured` if it is no JSON)."""
+    kind = request.structured.WhichOneof("kind") if request.HasField("structured") else None
+    s = request.structured
+    try:
+        if kind == "json_schema":
+            return StructuredOutput(json_schema=parse_schema(s.json_schema))
+        if kind == "json_object":
+            return StructuredOutput(json_object=True) if s.json_object else None
+        if kind == "regex":
+            return StructuredOutput(regex=s.regex)
+        if kind == "choice":
+            return StructuredOutput(choice=tuple(s.choice.choices))
+    except (InvalidRequest, ValidationError) as e:
+        raise APIError(400, f"structured: {str(e)[:300]}", param="structured") from None
+    return None
 
 
 def _failure(error: str | None, rejected: bool) -> APIError:
@@ -81,14 +107,37 @@ class GrpcMethods:
         temperature = request.temperature if request.HasField("temperature") else 1.0
         top_p = request.top_p if request.HasField("top_p") else 1.0
         max_tokens = request.max_tokens if request.HasField("max_tokens") else default_max
-        if max_tokens is not None and max_tokens < 1:
-            raise APIError(400, f"max_tokens must be at least 1, got {max_tokens}", param="max_tokens")
+        spec = _structured(request)
+        sampling = {
+            "temperature": temperature, "top_p": top_p, "top_k": request.top_k, "stop": tuple(request.stop),
+            "ignore_eos": request.ignore_eos, "min_tokens": request.min_tokens,
+            "presence_penalty": _opt(request, "presence_penalty", 0.0),
+            "frequency_penalty": _opt(request, "frequency_penalty", 0.0),
+            "repetition_penalty": _opt(request, "repetition_penalty", 1.0),
+            "logit_bias": dict(request.logit_bias), "stop_token_ids": tuple(request.stop_token_ids),
+            "logprobs": _opt(request, "logprobs", None), "prompt_logprobs": _opt(request, "prompt_logprobs", None),
+            "structured": spec}
+
+        async def checked_encode() -> list[int]:
+            await f.check_structured(spec, "structured", tenant.name)
+            return await encode()
+
         return await self.edge.start(
-            tenant, n=1, priority=request.priority, max_tokens=max_tokens, encode=encode,
-            prepare=lambda ids: f.prepare(ids, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
-                                          top_k=request.top_k, seed=request.seed if request.HasField("seed") else None,
-                                          stop=tuple(request.stop), n=1, priority=request.priority,
-                                          ignore_eos=request.ignore_eos, prompt_param=param, tenant=tenant.name))
+            tenant, n=1, priority=request.priority, max_tokens=max_tokens, encode=checked_encode,
+            prepare=lambda ids: f.prepare(ids, max_tokens=max_tokens, seed=request.seed if request.HasField("seed")
+                                          else None, n=1, priority=request.priority, prompt_param=param,
+                                          tenant=tenant.name, **sampling))
+
+    def _grpc_logprobs(self, entries, token_ids) -> list[pb.TokenLogprob]:
+        """TokenLogprob messages of these tokens (an entry None: the prompt's first token, no logprob)."""
+        strings, out = self.frontend.token_strings, []
+        for token_id, lp in zip(token_ids, entries):
+            m = pb.TokenLogprob(token_id=token_id, token=strings.of(token_id))
+            if lp is not None:
+                m.logprob = lp.logprob
+                m.top_logprobs.extend(pb.TopLogprob(token_id=t, token=strings.of(t), logprob=v) for t, v in lp.top)
+            out.append(m)
+        return out
 
     async def Generate(self, request: pb.GenerateRequest, grpc_context) -> pb.GenerateResponse:  # noqa: N802
         try:
@@ -101,7 +150,9 @@ class GrpcMethods:
             return pb.GenerateResponse()
         return pb.GenerateResponse(id=call.prep.request_id, model=self.frontend.model_name, text=c.text,
                                    token_ids=c.token_ids, finish_reason=c.finish_reason.value,
-                                   usage=_usage(len(call.prep.prompt_ids), len(c.token_ids)), spec_decode=_spec(c.stats))
+                                   usage=_usage(len(call.prep.prompt_ids), len(c.token_ids)), spec_decode=_spec(c.stats),
+                                   logprobs=self._grpc_logprobs(c.logprobs, c.token_ids),
+                                   prompt_logprobs=self._grpc_logprobs(c.prompt_logprobs or (), call.prep.prompt_ids))
 
     async def GenerateStream(self, request: pb.GenerateRequest, grpc_context) -> AsyncIterator[pb.GenerateChunk]:  # noqa: N802
         try:
@@ -118,7 +169,9 @@ class GrpcMethods:
                     e = _failure(d.error, item.rejected)
                     self._fail(grpc_context, e)
                     raise e
-                chunk = pb.GenerateChunk(id=rid, text=d.text, token_ids=d.token_ids)
+                chunk = pb.GenerateChunk(id=rid, text=d.text, token_ids=d.token_ids,
+                                         logprobs=self._grpc_logprobs(d.logprobs or (), d.token_ids),
+                                         prompt_logprobs=self._grpc_logprobs(d.prompt_logprobs or (), call.prep.prompt_ids))
                 if d.finished:
                     chunk.finish_reason = d.finish_reason.value
                     chunk.usage.CopyFrom(_usage(len(call.prep.prompt_ids), completion))
