@@ -90,11 +90,11 @@ def test_bodies_that_break_a_parser_are_400s_not_500s(served_app: ServedApp, rou
     ({"n": 16, "max_tokens": 5000}, "max_tokens", "limit_exceeded"),  # n * max_tokens over serve.edge's bound
     ({"seed": 2**64}, "seed", "invalid_value"),
     ({"top_k": -(2**40)}, "top_k", "invalid_value"),
-    ({"response_format": {"type": "json_object"}}, "response_format", "unsupported_parameter"),
     ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools", "unsupported_parameter"),
-    ({"logprobs": True}, "logprobs", "unsupported_parameter"),
-    ({"top_logprobs": 5}, "top_logprobs", "unsupported_parameter"),
-    ({"presence_penalty": 0.5}, "presence_penalty", "unsupported_parameter"),
+    ({"min_p": 0.5}, "min_p", "unsupported_parameter"),
+    ({"presence_penalty": 2.5}, "presence_penalty", "invalid_value"),
+    ({"logit_bias": {"1": 101}}, "logit_bias", "invalid_value"),
+    ({"logit_bias": {str(i): 1 for i in range(301)}}, "logit_bias", "invalid_value"),
     ({"turbo": True}, "turbo", "unsupported_parameter"),
 ])
 def test_out_of_bounds_and_unimplemented_fields_are_400s_that_name_the_field(served_app: ServedApp, extra: dict,

@@ -12,6 +12,7 @@ codegen.ensure()
 from deploy.rpc import specfleet_pb2 as pb  # noqa: E402
 from deploy.rpc import specfleet_pb2_grpc as pb_grpc  # noqa: E402
 from tests.serve.conftest import API_KEY, CONTEXT, MODEL, ServedApp  # noqa: E402
+from tests.serve.test_openai_surface import log_softmax as reference_logprobs  # noqa: E402
 from tests.unit.helpers import load, reference_greedy, text_prompts  # noqa: E402
 
 AUTH = (("authorization", f"Bearer {API_KEY}"),)
@@ -91,3 +92,29 @@ def test_bad_calls_get_status_codes_on_both_methods(stub, metadata, request_, co
     ok = stub.Generate(pb.GenerateRequest(model=MODEL, prompt="hi", max_tokens=4, temperature=0, ignore_eos=True),
                        metadata=AUTH, timeout=120)
     assert ok.finish_reason == "length" and len(ok.token_ids) == 4
+
+
+def test_logprobs_and_prompt_scoring_travel_over_grpc(stub, served_app: ServedApp) -> None:
+    prompt = text_prompts(load(served_app.target), 1, offset=17)[0]
+    request = pb.GenerateRequest(model=MODEL, prompt_token_ids=pb.TokenIds(ids=prompt), max_tokens=6, temperature=0,
+                                 logprobs=2, prompt_logprobs=1)
+    reply = stub.Generate(request, metadata=AUTH, timeout=120)
+    ref = reference_logprobs(served_app, prompt + list(reply.token_ids))
+    assert [lp.token_id for lp in reply.logprobs] == list(reply.token_ids) == reference_greedy(served_app.target,
+                                                                                              prompt, 6)
+    for j, lp in enumerate(reply.logprobs):
+        assert lp.logprob == pytest.approx(float(ref[len(prompt) + j - 1, lp.token_id]), abs=1e-4)
+        assert len(lp.top_logprobs) == 2 and lp.top_logprobs[0].token_id == lp.token_id
+    assert [lp.token_id for lp in reply.prompt_logprobs] == prompt and not reply.prompt_logprobs[0].HasField("logprob")
+    for j, lp in enumerate(reply.prompt_logprobs[1:], start=1):
+        assert lp.logprob == pytest.approx(float(ref[j - 1, prompt[j]]), abs=1e-4)
+    chunks = list(stub.GenerateStream(request, metadata=AUTH, timeout=120))
+    assert [lp.logprob for c in chunks for lp in c.logprobs] == pytest.approx([lp.logprob for lp in reply.logprobs])
+    scored = stub.Generate(pb.GenerateRequest(model=MODEL, prompt_token_ids=pb.TokenIds(ids=prompt), max_tokens=0,
+                                              prompt_logprobs=0), metadata=AUTH, timeout=120)
+    assert not scored.token_ids and [lp.logprob for lp in scored.prompt_logprobs[1:]] == pytest.approx(
+        [lp.logprob for lp in reply.prompt_logprobs[1:]], abs=1e-5)
+    with pytest.raises(grpc.RpcError) as e:
+        stub.Generate(pb.GenerateRequest(model=MODEL, prompt="x", max_tokens=4,
+                                         structured=pb.StructuredOutput(regex="(unclosed")), metadata=AUTH, timeout=60)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "structured" in e.value.details()
