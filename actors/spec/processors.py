@@ -53,6 +53,8 @@ def process(logits: torch.Tensor, params: SamplingParams, prompt: Sequence[int],
         if prompt:
             seen[:, torch.tensor(list(prompt), dtype=torch.long, device=device)] = True
         penalized = torch.where(out > 0, out / params.repetition_penalty, out * params.repetition_penalty)
+        penalized = penalized.clamp(min=torch.finfo(out.dtype).min, max=torch.finfo(out.dtype).max)  # no inf: a
+        # tiny penalty must not make a distribution of NaNs (only the masks below make -inf)
         out = torch.where(seen, penalized, out)
     if params.frequency_penalty or params.presence_penalty:
         out -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0).float()

@@ -25,7 +25,10 @@ def probs_from_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Ten
     computed after top-k, as vLLM and transformers do.
     """
     assert params.temperature > 0, "greedy requests take the argmax, not a distribution"
-    logits = logits / params.temperature
+    # shifted by the row's maximum first (softmax does not change it) so that a tiny temperature cannot overflow to
+    # inf, and that temperature at least the dtype's least normal number (1e-300 would be 0 in fp32: 0 / 0)
+    temperature = max(params.temperature, torch.finfo(logits.dtype).tiny)
+    logits = (logits - logits.amax(-1, keepdim=True)) / temperature
     if params.top_k > 0 and params.top_k < logits.shape[-1]:
         kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]  # (N, 1)
         logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -33,6 +36,7 @@ def probs_from_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Ten
         sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
         cum = sorted_logits.softmax(-1).cumsum(-1)  # (N, V)
         drop_sorted = (cum - sorted_logits.softmax(-1)) >= params.top_p  # mass before this token already enough
+        drop_sorted[..., 0] = False  # the most likely token always stays (a top_p below fp32's least is 0 here)
         drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
         logits = logits.masked_fill(drop, float("-inf"))
     return logits.softmax(-1)

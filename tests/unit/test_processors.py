@@ -8,6 +8,7 @@ from transformers.generation.logits_process import RepetitionPenaltyLogitsProces
 
 from actors.engine import Engine
 from actors.spec.processors import process
+from actors.spec.sampling import probs_from_logits
 from cluster.config import SchedulerConfig, SpeculationConfig
 from cluster.request import SamplingParams
 from tests.unit.helpers import chi_square, load, reference_greedy, runner, text_prompts
@@ -115,3 +116,15 @@ def test_sampling_with_a_processor_keeps_the_targets_processed_distribution(tiny
     exp = torch.cat([p[keep], p[~keep].sum()[None]])
     _, p_value = chi_square(obs, exp)
     assert p_value > 1e-3
+
+
+def test_extreme_parameters_give_a_distribution_never_nans() -> None:
+    """A temperature or top_p below fp32's least number and a tiny repetition penalty (all in range) used to make
+    NaN probabilities, and torch.multinomial then failed the whole engine loop (found by tests/serve/test_fuzz.py)."""
+    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(0))
+    params = SamplingParams(temperature=1e-300, top_p=5e-324, repetition_penalty=5e-324)
+    processed = process(logits, params, prompt=[1, 2], output=[3], drafts=[4, 5], stop_ids=[0])
+    assert not processed.isinf().any() and not processed.isnan().any()
+    probs = probs_from_logits(processed, params)
+    assert torch.equal(probs.argmax(-1), processed.argmax(-1)) and torch.allclose(probs.sum(-1), torch.ones(3))
+    assert probs.max(-1).values.eq(1).all()  # so cold and so narrow: the most likely token only
