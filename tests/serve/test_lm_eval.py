@@ -68,6 +68,33 @@ def evaluate(model: str, model_args: dict, include: Path) -> dict:
                                    batch_size=1, device="cpu")
 
 
+def compare(served: dict, hf: dict) -> list[tuple]:
+    """Each task's (task, metric, hf score, served score, samples with equal answers, samples, largest difference
+    of a loglikelihood)."""
+    rows = []
+    for task, metric in (("specfleet_choice", "acc,none"), ("specfleet_gen", "exact_match,none")):
+        s_samples, h_samples = served["samples"][task], hf["samples"][task]
+        assert len(s_samples) == len(h_samples) > 0
+        equal, worst = 0, 0.0
+        for s, h in zip(s_samples, h_samples):
+            if task == "specfleet_choice":  # (loglikelihood, is_greedy) per choice
+                pairs = list(zip([r[0] for r in s["resps"]], [r[0] for r in h["resps"]]))
+                worst = max([worst] + [abs(a[0] - b[0]) for a, b in pairs])
+                equal += all(abs(a[0] - b[0]) < 1e-3 and a[1] == b[1] for a, b in pairs)
+            else:
+                equal += s["resps"] == h["resps"]
+        rows.append((task, metric, hf["results"][task][metric], served["results"][task][metric], equal,
+                     len(s_samples), worst))
+    return rows
+
+
+def table(rows: list[tuple]) -> str:
+    lines = ["| task | metric | hf | served | samples with equal answers | max loglikelihood difference |",
+             "|---|---|---|---|---|---|"]
+    lines += [f"| {t} | {m} | {h:.4f} | {s:.4f} | {e}/{n} | {w:.1e} |" for t, m, h, s, e, n, w in rows]
+    return "\n".join(lines)
+
+
 def test_lm_eval_scores_of_the_served_app_equal_transformers(served_app: ServedApp, tmp_path: Path,
                                                              monkeypatch) -> None:
     include = write_tasks(tmp_path)
@@ -76,19 +103,25 @@ def test_lm_eval_scores_of_the_served_app_equal_transformers(served_app: ServedA
                                             "tokenizer_backend": "huggingface", "tokenizer": str(served_app.target),
                                             "max_retries": 1}, include)
     hf = evaluate("hf", {"pretrained": str(served_app.target), "dtype": "float32"}, include)
-    rows = []
-    for task, metric in (("specfleet_choice", "acc,none"), ("specfleet_gen", "exact_match,none")):
-        rows.append((task, metric, hf["results"][task][metric], served["results"][task][metric]))
-        s_samples, h_samples = served["samples"][task], hf["samples"][task]
-        assert len(s_samples) == len(h_samples) > 0
-        for s, h in zip(s_samples, h_samples):
-            if task == "specfleet_choice":  # (loglikelihood, is_greedy) per choice
-                for (s_ll, s_greedy), (h_ll, h_greedy) in zip(
-                        [r[0] for r in s["resps"]], [r[0] for r in h["resps"]]):
-                    assert s_ll == pytest.approx(h_ll, abs=1e-3) and s_greedy == h_greedy
-            else:
-                assert s["resps"] == h["resps"]
-        assert rows[-1][2] == rows[-1][3]
-    print("\n| task | metric | hf | served |\n|---|---|---|---|")
-    for task, metric, h, s in rows:
-        print(f"| {task} | {metric} | {h:.4f} | {s:.4f} |")
+    rows = compare(served, hf)
+    print("\n" + table(rows))
+    for _, _, h, s, equal, n, _ in rows:
+        assert h == s and equal == n
+
+
+def main() -> None:
+    """The same comparison against a running app: `python -m tests.serve.test_lm_eval URL MODEL HF_DIR` with
+    $OPENAI_API_KEY set to an API key of the app (docs/benchmarks.md)."""
+    import sys
+    import tempfile
+    url, model, hf_dir = sys.argv[1:4]
+    include = write_tasks(Path(tempfile.mkdtemp()))
+    served = evaluate("local-completions", {"model": model, "base_url": f"{url}/v1/completions",
+                                            "tokenizer_backend": "huggingface", "tokenizer": hf_dir,
+                                            "max_retries": 1}, include)
+    hf = evaluate("hf", {"pretrained": hf_dir, "dtype": "float32"}, include)
+    print(table(compare(served, hf)))
+
+
+if __name__ == "__main__":
+    main()
