@@ -20,6 +20,7 @@ import asyncio
 import dataclasses
 import logging
 import math
+import os
 import time
 from dataclasses import dataclass
 
@@ -34,6 +35,7 @@ from actors.kv_cache import KVExport
 from actors.ep_stages import EPStages
 from actors.kv_links import LinkedKV, kv_span
 from actors.leases import Leases
+from actors.p2p import use_node_interface
 from actors.pipeline import PipelineRunner
 from actors.sequence import Sequence
 from actors.local_stages import local_instance
@@ -41,6 +43,7 @@ from actors.serving import ServingLoop, StreamItem
 from cluster.instances import InstancePlace
 from cluster.request import FinishReason, Request, RequestStatus, TokenDelta
 from cluster.migration import Link
+from cluster.router import INSTANCE_ACTOR_PREFIX
 from cluster.migration_policy import InstanceLoad
 from cluster.stats import EngineStats
 from placement.fleet import InstanceSpec
@@ -81,11 +84,15 @@ class Registration:
 
 
 def build(spec: InstanceSpec) -> Instance:
-    """The Instance `spec` describes, its stages where `spec.executor` says."""
+    """The Instance `spec` describes, its stages where `spec.executor` says. Shard actors are named after the
+    instance actor's own name when it has one (unique per incarnation: a replacement's shards never collide with
+    those of the instance it replaces), else after the instance id."""
     if spec.executor == "local":
         return local_instance(spec.engine, [s.layers for s in spec.layout.stages])
+    own = ray.get_runtime_context().get_actor_name() if ray.is_initialized() else None
+    name = own.removeprefix(INSTANCE_ACTOR_PREFIX) if own else spec.instance_id
     return ray_instance(spec.engine, spec.layout, num_cpus=spec.num_cpus, step_timeout_s=spec.step_timeout_s,
-                        name=spec.instance_id)
+                        name=name)
 
 
 class InstanceServer:
@@ -93,6 +100,8 @@ class InstanceServer:
 
     def __init__(self, spec: InstanceSpec) -> None:
         torch.set_num_threads(max(1, math.ceil(spec.num_cpus)))
+        if ray.is_initialized():  # its stages' KV links to other nodes: over the node's own address
+            use_node_interface(ray.util.get_node_ip_address())
         self.spec = spec
         self.instance = build(spec)
         self.loop = ServingLoop(self.instance, name=f"engine-loop-{spec.instance_id}")
@@ -353,6 +362,10 @@ class InstanceServer:
             priority.update({rid: seq.request.priority for rid, seq in self._detached.items()})
             return tuple((rid, priority.get(rid, 0)) for rid in self.loop.tracked_ids())
         return Registration(await self.info(), self.spec.place, await self._on_loop(held))
+
+    async def pid(self) -> int:
+        """This actor's process id (operators, fault tests that kill it)."""
+        return os.getpid()
 
     async def kv_blocks_used(self) -> tuple[int, int]:
         """(target, draft) KV blocks in use; both are 0 once every request has ended."""

@@ -33,11 +33,12 @@ import dataclasses
 import enum
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from cluster.config import MigrationConfig
 from cluster.migration_endpoint import Deadlined, Endpoint, Link, RayEndpoint, StepTimeout
 
-__all__ = ["Deadlined", "Endpoint", "Link", "MigrationResult", "MigrationStatus", "RayEndpoint", "StepTimeout",
+__all__ = ["Deadlined", "Endpoint", "Link", "MigrationProgress", "MigrationResult", "MigrationStatus", "RayEndpoint", "StepTimeout",
            "channel_backend", "migrate", "plan_links"]
 
 log = logging.getLogger(__name__)
@@ -47,6 +48,16 @@ class MigrationStatus(str, enum.Enum):
     FINISHED = "finished"  # committed at the destination, released at the source
     ABORTED_SRC = "aborted_src"  # the source could not go on (request ended there first, source failed)
     ABORTED_DST = "aborted_dst"  # the destination refused or failed; the request runs on at the source
+
+
+@dataclass(frozen=True)
+class MigrationProgress:
+    """Where a migration under way stands (the router shows it; fault tests wait on it)."""
+
+    request_id: str
+    phase: str  # "reserved", "copying" (a chunk landed), "stopped", "committed"
+    stages: int
+    tokens_copied: int
 
 
 @dataclass(frozen=True)
@@ -79,7 +90,8 @@ def plan_links(src_stages: list[tuple[int, ...]], dst_stages: list[tuple[int, ..
 
 
 async def migrate(request_id: str, src: Endpoint, dst: Endpoint, cfg: MigrationConfig = MigrationConfig(),
-                  destination: object = None, ids: tuple[str, str] | None = None) -> MigrationResult:
+                  destination: object = None, ids: tuple[str, str] | None = None,
+                  progress: Callable[[MigrationProgress], None] = lambda p: None) -> MigrationResult:
     """Move a running request from `src` to `dst`; `destination` is what the source's stream is told (the
     destination instance's id and handle, for the client's stream to follow). With `cfg.transfer == "torch"`
     and the two instances' `ids`, the KV goes over a torch.distributed channel between them, opened for this
@@ -101,7 +113,7 @@ async def migrate(request_id: str, src: Endpoint, dst: Endpoint, cfg: MigrationC
     if cfg.transfer == "torch" and ids and length:
         via, links = await _open_channel(src, dst, ids, request_id, cfg)
     try:
-        result = await _migrate(request_id, length, src, dst, cfg, destination, via)
+        result = await _migrate(request_id, length, src, dst, cfg, destination, via, progress)
     finally:
         if via is not None:
             await _close_channel(src, dst, via)
@@ -154,11 +166,15 @@ class _DraftCopy:
 
 
 async def _migrate(request_id: str, length: int, src: Endpoint, dst: Endpoint, cfg: MigrationConfig,
-                   destination: object, via: str | None) -> MigrationResult:
+                   destination: object, via: str | None, progress: Callable[[MigrationProgress], None]
+                   ) -> MigrationResult:
     """The migration of a request whose source holds `length` tokens of its KV now."""
     t0 = time.perf_counter()
     stages = copied = 0
     draft = _DraftCopy(request_id, src, dst, cfg, via)
+
+    def reached(phase: str) -> None:
+        progress(MigrationProgress(request_id, phase, stages, copied))
 
     def result(status: MigrationStatus, reason: str = "", downtime: float = 0.0) -> MigrationResult:
         return MigrationResult(request_id, status, reason, stages, copied, downtime, time.perf_counter() - t0,
@@ -168,6 +184,7 @@ async def _migrate(request_id: str, length: int, src: Endpoint, dst: Endpoint, c
     try:
         if not await dst.migrate_reserve(request_id, length + cfg.stop_copy_tokens, lease_s):
             return result(MigrationStatus.ABORTED_DST, "the destination has no room")
+        reached("reserved")
     except Exception as e:  # noqa: BLE001 - a reservation that timed out is dropped, there or by its lease
         await _drop(dst, request_id)
         return result(MigrationStatus.ABORTED_DST, f"destination: {type(e).__name__}: {e}")
@@ -189,6 +206,7 @@ async def _migrate(request_id: str, length: int, src: Endpoint, dst: Endpoint, c
                     await _drop(dst, request_id)
                     return result(MigrationStatus.ABORTED_DST, "the destination ran out of KV blocks")
                 copied = end
+                reached("copying")
             stages += 1
             side = "source"
             now = await src.migrate_length(request_id)
@@ -206,11 +224,13 @@ async def _migrate(request_id: str, length: int, src: Endpoint, dst: Endpoint, c
             await _drop(dst, request_id)
             return result(MigrationStatus.ABORTED_SRC, "the request ended at the source first")
         stopped = True
+        reached("stopped")
         request, rest, end, waited = stopped_at
         side = "destination"
         if not await dst.migrate_import(rest) or not await dst.migrate_commit(request):
             raise RuntimeError("the destination refused the request's last KV or its commit")
         copied = end
+        reached("committed")
         downtime = time.perf_counter() - t_stop - waited
         try:
             released = await src.migrate_release(request_id, True, destination)

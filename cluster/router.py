@@ -29,7 +29,7 @@ import ray
 from ray.actor import ActorHandle
 
 from cluster.config import MigrationConfig, RouterConfig
-from cluster.migration import MigrationResult, MigrationStatus, RayEndpoint, migrate
+from cluster.migration import MigrationProgress, MigrationResult, MigrationStatus, RayEndpoint, migrate
 from cluster.migration_policy import InstanceLoad, make_planner
 from cluster.dispatch import make_dispatch
 from cluster.instances import InstancePlace, InstanceRow
@@ -68,6 +68,7 @@ class Router:
         self._planner: asyncio.Task | None = None
         self._replan = asyncio.Event()  # an instance joined or is draining: plan migrations now
         self._migrating: dict[str, asyncio.Event] = {}  # requests migrating, each event set when its migration ends
+        self._progress: dict[str, tuple[str, str, MigrationProgress | None]] = {}  # (source, destination, progress)
         self.migration_figures = MigrationStats({s.value: 0 for s in MigrationStatus})
         self._joined = asyncio.Event()  # set (and replaced) whenever an instance registers: failovers wait on it
         # as a Ray actor this runs on its event loop: rebuild from the instances, then start polling and planning
@@ -186,8 +187,31 @@ class Router:
             return entry.instance_id, self.handles[entry.instance_id]
         if max_pending is not None and self.registry.pending() >= max_pending:
             raise Overloaded(f"{self.registry.pending()} requests are pending (limit {max_pending})")
-        instance_id = self.registry.route(request_id, priority, time.time(), model)
+        instance_id = await self._placed(lambda: self.registry.route(request_id, priority, time.time(), model), model)
         return instance_id, self.handles[instance_id]
+
+    async def _placed(self, place, model: str | None) -> str:
+        """`place()`'s instance; while none can take the request because none of `model` is up (none registered
+        yet, or the last one failed and its replacement is starting), wait for one to register, up to
+        `failover.wait_s`: the client sees a pause, not an error. An instance drained on purpose is no reason to
+        wait: then NoInstanceAvailable at once, as when the wait runs out."""
+        deadline = time.monotonic() + self.cfg.failover.wait_s
+        while True:
+            joined = self._joined
+            try:
+                return place()
+            except NoInstanceAvailable:
+                left = deadline - time.monotonic()
+                drained = any(e.draining and e.healthy for e in self.registry.instances.values()
+                              if model is None or e.model == model)
+                if left <= 0 or drained:
+                    raise
+                log.warning("no instance of %s is up: waiting up to %.0f s for one to register", model or "any model",
+                            left)
+                try:
+                    await asyncio.wait_for(joined.wait(), left)
+                except asyncio.TimeoutError:
+                    pass
 
     @_after_start
     async def finish(self, request_id: str, status: str) -> None:
@@ -212,9 +236,11 @@ class Router:
         if request_id in self._migrating:
             raise NoInstanceAvailable(f"request {request_id!r} is already migrating")
         ended = self._migrating[request_id] = asyncio.Event()
+        self._progress[request_id] = (src, to, None)
         try:
             result = await migrate(request_id, RayEndpoint(self.handles[src]), RayEndpoint(self.handles[to]),
-                                   cfg or self.cfg.migration, destination=(to, self.handles[to]), ids=(src, to))
+                                   cfg or self.cfg.migration, destination=(to, self.handles[to]), ids=(src, to),
+                                   progress=lambda p: self._progress.__setitem__(request_id, (src, to, p)))
             finished = result.status is MigrationStatus.FINISHED
             self.migration_figures.record(result.status.value, result.downtime_s if finished else None)
             if finished:
@@ -225,6 +251,7 @@ class Router:
                     await self.handles[to].abort.remote(request_id)
         finally:
             del self._migrating[request_id]
+            self._progress.pop(request_id, None)
             ended.set()
         log.info("migration of %s from %s to %s: %s %s", request_id, src, to, result.status.value, result.reason)
         return result
@@ -262,27 +289,15 @@ class Router:
         failed = self.registry.instances.get(failed_instance)
         model = model or (failed.model if failed is not None else None)
         gone = failed.incarnation if failed is not None and failed_handle is None else None
-        deadline = time.monotonic() + self.cfg.failover.wait_s
-        while True:
+
+        def reroute() -> str:
             # the failed incarnation is left out; a replacement that registered under its id is not
             entry = self.registry.instances.get(failed_instance)
-            same = entry is not None and (self.handles.get(failed_instance) == failed_handle if failed_handle is not None
-                                          else entry.incarnation == gone)
-            joined = self._joined
-            try:
-                instance_id = self.registry.reroute(request_id, {failed_instance} if same else set(), time.time(),
-                                                    model, priority)
-                break
-            except NoInstanceAvailable:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise
-                log.warning("request %s waits up to %.0f s for an instance to resume on (%s failed)", request_id,
-                            left, failed_instance)
-                try:
-                    await asyncio.wait_for(joined.wait(), left)
-                except asyncio.TimeoutError:
-                    pass
+            same = entry is not None and (self.handles.get(failed_instance) == failed_handle
+                                          if failed_handle is not None else entry.incarnation == gone)
+            return self.registry.reroute(request_id, {failed_instance} if same else set(), time.time(), model,
+                                         priority)
+        instance_id = await self._placed(reroute, model)
         self.migration_figures.failovers += 1
         log.warning("request %s resumes on %s after %s failed", request_id, instance_id, failed_instance)
         return instance_id, self.handles[instance_id]
@@ -344,6 +359,11 @@ class Router:
             raise LookupError(f"instance {instance_id!r} does not run its target expert parallel "
                               "(engine.experts.ranks is 1): it has no routing statistics")
         return got
+
+    @_after_start
+    async def migrations_in_flight(self) -> list[tuple[str, str, MigrationProgress | None]]:
+        """Each migration under way: (source, destination, how far it got; None before the reservation)."""
+        return list(self._progress.values())
 
     @_after_start
     async def migration_stats(self) -> MigrationStats:

@@ -30,7 +30,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 
 from deploy import DEFAULT_INVENTORY
 from deploy.cli.flags import UsageError
-from placement.inventory import Inventory, NodeSpec, ray_labels, ray_resources
+from placement.inventory import LABEL_PREFIX, Inventory, NodeSpec, ray_labels, ray_resources
 
 DEFAULT_STATE = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "specfleet" / "cluster.json"
 MARKER = "SPECFLEET_LOCAL_CLUSTER"  # env var: the cluster id, inherited by every process of the cluster
@@ -163,9 +163,12 @@ def _allocate_ports(num_nodes: int) -> list[dict[str, int]]:
     return allocated
 
 
-def ray_start_command(node: NodeSpec, head_address: str | None, ports: dict[str, int], temp_dir: str,
-                      num_cpus: int, object_store_mb: int) -> list[str]:
-    """`ray start --block` for one node: the head if `head_address` is None, else a worker joining it."""
+def ray_start_command(node: NodeSpec | None, head_address: str | None, ports: dict[str, int], temp_dir: str,
+                      num_cpus: int, object_store_mb: int, node_ip: str | None = None) -> list[str]:
+    """`ray start --block` for one node: the head if `head_address` is None, else a worker joining it. `node` None:
+    a node outside the inventory (no accelerator labels or pins: nothing is planned there), named "head".
+    `node_ip`: the address the node announces and is reached at (a node in a network namespace of its own,
+    deploy/infra/netns.py); by default Ray picks one."""
     ray = Path(sys.executable).with_name("ray")  # the venv's ray CLI, beside its python
     if head_address is None:
         role = ["--head", f"--port={ports['gcs']}", f"--dashboard-port={ports['dashboard']}",
@@ -173,12 +176,17 @@ def ray_start_command(node: NodeSpec, head_address: str | None, ports: dict[str,
     else:
         role = [f"--address={head_address}"]
     flags = {name: ports[name] for name in _NODE_PORTS + ("min_worker", "max_worker")}
+    if node is None:
+        identity = ["--node-name=head", f"--labels={json.dumps({LABEL_PREFIX + 'role': 'head'})}"]
+    else:
+        identity = [f"--node-name={node.name}", f"--resources={json.dumps(ray_resources(node))}",
+                    f"--labels={json.dumps(ray_labels(node))}"]
     return [
-        str(ray), "start", "--block", *role, f"--node-name={node.name}", f"--temp-dir={temp_dir}",
+        str(ray), "start", "--block", *role, f"--temp-dir={temp_dir}",
         *(f"--{name.replace('_', '-')}-port={port}" for name, port in flags.items()),
         "--disable-usage-stats", f"--num-cpus={num_cpus}",
-        f"--object-store-memory={object_store_mb * 2**20}",
-        f"--resources={json.dumps(ray_resources(node))}", f"--labels={json.dumps(ray_labels(node))}",
+        f"--object-store-memory={object_store_mb * 2**20}", *identity,
+        *([f"--node-ip-address={node_ip}"] if node_ip else []),
     ]
 
 
@@ -216,11 +224,11 @@ def _check_running(nodes: list[NodeProcess]) -> None:
                 f"node {node.spec.name}: `ray start` exited; its log ({node.log}) ends:\n{_tail(node.log)}")
 
 
-def _wait_for_port(port: int, nodes: list[NodeProcess], deadline: float) -> None:
+def _wait_for_port(port: int, nodes: list[NodeProcess], deadline: float, host: str = "127.0.0.1") -> None:
     while True:
         _check_running(nodes)
         with socket.socket() as s:
-            if s.connect_ex(("127.0.0.1", port)) == 0:
+            if s.connect_ex((host, port)) == 0:
                 return
         if time.monotonic() > deadline:
             raise ClusterError(f"the head's GCS did not listen on port {port} in time; log:\n{_tail(nodes[0].log)}")
@@ -274,7 +282,7 @@ def up(inventory: Inventory, state_path: Path = DEFAULT_STATE, *, num_cpus: int 
                              f"or pass another --state")
         stop(old)  # a stale record: nothing runs, only its temp folder is left to remove
     cluster_id = uuid.uuid4().hex[:12]
-    root = tempfile.mkdtemp(prefix="sf-", dir="/tmp")  # short: Ray's socket paths must stay under ~107 chars
+    root = make_temp_root()
     env = ray_env(cluster_id)
     ports = _allocate_ports(len(inventory.nodes))
     address = f"127.0.0.1:{ports[0]['gcs']}"
@@ -297,6 +305,23 @@ def up(inventory: Inventory, state_path: Path = DEFAULT_STATE, *, num_cpus: int 
         state_path.unlink(missing_ok=True)
         raise
     return state
+
+
+def make_temp_root() -> str:
+    """A cluster's temp folder, /tmp/sf-*: short, as Ray's socket paths must stay under ~107 characters."""
+    return tempfile.mkdtemp(prefix="sf-", dir="/tmp")
+
+
+def node_processes(state: ClusterState, node: NodeProcess) -> list[psutil.Process]:
+    """The live processes of one node of the cluster: its `ray start` and everything under it (raylet, agents, the
+    node's Ray workers), for killing one node alone (fault tests)."""
+    if not _is_running(node.pid, node.create_time):
+        return []
+    try:
+        leader = psutil.Process(node.pid)
+        return [leader, *leader.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return []
 
 
 def stop(state: ClusterState, grace_s: float = 10.0) -> None:

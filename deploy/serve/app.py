@@ -221,11 +221,17 @@ class SpecfleetAPI(HttpRoutes, GrpcMethods):
 
 def build_app(args: dict) -> serve.Application:
     """Serve's application builder: the instance deployment (one replica per instance) and the API in front."""
-    cfg = config_from_args(args or {})
-    specs = fleet_specs(cfg)  # the fleet, planned once (deploy/serve/fleet.py)
-    instances = [SpecfleetInstance.options(name=f"SpecfleetInstance-{s.instance_id}", num_replicas=1)
+    return compose(config_from_args(args or {}))
+
+
+def compose(cfg: SpecfleetConfig, replica_resources: dict[str, float] | None = None) -> serve.Application:
+    """The application for `cfg`, its fleet planned once (deploy/serve/fleet.py). `replica_resources`: Ray resources
+    the API's and the instance deployments' replicas also ask for (the fault tests keep them on the head node)."""
+    specs = fleet_specs(cfg)
+    opts = {"ray_actor_options": {"num_cpus": 0, "resources": replica_resources}} if replica_resources else {}
+    instances = [SpecfleetInstance.options(name=f"SpecfleetInstance-{s.instance_id}", num_replicas=1, **opts)
                  .bind(i, s, cfg.router) for i, s in enumerate(specs)]
-    return SpecfleetAPI.bind(cfg, instances)
+    return SpecfleetAPI.options(**opts).bind(cfg, instances)
 
 
-__all__ = ["build_app", "find_router", "APP_NAME"]
+__all__ = ["build_app", "compose", "find_router", "APP_NAME"]

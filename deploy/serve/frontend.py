@@ -188,8 +188,10 @@ class Frontend:
     async def _route(self, rid: str, priority: int) -> tuple[str, ActorHandle]:
         """One `router.route`; if the caller is cancelled while it is under way, its result is released later."""
         limit = self.cfg.serve.max_pending_requests
+        wait_s = self.cfg.router.failover.wait_s  # the router may wait that long for an instance to come up
         routing = asyncio.get_running_loop().create_task(
-            self.router.call(lambda r: r.route.remote(rid, priority, self.model_name, limit)),
+            self.router.call(lambda r: r.route.remote(rid, priority, self.model_name, limit),
+                             timeout_s=wait_s + RELEASE_TIMEOUT_S),
             context=contextvars.Context())  # no child of the request: see above
         try:
             return await asyncio.shield(routing)

@@ -1,0 +1,46 @@
+"""Faults of an app with two single-stage instances on two workers (the third spare): an instance killed, a link cut
+and restored, a link slow and lossy, a migration's destination killed mid-copy. Streams fail over to the instance
+left, resume from their tokens, and give the unfaulted text."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+
+import pytest
+
+from deploy.bench.faults import BY_NAME, run_fault
+from tests.faults.conftest import TOKENS, Served, assert_survived, serve
+
+
+@pytest.fixture(scope="module")
+def two(hosts, fault_models) -> Iterator[Served]:
+    yield from serve(hosts, fault_models, "two", offset=9)
+
+
+def fault(two: Served, name: str):
+    return asyncio.run(run_fault(BY_NAME[name], two.app, two.prompts, TOKENS, two.baseline))
+
+
+def test_one_of_two_instances_killed_its_streams_fail_over_to_the_other(two) -> None:
+    assert_survived(fault(two, "instance_killed_of_two"))
+
+
+def test_a_link_cut_until_the_router_gives_up_on_it_then_restored_loses_no_stream(two) -> None:
+    """The cut lasts until the router has taken the instance out (an observed state, not a duration); its streams
+    pause and resume (failover, or the link's return), and the fleet is whole again afterwards."""
+    assert_survived(fault(two, "link_cut"))
+
+
+def test_a_slow_lossy_link_slows_streams_and_changes_nothing(two) -> None:
+    if two.app.hosts.fabric is None:
+        pytest.skip(two.app.hosts.note)  # loopback has no link of a node's own to degrade
+    outcome = fault(two, "link_degraded")
+    assert_survived(outcome)
+    assert "w" in outcome.note
+
+
+def test_a_migration_whose_destination_dies_mid_copy_leaves_the_request_running_at_its_source(two) -> None:
+    outcome = fault(two, "migration_destination_killed")
+    assert_survived(outcome)
+    assert outcome.note.startswith("migration aborted_dst"), outcome.note
