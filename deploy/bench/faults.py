@@ -106,9 +106,9 @@ async def link_cut(app: App, hit: asyncio.Event) -> tuple[str, After]:
     app.hosts.restore(worker)
 
     async def back() -> None:
-        await _until_back(app)()
-        if not await asyncio.to_thread(_node_known_alive, app, worker):  # Ray gave it up during the cut
+        if not await asyncio.to_thread(_node_known_alive, app, worker):  # Ray gave it up during the cut: it rejoins
             await asyncio.to_thread(app.hosts.restart_node, worker)
+        await _until_back(app)()
     return f"cut w{worker} ({victim}) until the router took it out, then restored", back
 
 
@@ -139,8 +139,9 @@ async def migration_destination_killed(app: App, hit: asyncio.Event) -> tuple[st
         flights = await router.migrations_in_flight.remote()
         if any(p is not None and p.phase == "copying" for _, _, p in flights):
             break
-        if time.monotonic() > deadline:
-            raise AssertionError(f"the migration never reached its copy: {flights}")
+        done, _ = ray.wait([moving], timeout=0)
+        if done or time.monotonic() > deadline:
+            raise AssertionError(f"the migration never was mid-copy when looked at: {ray.get(done) if done else flights}")
         await asyncio.sleep(0.01)
     os.kill(pid, signal.SIGKILL)
     hit.set()
@@ -190,10 +191,12 @@ class Outcome:
     note: str
 
 
-def apps(target: Path, draft: Path | None, engine: dict | None = None) -> dict[str, SpecfleetConfig]:
-    """The two apps the faults need."""
-    return {"one": app_config(target, draft, instances=1, stages=2, engine=engine),
-            "two": app_config(target, draft, instances=2, stages=1, engine=engine)}
+def apps(target: Path, draft: Path | None, engine: dict | None = None, wait_s: float = 300.0
+         ) -> dict[str, SpecfleetConfig]:
+    """The two apps the faults need. A failed instance's streams wait up to `wait_s` for its replacement, which
+    must cover an instance's start (about a minute for two stages and a draft on this loaded 2-core machine)."""
+    return {"one": app_config(target, draft, instances=1, stages=2, engine=engine, wait_s=wait_s),
+            "two": app_config(target, draft, instances=2, stages=1, engine=engine, wait_s=wait_s)}
 
 
 async def run_fault(fault: Fault, app: App, prompts: list[list[int]], tokens: int, baseline: LoadRun) -> Outcome:

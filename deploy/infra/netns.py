@@ -25,6 +25,7 @@ import json
 import os
 import random
 import shutil
+import socket
 import subprocess
 import time
 import uuid
@@ -132,6 +133,12 @@ class Fabric:
     def _add(self, i: int) -> None:
         ns, veth = self.ns(i), self.veth(i)
         _run("ip", "netns", "add", ns)
+        # `ip netns exec` mounts /etc/netns/NS/* over /etc/*: a host of its own resolves its name to its own address,
+        # and has no DNS server to wait for (this machine's is out of reach from the namespace: every lookup, e.g.
+        # c10d's of a socket's peer, would stall for the resolver's timeout, 10 s)
+        etc = Path("/etc/netns") / ns
+        etc.mkdir(parents=True, exist_ok=True)
+        (etc / "resolv.conf").write_text("nameserver 127.0.0.1\noptions timeout:1 attempts:1\n")
         _run("ip", "link", "add", veth, "type", "veth", "peer", "name", "eth0", "netns", ns)
         _run("ip", "link", "set", veth, "master", self.bridge)
         _run("ip", "link", "set", veth, "up")
@@ -146,6 +153,8 @@ class Fabric:
             _run("ip", "-n", self.ns(i), "addr", "del", f"{old}/24", "dev", "eth0")
         _run("ip", "-n", self.ns(i), "addr", "add", f"{address}/24", "dev", "eth0")
         self.addresses[i] = address
+        (Path("/etc/netns") / self.ns(i) / "hosts").write_text(
+            f"127.0.0.1 localhost\n{address} {socket.gethostname()}\n")
 
     def readdress(self, i: int) -> str:
         """Give worker i another address (what a replacement pod gets): .111 + i instead of .11 + i, and back."""
@@ -182,11 +191,12 @@ class Fabric:
         _run("ip", "netns", "exec", self.ns(i), "tc", "qdisc", "add", "dev", "eth0", "root", *tbf)
         what = f"no netem in this kernel: rate limit {rate_mbit:g} Mbit/s each way"
         if shutil.which("nft") is not None:
-            table = f"sf{self.tag}loss"
-            rules = (f"table inet {table} {{ chain in {{ type filter hook input priority 0; "
-                     f"numgen random mod 1000 < {int(loss_pct * 10)} drop; }} chain out {{ type filter hook output "
-                     f"priority 0; numgen random mod 1000 < {int(loss_pct * 10)} drop; }} }}")
-            _run("ip", "netns", "exec", self.ns(i), "nft", rules)
+            table, nft = f"sf{self.tag}loss", ["ip", "netns", "exec", self.ns(i), "nft"]
+            _run(*nft, "add", "table", "inet", table)
+            for chain, hook in (("rx", "input"), ("tx", "output")):
+                _run(*nft, "add", "chain", "inet", table, chain, f"{{ type filter hook {hook} priority 0; }}")
+                _run(*nft, "add", "rule", "inet", table, chain, "numgen", "random", "mod", "1000", "<",
+                     str(int(loss_pct * 10)), "drop")
             what += f", random loss {loss_pct:g}% each way (nftables)"
         self.degraded[i] = what
         return what
@@ -203,6 +213,7 @@ class Fabric:
         """Delete every namespace (with its veth and tables) and the bridge; idempotent."""
         for i in range(self.nodes):
             _run("ip", "netns", "del", self.ns(i), check=False)
+            shutil.rmtree(Path("/etc/netns") / self.ns(i), ignore_errors=True)
         _run("ip", "link", "del", self.bridge, check=False)
 
 
