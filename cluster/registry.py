@@ -59,7 +59,8 @@ class InstanceEntry:
         return InstanceRow(instance_id=self.instance_id, model=self.model, node=self.node, healthy=self.healthy,
                            error=self.error, draining=self.draining, accepting=self.accepting,
                            in_flight=len(self.in_flight), stats=self.stats,
-                           age_s=round(time.time() - self.registered_at, 3), place=self.place, removed_at=removed_at)
+                           age_s=round(time.time() - self.registered_at, 3), place=self.place, removed_at=removed_at,
+                           incarnation=self.incarnation)
 
 
 @dataclass

@@ -234,6 +234,34 @@ class App:
                 raise AssertionError(f"{n} instances were not up within {timeout_s:.0f} s")
             time.sleep(0.3)
 
+    def incarnation(self, instance_id: str) -> str:
+        return next(r["incarnation"] for r in self.instances() if r["instance_id"] == instance_id)
+
+    def wait_replaced(self, instance_id: str, was: str, timeout_s: float = 300.0) -> dict:
+        """Until another incarnation of the instance than `was` accepts requests; its row."""
+        return self._wait_row(lambda r: r["instance_id"] == instance_id and r["accepting"] and r["incarnation"] != was,
+                              f"{instance_id} was not replaced", timeout_s)
+
+    def _wait_row(self, ok: Callable[[dict], bool], what: str, timeout_s: float) -> dict:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                for r in self.instances():
+                    if ok(r):
+                        return r
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise AssertionError(f"{what} within {timeout_s:.0f} s")
+            time.sleep(0.3)
+
+    def wait_placed(self, instance_id: str, away_from: int, timeout_s: float = 300.0) -> dict:
+        """Until the instance serves again with none of its stages on worker `away_from` (it was planned again
+        elsewhere); its row."""
+        return self._wait_row(lambda r: r["instance_id"] == instance_id and r["accepting"]
+                              and f"w{away_from}" not in {s["node"] for s in r["place"]["stages"]},
+                              f"{instance_id} was not planned away from w{away_from}", timeout_s)
+
     def worker_of(self, instance_id: str, stage: int = 0) -> int:
         """Which worker (index) runs stage `stage` of an instance, as its place says."""
         row = next(r for r in self.instances() if r["instance_id"] == instance_id)

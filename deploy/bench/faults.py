@@ -61,18 +61,20 @@ async def instance_killed(app: App, hit: asyncio.Event) -> tuple[str, After]:
     running = await app.router().requests.remote("running")
     ids = [r["instance_id"] for r in running] or ["inst-0"]
     victim = max(set(ids), key=ids.count)
+    was = app.incarnation(victim)
     pid = await app.instance_actor(victim).pid.remote()
     os.kill(pid, signal.SIGKILL)
     hit.set()
-    return f"SIGKILL {victim}", _until_back(app)
+    return f"SIGKILL {victim}", _until_back(app, victim, was)
 
 
 async def shard_killed(app: App, hit: asyncio.Event) -> tuple[str, After]:
     """One pipeline stage's shard actor of instance 0 killed (`ray.kill`): the instance turns unhealthy, Serve
     replaces it."""
+    was = app.incarnation("inst-0")
     ray.kill(app.actor("inst-0/", "/stage-1"), no_restart=True)
     hit.set()
-    return "ray.kill inst-0 stage 1", _until_back(app)
+    return "ray.kill inst-0 stage 1", _until_back(app, "inst-0", was)
 
 
 async def node_killed(app: App, hit: asyncio.Event) -> tuple[str, After]:
@@ -84,7 +86,7 @@ async def node_killed(app: App, hit: asyncio.Event) -> tuple[str, After]:
     hit.set()
 
     async def back() -> None:
-        await _until_back(app)()
+        await asyncio.to_thread(app.wait_placed, "inst-0", worker)
         await asyncio.to_thread(app.hosts.restart_node, worker, True)
     return f"killed worker w{worker}", back
 
@@ -95,6 +97,7 @@ async def link_cut(app: App, hit: asyncio.Event) -> tuple[str, After]:
     running = await app.router().requests.remote("running")
     ids = [r["instance_id"] for r in running] or ["inst-0"]
     victim = max(set(ids), key=ids.count)
+    was = app.incarnation(victim)
     worker = app.worker_of(victim)
     app.hosts.cut(worker)
     hit.set()
@@ -108,7 +111,7 @@ async def link_cut(app: App, hit: asyncio.Event) -> tuple[str, After]:
     async def back() -> None:
         if not await asyncio.to_thread(_node_known_alive, app, worker):  # Ray gave it up during the cut: it rejoins
             await asyncio.to_thread(app.hosts.restart_node, worker)
-        await _until_back(app)()
+        await _until_back(app, victim, was)()
     return f"cut w{worker} ({victim}) until the router took it out, then restored", back
 
 
@@ -124,16 +127,22 @@ async def link_degraded(app: App, hit: asyncio.Event) -> tuple[str, After]:
 
 
 async def migration_destination_killed(app: App, hit: asyncio.Event) -> tuple[str, After]:
-    """A running request of instance 0 migrates to instance 1 (a long staged copy: up to 64 stages of 16-token
-    chunks, stopping only when nothing is left), and instance 1's process is killed once a chunk has landed
-    there: mid-copy. The request carries on at its source; instance 1's own streams fail over."""
+    """A running request migrates from the instance that runs the most streams to the other (a long staged copy: up
+    to 64 stages of 16-token chunks, stopping only when nothing is left), and the destination's process is killed
+    once a chunk has landed there: mid-copy. The request carries on at its source; the destination's own streams
+    fail over."""
     router = app.router()
-    running = [r for r in await router.requests.remote("running") if r["instance_id"] == "inst-0"]
-    if not running:
-        raise AssertionError("no stream runs on inst-0 to migrate")
-    pid = await app.instance_actor("inst-1").pid.remote()
+    running = await router.requests.remote("running")
+    ids = [r["instance_id"] for r in running]
+    if not ids:
+        raise AssertionError("no stream runs to migrate")
+    src = max(set(ids), key=ids.count)
+    dst = next(r["instance_id"] for r in app.instances() if r["instance_id"] != src)
+    rid = next(r["request_id"] for r in running if r["instance_id"] == src)
+    was = app.incarnation(dst)
+    pid = await app.instance_actor(dst).pid.remote()
     cfg = MigrationConfig(max_stages=64, stop_copy_tokens=0, chunk_tokens=16, transfer="torch", step_timeout_s=30)
-    moving = router.migrate.remote(running[0]["request_id"], "inst-1", cfg)
+    moving = router.migrate.remote(rid, dst, cfg)
     deadline = time.monotonic() + 60
     while True:
         flights = await router.migrations_in_flight.remote()
@@ -146,11 +155,13 @@ async def migration_destination_killed(app: App, hit: asyncio.Event) -> tuple[st
     os.kill(pid, signal.SIGKILL)
     hit.set()
     result = await moving
-    return f"migration {result.status.value} ({result.reason[:80]})", _until_back(app)
+    return f"migration {result.status.value} ({result.reason[:80]})", _until_back(app, dst, was)
 
 
-def _until_back(app: App) -> After:
+def _until_back(app: App, victim: str, was: str) -> After:
+    """Until the fleet is whole again: `victim` replaced (another incarnation accepts requests), every instance up."""
     async def back() -> None:
+        await asyncio.to_thread(app.wait_replaced, victim, was)
         await asyncio.to_thread(app.wait_instances, app.cfg.router.instances, 240.0)
     return back
 

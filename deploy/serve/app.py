@@ -28,7 +28,7 @@ from cluster.router import INSTANCE_ACTOR_PREFIX, NAMESPACE, find_router, get_or
 from cluster.router_client import RouterClient
 from deploy import DEFAULT_CONFIG
 from deploy.rpc import codegen
-from deploy.serve.fleet import fleet_specs, replan
+from deploy.serve.fleet import fleet_specs, live_nodes, replan
 from placement.fleet import InstanceSpec
 from placement.planner import PlacementError
 
@@ -75,19 +75,41 @@ class SpecfleetInstance:
         self.instance_id = spec.instance_id
         self.router_cfg = router_cfg
         self.router = router_client(router_cfg)
-        self.spec = self._placed(index, spec)
-        pin = InstanceServer.pin(self.spec)
-        name = f"{INSTANCE_ACTOR_PREFIX}{self.instance_id}/{uuid.uuid4().hex[:8]}"  # the router finds it by name
-        self.server = InstanceServer.spawn(self.spec, resources={**pin, **router_cfg.instance_resources}, name=name,
-                                           namespace=NAMESPACE)
-        self.info = ray.get(self.server.info.remote(), timeout=LOAD_TIMEOUT_S)  # models load here
+        self.spec, self.server, self.info = self._start(index, spec, time.monotonic() + LOAD_TIMEOUT_S)
         self.router.call_blocking(self._register)
         self._registering: asyncio.Task | None = None
 
-    def _placed(self, index: int, spec: InstanceSpec) -> InstanceSpec:
+    def _start(self, index: int, spec: InstanceSpec, deadline: float):
+        """Place, spawn and load the instance: (spec, server, info). A node of its place that Ray declares dead
+        while it loads (the place was planned before Ray noticed), or a load that fails, makes it plan again."""
+        while True:
+            placed = self._placed(index, spec, deadline)
+            name = f"{INSTANCE_ACTOR_PREFIX}{self.instance_id}/{uuid.uuid4().hex[:8]}"  # the router finds it by name
+            server = InstanceServer.spawn(placed, resources={**InstanceServer.pin(placed),
+                                                             **self.router_cfg.instance_resources},
+                                          name=name, namespace=NAMESPACE)
+            loading = server.info.remote()  # models load here
+            failure = f"not loaded within {LOAD_TIMEOUT_S:.0f} s"
+            while not ray.wait([loading], timeout=2.0)[0]:
+                gone = {node for node, _ in placed.layout.places} - live_nodes()
+                if gone:
+                    failure = f"its nodes {sorted(gone)} died"
+                    break
+                if time.monotonic() > deadline:
+                    break
+            else:
+                try:
+                    return placed, server, ray.get(loading)
+                except ray.exceptions.RayError as e:
+                    failure = f"{type(e).__name__}: {e}"
+            ray.kill(server, no_restart=True)  # its placement group goes with it
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{self.instance_id} did not start: {failure}")
+            log.warning("%s: starting on %s failed (%s); planning again", self.instance_id, placed.place, failure)
+
+    def _placed(self, index: int, spec: InstanceSpec, deadline: float) -> InstanceSpec:
         """The spec to start: as planned if its place is alive and free, else planned again over the nodes alive
-        now; with no room, wait for a node to join (up to LOAD_TIMEOUT_S)."""
-        deadline = time.monotonic() + LOAD_TIMEOUT_S
+        now; with no room, wait for a node to join (until `deadline`)."""
         while True:
             try:
                 rows = self.router.call_blocking(lambda r: r.instances.remote())

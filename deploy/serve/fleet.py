@@ -88,3 +88,8 @@ def replan(spec: InstanceSpec, router: RouterConfig, index: int, taken: set[tupl
     prefix = spec.instance_id.rsplit("-", 1)[0]
     return plan_instance(spec.engine, router, inventory, target, draft, index, taken=taken, pins=pins,
                          gpu_nodes=gpu_nodes, prefix=prefix)
+
+
+def live_nodes() -> set[str]:
+    """The names of the cluster's nodes Ray counts alive now (as `cluster_inventory` names them)."""
+    return {n.name for n in cluster_inventory()[0].nodes}

@@ -58,6 +58,7 @@ def test_a_killed_node_replans_the_instance_on_the_nodes_left_and_a_returning_no
     now = {one.app.worker_of("inst-0", s) for s in (0, 1)}
     assert first not in now and len(now) == 2  # planned again on the two workers left
     assert one.app.hosts.node_alive(first)  # back, at a new address
-    one.app.hosts.kill_node(one.app.worker_of("inst-0", stage=1))
-    one.app.wait_instances(1, 240.0)
-    assert first in {one.app.worker_of("inst-0", s) for s in (0, 1)}
+    second = one.app.worker_of("inst-0", stage=1)
+    one.app.hosts.kill_node(second)
+    row = one.app.wait_placed("inst-0", away_from=second)
+    assert first in {int(s["node"].removeprefix("w")) for s in row["place"]["stages"]}
