@@ -242,9 +242,9 @@ def up(inventory: Inventory, state_path: Path, fabric: Fabric | None, *, num_cpu
                                                   node_ip=host)
         started.append(local_cluster._start_node(head, command, node_env, die_with_parent))
         local_cluster._wait_for_port(ports[0]["gcs"], started, deadline, host=host)
-        for i, spec in enumerate(inventory.nodes):
+        for i, spec in enumerate(inventory.nodes):  # one at a time: a loaded machine timed out raylets started at once
             started.append(_start_worker(state, i, spec, ports[i + 1], f"{root}/{i + 1}", fabric, node_env,
-                                         num_cpus, object_store_mb, die_with_parent))
+                                         num_cpus, object_store_mb, die_with_parent, deadline))
         state = state.model_copy(update={"nodes": started})
         local_cluster._write_state(state_path, state)
         local_cluster.query_nodes(address, expect=len(started), timeout_s=max(1.0, deadline - time.monotonic()),
@@ -258,12 +258,24 @@ def up(inventory: Inventory, state_path: Path, fabric: Fabric | None, *, num_cpu
 
 def _start_worker(state: ClusterState, i: int, spec: NodeSpec, ports: dict[str, int], temp_dir: str,
                   fabric: Fabric | None, env: dict[str, str], num_cpus: int, object_store_mb: int,
-                  die_with_parent: bool) -> NodeProcess:
-    node = NodeProcess(spec=spec, head=False, pid=0, create_time=0.0, temp_dir=temp_dir, ports=ports)
+                  die_with_parent: bool, deadline: float, attempts: int = 3) -> NodeProcess:
+    """Start worker i and wait until its `ray start` says the node runs; Ray gives a raylet 30 s to register, which
+    a loaded machine sometimes misses: then it is started again (up to `attempts` times)."""
     prefix, ip = (fabric.exec_prefix(i), fabric.ip(i)) if fabric is not None else ([], "127.0.0.1")
-    command = prefix + local_cluster.ray_start_command(spec, state.address, ports, temp_dir, num_cpus,
-                                                       object_store_mb, node_ip=ip)
-    return local_cluster._start_node(node, command, env, die_with_parent)
+    for attempt in range(attempts):
+        folder = temp_dir if attempt == 0 else f"{temp_dir}-{attempt}"
+        node = NodeProcess(spec=spec, head=False, pid=0, create_time=0.0, temp_dir=folder, ports=ports)
+        command = prefix + local_cluster.ray_start_command(spec, state.address, ports, folder, num_cpus,
+                                                           object_store_mb, node_ip=ip)
+        node = local_cluster._start_node(node, command, env, die_with_parent)
+        while local_cluster._is_running(node.pid, node.create_time):
+            if "Ray runtime started" in node.log.read_text(errors="replace"):
+                return node
+            if time.monotonic() > deadline:
+                raise ClusterError(f"node {spec.name} did not start in time; its log ({node.log})")
+            time.sleep(0.2)
+    raise ClusterError(f"node {spec.name}: `ray start` exited {attempts} times; its log ({node.log}) ends:\n"
+                       + node.log.read_text(errors="replace")[-1500:])
 
 
 def kill_node(state: ClusterState, i: int) -> None:
@@ -289,7 +301,7 @@ def restart_node(state_path: Path, i: int, fabric: Fabric | None, *, readdress: 
     node_env = {**local_cluster.ray_env(state.cluster_id), **FAST_DETECTION, **(env or {})}
     ports = local_cluster._allocate_ports(2)[1]  # a worker's set (its namespace has a port space of its own)
     started = _start_worker(state, i, old.spec, ports, temp_dir, fabric, node_env, num_cpus, object_store_mb,
-                            die_with_parent)
+                            die_with_parent, time.monotonic() + 180)
     nodes = list(state.nodes)
     nodes[i + 1] = started
     state = state.model_copy(update={"nodes": nodes})
