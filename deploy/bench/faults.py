@@ -87,7 +87,7 @@ async def node_killed(app: App, hit: asyncio.Event) -> tuple[str, After]:
 
     async def back() -> None:
         await asyncio.to_thread(app.wait_placed, "inst-0", worker)
-        await asyncio.to_thread(app.hosts.restart_node, worker, True)
+        app.hosts.restart_node(worker, True)  # on this thread: the node is this thread's child (it dies with it)
     return f"killed worker w{worker}", back
 
 
@@ -109,8 +109,8 @@ async def link_cut(app: App, hit: asyncio.Event) -> tuple[str, After]:
     app.hosts.restore(worker)
 
     async def back() -> None:
-        if not await asyncio.to_thread(_node_known_alive, app, worker):  # Ray gave it up during the cut: it rejoins
-            await asyncio.to_thread(app.hosts.restart_node, worker)
+        if not _node_known_alive(app, worker):  # Ray gave it up during the cut: it rejoins
+            app.hosts.restart_node(worker)  # on this thread: the node is this thread's child (it dies with it)
         await _until_back(app, victim, was)()
     return f"cut w{worker} ({victim}) until the router took it out, then restored", back
 

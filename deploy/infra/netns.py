@@ -290,7 +290,9 @@ def restart_node(state_path: Path, i: int, fabric: Fabric | None, *, readdress: 
                  object_store_mb: int = 256, env: dict[str, str] | None = None,
                  die_with_parent: bool = True) -> ClusterState:
     """Start worker i again (after `kill_node`, or after Ray gave it up during a cut), in its namespace, at a new
-    address with `readdress` (a replacement pod); the state file records the new process. Waits until it is alive."""
+    address with `readdress` (a replacement pod); the state file records the new process. Waits until it is alive.
+    With `die_with_parent` the node is stopped when the calling *thread* ends (Linux's parent-death signal is
+    per thread): call it from a thread that lives as long as the cluster, not an executor's."""
     state = local_cluster.read_state(state_path)
     old = state.nodes[i + 1]
     for proc in local_cluster.node_processes(state, old):  # whatever is left of it

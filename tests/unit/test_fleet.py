@@ -113,3 +113,29 @@ def test_an_instance_planned_again_keeps_its_place_while_it_is_free_and_lands_on
     a100_1 = plan_instance(engine(), RouterConfig(instances=3), FOUR_DEVICES, model(4), model(2, name="draft"), 2,
                            taken={("a100", 0), ("l4-0", 0), ("l4-1", 0)})
     assert a100_1.layout.places == {("a100", 1)}
+
+
+def _pod(node_id: str, ip: str, kind: str = "l4-24g", group: str = "l4-24g") -> dict:
+    """A KubeRay worker pod as ray.nodes() reports it: every inventory label but the name (k8s_render)."""
+    labels = {"specfleet/accelerator": kind, "specfleet/count": "1", "specfleet/memory-gb": "24",
+              "specfleet/speed": "1", "specfleet/group": group}
+    return {"NodeID": node_id, "Alive": True, "Labels": labels, "NodeManagerAddress": ip, "Resources": {"CPU": 8.0}}
+
+
+def test_kuberay_pods_are_named_by_slot_and_pinned_by_kind_so_a_replaced_pod_takes_its_place(monkeypatch) -> None:
+    """Issue 24: unnamed pods were named and pinned by IP (`node:<ip>`), so a pod that replaced one (a new IP) never
+    hosted an instance again. Now a group's pods are its slots, pinned by the kind's resource: after a pod is
+    replaced the inventory, its names and its pins are what they were, and a planned place still exists."""
+    import ray
+
+    from deploy.serve.fleet import cluster_inventory
+
+    monkeypatch.setattr(ray, "nodes", lambda: [_pod("b", "10.0.0.7"), _pod("a", "10.0.0.5")])
+    inventory, pins, _ = cluster_inventory()
+    monkeypatch.setattr(ray, "nodes", lambda: [_pod("b", "10.0.0.7"), _pod("c", "10.0.0.9"),
+                                               {**_pod("a", "10.0.0.5"), "Alive": False}])
+    replaced, pins_after, _ = cluster_inventory()
+
+    assert [n.name for n in inventory.nodes] == ["l4-24g-0", "l4-24g-1"] == [n.name for n in replaced.nodes]
+    assert pins == pins_after == {"l4-24g-0": "accelerator_l4-24g", "l4-24g-1": "accelerator_l4-24g"}
+    assert not any("10.0.0" in p for p in pins.values())
