@@ -79,40 +79,42 @@ async def shard_killed(app: App, hit: asyncio.Event) -> tuple[str, After]:
 
 async def node_killed(app: App, hit: asyncio.Event) -> tuple[str, After]:
     """The worker that runs instance 0's second stage killed whole (raylet and every process on it); the instance
-    is planned again on the workers left. Afterwards the node comes back at a new address (a KubeRay pod that
-    replaces another)."""
+    is planned again on the workers left. Afterwards the node comes back."""
     worker = app.worker_of("inst-0", stage=1)
     app.hosts.kill_node(worker)
     hit.set()
 
     async def back() -> None:
         await asyncio.to_thread(app.wait_placed, "inst-0", worker)
-        app.hosts.restart_node(worker, True)  # on this thread: the node is this thread's child (it dies with it)
+        app.hosts.restart_node(worker)  # on this thread: the node is this thread's child (it dies with it)
     return f"killed worker w{worker}", back
 
 
 async def link_cut(app: App, hit: asyncio.Event) -> tuple[str, After]:
-    """The link of the worker of the instance that runs the most streams cut until the router has taken the
-    instance out (it stops answering), then restored; a node Ray gave up meanwhile is started again."""
+    """The link of the worker of the instance that runs the most streams cut until Ray has given the node up and
+    the router has taken the instance out, then restored. The raylet Ray gave up exits; it is started again at a
+    new address (a KubeRay pod that replaces another), and the instance's replacement, which has no other room,
+    lands on it."""
     running = await app.router().requests.remote("running")
     ids = [r["instance_id"] for r in running] or ["inst-0"]
     victim = max(set(ids), key=ids.count)
     was = app.incarnation(victim)
     worker = app.worker_of(victim)
+    address = node_address(worker)
     app.hosts.cut(worker)
     hit.set()
     deadline = time.monotonic() + 120
-    while any(r["instance_id"] == victim and r["accepting"] for r in await asyncio.to_thread(app.instances)):
+    while _node_known_alive(app, worker) or any(r["instance_id"] == victim and r["incarnation"] == was
+                                                 and r["accepting"] for r in await asyncio.to_thread(app.instances)):
         if time.monotonic() > deadline:
-            raise AssertionError(f"the router still counts {victim} as up with its link cut")
+            raise AssertionError(f"w{worker} ({victim}) still counts as up with its link cut")
         await asyncio.sleep(0.2)
     app.hosts.restore(worker)
 
     async def back() -> None:
-        if not _node_known_alive(app, worker):  # Ray gave it up during the cut: it rejoins
-            app.hosts.restart_node(worker)  # on this thread: the node is this thread's child (it dies with it)
+        app.hosts.restart_node(worker, True)  # on this thread: the node is this thread's child (it dies with it)
         await _until_back(app, victim, was)()
-    return f"cut w{worker} ({victim}) until the router took it out, then restored", back
+    return f"cut w{worker} at {address} ({victim}) until Ray and the router gave it up, then restored", back
 
 
 async def link_degraded(app: App, hit: asyncio.Event) -> tuple[str, After]:
@@ -164,6 +166,12 @@ def _until_back(app: App, victim: str, was: str) -> After:
         await asyncio.to_thread(app.wait_replaced, victim, was)
         await asyncio.to_thread(app.wait_instances, app.cfg.router.instances, 240.0)
     return back
+
+
+def node_address(worker: int) -> str:
+    """Where the live node of worker `worker` is reached now."""
+    return next(n["NodeManagerAddress"] for n in ray.nodes()
+                if n["Alive"] and n["Labels"].get("specfleet/node") == f"w{worker}")
 
 
 def _node_known_alive(app: App, worker: int) -> bool:

@@ -18,7 +18,7 @@ from tests.fixtures.tiny_models import DRAFT_NOISE, build_tiny_model, perturbed_
 from tests.unit.helpers import load, text_prompts
 
 CONTEXT = 1024
-TOKENS = 300  # per stream; a fault lands after each stream's first 8 chunks (an event, not a delay)
+TOKENS = 200  # per stream; a fault lands after each stream's first 8 chunks (an event, not a delay)
 STREAMS = 3
 
 

