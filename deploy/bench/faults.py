@@ -91,13 +91,11 @@ async def node_killed(app: App, hit: asyncio.Event) -> tuple[str, After]:
 
 
 async def link_cut(app: App, hit: asyncio.Event) -> tuple[str, After]:
-    """The link of the worker of the instance that runs the most streams cut until Ray has given the node up and
-    the router has taken the instance out, then restored. The raylet Ray gave up exits; it is started again at a
+    """The link of instance 0's worker cut until Ray has given the node up and the router has taken the instance
+    out, then restored. The raylet Ray gave up exits; it is started again at a
     new address (a KubeRay pod that replaces another), and the instance's replacement, which has no other room,
     lands on it."""
-    running = await app.router().requests.remote("running")
-    ids = [r["instance_id"] for r in running] or ["inst-0"]
-    victim = max(set(ids), key=ids.count)
+    victim = "inst-0"  # one stage on one worker; instance 1 holds the other two (its stage and its draft's)
     was = app.incarnation(victim)
     worker = app.worker_of(victim)
     address = node_address(worker)
@@ -210,11 +208,16 @@ class Outcome:
     note: str
 
 
+NGRAM = {"speculation": {"method": "ngram", "policy": "fixed", "k": 3}}
+
+
 def apps(target: Path, draft: Path | None, engine: dict | None = None, wait_s: float = 300.0
          ) -> dict[str, SpecfleetConfig]:
-    """The two apps the faults need. A failed instance's streams wait up to `wait_s` for its replacement, which
-    must cover an instance's start (about a minute for two stages and a draft on this loaded 2-core machine)."""
-    return {"one": app_config(target, draft, instances=1, stages=2, engine=engine, wait_s=wait_s),
+    """The two apps the faults need: "one", a single instance of two pipeline stages drafting by n-gram lookup (two
+    of the three workers, one spare); "two", two single-stage instances with `draft` (without one: `engine`), the
+    second of which holds the third worker for its draft model. A failed instance's streams wait up to `wait_s`
+    for its replacement, which must cover an instance's start (up to a minute on this loaded 2-core machine)."""
+    return {"one": app_config(target, None, instances=1, stages=2, engine=engine or NGRAM, wait_s=wait_s),
             "two": app_config(target, draft, instances=2, stages=1, engine=engine, wait_s=wait_s)}
 
 

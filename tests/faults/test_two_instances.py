@@ -32,6 +32,9 @@ def test_a_link_cut_then_restored_loses_no_stream_and_the_node_back_at_a_new_add
     a duration); its streams fail over and give the unfaulted text. The node comes back at another address, like a
     KubeRay pod that replaces an evicted one, and the instance's replacement, with no room elsewhere, runs on it:
     nothing is pinned by address (issue 24: a pod pinned by `node:<ip>` was never used again)."""
+    [inst1] = [r for r in two.app.instances() if r["instance_id"] == "inst-1"]
+    held = {s["node"] for s in inst1["place"]["stages"]} | {inst1["place"]["draft"]["node"]}
+    assert len(held) == 2  # the premise: instance 1 holds the two other workers, so inst-0 has nowhere else to go
     outcome = fault(two, "link_cut")
     assert_survived(outcome)
     worker, address, victim = re.match(r"cut w(\d+) at (\S+) \((inst-\d+)\)", outcome.note).groups()
