@@ -138,7 +138,14 @@ async def migration_destination_killed(app: App, hit: asyncio.Event) -> tuple[st
         raise AssertionError("no stream runs to migrate")
     src = max(set(ids), key=ids.count)
     dst = next(r["instance_id"] for r in app.instances() if r["instance_id"] != src)
-    rid = next(r["request_id"] for r in running if r["instance_id"] == src)
+    # the request furthest from its end, as the source holds it now (the router's table may still list one that
+    # just ended there, and streams run at their instance's pace: one may be near its end already)
+    lengths = {r["request_id"]: await app.instance_actor(src).migrate_length.remote(r["request_id"])
+               for r in running if r["instance_id"] == src}
+    held = sorted((n, rid) for rid, n in lengths.items() if n is not None)
+    if not held:
+        raise AssertionError(f"{src} holds none of the requests the router lists there: {lengths}")
+    rid = held[0][1]
     was = app.incarnation(dst)
     pid = await app.instance_actor(dst).pid.remote()
     cfg = MigrationConfig(max_stages=64, stop_copy_tokens=0, chunk_tokens=16, transfer="torch", step_timeout_s=30)
@@ -150,7 +157,8 @@ async def migration_destination_killed(app: App, hit: asyncio.Event) -> tuple[st
             break
         done, _ = ray.wait([moving], timeout=0)
         if done or time.monotonic() > deadline:
-            raise AssertionError(f"the migration never was mid-copy when looked at: {ray.get(done) if done else flights}")
+            raise AssertionError(f"the migration of {rid} (held at {lengths}) never was mid-copy when looked at: "
+                                 f"{ray.get(done) if done else flights}")
         await asyncio.sleep(0.01)
     os.kill(pid, signal.SIGKILL)
     hit.set()
