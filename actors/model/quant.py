@@ -15,6 +15,8 @@ from torch import nn
 
 from actors.model.layers import DenseMLP
 
+FUSED_IN_MULTIPLE = 32  # the input sizes the fused int8 kernel handles (see Int8Linear)
+
 
 class Int8Linear(nn.Module):
     """y = x @ (q * s).T + b with int8 weights q (out, in) and per-row scales s (out,)."""
@@ -26,11 +28,15 @@ class Int8Linear(nn.Module):
         self.weight = torch.round(w / scale[:, None]).to(torch.int8)  # (out, in)
         self.scale = scale.to(linear.weight.dtype)  # (out,)
         self.bias = None if linear.bias is None else linear.bias.detach()
+        # aten._weight_int8pack_mm (a CPU and MPS kernel) reads the input in blocks without checking its width: on
+        # an input size that is not a multiple of its block it returns garbage or crashes the process (seen at 72,
+        # 40, 24, 8 on AVX-512; 16 is its block there, 32 covers the wider ones). Other widths take the plain path.
+        self.fused = w.shape[1] % FUSED_IN_MULTIPLE == 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])  # (N, in)
-        if x2.dtype == torch.bfloat16 and x2.device.type == "cpu":  # the fused kernel is a CPU (and MPS) one
+        if self.fused and x2.dtype == torch.bfloat16 and x2.device.type == "cpu" and x2.is_contiguous():
             y = torch.ops.aten._weight_int8pack_mm(x2, self.weight, self.scale)  # (N, out)
         else:
             y = (x2 @ self.weight.to(x2.dtype).t()) * self.scale.to(x2.dtype)

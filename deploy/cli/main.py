@@ -36,6 +36,9 @@ COMMANDS: list[tuple[tuple[str, ...], str, str, str]] = [
      "migration policies under skewed load, on the local cluster", "deploy.bench.migration", "add_arguments"),
     (("bench", "moe"), "plain expert parallelism vs Speculative MoE's expert grouping and request placement, on "
      "the local cluster", "deploy.bench.moe", "add_arguments"),
+    (("bench", "faults"), "each fault (router, instance, shard, node killed; link cut or degraded; a migration's "
+     "destination killed) under streaming load, on hosts in network namespaces: a row per fault",
+     "deploy.bench.faults", "add_arguments"),
     (("bench", "serve"), "load through the served app over HTTP: latency, router overhead, concurrency",
      "deploy.bench.serve", "add_arguments"),
     (("bench", "attention"), "attention over the paged KV cache: gather-then-SDPA vs the whole pool, per layer",
