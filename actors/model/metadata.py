@@ -37,7 +37,12 @@ class AttentionMetadata:
     block_tables: torch.Tensor  # (B, nb) blocks to read, scratch block where padded
     logits_index: torch.Tensor  # (sum num_logits,) indices into N whose logits are wanted
     block_size: int
-    _masks: dict[int | None, torch.Tensor] = field(default_factory=dict)
+    packed_is_padded: bool = False  # every sequence brings the same number of tokens: no padding to scatter into
+    # one sequence whose blocks are consecutive in the pool: (first flat slot, its length after this forward);
+    # attention then reads its K, V in place (KVCache.span)
+    span: tuple[int, int] | None = None
+    max_position: int = 0  # the largest of `positions`, as a plain int (no device sync to read it)
+    _masks: dict[object, torch.Tensor] = field(default_factory=dict)
 
     @property
     def num_tokens(self) -> int:
@@ -55,6 +60,12 @@ class AttentionMetadata:
         """
         b, t = len(chunks), max(len(c.token_ids) for c in chunks)
         tables = [cache.block_table(c.request_id) for c in chunks]
+        span = None
+        if b == 1:
+            length = cache.length(chunks[0].request_id) + len(chunks[0].token_ids)
+            used = tables[0][:cache.blocks_for(length)]
+            if used == list(range(used[0], used[0] + len(used))):
+                span = (used[0] * cache.block_size, length)
         nb = max(len(tab) for tab in tables)
         block_tables = [tab + [cache.scratch_block] * (nb - len(tab)) for tab in tables]  # (B, nb)
         q_positions = [[0] * t for _ in chunks]  # (B, T)
@@ -86,7 +97,26 @@ class AttentionMetadata:
             block_tables=ints(block_tables),
             logits_index=ints(logits_index),
             block_size=cache.block_size,
+            packed_is_padded=all(len(c.token_ids) == t for c in chunks),
+            span=span,
+            max_position=max(positions, default=0),
         )
+
+    def span_mask(self, sliding_window: int | None = None) -> torch.Tensor | None:
+        """The mask (1, 1, T, S) of a `span` forward, S = its length: None where every query sees every key (one
+        new token, no window it exceeds); else causal, within the window."""
+        t, (_, length) = self.num_tokens, self.span
+        if t == 1 and (sliding_window is None or length <= sliding_window):
+            return None
+        key = ("span", sliding_window)
+        if key not in self._masks:
+            key_pos = torch.arange(length, device=self.positions.device)  # (S,)
+            q_pos = self.positions[:, None]  # (T, 1)
+            allowed = key_pos <= q_pos
+            if sliding_window is not None:
+                allowed &= key_pos > q_pos - sliding_window
+            self._masks[key] = allowed[None, None]
+        return self._masks[key]
 
     def mask(self, sliding_window: int | None = None) -> torch.Tensor:
         """Boolean attention mask (B, 1, T, S): causal per sequence, within the window if one is set."""

@@ -1,0 +1,100 @@
+"""The fused weight-only kernels behind the quantized linears: exact where the mapping is, preconditions checked
+(an odd width never reaches a kernel that crashes on it), and the CUDA branch's shapes (checked on fake tensors:
+no GPU runs these tests)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from gguf import GGMLQuantizationType as Q
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from actors.model.gguf_blocks import GroupedInts, read_blocks
+from actors.model.qlinear import Int4Linear, Int8Linear, int4_unsupported, stored_linear, tinygemm_pairs
+from actors.model.quant import rtn_int4
+from tests.unit.test_gguf_blocks import random_blocks
+
+CPU = torch.device("cpu")
+
+
+def reference(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    """x (M, K) @ w (N, K).T + b in float64."""
+    y = x.double() @ w.double().t()
+    return y if b is None else y + b.double()
+
+
+@pytest.mark.parametrize("k", [8, 24, 40, 72, 48, 64])
+def test_int8_linear_takes_any_width_without_crashing(k: int) -> None:
+    """`_weight_int8pack_mm` gives wrong results for K % 16 != 0 and segfaults on batches of 2+ rows (K = 72 is a
+    tiny Llama's hidden size): such layers must take the dense fallback."""
+    torch.manual_seed(k)
+    w, b = torch.randn(24, k), torch.randn(24)
+    lin = Int8Linear.rtn(w, b, CPU, torch.float32)
+    assert lin.fused == (k % 16 == 0)
+    deq = lin.weight.double() * lin.scale.double()[:, None]  # what the codes encode
+    for m in (1, 2, 3, 5):
+        x = torch.randn(m, k)
+        torch.testing.assert_close(lin(x).double(), reference(x, deq, b), rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q4_K, Q.Q5_0, Q.Q5_1, Q.Q5_K, Q.Q8_0], ids=lambda q: q.name)
+@pytest.mark.parametrize("n", [64, 72])
+def test_int4_kernel_computes_gguf_blocks_exactly_in_fp32(qtype: Q, n: int) -> None:
+    """4-bit codes in one plane, 5-8 bit codes in two; N = 72 is padded to the CPU kernel's multiple of 16."""
+    w = read_blocks(random_blocks(qtype, n, 512), qtype, (n, 512))
+    b = torch.randn(n)
+    lin = stored_linear(w, b, CPU, torch.float32)
+    assert isinstance(lin, Int4Linear) and lin.planes == (1 if w.bits == 4 else 2)
+    x = torch.randn(5, 512)
+    want = reference(x, w.dequantize(), b)
+    torch.testing.assert_close(lin(x).double(), want, rtol=0, atol=1e-5 * float(want.abs().max()))
+
+
+def test_bf16_keeps_within_bf16_rounding_of_the_weights() -> None:
+    w = read_blocks(random_blocks(Q.Q4_K, 64, 512), Q.Q4_K, (64, 512))
+    x = torch.randn(3, 512)
+    want = reference(x.bfloat16().float(), w.dequantize(), None)
+    got = stored_linear(w, None, CPU, torch.bfloat16)(x.bfloat16()).double()
+    assert float((got - want).abs().max()) <= 1e-2 * float(want.abs().max())
+
+
+def test_q6_k_has_no_exact_int4_form_and_goes_to_int8() -> None:
+    w = read_blocks(random_blocks(Q.Q6_K, 32, 256), Q.Q6_K, (32, 256))
+    assert "groups of 16" in int4_unsupported(w, CPU, torch.float32)
+    lin = stored_linear(w, None, CPU, torch.float32)
+    assert isinstance(lin, Int8Linear)
+    x = torch.randn(2, 256)
+    want = reference(x, w.dequantize(), None)
+    assert float((lin(x).double() - want).abs().max()) <= 0.02 * float(want.abs().max())  # close, not exact
+
+
+def test_rtn_int4_is_within_half_a_step_of_each_weight() -> None:
+    torch.manual_seed(0)
+    w = torch.randn(48, 96)
+    q = rtn_int4(w)
+    assert (q.group, q.bits) == (32, 4)
+    step = q.scale.repeat_interleave(32, dim=1)  # (N, K)
+    assert bool(((q.dequantize() - w).abs() <= step / 2 + 1e-6).all())
+    assert rtn_int4(torch.randn(8, 72)).group == 72  # a width with no 32-groups: one group per row
+
+
+def test_cuda_branch_packs_for_tinygemm_and_refuses_what_it_cannot_run() -> None:
+    """No GPU runs these tests: the CUDA branch's host-side layout, then the kernels' own shape rules on fake
+    CUDA tensors (`_convert_weight_to_int4pack`, `_weight_int4pack_mm`)."""
+    cuda = torch.device("cuda")
+    w = read_blocks(random_blocks(Q.Q5_0, 40, 256), Q.Q5_0, (40, 256))
+    assert "bf16 only" in int4_unsupported(w, cuda, torch.float32)
+    assert int4_unsupported(w, cuda, torch.bfloat16) is None
+    codes = torch.cat([w.codes & 0x0F, w.codes >> 4], dim=1)  # the two planes side by side: (40, 512)
+    pairs, inner = tinygemm_pairs(codes)
+    assert pairs.shape == (40, 256) and inner == 8
+    assert int(pairs[3, 5]) == int(codes[3, 10]) << 4 | int(codes[3, 11])  # the even code in the high nibble
+    with FakeTensorMode():
+        packed = torch.ops.aten._convert_weight_to_int4pack(torch.empty(40, 256, dtype=torch.uint8, device=cuda), inner)
+        assert tuple(packed.shape) == (5, 4, 32, 4) and packed.dtype == torch.int32  # (N/8, K/128, 32, inner/2)
+        sz = torch.empty(512 // 32, 40, 2, dtype=torch.bfloat16, device=cuda)
+        y = torch.ops.aten._weight_int4pack_mm(torch.empty(3, 512, dtype=torch.bfloat16, device=cuda), packed, 32, sz)
+        assert tuple(y.shape) == (3, 40)
+    odd = GroupedInts(torch.zeros(8, 48, dtype=torch.uint8), torch.ones(8, 1), torch.zeros(8, 1), bits=4, group=48)
+    assert "groups of 48" in int4_unsupported(odd, cuda, torch.bfloat16)
+    assert isinstance(stored_linear(odd, None, torch.device("meta"), torch.float32), torch.nn.Linear)
