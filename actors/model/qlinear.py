@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from actors.model import int4_cpu
 from actors.model.gguf_blocks import GroupedInts
 
 INT4_GROUPS = (32, 64, 128, 256)
@@ -60,8 +61,10 @@ def int8_unsupported(k: int, device: torch.device) -> str | None:
 
 
 class Int4Linear(nn.Module):
-    """y = x @ W.T + b, W (N, K) as 4-bit codes in P planes with a scale and a zero per group, on torch's
-    int4 weight-only kernel for `device`. Build it only where `int4_unsupported` says nothing."""
+    """y = x @ W.T + b, W (N, K) as 4-bit codes in P planes with a scale and an offset per group. On a CPU with
+    AVX512-BF16 and bf16 inputs, our kernel (actors/model/int4_cpu.cpp: fp32 scales, the planes and the bias in
+    one call); otherwise torch's int4 weight-only kernel for `device`. Build it only where `int4_unsupported`
+    says nothing."""
 
     def __init__(self, w: GroupedInts, bias: torch.Tensor | None, device: torch.device, dtype: torch.dtype) -> None:
         super().__init__()
@@ -71,23 +74,31 @@ class Int4Linear(nn.Module):
         self.out_features, self.in_features = w.shape
         self.planes = -(-w.bits // 4)
         self.group = w.group
+        own = int4_cpu.kernel() if (device.type, dtype, w.group) == ("cpu", torch.bfloat16, int4_cpu.GROUP) else None
         pad = -self.out_features % (16 if device.type == "cpu" else 8)  # zero rows: the kernel's N multiple
         codes, scale, offset = (F.pad(t, (0, 0, 0, pad)) for t in (w.codes, w.scale, w.offset))
-        self.padded = pad > 0
-        planes = [codes & 0x0F] + ([codes >> 4] if self.planes == 2 else [])  # each (N, K)
-        # plane p holds 16**p * scale; the first carries the offset: (code - 8) * scale + zero = scale * code + offset
-        scales = [scale * 16**p for p in range(self.planes)]  # (N, G) each
-        zeros = [offset + 8 * scale] + [8 * s for s in scales[1:]]
-        self.weight = _pack(torch.cat(planes, dim=1), device)  # codes (N, P*K), packed for the kernel
-        self.scale_zeros = torch.stack([torch.cat(scales, 1), torch.cat(zeros, 1)], dim=-1).transpose(0, 1) \
-            .contiguous().to(device, dtype)  # (P*G, N, 2)
+        self.padded = pad > 0 and own is None  # our kernel stores only the real rows
+        planes = torch.cat([codes & 0x0F] + ([codes >> 4] if self.planes == 2 else []), dim=1)  # (N, P*K)
+        scales = torch.cat([scale * 16**p for p in range(self.planes)], dim=1)  # (N, P*G): plane p's is 16**p * scale
+        offsets = torch.cat([offset] + [torch.zeros_like(offset)] * (self.planes - 1), dim=1)  # the first carries it
         self.bias = None if bias is None else bias.to(device, dtype)
+        self.own = own
+        if own is not None:
+            self.weight, self.scale, self.offset = int4_cpu.pack(planes, scales, offsets)
+            return
+        self.weight = _pack(planes, device)  # packed for torch's kernel
+        # torch's kernels dequantize (code - 8) * scale + zero: zero = offset + 8 * scale
+        self.scale_zeros = torch.stack([scales, offsets + 8 * scales], dim=-1).transpose(0, 1) \
+            .contiguous().to(device, dtype)  # (P*G, N, 2)
         self.kernel = torch.ops.aten._weight_int4pack_mm_for_cpu if device.type == "cpu" \
             else torch.ops.aten._weight_int4pack_mm
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, self.in_features)  # (M, K)
+        if self.own is not None:
+            y = self.own(x2.contiguous(), self.weight, self.scale, self.offset, self.bias, self.out_features)
+            return y.view(*shape[:-1], self.out_features)
         if self.planes > 1:
             x2 = x2.repeat(1, self.planes)  # (M, P*K): one input copy per plane
         y = self.kernel(x2.contiguous(), self.weight, self.group, self.scale_zeros)  # (M, N padded)

@@ -9,6 +9,7 @@ import torch
 from gguf import GGMLQuantizationType as Q
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+from actors.model import int4_cpu
 from actors.model.gguf_blocks import GroupedInts, read_blocks
 from actors.model.qlinear import Int4Linear, Int8Linear, int4_unsupported, stored_linear, tinygemm_pairs
 from actors.model.quant import rtn_int4
@@ -50,12 +51,25 @@ def test_int4_kernel_computes_gguf_blocks_exactly_in_fp32(qtype: Q, n: int) -> N
     torch.testing.assert_close(lin(x).double(), want, rtol=0, atol=1e-5 * float(want.abs().max()))
 
 
-def test_bf16_keeps_within_bf16_rounding_of_the_weights() -> None:
-    w = read_blocks(random_blocks(Q.Q4_K, 64, 512), Q.Q4_K, (64, 512))
-    x = torch.randn(3, 512)
-    want = reference(x.bfloat16().float(), w.dequantize(), None)
-    got = stored_linear(w, None, CPU, torch.bfloat16)(x.bfloat16()).double()
-    assert float((got - want).abs().max()) <= 1e-2 * float(want.abs().max())
+@pytest.mark.parametrize("qtype", [Q.Q4_1, Q.Q4_K, Q.Q5_0, Q.Q8_0], ids=lambda q: q.name)
+@pytest.mark.parametrize("m", [1, 5, 9, 17])  # one tile of 8 rows, and more than one
+def test_bf16_is_the_exact_result_rounded_once(qtype: Q, m: int) -> None:
+    """bf16 inputs: on AVX512-BF16 CPUs our kernel (fp32 scales, sums in fp32: the exact result, rounded once to
+    bf16; N = 40 ends in a partial block of rows), elsewhere torch's (its scales rounded to bf16: looser)."""
+    w = read_blocks(random_blocks(qtype, 40, 512), qtype, (40, 512))
+    b = torch.randn(40).bfloat16()
+    lin = stored_linear(w, b, CPU, torch.bfloat16)
+    x = torch.randn(m, 512).bfloat16()
+    want = reference(x, w.dequantize(), b)  # x already bf16: the exact result of these inputs
+    got = lin(x).double()
+    if lin.own is not None:
+        torch.testing.assert_close(got, want.bfloat16().double(), rtol=2**-8, atol=1e-6 * float(want.abs().max()))
+    else:
+        assert float((got - want).abs().max()) <= 1e-2 * float(want.abs().max())
+
+
+def test_our_kernel_is_built_where_the_cpu_has_avx512_bf16() -> None:
+    assert (int4_cpu.kernel() is not None) == torch.cpu._is_avx512_bf16_supported()
 
 
 def test_q6_k_has_no_exact_int4_form_and_goes_to_int8() -> None:
