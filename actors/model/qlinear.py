@@ -11,11 +11,13 @@ preconditions checked before it is chosen.
 Preconditions (measured on torch 2.13; tests/unit/test_qlinear.py holds them):
 - `_weight_int8pack_mm` (CPU): K % 16 == 0. Other K give wrong results and, for batches of 2+ rows, a segfault
   (K = 72, a tiny Llama's hidden size, crashes). Guarded here; such layers take the dense matmul.
-- `_convert_weight_to_int4pack_for_cpu`: N % 16 == 0 (other N are padded with zero rows, sliced off the output);
-  `_weight_int4pack_mm_for_cpu`: group in {32, 64, 128, 256}, K % group == 0. Its vectorised (AVX512 / AVX2) kernel is bf16 only: fp32 runs a scalar loop (exact, slow: for
-  tests), so `weights: stored` pays in bf16.
-- CUDA `_convert_weight_to_int4pack`: N % 8 == 0 (padded as on the CPU), K % (16 * inner tiles) == 0; `_weight_int4pack_mm`: bf16 only,
-  compute capability 8.0+. Int8 has no CUDA kernel here: such layers are stored dense on CUDA.
+- `_convert_weight_to_int4pack_for_cpu`: N % 16 == 0 (other N are padded with zero rows, sliced off the
+  output); `_weight_int4pack_mm_for_cpu`: group in {32, 64, 128, 256}, K % group == 0. Its vectorised (AVX512 /
+  AVX2) kernel is bf16 only: fp32 runs a scalar loop (exact, slow: for tests), so `weights: stored` pays in bf16.
+- CUDA `_convert_weight_to_int4pack`: N % 8 == 0 (padded as on the CPU), K % (16 * inner tiles) == 0;
+  `_weight_int4pack_mm`: bf16 only, compute capability 8.0+. Int8 has no CUDA kernel here: such layers are
+  stored dense on CUDA.
+- Our AVX512-BF16 kernel (int4_cpu.cpp), where it is built: bf16 inputs, groups of 32, K % 32 == 0, any N.
 Shape legend: M rows of input, K input features, N output features, G groups per row (K / group), P planes.
 """
 
@@ -176,11 +178,26 @@ def stored_linear(w: GroupedInts, bias: torch.Tensor | None, device: torch.devic
 
     the int4 kernel where it takes the weight (exact: 4-bit codes as stored, 5-8 bit codes as two planes); else
     int8 per row re-quantized from the weight's values (not exact: Q6_K's 16-weight groups, which no int4 group
-    size holds, or shapes the int4 kernel refuses), where the int8 kernel runs; else the dequantized weight, dense.
+    size holds), see `int8_linear`; else (no int8 kernel on the device) the dequantized weight, dense.
     """
     if int4_unsupported(w, device, dtype) is None:
         return Int4Linear(w, bias, device, dtype)
     dense = w.dequantize()  # (N, K) fp32
-    if int8_unsupported(w.shape[1], device) is None:
-        return Int8Linear.rtn(dense, bias, device, dtype)
+    if device.type == "cpu":
+        return int8_linear(dense, bias, device, dtype)
     return dense_linear(dense.to(device, dtype), None if bias is None else bias.to(device, dtype))
+
+
+def int8_linear(w: torch.Tensor, bias: torch.Tensor | None, device: torch.device, dtype: torch.dtype) -> nn.Module:
+    """w (N, K) round to nearest per row on int8 (Int8Linear.rtn's codes and scales). Where our AVX512-BF16 kernel
+    runs (bf16 on such a CPU, K a multiple of 32), the same codes go to it as two 4-bit planes with the row's
+    scale in every group: the same maths, about twice as fast as `_weight_int8pack_mm` (docs/benchmarks.md)."""
+    n, k = w.shape
+    if (device.type, dtype) == ("cpu", torch.bfloat16) and k % int4_cpu.GROUP == 0 and int4_cpu.kernel() is not None:
+        w = w.detach().float()
+        scale = w.abs().amax(dim=1).clamp_min(1e-12) / 127.0  # (N,)
+        codes = (torch.round(w / scale[:, None]).to(torch.int16) + 128).to(torch.uint8)  # (N, K), 1..255
+        per_group = scale[:, None].expand(n, k // int4_cpu.GROUP).contiguous()  # (N, G)
+        return Int4Linear(GroupedInts(codes, per_group, -128 * per_group, bits=8, group=int4_cpu.GROUP,
+                                      source="rtn8"), bias, device, dtype)
+    return Int8Linear.rtn(w, bias, device, dtype)

@@ -168,7 +168,8 @@ class ModelRunner:
         return self.cache.import_(reshard(exports, [self.layer_ids])[0])
 
     @torch.inference_mode()
-    def forward(self, chunks: list[SeqChunk], hidden: torch.Tensor | None = None, parallel: bool = False) -> torch.Tensor:
+    def forward(self, chunks: list[SeqChunk], hidden: torch.Tensor | None = None,
+                parallel: bool = False) -> torch.Tensor:
         """Run the new tokens of each chunk through this runner's layers, appending their KV.
 
         `parallel`: run the layer-parallel groups of `self.layer_parallel` (EasySpec), if it has any; otherwise

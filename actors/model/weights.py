@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from actors.model.gguf_blocks import GroupedInts, concat_rows
-from actors.model.qlinear import Int4Linear, Int8Linear, dense_linear, int4_unsupported, stored_linear
+from actors.model.qlinear import Int4Linear, dense_linear, int4_unsupported, int8_linear, stored_linear
 
 WeightMode = Literal["stored", "dequantized", "int8", "int4"]
 WEIGHT_MODES: tuple[WeightMode, ...] = ("stored", "dequantized", "int8", "int4")
@@ -68,7 +68,7 @@ def fuse(parts: Sequence[Part], device: torch.device, dtype: torch.dtype, mode: 
         codes = rtn_int4(dense) if mode == "int4" else None
         if codes is not None and int4_unsupported(codes, device, dtype) is None:
             return Int4Linear(codes, bias, device, dtype)
-        return Int8Linear.rtn(dense, bias, device, dtype)
+        return int8_linear(dense, bias, device, dtype)
     groups = [stored(p.name) for p in parts] if mode == "stored" else [None] * len(parts)
     runs: list[list[tuple[Part, GroupedInts | None]]] = []  # parts that stack into one matrix: one kernel call
     for p, g in zip(parts, groups):

@@ -188,7 +188,8 @@ def _report(setup: Setup, rows: list[Row], gap: dict[str, float]) -> dict:
             "tok_s": round(r.tok_s, 2), "tokens": r.tokens, "seconds": round(r.seconds, 2),
             "vs_llama_cpp": round(r.tok_s / anchor.tok_s, 3) if anchor and anchor.tok_s else None,
             "vs_own_plain": round(r.tok_s / own_plain.tok_s, 3) if own_plain and own_plain.tok_s else None,
-            "identical_to_own_plain": same, "token_agreement_with_own_plain": None if prefix is None else round(prefix, 4),
+            "identical_to_own_plain": same,
+            "token_agreement_with_own_plain": None if prefix is None else round(prefix, 4),
             "acceptance": round(r.stats.acceptance_rate, 3) if r.stats.proposed else None,
         }
     stored, dense = by_name["plain stored"], by_name["plain dequantized"]

@@ -11,7 +11,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from actors.model import int4_cpu
 from actors.model.gguf_blocks import GroupedInts, read_blocks
-from actors.model.qlinear import Int4Linear, Int8Linear, int4_unsupported, stored_linear, tinygemm_pairs
+from actors.model.qlinear import Int4Linear, Int8Linear, int4_unsupported, int8_linear, stored_linear, tinygemm_pairs
 from actors.model.quant import rtn_int4
 from tests.unit.test_gguf_blocks import random_blocks
 
@@ -112,3 +112,15 @@ def test_cuda_branch_packs_for_tinygemm_and_refuses_what_it_cannot_run() -> None
     odd = GroupedInts(torch.zeros(8, 48, dtype=torch.uint8), torch.ones(8, 1), torch.zeros(8, 1), bits=4, group=48)
     assert "groups of 48" in int4_unsupported(odd, cuda, torch.bfloat16)
     assert isinstance(stored_linear(odd, None, torch.device("meta"), torch.float32), torch.nn.Linear)
+
+
+def test_int8_codes_take_our_kernel_in_bf16_with_the_same_maths() -> None:
+    """Per-row int8 (Q6_K's fallback, `weights: int8`) as two 4-bit planes with the row's scale in each group."""
+    torch.manual_seed(1)
+    w, b = torch.randn(40, 256), torch.randn(40)
+    fast = int8_linear(w, b.bfloat16(), CPU, torch.bfloat16)
+    assert isinstance(fast, Int4Linear if int4_cpu.kernel() is not None else Int8Linear)
+    exact = Int8Linear.rtn(w, b, CPU, torch.float32)  # the same codes and scales, in fp32
+    x = torch.randn(5, 256).bfloat16()
+    want = exact(x.float()).double()
+    torch.testing.assert_close(fast(x).double(), want, rtol=2**-7, atol=1e-5 * float(want.abs().max()))
