@@ -70,6 +70,7 @@ class Attention:
     # tensor-parallel slice of the heads (actors/moe/shuffle.py): the local KV head each local query head reads,
     # (nh,); None: grouped-query attention's own grouping, nh / kvh query heads per KV head
     kv_map: torch.Tensor | None = None
+    fused: object | None = None  # our CPU kernels (torch.ops.specfleet) where they run this layer (fused_ops)
 
     def qkv(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
@@ -77,6 +78,9 @@ class Attention:
         """x: (N, H) -> q (N, nh, hd), k and v (N, kvh, hd), RoPE applied to q and k (in one call)."""
         n, nh, kvh, hd = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
         qkv = self.qkv_proj(x).view(n, nh + 2 * kvh, hd)  # (N, nh + 2 kvh, hd)
+        if self.fused is not None:
+            self.fused.rope_(qkv[:, :nh + kvh], cos, sin)  # in place, one call
+            return qkv[:, :nh], qkv[:, nh:nh + kvh], qkv[:, nh + kvh:]
         qk = apply_rope(qkv[:, :nh + kvh], cos, sin)  # (N, nh + kvh, hd)
         return qk[:, :nh], qk[:, nh:], qkv[:, nh + kvh:]
 
@@ -91,6 +95,10 @@ class Attention:
     ) -> torch.Tensor:
         """x: (N, H) -> (N, H). Writes this layer's K, V for the new tokens into the cache."""
         q, k, v = self.qkv(x, cos, sin)
+        if meta.span is not None and self.kv_map is None and self.fused is not None:  # write and attend, one call
+            kpool, vpool = cache.pools(layer)
+            out = self.fused.span_attention(q, k, v, kpool, vpool, meta.slots, *meta.span, self.sliding_window or 0)
+            return self.o_proj(out)
         cache.write(layer, meta.slots, k, v)
         if meta.span is not None and self.kv_map is None:  # one sequence on consecutive blocks: read in place
             return self.o_proj(self._attend_span(q, cache, layer, meta))
@@ -140,8 +148,11 @@ class DenseMLP:
     gate_up_proj: nn.Module  # (N, H) -> (N, 2I): gate, then up
     down_proj: nn.Module
     act: nn.Module
+    fused: object | None = None  # our CPU kernels where they run this MLP (SiLU, bf16: fused_ops)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fused is not None:
+            return self.down_proj(self.fused.silu_mul(self.gate_up_proj(x)))
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # (N, I) each
         return self.down_proj(self.act(gate) * up)
 
@@ -204,9 +215,28 @@ class DecoderLayer:
     eps: float
     attn: Attention
     ffn: DenseMLP | MoE
+    fused: object | None = None  # our CPU kernels where they run this layer's norms (fused_ops)
 
     def __call__(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata, cache: KVCache
     ) -> torch.Tensor:
+        if self.fused is not None:  # the residual add and the second norm in one call
+            a = self.attn(self.fused.rms_norm(x, self.input_norm, self.eps), cos, sin, meta, cache, self.index)
+            h, normed = self.fused.add_rms_norm(x, a, self.post_norm, self.eps)
+            return h + self.ffn(normed)
         h = x + self.attn(rms_norm(x, self.input_norm, self.eps), cos, sin, meta, cache, self.index)
         return h + self.ffn(rms_norm(h, self.post_norm, self.eps))
+
+
+def fused_ops(layer: DecoderLayer, act: str, device: torch.device, dtype: torch.dtype) -> None:
+    """Hand our CPU kernels (actors/model/cpu_kernels.py) to the parts of `layer` they can run: bf16 on a CPU where
+    they are built, widths in whole vectors (hidden size and MLP width multiples of 16, head dim of 32), SiLU."""
+    from actors.model import cpu_kernels
+
+    ops = cpu_kernels.ops() if (device.type, dtype) == ("cpu", torch.bfloat16) else None
+    a = layer.attn
+    if ops is None or layer.input_norm.shape[0] % 16 or a.head_dim % 32 or a.head_dim > 256:
+        return
+    layer.fused = a.fused = ops
+    if isinstance(layer.ffn, DenseMLP) and act == "silu" and layer.ffn.down_proj.in_features % 16 == 0:
+        layer.ffn.fused = ops

@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from actors.model import int4_cpu
+from actors.model import cpu_kernels
 from actors.model.gguf_blocks import GroupedInts
 
 INT4_GROUPS = (32, 64, 128, 256)
@@ -76,7 +76,7 @@ class Int4Linear(nn.Module):
         self.out_features, self.in_features = w.shape
         self.planes = -(-w.bits // 4)
         self.group = w.group
-        own = int4_cpu.kernel() if (device.type, dtype, w.group) == ("cpu", torch.bfloat16, int4_cpu.GROUP) else None
+        own = cpu_kernels.kernel() if (device.type, dtype, w.group) == ("cpu", torch.bfloat16, cpu_kernels.GROUP) else None
         pad = -self.out_features % (16 if device.type == "cpu" else 8)  # zero rows: the kernel's N multiple
         codes, scale, offset = (F.pad(t, (0, 0, 0, pad)) for t in (w.codes, w.scale, w.offset))
         self.padded = pad > 0 and own is None  # our kernel stores only the real rows
@@ -86,7 +86,7 @@ class Int4Linear(nn.Module):
         self.bias = None if bias is None else bias.to(device, dtype)
         self.own = own
         if own is not None:
-            self.weight, self.scale, self.offset = int4_cpu.pack(planes, scales, offsets)
+            self.weight, self.scale, self.offset = cpu_kernels.pack(planes, scales, offsets)
             return
         self.weight = _pack(planes, device)  # packed for torch's kernel
         # torch's kernels dequantize (code - 8) * scale + zero: zero = offset + 8 * scale
@@ -193,11 +193,11 @@ def int8_linear(w: torch.Tensor, bias: torch.Tensor | None, device: torch.device
     runs (bf16 on such a CPU, K a multiple of 32), the same codes go to it as two 4-bit planes with the row's
     scale in every group: the same maths, about twice as fast as `_weight_int8pack_mm` (docs/benchmarks.md)."""
     n, k = w.shape
-    if (device.type, dtype) == ("cpu", torch.bfloat16) and k % int4_cpu.GROUP == 0 and int4_cpu.kernel() is not None:
+    if (device.type, dtype) == ("cpu", torch.bfloat16) and k % cpu_kernels.GROUP == 0 and cpu_kernels.kernel() is not None:
         w = w.detach().float()
         scale = w.abs().amax(dim=1).clamp_min(1e-12) / 127.0  # (N,)
         codes = (torch.round(w / scale[:, None]).to(torch.int16) + 128).to(torch.uint8)  # (N, K), 1..255
-        per_group = scale[:, None].expand(n, k // int4_cpu.GROUP).contiguous()  # (N, G)
-        return Int4Linear(GroupedInts(codes, per_group, -128 * per_group, bits=8, group=int4_cpu.GROUP,
+        per_group = scale[:, None].expand(n, k // cpu_kernels.GROUP).contiguous()  # (N, G)
+        return Int4Linear(GroupedInts(codes, per_group, -128 * per_group, bits=8, group=cpu_kernels.GROUP,
                                       source="rtn8"), bias, device, dtype)
     return Int8Linear.rtn(w, bias, device, dtype)

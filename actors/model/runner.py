@@ -13,7 +13,7 @@ import torch
 from transformers.activations import ACT2FN
 
 from actors.kv_cache import KVCache, KVExport, reshard
-from actors.model.layers import Attention, DecoderLayer, DenseMLP, MoE, RopeTable, rms_norm
+from actors.model.layers import Attention, DecoderLayer, DenseMLP, MoE, RopeTable, fused_ops, rms_norm
 from actors.model.loader import SUPPORTED_ARCHITECTURES, LoadedModel
 from actors.model.metadata import AttentionMetadata, SeqChunk
 from actors.model.weights import Part, WeightMode, fuse, head_projection, layer_projections
@@ -63,7 +63,7 @@ def build_layer(model: LoadedModel, index: int, device: torch.device, weights: W
         )
     else:
         ffn = DenseMLP(proj.gate_up, proj.down, mlp.act_fn)
-    return DecoderLayer(
+    layer = DecoderLayer(
         index=index,
         input_norm=hf.input_layernorm.weight,
         post_norm=hf.post_attention_layernorm.weight,
@@ -71,6 +71,8 @@ def build_layer(model: LoadedModel, index: int, device: torch.device, weights: W
         attn=attn,
         ffn=ffn,
     )
+    fused_ops(layer, cfg.hidden_act, device, model.dtype)
+    return layer
 
 
 def shared_expert_mlp(model: LoadedModel, index: int, device: torch.device) -> DenseMLP:

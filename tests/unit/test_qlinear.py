@@ -9,7 +9,7 @@ import torch
 from gguf import GGMLQuantizationType as Q
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from actors.model import int4_cpu
+from actors.model import cpu_kernels
 from actors.model.gguf_blocks import GroupedInts, read_blocks
 from actors.model.qlinear import Int4Linear, Int8Linear, int4_unsupported, int8_linear, stored_linear, tinygemm_pairs
 from actors.model.quant import rtn_int4
@@ -69,7 +69,7 @@ def test_bf16_is_the_exact_result_rounded_once(qtype: Q, m: int) -> None:
 
 
 def test_our_kernel_is_built_where_the_cpu_has_avx512_bf16() -> None:
-    assert (int4_cpu.kernel() is not None) == torch.cpu._is_avx512_bf16_supported()
+    assert (cpu_kernels.kernel() is not None) == torch.cpu._is_avx512_bf16_supported()
 
 
 def test_q6_k_has_no_exact_int4_form_and_goes_to_int8() -> None:
@@ -119,7 +119,7 @@ def test_int8_codes_take_our_kernel_in_bf16_with_the_same_maths() -> None:
     torch.manual_seed(1)
     w, b = torch.randn(40, 256), torch.randn(40)
     fast = int8_linear(w, b.bfloat16(), CPU, torch.bfloat16)
-    assert isinstance(fast, Int4Linear if int4_cpu.kernel() is not None else Int8Linear)
+    assert isinstance(fast, Int4Linear if cpu_kernels.kernel() is not None else Int8Linear)
     exact = Int8Linear.rtn(w, b, CPU, torch.float32)  # the same codes and scales, in fp32
     x = torch.randn(5, 256).bfloat16()
     want = exact(x.float()).double()

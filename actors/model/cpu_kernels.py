@@ -1,0 +1,69 @@
+"""Our CPU kernels for bf16 decoding on AVX512-BF16 CPUs: the int4 matmul (int4_cpu.cpp) and the fused per-layer
+steps (fused_cpu.cpp), built once per machine by torch's C++ extension builder (cached under
+~/.cache/torch_extensions), and the weight layout the matmul reads.
+
+Where they beat torch's own ops is measured in docs/benchmarks.md. Elsewhere (another CPU, fp32, CUDA) or where
+they cannot be built (no C++ compiler), the model runs on torch's ops. `SPECFLEET_CPU_KERNELS=torch` keeps
+torch's ops anyway (a diagnostic: the benchmarks' comparison).
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+SOURCES = [Path(__file__).with_name(name) for name in ("int4_cpu.cpp", "fused_cpu.cpp")]
+ROWS, GROUP = 16, 32  # the matmul's row block and scale group (int4_cpu.cpp kRows, kGroup)
+FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma"]
+
+
+@functools.cache
+def ops():
+    """`torch.ops.specfleet` (int4_mm, rms_norm, add_rms_norm, rope_, silu_mul, span_attention), built on first
+    use; None where this CPU or machine cannot run them."""
+    if os.environ.get("SPECFLEET_CPU_KERNELS") == "torch" or not torch.cpu._is_avx512_bf16_supported():
+        return None
+    from torch.utils.cpp_extension import load
+
+    digest = hashlib.sha256(b"".join(s.read_bytes() for s in SOURCES) + " ".join(FLAGS).encode()).hexdigest()[:12]
+    try:
+        load(name=f"specfleet_cpu_{digest}", sources=[str(s) for s in SOURCES], extra_cflags=FLAGS,
+             is_python_module=False, verbose=False)
+    except (OSError, RuntimeError) as e:  # no compiler, or it refused the flags: torch's ops do the work
+        log.warning("our AVX512-BF16 CPU kernels could not be built (%s); using torch's ops", e)
+        return None
+    _register_fake()
+    return torch.ops.specfleet
+
+
+def kernel() -> Callable | None:
+    """The int4 matmul (int4_cpu.cpp), or None where our kernels do not run."""
+    lib = ops()
+    return None if lib is None else lib.int4_mm
+
+
+def _register_fake() -> None:
+    """Output shapes for fake tensors (torch.compile tracing)."""
+    @torch.library.register_fake("specfleet::int4_mm")
+    def _(x, codes, scale, offset, bias, n):  # noqa: ANN001, ANN202 - the op's schema
+        return x.new_empty(x.shape[0], n)
+
+
+def pack(codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor
+         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The kernel's layout of 4-bit codes (N, K) uint8 (planes side by side; N a multiple of 16, K of 32) and their
+    per-group scale and offset (N, K / 32) fp32: codes (N / 16, K / 4, 32) uint8 where byte j = 2i + e of chunk c
+    holds row i's code at 4c + e (low nibble) and 4c + 2 + e (high nibble); scale, offset (N / 16, K / 32, 16)."""
+    n, k = codes.shape
+    c = codes.view(n // ROWS, ROWS, k // 4, 2, 2)  # block, row i, chunk, k + 0/1 or k + 2/3, e
+    packed = (c[:, :, :, 0] | c[:, :, :, 1] << 4).permute(0, 2, 1, 3).reshape(n // ROWS, k // 4, 32)
+    blocked = [t.float().view(n // ROWS, ROWS, -1).transpose(1, 2).contiguous() for t in (scale, offset)]
+    return packed.contiguous(), blocked[0], blocked[1]
