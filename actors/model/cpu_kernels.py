@@ -53,17 +53,36 @@ def kernel() -> Callable | None:
 def _register_fake() -> None:
     """Output shapes for fake tensors (torch.compile tracing)."""
     @torch.library.register_fake("specfleet::int4_mm")
-    def _(x, codes, scale, offset, bias, n):  # noqa: ANN001, ANN202 - the op's schema
+    def _(x, codes, scale, offset, scale_mult, offset_mult, bias, n):  # noqa: ANN001, ANN202 - the op's schema
         return x.new_empty(x.shape[0], n)
 
 
-def pack(codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor
-         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The kernel's layout of 4-bit codes (N, K) uint8 (planes side by side; N a multiple of 16, K of 32) and their
-    per-group scale and offset (N, K / 32) fp32: codes (N / 16, K / 4, 32) uint8 where byte j = 2i + e of chunk c
-    holds row i's code at 4c + e (low nibble) and 4c + 2 + e (high nibble); scale, offset (N / 16, K / 32, 16)."""
+def pack(codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor,
+         levels: tuple[torch.Tensor, ...] | None = None) -> tuple[torch.Tensor, ...]:
+    """The matmul's layout of 4-bit codes (N, K) uint8 (planes side by side; N a multiple of 16, K of 32) and their
+    per-group scale and offset (N, K / 32) fp32: (codes, scale, offset, scale_mult, offset_mult) for int4_mm.
+
+    Codes: (N / 16, K / 4, 32) uint8, byte j = 2i + e of chunk c holding row i's code at 4c + e (low nibble) and
+    4c + 2 + e (high nibble). Scales, the fewest bytes that hold them exactly: a K-quant's two levels (`levels`:
+    fp16 per 8 groups, uint8 multipliers per group), else fp16 per group where every value is an fp16, else fp32;
+    each as (N / 16, groups, 16), rows innermost. The multipliers are None but for two levels.
+    """
     n, k = codes.shape
     c = codes.view(n // ROWS, ROWS, k // 4, 2, 2)  # block, row i, chunk, k + 0/1 or k + 2/3, e
-    packed = (c[:, :, :, 0] | c[:, :, :, 1] << 4).permute(0, 2, 1, 3).reshape(n // ROWS, k // 4, 32)
-    blocked = [t.float().view(n // ROWS, ROWS, -1).transpose(1, 2).contiguous() for t in (scale, offset)]
-    return packed.contiguous(), blocked[0], blocked[1]
+    packed = (c[:, :, :, 0] | c[:, :, :, 1] << 4).permute(0, 2, 1, 3).reshape(n // ROWS, k // 4, 32).contiguous()
+
+    def blocked(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:  # (N, G) -> (N / 16, G, 16)
+        return t.to(dtype).view(n // ROWS, ROWS, -1).transpose(1, 2).contiguous()
+
+    if levels is not None and all(_is_half(t) for t in (levels[0], levels[2])):
+        d, sc, dm, mn = levels
+        return (packed, blocked(d, torch.float16), blocked(dm, torch.float16), blocked(sc, torch.uint8),
+                blocked(mn, torch.uint8))
+    dtype = torch.float16 if _is_half(scale) and _is_half(offset) else torch.float32
+    return packed, blocked(scale, dtype), blocked(offset, dtype), None, None
+
+
+def _is_half(t: torch.Tensor) -> bool:
+    """Every value of fp32 `t` is an fp16 (finite): it can be stored in half the bytes exactly."""
+    h = t.to(torch.float16)
+    return bool(torch.isfinite(h).all()) and torch.equal(h.float(), t.float())

@@ -43,6 +43,9 @@ class GroupedInts:
     bits: int
     group: int
     source: str = ""  # the format it was read from (a GGUF type name, or "rtn" when quantized at load)
+    # the K-quants' two levels, where read from one: scale = d[:, g // 8] * sc[:, g], offset = dm[:, g // 8] *
+    # mn[:, g] with d, dm (N, G / 8) fp16 values (held in fp32) and sc, mn (N, G) small integers (uint8)
+    levels: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -56,8 +59,9 @@ class GroupedInts:
 
     def rows(self, index: torch.Tensor) -> "GroupedInts":
         """Rows `index` (N',) of the matrix, in that order (a row permutation keeps every row's groups whole)."""
+        levels = None if self.levels is None else tuple(t[index] for t in self.levels)
         return GroupedInts(self.codes[index], self.scale[index], self.offset[index], self.bits, self.group,
-                           self.source)
+                           self.source, levels)
 
 
 def concat_rows(parts: list[GroupedInts]) -> GroupedInts:
@@ -66,9 +70,12 @@ def concat_rows(parts: list[GroupedInts]) -> GroupedInts:
     first = parts[0]
     if any((p.group, p.codes.shape[1]) != (first.group, first.codes.shape[1]) for p in parts):
         raise ValueError("only matrices of one width and group size stack into one")
+    levels = None
+    if all(p.levels is not None for p in parts):
+        levels = tuple(torch.cat([p.levels[i] for p in parts]) for i in range(4))
     return GroupedInts(torch.cat([p.codes for p in parts]), torch.cat([p.scale for p in parts]),
                        torch.cat([p.offset for p in parts]), max(p.bits for p in parts), first.group,
-                       "+".join(dict.fromkeys(p.source for p in parts)))
+                       "+".join(dict.fromkeys(p.source for p in parts)), levels)
 
 
 def readable(qtype: Q) -> bool:
@@ -83,9 +90,12 @@ def read_blocks(raw: np.ndarray, qtype: Q, shape: tuple[int, int]) -> GroupedInt
     if k % block or raw.shape != (n, k // block * size):
         raise ValueError(f"{qtype.name}: {raw.shape} bytes do not hold a ({n}, {k}) matrix")
     blocks = np.asarray(raw).reshape(n, k // block, size)  # (N, B, size), still the file's bytes
-    codes, scale, offset, bits, group = _READERS[qtype](blocks)
+    codes, scale, offset, bits, group, *two = _READERS[qtype](blocks)
+    levels = None
+    if two:  # a K-quant: per super-block d, dm (N, B, 1) and per group sc, mn (N, B, 8)
+        levels = tuple(torch.from_numpy(np.ascontiguousarray(t).reshape(n, -1)) for t in two[0])
     return GroupedInts(torch.from_numpy(codes.reshape(n, k)), torch.from_numpy(scale.reshape(n, -1)),
-                       torch.from_numpy(offset.reshape(n, -1)), bits, group, qtype.name)
+                       torch.from_numpy(offset.reshape(n, -1)), bits, group, qtype.name, levels)
 
 
 # ---- the formats (numpy: uint8 arithmetic on whole tensors, one pass each) --------------------------------------
@@ -137,7 +147,7 @@ def _k_scales(s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     lo, mid, hi = s[..., 0:4], s[..., 4:8], s[..., 8:12]
     scales = np.concatenate([lo & 63, (hi & 0x0F) | ((lo >> 6) << 4)], axis=-1)
     mins = np.concatenate([mid & 63, (hi >> 4) | ((mid >> 6) << 4)], axis=-1)
-    return scales.astype(np.float32), mins.astype(np.float32)
+    return scales, mins
 
 
 def _k_nibbles(qs: np.ndarray) -> np.ndarray:
@@ -149,8 +159,8 @@ def _k_nibbles(qs: np.ndarray) -> np.ndarray:
 
 def _q4_k(b: np.ndarray):
     d, dmin = _f16(b[..., 0:2]), _f16(b[..., 2:4])  # (N, B, 1)
-    sc, mn = _k_scales(b[..., 4:16])  # (N, B, 8)
-    return _k_nibbles(b[..., 16:144]), d * sc, -dmin * mn, 4, 32
+    sc, mn = _k_scales(b[..., 4:16])  # (N, B, 8) uint8
+    return _k_nibbles(b[..., 16:144]), d * sc, -dmin * mn, 4, 32, (d, sc, -dmin, mn)
 
 
 def _q5_k(b: np.ndarray):
@@ -158,7 +168,8 @@ def _q5_k(b: np.ndarray):
     sc, mn = _k_scales(b[..., 4:16])
     qh = b[..., 16:48]  # (N, B, 32): bit i of byte l is the fifth bit of weight 32i + l
     high = (qh[..., None, :] >> np.arange(8, dtype=np.uint8)[:, None]) & 1  # (N, B, 8, 32)
-    return _k_nibbles(b[..., 48:176]) | (high.reshape(*qh.shape[:-1], 256) << 4), d * sc, -dmin * mn, 5, 32
+    codes = _k_nibbles(b[..., 48:176]) | (high.reshape(*qh.shape[:-1], 256) << 4)
+    return codes, d * sc, -dmin * mn, 5, 32, (d, sc, -dmin, mn)
 
 
 def _q6_k(b: np.ndarray):

@@ -68,7 +68,9 @@ class Int4Linear(nn.Module):
     one call); otherwise torch's int4 weight-only kernel for `device`. Build it only where `int4_unsupported`
     says nothing."""
 
-    def __init__(self, w: GroupedInts, bias: torch.Tensor | None, device: torch.device, dtype: torch.dtype) -> None:
+    def __init__(self, w: GroupedInts, bias: torch.Tensor | None, device: torch.device, dtype: torch.dtype,
+                 ours: bool = True) -> None:
+        """`ours=False` keeps torch's kernel even where ours runs (the benchmark's comparison)."""
         super().__init__()
         why = int4_unsupported(w, device, dtype)
         if why is not None:
@@ -76,7 +78,8 @@ class Int4Linear(nn.Module):
         self.out_features, self.in_features = w.shape
         self.planes = -(-w.bits // 4)
         self.group = w.group
-        own = cpu_kernels.kernel() if (device.type, dtype, w.group) == ("cpu", torch.bfloat16, cpu_kernels.GROUP) else None
+        mine = ours and (device.type, dtype, w.group) == ("cpu", torch.bfloat16, cpu_kernels.GROUP)
+        own = cpu_kernels.kernel() if mine else None
         pad = -self.out_features % (16 if device.type == "cpu" else 8)  # zero rows: the kernel's N multiple
         codes, scale, offset = (F.pad(t, (0, 0, 0, pad)) for t in (w.codes, w.scale, w.offset))
         self.padded = pad > 0 and own is None  # our kernel stores only the real rows
@@ -86,7 +89,13 @@ class Int4Linear(nn.Module):
         self.bias = None if bias is None else bias.to(device, dtype)
         self.own = own
         if own is not None:
-            self.weight, self.scale, self.offset = cpu_kernels.pack(planes, scales, offsets)
+            levels = None
+            if w.levels is not None:  # the same per plane: d scaled by 16**p, the offset's on the first plane only
+                d, sc, dm, mn = (F.pad(t, (0, 0, 0, pad)) for t in w.levels)
+                levels = (torch.cat([d * 16**p for p in range(self.planes)], 1), sc.repeat(1, self.planes),
+                          torch.cat([dm] + [torch.zeros_like(dm)] * (self.planes - 1), 1), mn.repeat(1, self.planes))
+            self.weight, self.scale, self.offset, self.scale_mult, self.offset_mult = cpu_kernels.pack(
+                planes, scales, offsets, levels)
             return
         self.weight = _pack(planes, device)  # packed for torch's kernel
         # torch's kernels dequantize (code - 8) * scale + zero: zero = offset + 8 * scale
@@ -99,7 +108,8 @@ class Int4Linear(nn.Module):
         shape = x.shape
         x2 = x.reshape(-1, self.in_features)  # (M, K)
         if self.own is not None:
-            y = self.own(x2.contiguous(), self.weight, self.scale, self.offset, self.bias, self.out_features)
+            y = self.own(x2.contiguous(), self.weight, self.scale, self.offset, self.scale_mult, self.offset_mult,
+                         self.bias, self.out_features)
             return y.view(*shape[:-1], self.out_features)
         if self.planes > 1:
             x2 = x2.repeat(1, self.planes)  # (M, P*K): one input copy per plane
@@ -146,11 +156,9 @@ class Int8Linear(nn.Module):
 
     @classmethod
     def rtn(cls, w: torch.Tensor, bias: torch.Tensor | None, device: torch.device, dtype: torch.dtype) -> "Int8Linear":
-        """Round-to-nearest per output row: s = max|w| / 127, q = round(w / s), as gpt-fast's
-        `WeightOnlyInt8Linear` (pytorch-labs/gpt-fast, quantize.py)."""
-        w = w.detach().float()  # (N, K)
-        scale = w.abs().amax(dim=1).clamp_min(1e-12) / 127.0  # (N,)
-        return cls(torch.round(w / scale[:, None]).to(torch.int8), scale, bias, device, dtype)
+        """Round-to-nearest per output row (`rtn_int8`)."""
+        codes, scale = rtn_int8(w)
+        return cls(codes, scale, bias, device, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
@@ -162,6 +170,15 @@ class Int8Linear(nn.Module):
         if self.bias is not None:
             y = y + self.bias
         return y.view(*shape[:-1], self.out_features)
+
+
+def rtn_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Round to nearest per output row, as gpt-fast's `WeightOnlyInt8Linear` (pytorch-labs/gpt-fast, quantize.py):
+    w (N, K) -> codes (N, K) int8 in [-127, 127] and scales (N,) with w ≈ codes * scale, the scale max|w| / 127
+    rounded to an fp16 (our kernel then reads 2 bytes of it a group)."""
+    w = w.detach().float()
+    scale = (w.abs().amax(dim=1) / 127.0).clamp_min(2**-24).half().float()  # (N,)
+    return torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8), scale
 
 
 def dense_linear(weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Linear:
@@ -194,9 +211,8 @@ def int8_linear(w: torch.Tensor, bias: torch.Tensor | None, device: torch.device
     scale in every group: the same maths, about twice as fast as `_weight_int8pack_mm` (docs/benchmarks.md)."""
     n, k = w.shape
     if (device.type, dtype) == ("cpu", torch.bfloat16) and k % cpu_kernels.GROUP == 0 and cpu_kernels.kernel() is not None:
-        w = w.detach().float()
-        scale = w.abs().amax(dim=1).clamp_min(1e-12) / 127.0  # (N,)
-        codes = (torch.round(w / scale[:, None]).to(torch.int16) + 128).to(torch.uint8)  # (N, K), 1..255
+        q, scale = rtn_int8(w)
+        codes = (q.to(torch.int16) + 128).to(torch.uint8)  # (N, K), 1..255
         per_group = scale[:, None].expand(n, k // cpu_kernels.GROUP).contiguous()  # (N, G)
         return Int4Linear(GroupedInts(codes, per_group, -128 * per_group, bits=8, group=cpu_kernels.GROUP,
                                       source="rtn8"), bias, device, dtype)

@@ -63,6 +63,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="the Qwen draft of the stored rows: as stored, or re-quantized at load")
     p.add_argument("--no-llama", action="store_true", help="leave out the llama.cpp row even if it is installed")
     p.add_argument("--profile", action="store_true", help="profile one plain stored request of the first setup")
+    p.add_argument("--kernels", action="store_true", help="also time each matmul kernel alone (deploy/bench/kernels.py)")
     p.add_argument("--json", type=Path, help="write the results here")
 
 
@@ -146,6 +147,10 @@ def run(args: argparse.Namespace) -> int:
                     "num_prompts": args.num_prompts, "max_tokens": args.max_tokens, "load_before": cpu_load(),
                     "llama_cpp": llama_anchor.available() and not args.no_llama, "setups": {}}
     texts = load_prompts(args.prompts, args.num_prompts)
+    if args.kernels:
+        from deploy.bench import kernels
+
+        report["kernels"] = kernels.measure()
     for name in args.setups:
         setup = SETUPS[name]
         t0 = time.perf_counter()
@@ -202,7 +207,11 @@ def _print(report: dict) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    console = Console()
+    console = Console(width=120)
+    if "kernels" in report:
+        from deploy.bench import kernels
+
+        kernels.print_table(report["kernels"])
     console.print(f"[bold]bench cpu[/] {report['threads']} threads, CPU {report['cpu']}, {report['num_prompts']} "
                   f"prompts x {report['max_tokens']} tokens; load average before {report['load_before']}, after "
                   f"{report['load_after']}")

@@ -64,6 +64,8 @@ def test_bf16_is_the_exact_result_rounded_once(qtype: Q, m: int) -> None:
     got = lin(x).double()
     if lin.own is not None:
         torch.testing.assert_close(got, want.bfloat16().double(), rtol=2**-8, atol=1e-6 * float(want.abs().max()))
+        # the fewest bytes that hold the scales exactly: a K-quant's two levels, else fp16 (GGUF's are)
+        assert lin.scale.dtype == torch.float16 and (lin.scale_mult is not None) == (qtype == Q.Q4_K)
     else:
         assert float((got - want).abs().max()) <= 1e-2 * float(want.abs().max())
 
