@@ -199,4 +199,7 @@ class ModelRunner:
         h = x[meta.logits_index]  # (sum num_logits, H)
         if h.shape[0] == 0:  # prefill chunks only: no logits wanted
             return torch.empty(0, self.model.config.vocab_size, device=self.device)
-        return self.lm_head(rms_norm(h, self.norm, self.model.config.rms_norm_eps)).float()  # (N, V)
+        fused = self.layers[-1].fused  # our CPU kernels, where they run this model's norms
+        eps = self.model.config.rms_norm_eps
+        normed = fused.rms_norm(h, self.norm, eps) if fused is not None else rms_norm(h, self.norm, eps)
+        return self.lm_head(normed).float()  # (N, V)

@@ -119,3 +119,20 @@ def _rotary(hd: int) -> torch.nn.Module:
     from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
     return LlamaRotaryEmbedding(LlamaConfig(hidden_size=hd * 4, num_attention_heads=4, head_dim=hd))
+
+
+def test_on_our_kernels_a_tokens_logits_do_not_depend_on_its_batch(tmp_path: Path) -> None:
+    """Every kernel of the bf16 stored path computes each row alone (the int4 matmul's sums run per row in the
+    same order whatever the tile), so k+1 verification positions give bit for bit the logits of k+1 one-token
+    steps: speculation on this path is token-for-token lossless in bf16 too, not only in fp32."""
+    path = build_tiny_model("qwen2", tmp_path / "q", hidden_size=128, head_dim=32, intermediate_size=256)
+    model = load_model(str(path), "bf16", weights="int4")
+    runner = ModelRunner(model, range(4), CacheConfig(block_size=4, num_blocks=64))
+    assert runner.layers[0].fused is not None and runner.layers[0].attn.qkv_proj.own is not None
+    prompt = text_prompts(model, 1)[0]
+    for rid in ("a", "b"):  # each request's blocks consecutive: attention reads them in place (metadata.span)
+        assert runner.reserve(rid, len(prompt) + 5)
+        runner.forward([SeqChunk(rid, tuple(prompt), 1)])
+    together = runner.forward([SeqChunk("a", (7, 8, 9, 10, 11), 5)])  # a verification of 4 drafts
+    one_by_one = torch.cat([runner.forward([SeqChunk("b", (t,), 1)]) for t in (7, 8, 9, 10, 11)])
+    assert torch.equal(together, one_by_one)
