@@ -59,8 +59,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-prompts", type=int, default=8)
     p.add_argument("--max-tokens", type=int, default=96)
     p.add_argument("--threads", type=int, default=2, help="torch's and llama.cpp's threads")
-    p.add_argument("--stored-draft", choices=["stored", "int8", "int4"], default="int4",
-                   help="the Qwen draft of the stored rows: as stored, or re-quantized at load")
+    p.add_argument("--stored-draft", nargs="+", choices=["stored", "int8", "int4"], default=["int4", "stored"],
+                   help="the Qwen draft of the stored rows, one row each: as stored, or re-quantized at load")
     p.add_argument("--no-llama", action="store_true", help="leave out the llama.cpp row even if it is installed")
     p.add_argument("--profile", action="store_true", help="profile one plain stored request of the first setup")
     p.add_argument("--kernels", action="store_true", help="also time each matmul kernel alone (deploy/bench/kernels.py)")
@@ -100,12 +100,14 @@ def _rows(setup: Setup, args: argparse.Namespace, target: LoadedModel, draft: Lo
     for weights in ("dequantized", "stored"):
         runner = ModelRunner(target, range(target.num_layers), cache, weights=weights)
         rows.append(Row(f"plain {weights}", _engine(runner, None, None)))
-        draft_runner = None
-        if draft is not None:
-            quant = setup.draft_quantization if weights == "dequantized" else args.stored_draft
+        if draft is None:
+            rows.append(Row(f"spec {weights}", _engine(runner, None, setup.speculation)))
+            continue
+        for quant in [setup.draft_quantization] if weights == "dequantized" else args.stored_draft:
             draft_runner = ModelRunner(draft, range(draft.num_layers), cache,
                                        weights=weights if quant in ("none", "stored") else quant)
-        rows.append(Row(f"spec {weights}", _engine(runner, draft_runner, setup.speculation)))
+            label = "" if weights == "dequantized" else f", draft {quant}"
+            rows.append(Row(f"spec {weights}{label}", _engine(runner, draft_runner, setup.speculation)))
     return rows
 
 
@@ -187,7 +189,7 @@ def _report(setup: Setup, rows: list[Row], gap: dict[str, float]) -> dict:
     by_name = {r.name: r for r in rows}
     out = {}
     for r in rows:
-        own_plain = by_name.get(r.name.replace("spec", "plain")) if r.name.startswith("spec") else None
+        own_plain = by_name.get(r.name.split(",")[0].replace("spec", "plain")) if r.name.startswith("spec") else None
         same, prefix = _agreement(own_plain.outputs, r.outputs) if own_plain else (None, None)
         out[r.name] = {
             "tok_s": round(r.tok_s, 2), "tokens": r.tokens, "seconds": round(r.seconds, 2),
