@@ -61,6 +61,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=2, help="torch's and llama.cpp's threads")
     p.add_argument("--stored-draft", nargs="+", choices=["stored", "int8", "int4"], default=["int4", "stored"],
                    help="the Qwen draft of the stored rows, one row each: as stored, or re-quantized at load")
+    p.add_argument("--fp32-reference", nargs="*", choices=list(SETUPS), default=["default"],
+                   help="setups whose bf16 logits are also held to the target's stored weights computed in fp32")
     p.add_argument("--no-llama", action="store_true", help="leave out the llama.cpp row even if it is installed")
     p.add_argument("--profile", action="store_true", help="profile one plain stored request of the first setup")
     p.add_argument("--kernels", action="store_true", help="also time each matmul kernel alone (deploy/bench/kernels.py)")
@@ -111,15 +113,26 @@ def _rows(setup: Setup, args: argparse.Namespace, target: LoadedModel, draft: Lo
     return rows
 
 
-def _logit_gap(target: LoadedModel, ids: list[int]) -> dict[str, float]:
-    """Prefill logits of the stored weights against the dequantized ones: the largest difference, the logits'
-    standard deviation, and the share of positions whose top token agrees."""
+def _logit_gap(target: LoadedModel, ids: list[int], exact: LoadedModel | None) -> dict[str, float]:
+    """Prefill logits of the stored weights against the dequantized ones (bf16): the largest difference, the
+    logits' standard deviation, and the share of positions whose top token agrees. With `exact` (the model in
+    fp32, stored: the GGUF's own weights in fp32 arithmetic), each bf16 path against it too."""
     cache = CacheConfig(block_size=16, num_blocks=len(ids) // 16 + 2)
-    out = {w: ModelRunner(target, range(target.num_layers), cache, weights=w).forward(
-        [SeqChunk("gap", tuple(ids), len(ids))]) for w in ("dequantized", "stored")}
-    a, b = out["stored"], out["dequantized"]
-    return {"max_abs_diff": round(float((a - b).abs().max()), 3), "logit_std": round(float(b.std()), 3),
-            "top1_agreement": round(float((a.argmax(-1) == b.argmax(-1)).float().mean()), 4)}
+
+    def logits(model: LoadedModel, weights: str) -> torch.Tensor:
+        return ModelRunner(model, range(model.num_layers), cache, weights=weights).forward(
+            [SeqChunk("gap", tuple(ids), len(ids))])
+
+    def gap(a: torch.Tensor, b: torch.Tensor) -> tuple[float, float]:
+        return round(float((a - b).abs().max()), 3), round(float((a.argmax(-1) == b.argmax(-1)).float().mean()), 4)
+
+    stored, dense = logits(target, "stored"), logits(target, "dequantized")
+    out = dict(zip(("max_abs_diff", "top1_agreement"), gap(stored, dense)), logit_std=round(float(dense.std()), 3))
+    if exact is not None:
+        ref = logits(exact, "stored")
+        for name, got in (("stored", stored), ("dequantized", dense)):
+            out[f"{name}_vs_fp32_max_abs_diff"], out[f"{name}_vs_fp32_top1"] = gap(got, ref)
+    return out
 
 
 def _profile(run: Callable, ids: list[int], n: int) -> dict[str, float]:
@@ -173,7 +186,10 @@ def run(args: argparse.Namespace) -> int:
                 r.outputs.append(out)
             print(f"{name} prompt {i + 1}/{len(prompts)}: " + ", ".join(f"{r.name} {r.tok_s:.1f}" for r in rows),
                   flush=True)
-        report["setups"][name] = _report(setup, rows, _logit_gap(target, prompts[0]))
+        exact = load_model(resolve_model(setup.target, "fp32"), "fp32", weights="stored") \
+            if name in args.fp32_reference else None
+        report["setups"][name] = _report(setup, rows, _logit_gap(target, prompts[0], exact))
+        del exact
         if args.profile and not report.get("profile"):
             plain = next(r for r in rows if r.name == "plain stored")
             report["profile"] = {"setup": name, **_profile(plain.run, prompts[0], args.max_tokens)}
@@ -232,6 +248,10 @@ def _print(report: dict) -> None:
         console.print(f"stored vs dequantized (bf16): prefill logits differ by at most {g['max_abs_diff']} (logit std "
                       f"{g['logit_std']}), top-1 agreement {g['top1_agreement']:.3f}; greedy outputs identical "
                       f"{g['identical_outputs']:.2f}, token agreement {g['token_agreement']:.3f}")
+        if "stored_vs_fp32_max_abs_diff" in g:
+            console.print("against the GGUF's weights in fp32: " + ", ".join(
+                f"{w} (bf16) at most {g[w + '_vs_fp32_max_abs_diff']}, top-1 {g[w + '_vs_fp32_top1']:.3f}"
+                for w in ("stored", "dequantized")))
     if "profile" in report:
         p = report["profile"]
         console.print(f"profile ({p['setup']}, plain stored): {p['ms_per_token']} ms per token, "
