@@ -195,8 +195,12 @@ def stored_linear(w: GroupedInts, bias: torch.Tensor | None, device: torch.devic
 
     the int4 kernel where it takes the weight (exact: 4-bit codes as stored, 5-8 bit codes as two planes); else
     int8 per row re-quantized from the weight's values (not exact: Q6_K's 16-weight groups, which no int4 group
-    size holds), see `int8_linear`; else (no int8 kernel on the device) the dequantized weight, dense.
+    size holds), see `int8_linear`; else (no int8 kernel on the device) the dequantized weight, dense. In fp32 on
+    the CPU the weight is dense: fp32 holds every stored weight exactly, and torch's fp32 int4 kernel is a scalar
+    loop (the int4 kernels pay in bf16).
     """
+    if (device.type, dtype) == ("cpu", torch.float32):
+        return dense_linear(w.dequantize().to(device), None if bias is None else bias.to(device, dtype))
     if int4_unsupported(w, device, dtype) is None:
         return Int4Linear(w, bias, device, dtype)
     dense = w.dequantize()  # (N, K) fp32
