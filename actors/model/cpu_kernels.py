@@ -3,7 +3,7 @@ steps (fused_cpu.cpp), built once per machine by torch's C++ extension builder (
 ~/.cache/torch_extensions), and the weight layout the matmul reads.
 
 Where they beat torch's own ops is measured in docs/benchmarks.md. Elsewhere (another CPU, fp32, CUDA) or where
-they cannot be built (no C++ compiler), the model runs on torch's ops. `SPECFLEET_CPU_KERNELS=torch` keeps
+they cannot be built (no C++ compiler or no ninja), the model runs on torch's ops. `SPECFLEET_CPU_KERNELS=torch` keeps
 torch's ops anyway (a diagnostic: the benchmarks' comparison).
 """
 
@@ -13,6 +13,7 @@ import functools
 import hashlib
 import logging
 import os
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 
@@ -29,7 +30,9 @@ FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma"
 def ops():
     """`torch.ops.specfleet` (int4_mm, rms_norm, add_rms_norm, rope_, silu_mul, span_attention), built on first
     use; None where this CPU or machine cannot run them."""
-    if os.environ.get("SPECFLEET_CPU_KERNELS") == "torch" or not torch.cpu._is_avx512_bf16_supported():
+    reason = unavailable()
+    if reason is not None:
+        log.info("our CPU kernels do not run here (%s); using torch's ops", reason)
         return None
     from torch.utils.cpp_extension import load
 
@@ -42,6 +45,20 @@ def ops():
         return None
     _register_fake()
     return torch.ops.specfleet
+
+
+def unavailable() -> str | None:
+    """Why our kernels cannot run in this process, or None where they run (or can be built: a build that still
+    fails falls back too, with a warning)."""
+    if os.environ.get("SPECFLEET_CPU_KERNELS") == "torch":
+        return "SPECFLEET_CPU_KERNELS=torch"
+    if not torch.cpu._is_avx512_bf16_supported():
+        return "this CPU has no AVX512-BF16"
+    if shutil.which(os.environ.get("CXX", "c++")) is None:  # the compiler torch's extension builder calls
+        return "no C++ compiler"
+    from torch.utils.cpp_extension import is_ninja_available
+
+    return None if is_ninja_available() else "no ninja (torch's extension builder needs it)"
 
 
 def kernel() -> Callable | None:

@@ -12,7 +12,13 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from actors.model import cpu_kernels
 from actors.model.gguf_blocks import GroupedInts, read_blocks
 from actors.model.qlinear import Int4Linear, Int8Linear, int4_unsupported, int8_linear, stored_linear, tinygemm_pairs
+from actors.model.loader import load_model
+from actors.model.metadata import SeqChunk
 from actors.model.quant import rtn_int4
+from actors.model.runner import ModelRunner
+from cluster.config import CacheConfig
+from tests.fixtures.tiny_models import build_tiny_model
+from tests.unit.helpers import text_prompts
 from tests.unit.test_gguf_blocks import random_blocks
 
 CPU = torch.device("cpu")
@@ -71,8 +77,9 @@ def test_bf16_is_the_exact_result_rounded_once(qtype: Q, m: int) -> None:
         assert float((got - want).abs().max()) <= 1e-2 * float(want.abs().max())
 
 
-def test_our_kernel_is_built_where_the_cpu_has_avx512_bf16() -> None:
-    assert (cpu_kernels.kernel() is not None) == torch.cpu._is_avx512_bf16_supported()
+def test_our_kernel_is_built_where_it_can_be() -> None:
+    """AVX512-BF16, a C++ compiler and ninja: built (a failed build would fall back with a warning); else not."""
+    assert (cpu_kernels.kernel() is not None) == (cpu_kernels.unavailable() is None)
 
 
 def test_q6_k_has_no_exact_int4_form_and_goes_to_int8() -> None:
@@ -127,3 +134,30 @@ def test_int8_codes_take_our_kernel_in_bf16_with_the_same_maths() -> None:
     x = torch.randn(5, 256).bfloat16()
     want = exact(x.float()).double()
     torch.testing.assert_close(fast(x).double(), want, rtol=2**-7, atol=1e-5 * float(want.abs().max()))
+
+
+def test_without_our_kernels_bf16_runs_on_torchs_ops(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The fallback where our CPU kernels cannot run (no AVX512-BF16, no compiler or no ninja; forced here with
+    SPECFLEET_CPU_KERNELS=torch): shapes our kernels would take run on torch's int4 kernel and ops instead, with
+    the logits of the usual path (ours where it runs) to bf16 rounding."""
+    path = build_tiny_model("qwen2", tmp_path / "q", hidden_size=128, head_dim=32, intermediate_size=256)
+
+    def logits() -> tuple[ModelRunner, torch.Tensor]:
+        model = load_model(str(path), "bf16", weights="int4")  # the projections' kernels are chosen at load
+        prompt = text_prompts(model, 1)[0]
+        runner = ModelRunner(model, range(model.num_layers), CacheConfig(block_size=4, num_blocks=64))
+        return runner, runner.forward([SeqChunk("r", tuple(prompt), len(prompt))]).float()  # (T, V)
+
+    usual = logits()[1]
+    monkeypatch.setenv("SPECFLEET_CPU_KERNELS", "torch")
+    cpu_kernels.ops.cache_clear()
+    try:
+        assert cpu_kernels.unavailable() == "SPECFLEET_CPU_KERNELS=torch" and cpu_kernels.kernel() is None
+        runner, got = logits()
+    finally:
+        cpu_kernels.ops.cache_clear()  # later tests find (or build) our kernels again
+    layer = runner.layers[0]
+    assert layer.fused is None and layer.attn.fused is None and layer.ffn.fused is None
+    assert isinstance(layer.ffn.gate_up_proj, Int4Linear) and layer.ffn.gate_up_proj.own is None
+    assert float((got - usual).abs().max()) <= 0.1 * float(usual.std())
+    assert float((got.argmax(-1) == usual.argmax(-1)).float().mean()) >= 0.9
