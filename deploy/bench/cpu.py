@@ -1,10 +1,10 @@
 """`specfleet bench cpu`: llama.cpp's plain decoding (the anchor) against ours, plain and speculative, with the
 weights dequantized and computed as stored, on the default model and the Qwen pair, in one run.
 
-Every row decodes the same chat prompts (each model's chat template, our tokenizer's ids given to llama.cpp too)
-at batch 1, greedy, exactly `--max-tokens` new tokens, timed per request with its prefill. Rows run interleaved
-prompt by prompt, their order rotating, so that drift in the machine's speed hits every row alike; ratios come
-from totals within the run. Each setup also reports how far the stored weights' logits are from the dequantized
+Every row decodes the same chat prompts (each model's chat template, our tokenizer's ids given to llama.cpp too),
+greedy, exactly `--max-tokens` new tokens, timed per request with its prefill, at each of `--batches` (llama.cpp
+at batch 1 only: its row is the anchor of a single user). Rows run interleaved group of prompts by group, their
+order rotating, so that drift in the machine's speed hits every row alike; ratios come from totals within the run. Each setup also reports how far the stored weights' logits are from the dequantized
 ones and how often their greedy tokens agree, and `--profile` reports the share of a plain decode step spent
 outside torch's kernels.
 """
@@ -24,7 +24,7 @@ from actors.engine import Engine
 from actors.model.loader import LoadedModel, load_model
 from actors.model.metadata import SeqChunk
 from actors.model.runner import ModelRunner
-from cluster.config import CacheConfig, SpeculationConfig
+from cluster.config import CacheConfig, SchedulerConfig, SpeculationConfig
 from cluster.request import SamplingParams, SpecStats
 from deploy.bench import llama_anchor
 from deploy.bench.default import cpu_model
@@ -59,6 +59,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-prompts", type=int, default=8)
     p.add_argument("--max-tokens", type=int, default=96)
     p.add_argument("--threads", type=int, default=2, help="torch's and llama.cpp's threads")
+    p.add_argument("--batches", type=int, nargs="+", default=[1],
+                   help="batch sizes: at batch B our rows decode B prompts at once (continuous batching)")
     p.add_argument("--stored-draft", nargs="+", choices=["stored", "int8", "int4"], default=["int4", "stored"],
                    help="the Qwen draft of the stored rows, one row each: as stored, or re-quantized at load")
     p.add_argument("--fp32-reference", nargs="*", choices=list(SETUPS), default=["default"],
@@ -72,7 +74,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 @dataclass
 class Row:
     name: str
-    run: Callable[[list[int], int], tuple[list[int], SpecStats]]
+    run: Callable[[list[list[int]], int], tuple[list[list[int]], SpecStats]]
     tokens: int = 0
     seconds: float = 0.0
     stats: SpecStats = field(default_factory=SpecStats)
@@ -83,33 +85,42 @@ class Row:
         return self.tokens / self.seconds if self.seconds else 0.0
 
 
-def _engine(target: ModelRunner, draft: ModelRunner | None, spec: SpeculationConfig | None) -> Callable:
-    engine = Engine(target, draft, spec or SpeculationConfig(policy="off"))
+def _engine(target: ModelRunner, draft: ModelRunner | None, spec: SpeculationConfig | None, batch: int) -> Callable:
+    engine = Engine(target, draft, spec or SpeculationConfig(policy="off"),
+                    SchedulerConfig(max_batch_size=batch, max_num_batched_tokens=max(256, batch)))
 
-    def run(ids: list[int], n: int) -> tuple[list[int], SpecStats]:
-        done = engine.generate([ids], SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True))[0]
-        return done.token_ids, done.stats
+    def run(prompts: list[list[int]], n: int) -> tuple[list[list[int]], SpecStats]:
+        done = engine.generate(prompts, SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True))
+        stats = SpecStats()
+        for d in done:
+            stats.merge(d.stats)
+        return [d.token_ids for d in done], stats
     return run
 
 
-def _rows(setup: Setup, args: argparse.Namespace, target: LoadedModel, draft: LoadedModel | None) -> list[Row]:
-    """llama.cpp, then ours: plain and speculative, dequantized and stored."""
-    cache = CacheConfig(block_size=16, num_blocks=(args.max_tokens + 2048) // 16 + 8)
+def _llama_row(setup: Setup, args: argparse.Namespace) -> Row:
+    llama = llama_anchor.LlamaCpp(model_path(setup.target), args.threads, n_ctx=args.max_tokens + 2048)
+    return Row("llama.cpp plain", lambda prompts, n: ([llama.generate(ids, n) for ids in prompts], SpecStats()))
+
+
+def _rows(setup: Setup, args: argparse.Namespace, target: LoadedModel, draft: LoadedModel | None,
+          batch: int) -> list[Row]:
+    """llama.cpp (batch 1), then ours: plain and speculative, dequantized and stored."""
+    cache = CacheConfig(block_size=16, num_blocks=batch * (args.max_tokens + 2048) // 16 + 8 * batch)
     rows = []
-    if llama_anchor.available() and not args.no_llama:
-        llama = llama_anchor.LlamaCpp(model_path(setup.target), args.threads, n_ctx=args.max_tokens + 2048)
-        rows.append(Row("llama.cpp plain", lambda ids, n: (llama.generate(ids, n), SpecStats())))
+    if batch == 1 and llama_anchor.available() and not args.no_llama:
+        rows.append(_llama_row(setup, args))
     for weights in ("dequantized", "stored"):
         runner = ModelRunner(target, range(target.num_layers), cache, weights=weights)
-        rows.append(Row(f"plain {weights}", _engine(runner, None, None)))
+        rows.append(Row(f"plain {weights}", _engine(runner, None, None, batch)))
         if draft is None:
-            rows.append(Row(f"spec {weights}", _engine(runner, None, setup.speculation)))
+            rows.append(Row(f"spec {weights}", _engine(runner, None, setup.speculation, batch)))
             continue
         for quant in [setup.draft_quantization] if weights == "dequantized" else args.stored_draft:
             draft_runner = ModelRunner(draft, range(draft.num_layers), cache,
                                        weights=weights if quant in ("none", "stored") else quant)
             label = "" if weights == "dequantized" else f", draft {quant}"
-            rows.append(Row(f"spec {weights}{label}", _engine(runner, draft_runner, setup.speculation)))
+            rows.append(Row(f"spec {weights}{label}", _engine(runner, draft_runner, setup.speculation, batch)))
     return rows
 
 
@@ -141,7 +152,7 @@ def _profile(run: Callable, ids: list[int], n: int) -> dict[str, float]:
 
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         t = time.perf_counter()
-        run(ids, n)
+        run([ids], n)
         wall = time.perf_counter() - t
     inside = sum(e.self_cpu_time_total for e in prof.key_averages()) / 1e6
     top = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[:8]
@@ -171,33 +182,42 @@ def run(args: argparse.Namespace) -> int:
         t0 = time.perf_counter()
         target = load_model(resolve_model(setup.target, "bf16"), "bf16", weights="stored")
         draft = load_model(resolve_model(setup.draft, "bf16"), "bf16", weights="stored") if setup.draft else None
-        rows = _rows(setup, args, target, draft)
         print(f"{name}: loaded in {time.perf_counter() - t0:.0f}s", flush=True)
         prompts = [target.encode(t, chat=True) for t in texts]
-        for r in rows:  # warm-up: first-call set-up (and the goodput policy's calibration) is not measured
-            r.run(prompts[0], 8)
-        for i, ids in enumerate(prompts):
-            for r in rows[i % len(rows):] + rows[:i % len(rows)]:
-                t = time.perf_counter()
-                out, stats = r.run(ids, args.max_tokens)
-                r.seconds += time.perf_counter() - t
-                r.tokens += len(out)
-                r.stats.merge(stats)
-                r.outputs.append(out)
-            print(f"{name} prompt {i + 1}/{len(prompts)}: " + ", ".join(f"{r.name} {r.tok_s:.1f}" for r in rows),
-                  flush=True)
         exact = load_model(resolve_model(setup.target, "fp32"), "fp32", weights="stored") \
             if name in args.fp32_reference else None
-        report["setups"][name] = _report(setup, rows, _logit_gap(target, prompts[0], exact))
+        gap = _logit_gap(target, prompts[0], exact)
         del exact
-        if args.profile and not report.get("profile"):
-            plain = next(r for r in rows if r.name == "plain stored")
-            report["profile"] = {"setup": name, **_profile(plain.run, prompts[0], args.max_tokens)}
-        del rows, target, draft
+        for batch in args.batches:
+            rows = _rows(setup, args, target, draft, batch)
+            _measure(f"{name} batch {batch}", rows, prompts, batch, args.max_tokens)
+            report["setups"][name if batch == 1 else f"{name}, batch {batch}"] = _report(setup, rows, gap)
+            if args.profile and not report.get("profile"):
+                plain = next(r for r in rows if r.name == "plain stored")
+                report["profile"] = {"setup": name, "batch": batch, **_profile(plain.run, prompts[0], args.max_tokens)}
+            del rows
+        del target, draft
     report["load_after"] = cpu_load()
     _print(report)
     save(report, args.json, None, lambda *_: None)
     return 0
+
+
+def _measure(label: str, rows: list[Row], prompts: list[list[int]], batch: int, n: int) -> None:
+    """Every row decodes every group of `batch` prompts, the rows' order rotating from group to group."""
+    for r in rows:  # warm-up: first-call set-up (and the goodput policy's calibration) is not measured
+        r.run([prompts[0]] * min(batch, 2), 8)
+    groups = [prompts[i:i + batch] for i in range(0, len(prompts), batch)]
+    for i, group in enumerate(groups):
+        for r in rows[i % len(rows):] + rows[:i % len(rows)]:
+            t = time.perf_counter()
+            outs, stats = r.run(group, n)
+            r.seconds += time.perf_counter() - t
+            r.tokens += sum(map(len, outs))
+            r.stats.merge(stats)
+            r.outputs.extend(outs)
+        print(f"{label} group {i + 1}/{len(groups)}: " + ", ".join(f"{r.name} {r.tok_s:.1f}" for r in rows),
+              flush=True)
 
 
 def _report(setup: Setup, rows: list[Row], gap: dict[str, float]) -> dict:
