@@ -39,8 +39,14 @@ class ModelConfig(_Frozen):
     # where weights, KV cache and sampling live: "auto" is the GPU Ray assigned to the process if any (outside
     # Ray: any visible GPU), else the CPU; "cuda" requires one (actors/device.py)
     device: Literal["auto", "cpu", "cuda"] = "auto"
-    # "int8": int8 weight-only draft (gpt-fast style); cheaper drafting, the output stays the target's
-    draft_quantization: Literal["none", "int8"] = "none"
+    # how linear maps compute (docs/weights.md): "stored" on a GGUF file's quantized blocks as stored (int4
+    # kernels, exact; Q6_K on int8; a safetensors model's weights as they are), "dequantized" on the weights
+    # expanded to `dtype`, "int8" / "int4" quantized at load (round to nearest, gpt-fast style). Applies to the
+    # target and to a draft model. "stored" is measured faster in bf16, plain and speculative, batch 1 and 8 (docs/benchmarks.md).
+    weights: Literal["stored", "dequantized", "int8", "int4"] = "stored"
+    # the draft re-quantized at load, whatever `weights` is (gpt-fast style); cheaper drafting, the output stays
+    # the target's
+    draft_quantization: Literal["none", "int8", "int4"] = "none"
     max_model_len: int | None = Field(default=None, ge=2)
     name: str | None = None  # the name clients use for the model; defaults to the target's
 

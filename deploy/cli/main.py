@@ -24,6 +24,8 @@ COMMANDS: list[tuple[tuple[str, ...], str, str, str]] = [
      "deploy.bench.spec", "add_arguments"),
     (("bench", "default"), "off vs fixed vs goodput for every draft kind (model, n-gram, suffix), default model and "
      "Qwen pair, batch 1 and 8", "deploy.bench.default", "add_arguments"),
+    (("bench", "cpu"), "llama.cpp (if installed) vs plain and speculative decoding, weights dequantized vs stored, "
+     "default model and Qwen pair", "deploy.bench.cpu", "add_arguments"),
     (("bench", "load"), "Poisson load at several rates for each speculation policy (off, fixed, goodput)",
      "deploy.bench.load", "add_arguments"),
     (("bench", "pipeline"), "one process vs the target split over 2, 3... stages on the local cluster",
