@@ -74,7 +74,7 @@ def shard_specs(cfg: EngineConfig, layout: ShardLayout) -> tuple[list[ShardSpec]
         stages = expert_rank_specs(cfg, num_layers)
     else:
         stages = [ShardSpec(m.target, m.dtype, s.layer_ids, first=i == 0, last=i == last, cache=cfg.cache,
-                            device=m.device) for i, s in enumerate(layout.stages)]
+                            device=m.device, weights=m.weights) for i, s in enumerate(layout.stages)]
     draft = draft_spec(cfg)
     if draft is not None and layout.draft_node is None:
         raise PlacementError("the engine config names a draft, but the layout places none (draft_node)")
@@ -85,7 +85,7 @@ def expert_rank_specs(cfg: EngineConfig, num_layers: int) -> list[ShardSpec]:
     """What each expert-parallel rank of the target loads: every layer, its slice of the (planned) experts."""
     m, ep = cfg.model, cfg.experts
     return [ShardSpec(m.target, m.dtype, tuple(range(num_layers)), first=True, last=True, cache=cfg.cache,
-                      device=m.device, ep_rank=i, ep_size=ep.ranks, ep_plan=ep.plan, ep_attention=ep.attention,
+                      device=m.device, weights=m.weights, ep_rank=i, ep_size=ep.ranks, ep_plan=ep.plan, ep_attention=ep.attention,
                       ep_stats=ep.stats if ep.attention == "tensor" else None, ep_confidence=ep.confidence)
             for i in range(ep.ranks)]
 
@@ -100,7 +100,8 @@ def draft_spec(cfg: EngineConfig) -> ShardSpec | None:
     else:
         source, layer_ids = m.target, tuple(m.draft_layers or ())
     return ShardSpec(source, m.dtype, layer_ids, first=True, last=True, cache=cfg.cache,
-                     quantization=m.draft_quantization, device=m.device, draft_parallel=cfg.speculation.draft_parallel)
+                     quantization=m.draft_quantization, weights=m.weights, device=m.device,
+                     draft_parallel=cfg.speculation.draft_parallel)
 
 
 def member_specs(draft: ShardSpec) -> list[ShardSpec]:

@@ -137,7 +137,7 @@ class Engine:
         if calibration_dir is not None and cfg.speculation.policy == "goodput":
             calibration = CalibrationFile(calibration_dir, setup_of(cfg, target[0].device))
         return cls(target[0], draft, cfg.speculation, cfg.scheduler, cfg.model.max_model_len,
-                   draft_quantized=cfg.model.draft_quantization == "int8", calibration=calibration,
+                   draft_quantized=cfg.model.draft_quantization != "none", calibration=calibration,
                    prefix_caching=cfg.cache.prefix_caching)
 
     @property

@@ -20,6 +20,7 @@ import asyncio
 import dataclasses
 import logging
 import math
+import os
 import time
 from dataclasses import dataclass
 
@@ -33,12 +34,16 @@ from actors.instance import Instance, InstanceUnhealthy
 from actors.kv_cache import KVExport
 from actors.ep_stages import EPStages
 from actors.kv_links import LinkedKV, kv_span
+from actors.leases import Leases
+from actors.p2p import use_node_interface
 from actors.pipeline import PipelineRunner
 from actors.sequence import Sequence
 from actors.build import local_instance
 from actors.serving import ServingLoop, StreamItem
+from cluster.instances import InstancePlace
 from cluster.request import FinishReason, Request, RequestStatus, TokenDelta
 from cluster.migration import Link
+from cluster.router import INSTANCE_ACTOR_PREFIX
 from cluster.migration_policy import InstanceLoad
 from cluster.stats import EngineStats
 from placement.fleet import InstanceSpec
@@ -59,6 +64,7 @@ class InstanceInfo:
     k: int
     policy: str
     num_stages: int  # target pipeline stages
+    actor_id: str = ""  # this incarnation: a replacement registers under the same instance id with another
 
 
 @dataclass(frozen=True)
@@ -67,12 +73,26 @@ class HealthReport:
     error: str | None
 
 
+@dataclass(frozen=True)
+class Registration:
+    """What a (re)started router learns from an instance: what it is, where it runs, and the requests it holds
+    (queued, running, stopped for a migration or committed here by one), each with its priority."""
+
+    info: InstanceInfo
+    place: InstancePlace
+    requests: tuple[tuple[str, int], ...]
+
+
 def build(spec: InstanceSpec) -> Instance:
-    """The Instance `spec` describes, its stages where `spec.executor` says."""
+    """The Instance `spec` describes, its stages where `spec.executor` says. Shard actors are named after the
+    instance actor's own name when it has one (unique per incarnation: a replacement's shards never collide with
+    those of the instance it replaces), else after the instance id."""
     if spec.executor == "local":
         return local_instance(spec.engine, [s.layers for s in spec.layout.stages])
+    own = ray.get_runtime_context().get_actor_name() if ray.is_initialized() else None
+    name = own.removeprefix(INSTANCE_ACTOR_PREFIX) if own else spec.instance_id
     return ray_instance(spec.engine, spec.layout, num_cpus=spec.num_cpus, step_timeout_s=spec.step_timeout_s,
-                        name=spec.instance_id)
+                        name=name)
 
 
 class InstanceServer:
@@ -80,12 +100,18 @@ class InstanceServer:
 
     def __init__(self, spec: InstanceSpec) -> None:
         torch.set_num_threads(max(1, math.ceil(spec.num_cpus)))
+        if ray.is_initialized():  # its stages' KV links to other nodes: over the node's own address
+            use_node_interface(ray.util.get_node_ip_address())
         self.spec = spec
         self.instance = build(spec)
         self.loop = ServingLoop(self.instance, name=f"engine-loop-{spec.instance_id}")
         self._detached: dict[str, Sequence] = {}  # migrating out: stopped here, KV kept until the commit
         self._handed_in: dict[str, asyncio.Queue[StreamItem]] = {}  # migrated in: items until the client follows
         self._links: dict[str, dict[str, list[Link]]] = {}  # each migration's open links: channel -> pipeline -> links
+        # what a migration leaves here, let go of by the instance itself if its coordinator does not come back:
+        # ("incoming", id) a reservation, ("stopped", id) a request stopped here, ("follow", id) a copy committed
+        # here that waits for its client's stream (actors/leases.py)
+        self._leases = Leases()
 
     async def generate(self, request: Request):
         """Stream the request's StreamItems until its final one (finish, abort or error)."""
@@ -117,6 +143,7 @@ class InstanceServer:
         items = self._handed_in.get(request_id)
         if items is None:
             raise KeyError(f"no request {request_id!r} migrated to this instance")
+        self._leases.end(("follow", request_id))
         finished = False
         try:
             while True:
@@ -137,8 +164,11 @@ class InstanceServer:
         engine = self.instance.engine
         return await self._on_loop(lambda: engine.kv_length(request_id) if engine.holds(request_id) else None)
 
-    async def migrate_reserve(self, request_id: str, tokens: int) -> bool:
-        return await self._on_loop(lambda: self.instance.engine.reserve_incoming(request_id, tokens))
+    async def migrate_reserve(self, request_id: str, tokens: int, lease_s: float) -> bool:
+        reserved = await self._on_loop(lambda: self.instance.engine.reserve_incoming(request_id, tokens))
+        if reserved:  # each import renews it; the commit ends it (and a "follow" lease of the same length begins)
+            self._leases.grant(("incoming", request_id), lease_s, lambda: self.migrate_drop(request_id))
+        return reserved
 
     async def migrate_export(self, request_id: str, start: int, end: int, via: str | None = None
                              ) -> tuple[list[KVExport] | LinkedKV, int] | None:
@@ -146,6 +176,7 @@ class InstanceServer:
         return await self._on_loop(lambda: self.instance.engine.export_out(request_id, start, end, links))
 
     async def migrate_import(self, kv: list[KVExport] | LinkedKV) -> bool:
+        self._renew_incoming(kv)
         await self._receive(self.instance.target, kv)
         return await self._on_loop(lambda: self.instance.engine.import_kv(kv))
 
@@ -158,10 +189,11 @@ class InstanceServer:
     async def migrate_import_draft(self, kv: list[KVExport] | LinkedKV) -> bool:
         if self.instance.draft is None or not self.instance.draft.exports_kv:
             return False  # a draft whose KV cannot move takes none (no links were opened for it)
+        self._renew_incoming(kv)
         await self._receive(self.instance.draft, kv)
         return await self._on_loop(lambda: self.instance.engine.import_draft(kv))
 
-    async def migrate_stop(self, request_id: str, start: int, via: str | None = None
+    async def migrate_stop(self, request_id: str, start: int, via: str | None = None, lease_s: float = 60.0
                            ) -> tuple[Request, list[KVExport] | LinkedKV, int, float] | None:
         asked = time.perf_counter()
         links = self._route(via, "target")
@@ -174,7 +206,11 @@ class InstanceServer:
             seq, resume, exported, end = stopped
             self._detached[request_id] = seq
             return dataclasses.replace(seq.request, resume=resume), exported, end, waited
-        return await self._on_loop(stop)
+        got = await self._on_loop(stop)
+        if got is not None:  # no release within the lease: the coordinator is gone, the request carries on here
+            self._leases.grant(("stopped", request_id), lease_s,
+                               lambda: self.migrate_release(request_id, False, None))
+        return got
 
     # ---- a migration's links (actors/kv_links.py): opened for one migration, closed after it
     def _pipeline(self, pipeline: str) -> PipelineRunner | None:
@@ -217,36 +253,59 @@ class InstanceServer:
             await asyncio.to_thread(self._pipeline(pipeline).executor.close_links, channel + "/")
 
     async def migrate_commit(self, request: Request) -> bool:
+        rid = request.request_id
         loop = asyncio.get_running_loop()
         items: asyncio.Queue[StreamItem] = asyncio.Queue()  # held until the client's stream comes (resume_stream)
-        self._handed_in[request.request_id] = items
+        self._handed_in[rid] = items
         try:
             await asyncio.wrap_future(
                 self.loop.submit(request, lambda item: loop.call_soon_threadsafe(items.put_nowait, item)))
         except BaseException:
-            self._handed_in.pop(request.request_id, None)
+            self._handed_in.pop(rid, None)
             raise
+        lease_s = self._leases.seconds(("incoming", rid)) or 60.0
+        self._leases.end(("incoming", rid))
+        if rid in self._handed_in:  # no stream follows within the lease: the copy runs for nobody
+            self._leases.grant(("follow", rid), lease_s, lambda: self.migrate_cancel(rid))
         return True
 
-    async def migrate_release(self, request_id: str, committed: bool, destination: tuple[str, object] | None) -> None:
-        def release() -> None:
+    async def migrate_release(self, request_id: str, committed: bool, destination: tuple[str, object] | None) -> bool:
+        """See cluster/migration_endpoint.py, Endpoint.migrate_release: False when the request is no longer held
+        here stopped (its client left while it moved, or its lease ran out and it resumed here)."""
+        self._leases.end(("stopped", request_id))
+
+        def release() -> bool:
             seq = self._detached.pop(request_id, None)
             if seq is None:
-                return
+                return False
+            if not self.loop.tracks(request_id):  # its client left meanwhile: nothing to resume or hand over
+                self.instance.engine.release_detached(seq)
+                return False
             if committed:
                 self.instance.engine.release_detached(seq)
             else:
                 self.instance.engine.reattach(seq)
-        await self._on_loop(release)
-        if committed:
-            await asyncio.wrap_future(self.loop.hand_over(request_id, destination))
+            return True
+        released = await self._on_loop(release)
+        if released and committed:
+            return await asyncio.wrap_future(self.loop.hand_over(request_id, destination))
+        return released
 
     async def migrate_drop(self, request_id: str) -> None:
+        """Forget a request that was not committed here (free what was reserved and imported for it); a copy that
+        was committed after all (its commit timed out at the coordinator, then landed) is cancelled too."""
+        self._leases.end(("incoming", request_id))
         await self._on_loop(lambda: self.instance.engine.drop_incoming(request_id))
+        await self.migrate_cancel(request_id)
 
     async def migrate_cancel(self, request_id: str) -> None:
+        self._leases.end(("follow", request_id))
         if self._handed_in.pop(request_id, None) is not None:  # no client will follow it here
             await self.abort(request_id)
+
+    def _renew_incoming(self, kv: list[KVExport] | LinkedKV) -> None:
+        if kv:
+            self._leases.renew(("incoming", kv_span(kv)[0]))
 
     async def _on_loop(self, fn):
         return await asyncio.wrap_future(self.loop.call(fn))
@@ -261,7 +320,8 @@ class InstanceServer:
         return self.loop.states(request_ids)
 
     async def stats(self) -> EngineStats:
-        return self.instance.stats()
+        """Read between two steps, like everything of the engine (the loop thread owns it)."""
+        return await self._on_loop(self.instance.stats)
 
     async def load(self) -> InstanceLoad:
         """Per-request KV blocks and queued demand, read between two steps (the router's migration policies)."""
@@ -277,22 +337,39 @@ class InstanceServer:
         return stats.to_bytes(model=self.spec.engine.model.target)
 
     async def health(self) -> HealthReport:
-        shards = self.instance.health()
+        """Whether the instance serves: its shards and its step loop (read between two steps; a loop that stopped
+        answers at once). It asks nobody else: the router being down never makes an instance unhealthy."""
+        try:
+            shards = await self._on_loop(self.instance.health)
+        except RuntimeError:  # the loop stopped: it posts nothing more
+            return HealthReport(False, f"engine loop stopped: {self.loop.error!r}")
         if not shards.healthy:
             return HealthReport(False, shards.error)
-        if self.loop.alive:
-            return HealthReport(True, None)
-        return HealthReport(False, f"engine loop stopped: {self.loop.error!r}")
+        return HealthReport(True, None)
 
     async def info(self) -> InstanceInfo:
-        engine = self.instance.engine
-        return InstanceInfo(self.spec.instance_id, self.spec.engine.model.served_name, engine.max_model_len,
-                            ray.get_runtime_context().get_node_id(), engine.draft is not None, engine.k,
-                            engine.policy.name, self.instance.health().num_stages)
+        def read() -> InstanceInfo:
+            engine = self.instance.engine
+            return InstanceInfo(self.spec.instance_id, self.spec.engine.model.served_name, engine.max_model_len,
+                                _runtime_id("node"), engine.draft is not None, engine.k,
+                                engine.policy.name, self.instance.health().num_stages, _runtime_id("actor"))
+        return await self._on_loop(read)
+
+    async def registration(self) -> Registration:
+        """What a router that (re)starts rebuilds its registry and request table from."""
+        def held() -> tuple[tuple[str, int], ...]:
+            priority = {s.request_id: s.request.priority for s in self.instance.waiting + self.instance.running}
+            priority.update({rid: seq.request.priority for rid, seq in self._detached.items()})
+            return tuple((rid, priority.get(rid, 0)) for rid in self.loop.tracked_ids())
+        return Registration(await self.info(), self.spec.place, await self._on_loop(held))
+
+    async def pid(self) -> int:
+        """This actor's process id (operators, fault tests that kill it)."""
+        return os.getpid()
 
     async def kv_blocks_used(self) -> tuple[int, int]:
         """(target, draft) KV blocks in use; both are 0 once every request has ended."""
-        return self.instance.kv_blocks_used()
+        return await self._on_loop(self.instance.kv_blocks_used)
 
     def shutdown(self) -> None:
         self.loop.close()
@@ -305,7 +382,7 @@ class InstanceServer:
 
     @classmethod
     def spawn(cls, spec: InstanceSpec, *, resources: dict[str, float] | None = None,
-              name: str | None = None) -> ActorHandle:
+              name: str | None = None, namespace: str | None = None) -> ActorHandle:
         """Start the actor (it loads its models, or starts its shards, at once) with `resources` (default: the
         pin to its first stage's node). A local instance reserves the spec's CPUs; one over shard actors only
         drives them."""
@@ -314,5 +391,13 @@ class InstanceServer:
         gpus = lay.stages[0].gpus + (lay.draft_gpus if lay.draft_node is not None else 0.0) if local else 0.0
         actor_cls = ray.remote(cls).options(num_cpus=spec.num_cpus if local else 0.0, num_gpus=gpus,
                                             resources=cls.pin(spec) if resources is None else resources,
-                                            max_restarts=0, max_concurrency=1000, name=name)
+                                            max_restarts=0, max_concurrency=1000, name=name, namespace=namespace)
         return actor_cls.remote(spec)
+
+
+def _runtime_id(what: str) -> str:
+    """This process's node id or actor id (its incarnation), or "" outside a Ray worker."""
+    if not ray.is_initialized():  # an in-process instance (tests)
+        return ""
+    context = ray.get_runtime_context()
+    return (context.get_node_id() if what == "node" else context.get_actor_id()) or ""

@@ -262,6 +262,18 @@ class KVCache(BlockPool):
         self.k[i].view(-1, *self.k.shape[-2:]).index_copy_(0, slots, k.to(self.k.dtype))
         self.v[i].view(-1, *self.v.shape[-2:]).index_copy_(0, slots, v.to(self.v.dtype))
 
+    def pools(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """One layer's K and V storage as flat slots, views: each (num_blocks * block_size, kvh, hd)."""
+        i = self._index[layer]
+        return self.k[i].view(-1, *self.k.shape[-2:]), self.v[i].view(-1, *self.v.shape[-2:])
+
+    def span(self, layer: int, start: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K, V of `length` consecutive flat slots from `start` of one layer, as views (no copy): each
+        (length, kvh, hd). For a request whose blocks are consecutive in the pool (AttentionMetadata.span)."""
+        i = self._index[layer]
+        return (self.k[i].view(-1, *self.k.shape[-2:])[start:start + length],
+                self.v[i].view(-1, *self.v.shape[-2:])[start:start + length])
+
     def gather(self, layer: int, block_tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """K, V of every slot of the given block tables (B, nb): each (B, nb * block_size, kvh, hd)."""
         i = self._index[layer]

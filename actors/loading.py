@@ -9,7 +9,7 @@ import torch
 
 from actors.device import resolve_device
 from actors.model.loader import load_model
-from actors.model.quant import quantize_runner_int8
+from actors.model.quant import quantize_runner
 from actors.model.runner import ModelRunner
 from actors.spec import easyspec
 from cluster.config import ConfigError, EngineConfig
@@ -21,11 +21,12 @@ def load_runners(cfg: EngineConfig, stages: Sequence[tuple[int, int]] | None = N
     here): one runner per target stage (layer ranges [start, end); None: one stage of every layer) and the
     draft's runner (None when speculation is off or there is no draft).
 
-    A self-speculative draft (`draft_layers`) shares the target's weights; an int8 draft is quantized here.
+    A self-speculative draft (`draft_layers`) shares the target's weights; a draft re-quantized at load
+    (`draft_quantization`) is quantized here.
     """
     m = cfg.model
     device = resolve_device(m.device) if device is None else torch.device(device)
-    target_model = load_model(m.target, m.dtype, device)
+    target_model = load_model(m.target, m.dtype, device, m.weights)
     n = target_model.num_layers
     bounds = list(stages) if stages is not None else [(0, n)]
     last = len(bounds) - 1
@@ -34,7 +35,7 @@ def load_runners(cfg: EngineConfig, stages: Sequence[tuple[int, int]] | None = N
     if cfg.speculation.policy == "off" or cfg.speculation.method != "model":
         return target, None  # no draft model: plain decoding, or a model-free (lookup) drafter
     if m.draft is not None:
-        draft_model = load_model(m.draft, m.dtype, device)
+        draft_model = load_model(m.draft, m.dtype, device, m.weights)
         draft = ModelRunner(draft_model, range(draft_model.num_layers), cfg.cache)
     elif m.draft_layers is not None:
         if any(not 0 <= i < n for i in m.draft_layers):
@@ -42,7 +43,7 @@ def load_runners(cfg: EngineConfig, stages: Sequence[tuple[int, int]] | None = N
         draft = ModelRunner(target_model, m.draft_layers, cfg.cache)
     else:
         return target, None
-    if m.draft_quantization == "int8":
-        quantize_runner_int8(draft)
+    if m.draft_quantization != "none":
+        quantize_runner(draft, m.draft_quantization)
     easyspec.enable(draft, cfg.speculation.draft_parallel)
     return target, draft

@@ -10,6 +10,7 @@ process's default group.
 
 from __future__ import annotations
 
+import os
 import socket
 import time
 from dataclasses import dataclass
@@ -28,6 +29,21 @@ class TransferError(RuntimeError):
 def backend_for(device: torch.device) -> str:
     """NCCL when activations live on a GPU, gloo otherwise (the stages of one group share a device kind)."""
     return "nccl" if device.type == "cuda" else "gloo"
+
+
+def use_node_interface(ip: str) -> str | None:
+    """Make gloo and NCCL in this process talk over the interface that holds `ip` (the Ray node's address), unless
+    the operator chose one (GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME). Left alone, gloo binds the address this
+    machine's hostname resolves to, which on a host whose name maps to 127.0.x.x (and between network namespaces
+    sharing one hostname) is loopback: peers on other hosts are then refused. Returns the interface chosen."""
+    import psutil
+
+    name = next((iface for iface, addrs in psutil.net_if_addrs().items()
+                 if any(a.family == socket.AF_INET and a.address == ip for a in addrs)), None)
+    if name is not None:
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", name)
+        os.environ.setdefault("NCCL_SOCKET_IFNAME", name)
+    return name
 
 
 def free_address(host: str) -> str:

@@ -113,6 +113,14 @@ class ServingLoop:
                 out[rid] = status
         return out
 
+    def tracks(self, request_id: str) -> bool:
+        """Whether a request's stream is still open here (loop thread: inside `call`)."""
+        return request_id in self._tracked
+
+    def tracked_ids(self) -> list[str]:
+        """Every request whose stream is open here (loop thread: inside `call`)."""
+        return list(self._tracked)
+
     @property
     def alive(self) -> bool:
         return self._thread.is_alive() and self.error is None

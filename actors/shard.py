@@ -21,7 +21,7 @@ from actors.kv_ledger import CacheOp, replay
 from actors.kv_links import KVPorts, LinkPart, import_stage, send_stage
 from actors.model.loader import load_model
 from actors.model.metadata import SeqChunk
-from actors.model.quant import quantize_runner_int8
+from actors.model.quant import quantize_runner
 from actors.model.runner import ModelRunner
 from actors.moe import ep, shuffle
 from actors.moe.permute import apply_plan
@@ -45,7 +45,8 @@ class ShardSpec:
     first: bool
     last: bool
     cache: CacheConfig
-    quantization: str = "none"  # "int8": int8 weight-only (drafts only, see actors/model/quant.py)
+    quantization: str = "none"  # "int8" / "int4": re-quantized at load (drafts only, see actors/model/quant.py)
+    weights: str = "dequantized"  # engine.model.weights: how its linear maps compute (actors/model/weights.py)
     device: str = "auto"  # engine.model.device, resolved in the shard's process (actors/device.py)
     # where the last stage hands its logits to the driver: they cross processes through Ray's object store,
     # which is host memory, so the driver (which holds no GPU) reads them from the CPU
@@ -79,7 +80,7 @@ def load_plan(spec: ShardSpec) -> ExpertPlan | None:
 
 def load_shard(spec: ShardSpec, plan: ExpertPlan | None = None) -> ModelRunner:
     """Load the checkpoint, build the shard's runner, and drop every weight the shard does not run."""
-    model = load_model(spec.source, spec.dtype)  # on the CPU: the runner moves only its own layers to its device
+    model = load_model(spec.source, spec.dtype, weights=spec.weights)  # on the CPU: the runner moves only its own layers to its device
     runner = ModelRunner(model, spec.layer_ids, spec.cache, first=spec.first, last=spec.last,
                          device=resolve_device(spec.device))
     hf = model.hf_model.model
@@ -93,8 +94,8 @@ def load_shard(spec: ShardSpec, plan: ExpertPlan | None = None) -> ModelRunner:
         model.hf_model.lm_head = None  # a tied head shares the embedding's tensor: it stays if this shard is first
     if plan is not None:
         apply_plan(runner, plan)
-    if spec.quantization == "int8":
-        quantize_runner_int8(runner)
+    if spec.quantization != "none":
+        quantize_runner(runner, spec.quantization)
     if not spec.follower:  # a follower walks rank 0's schedule (ShardWorker.step), it has none of its own
         easyspec.enable(runner, spec.draft_parallel)
     return runner

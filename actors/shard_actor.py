@@ -9,7 +9,7 @@ from ray.actor import ActorHandle
 from ray.util.placement_group import PlacementGroup
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from actors.p2p import free_address
+from actors.p2p import free_address, use_node_interface
 from actors.shard import ShardSpec, ShardWorker
 
 
@@ -20,6 +20,10 @@ class ShardActor(ShardWorker):
     """A ShardWorker that can say which node it runs on and offer a rendezvous address there. Its steps run one at
     a time; a migration's link calls (`kv_open`, `kv_receive`, `kv_close`, a link's address) run beside them, on
     threads of the "kv" concurrency group, so a transfer never holds up decoding."""
+
+    def __init__(self, spec: ShardSpec, threads: int = 1) -> None:
+        use_node_interface(ray.util.get_node_ip_address())  # gloo between nodes: over the node's own address
+        super().__init__(spec, threads)
 
     def node_id(self) -> str:
         return ray.get_runtime_context().get_node_id()

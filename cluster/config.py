@@ -39,8 +39,14 @@ class ModelConfig(_Frozen):
     # where weights, KV cache and sampling live: "auto" is the GPU Ray assigned to the process if any (outside
     # Ray: any visible GPU), else the CPU; "cuda" requires one (actors/device.py)
     device: Literal["auto", "cpu", "cuda"] = "auto"
-    # "int8": int8 weight-only draft (gpt-fast style); cheaper drafting, the output stays the target's
-    draft_quantization: Literal["none", "int8"] = "none"
+    # how linear maps compute (docs/weights.md): "stored" on a GGUF file's quantized blocks as stored (int4
+    # kernels, exact; Q6_K on int8; a safetensors model's weights as they are), "dequantized" on the weights
+    # expanded to `dtype`, "int8" / "int4" quantized at load (round to nearest, gpt-fast style). Applies to the
+    # target and to a draft model. "stored" is measured faster in bf16, plain and speculative, batch 1 and 8 (docs/benchmarks.md).
+    weights: Literal["stored", "dequantized", "int8", "int4"] = "stored"
+    # the draft re-quantized at load, whatever `weights` is (gpt-fast style); cheaper drafting, the output stays
+    # the target's
+    draft_quantization: Literal["none", "int8", "int4"] = "none"
     max_model_len: int | None = Field(default=None, ge=2)
     name: str | None = None  # the name clients use for the model; defaults to the target's
 
@@ -303,12 +309,25 @@ class MigrationConfig(_Frozen):
     # the object store if they cannot be opened); "object_store", Ray's object store
     transfer: Literal["torch", "object_store"] = "torch"
     channel_timeout_s: float = Field(default=10.0, gt=0.0)
+    # every call of a migration to either instance must answer within this, or the migration aborts (the request
+    # carries on at its source, or fails over if its source died); the instances also let go on their own of what
+    # a migration left behind (a reservation, a stopped request, a copy nobody follows) after twice this
+    step_timeout_s: float = Field(default=30.0, gt=0.0)
     # the draft model's KV: "move" copies it (as it stands between two steps) before the stop, so the draft at the
     # destination catches up only on the tokens since; "rebuild" lets it catch up on the whole request there
     draft_kv: Literal["move", "rebuild"] = "move"
     policies: tuple[Literal["drain", "queue", "defrag", "balance"], ...] = ()
     interval_s: float = Field(default=1.0, gt=0.0)
     thresholds: MigrationPolicyConfig = MigrationPolicyConfig()
+
+
+class FailoverConfig(_Frozen):
+    """A request whose instance fails resumes from its tokens on another instance (deploy/serve/frontend.py); with
+    none left it waits up to `wait_s` for one to join (the replacement Serve starts), and gives up after
+    `max_attempts` failovers of one request."""
+
+    wait_s: float = Field(default=60.0, ge=0.0)
+    max_attempts: int = Field(default=3, ge=0)
 
 
 class RouterConfig(_Frozen):
@@ -328,6 +347,10 @@ class RouterConfig(_Frozen):
     # (placement/inventory.py, ray_resources) to pin instances to a worker group
     instance_resources: dict[str, float] = {}
     migration: MigrationConfig = MigrationConfig()
+    failover: FailoverConfig = FailoverConfig()
+    # API replicas and instances find a router that died again by its name (a restarted or new one), retrying
+    # for at most this long before a call fails
+    reconnect_s: float = Field(default=20.0, gt=0.0)
 
     def __hash__(self) -> int:  # frozen, but a dict field is unhashable: hash the canonical JSON instead
         return hash(self.model_dump_json())

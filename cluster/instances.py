@@ -49,3 +49,4 @@ class InstanceRow(_Row):
     age_s: float = 0.0
     place: InstancePlace = InstancePlace()
     removed_at: float | None = None  # set on instances removed for failing health
+    incarnation: str = ""  # its actor's id: a replacement under the same instance id has another

@@ -33,11 +33,13 @@ import dataclasses
 import enum
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
-
 from cluster.config import MigrationConfig
-from cluster.request import Request
+from cluster.migration_endpoint import Deadlined, Endpoint, Link, RayEndpoint, StepTimeout
+
+__all__ = ["Deadlined", "Endpoint", "Link", "MigrationProgress", "MigrationResult", "MigrationStatus", "RayEndpoint", "StepTimeout",
+           "channel_backend", "migrate", "plan_links"]
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +48,16 @@ class MigrationStatus(str, enum.Enum):
     FINISHED = "finished"  # committed at the destination, released at the source
     ABORTED_SRC = "aborted_src"  # the source could not go on (request ended there first, source failed)
     ABORTED_DST = "aborted_dst"  # the destination refused or failed; the request runs on at the source
+
+
+@dataclass(frozen=True)
+class MigrationProgress:
+    """Where a migration under way stands (the router shows it; fault tests wait on it)."""
+
+    request_id: str
+    phase: str  # "reserved", "copying" (a chunk landed), "stopped", "committed"
+    stages: int
+    tokens_copied: int
 
 
 @dataclass(frozen=True)
@@ -60,18 +72,6 @@ class MigrationResult:
     transfer: str = "object_store"  # how the KV went: "object_store" or "torch" (a torch.distributed channel)
     draft_tokens: int = 0  # tokens of draft KV moved (draft_kv: move); the destination's draft catches up on the rest
     links: int = 0  # stage-to-stage links the KV went over (transfer "torch"; target and draft)
-
-
-@dataclass(frozen=True)
-class Link:
-    """One pair of stages whose layers overlap: source stage `src` sends its KV of `layers` to destination stage
-    `dst` over a two-rank group that the source end hosts at `address` (on its node)."""
-
-    link_id: str  # unique among every open link: the migration's channel, the pipeline, the pair
-    src: int
-    dst: int
-    layers: tuple[int, ...]
-    address: str = ""
 
 
 def plan_links(src_stages: list[tuple[int, ...]], dst_stages: list[tuple[int, ...]]
@@ -89,105 +89,17 @@ def plan_links(src_stages: list[tuple[int, ...]], dst_stages: list[tuple[int, ..
     return out
 
 
-class Endpoint(Protocol):
-    """One instance's side of a migration (every method is awaited; each runs between two engine steps)."""
-
-    async def migrate_length(self, request_id: str) -> int | None:
-        """Source: tokens of the request's KV now; None if it does not run here."""
-        ...
-
-    async def migrate_reserve(self, request_id: str, tokens: int) -> bool:
-        """Destination: hold blocks for `tokens` tokens of the request, or refuse."""
-        ...
-
-    async def migrate_export(self, request_id: str, start: int, end: int, via: str | None = None
-                             ) -> tuple[object, int] | None:
-        """Source: the request's KV from `start` to `end` (or to what it holds, if less), and where that ends;
-        None if it ended meanwhile. With `via` (this migration's channel) its tensors go over that channel."""
-        ...
-
-    async def migrate_import(self, kv: object) -> bool:
-        """Destination: append KV; False if out of blocks."""
-        ...
-
-    async def migrate_export_draft(self, request_id: str, start: int, end: int, via: str | None = None
-                                   ) -> tuple[object, int] | None:
-        """Source: the request's draft KV from `start` to `end` (or to what it holds) as it stands, and where that
-        ends; None without a draft model, or draft KV beyond `start`."""
-        ...
-
-    async def migrate_import_draft(self, kv: object) -> bool:
-        """Destination: append the arriving request's draft KV; False if it cannot (its draft catches up there)."""
-        ...
-
-    async def migrate_stop(self, request_id: str, start: int, via: str | None = None
-                           ) -> tuple[Request, object, int, float] | None:
-        """Source: take the request out of its step loop (KV kept) and return it, as a request that resumes,
-        with its KV from `start`, where that ends, and the seconds the stop waited for the step under way to
-        end (the request still decoded meanwhile); None if it ended meanwhile."""
-        ...
-
-    async def migrate_commit(self, request: Request) -> bool:
-        """Destination: the request resumes here on the KV imported for it; its stream waits for its client."""
-        ...
-
-    async def migrate_release(self, request_id: str, committed: bool, destination: object) -> None:
-        """Source: committed: free the request's KV and end its stream pointing at `destination`; else resume it."""
-        ...
-
-    async def migrate_drop(self, request_id: str) -> None:
-        """Destination: forget a request that was not committed (free its KV)."""
-        ...
-
-    async def migrate_cancel(self, request_id: str) -> None:
-        """Destination: end a request committed here whose source failed before its release (its KV freed, its
-        waiting stream dropped): its client's stream fails over instead."""
-        ...
-
-    # ---- the migration's links (only with `transfer: torch`)
-    async def kv_stages(self, pipeline: str) -> list[tuple[int, ...]] | None:
-        """Both: the layers of each stage of `pipeline` ("target" or "draft"); None if it has none, or its KV
-        cannot go stage to stage (then it goes through the object store)."""
-        ...
-
-    async def kv_device(self, pipeline: str) -> str:
-        """Both: the device type ("cuda" or "cpu") the stages of `pipeline` keep their KV on."""
-        ...
-
-    async def link_addresses(self, pipeline: str, stages: list[int]) -> list[str]:
-        """Source: a rendezvous address for each of `stages` (one per link it will host), on that stage's node."""
-        ...
-
-    async def links_open(self, channel: str, pipeline: str, links: list[Link], side: str, timeout_s: float,
-                         backend: str) -> None:
-        """Both: join every link of `pipeline` its stages take part in (`side` "src": as rank 0, "dst": as rank 1)
-        over `backend` (gloo or nccl); both ends are called at once. Afterwards, `via=channel` sends over them."""
-        ...
-
-    async def channel_close(self, channel: str) -> None:
-        """Both: forget every link of the migration's channel (and anything received on them and not imported)."""
-        ...
-
-
-class RayEndpoint:
-    """An Endpoint over an instance actor's handle (actors/instance_server.py)."""
-
-    def __init__(self, handle) -> None:
-        self.handle = handle
-
-    def __getattr__(self, name: str):
-        method = getattr(self.handle, name)
-        return lambda *args: method.remote(*args)
-
-
 async def migrate(request_id: str, src: Endpoint, dst: Endpoint, cfg: MigrationConfig = MigrationConfig(),
-                  destination: object = None, ids: tuple[str, str] | None = None) -> MigrationResult:
+                  destination: object = None, ids: tuple[str, str] | None = None,
+                  progress: Callable[[MigrationProgress], None] = lambda p: None) -> MigrationResult:
     """Move a running request from `src` to `dst`; `destination` is what the source's stream is told (the
     destination instance's id and handle, for the client's stream to follow). With `cfg.transfer == "torch"`
     and the two instances' `ids`, the KV goes over a torch.distributed channel between them, opened for this
     migration alone (the object store if it cannot be opened): migrations between the same two instances may
-    run side by side, each over its own channel."""
+    run side by side, each over its own channel. Every call to either end answers within `cfg.step_timeout_s`,
+    or the migration aborts (Deadlined)."""
     t0 = time.perf_counter()
+    src, dst = Deadlined(src, "source", cfg.step_timeout_s), Deadlined(dst, "destination", cfg.step_timeout_s)
     try:
         length = await src.migrate_length(request_id)
     except Exception as e:  # noqa: BLE001 - the source failed: nothing was reserved anywhere
@@ -201,7 +113,7 @@ async def migrate(request_id: str, src: Endpoint, dst: Endpoint, cfg: MigrationC
     if cfg.transfer == "torch" and ids and length:
         via, links = await _open_channel(src, dst, ids, request_id, cfg)
     try:
-        result = await _migrate(request_id, length, src, dst, cfg, destination, via)
+        result = await _migrate(request_id, length, src, dst, cfg, destination, via, progress)
     finally:
         if via is not None:
             await _close_channel(src, dst, via)
@@ -254,22 +166,29 @@ class _DraftCopy:
 
 
 async def _migrate(request_id: str, length: int, src: Endpoint, dst: Endpoint, cfg: MigrationConfig,
-                   destination: object, via: str | None) -> MigrationResult:
+                   destination: object, via: str | None, progress: Callable[[MigrationProgress], None]
+                   ) -> MigrationResult:
     """The migration of a request whose source holds `length` tokens of its KV now."""
     t0 = time.perf_counter()
     stages = copied = 0
     draft = _DraftCopy(request_id, src, dst, cfg, via)
 
+    def reached(phase: str) -> None:
+        progress(MigrationProgress(request_id, phase, stages, copied))
+
     def result(status: MigrationStatus, reason: str = "", downtime: float = 0.0) -> MigrationResult:
         return MigrationResult(request_id, status, reason, stages, copied, downtime, time.perf_counter() - t0,
                                draft_tokens=draft.tokens)
 
+    lease_s = 2 * cfg.step_timeout_s  # what either end holds for this migration, it lets go of on its own after
     try:
-        if not await dst.migrate_reserve(request_id, length + cfg.stop_copy_tokens):
+        if not await dst.migrate_reserve(request_id, length + cfg.stop_copy_tokens, lease_s):
             return result(MigrationStatus.ABORTED_DST, "the destination has no room")
-    except Exception as e:  # noqa: BLE001
+        reached("reserved")
+    except Exception as e:  # noqa: BLE001 - a reservation that timed out is dropped, there or by its lease
+        await _drop(dst, request_id)
         return result(MigrationStatus.ABORTED_DST, f"destination: {type(e).__name__}: {e}")
-    stopped = False
+    stopped = stop_sent = False
     side = "source"
     try:
         now = length
@@ -287,6 +206,7 @@ async def _migrate(request_id: str, length: int, src: Endpoint, dst: Endpoint, c
                     await _drop(dst, request_id)
                     return result(MigrationStatus.ABORTED_DST, "the destination ran out of KV blocks")
                 copied = end
+                reached("copying")
             stages += 1
             side = "source"
             now = await src.migrate_length(request_id)
@@ -298,47 +218,55 @@ async def _migrate(request_id: str, length: int, src: Endpoint, dst: Endpoint, c
         await draft.rest()  # before the stop: what the draft added since its last chunk
         side = "source"
         t_stop = time.perf_counter()
-        stopped_at = await src.migrate_stop(request_id, copied, via)
+        stop_sent = True
+        stopped_at = await src.migrate_stop(request_id, copied, via, lease_s)
         if stopped_at is None:
             await _drop(dst, request_id)
             return result(MigrationStatus.ABORTED_SRC, "the request ended at the source first")
         stopped = True
+        reached("stopped")
         request, rest, end, waited = stopped_at
         side = "destination"
         if not await dst.migrate_import(rest) or not await dst.migrate_commit(request):
             raise RuntimeError("the destination refused the request's last KV or its commit")
         copied = end
+        reached("committed")
         downtime = time.perf_counter() - t_stop - waited
         try:
-            await src.migrate_release(request_id, True, destination)
+            released = await src.migrate_release(request_id, True, destination)
         except Exception as e:  # noqa: BLE001 - the source died after the commit: its client's stream fails over
-            return await _cancel_committed(request_id, dst, e, result)
+            return await _cancel_committed(request_id, dst, result, f"source failed before its release: "
+                                           f"{type(e).__name__}: {e}; the committed copy was cancelled and the "
+                                           "stream fails over")
+        if released is False:  # nothing follows the copy: the client left, or the source's lease ran out
+            return await _cancel_committed(request_id, dst, result, "the request ended at the source while it moved "
+                                           "(its client left); the committed copy was cancelled")
         return result(MigrationStatus.FINISHED, downtime=downtime)
     except Exception as e:  # noqa: BLE001 - any failure before the commit: the request stays at the source
         if isinstance(e, _Failed):
             side, e = e.side, e.error
-        await _drop(dst, request_id)
-        if stopped and side == "destination":
+        await _drop(dst, request_id)  # also cancels a commit that timed out here and landed after all
+        # a stop that timed out may have stopped the request all the same: resume it (a no-op if it did not)
+        if stopped and side == "destination" or stop_sent and isinstance(e, StepTimeout):
             try:
                 await src.migrate_release(request_id, False, None)
-            except Exception:  # noqa: BLE001 - the source is gone too: failover picks the request up
+            except Exception:  # noqa: BLE001 - the source is gone or hung too: failover, or its lease, takes over
                 log.exception("resuming %s at its source failed", request_id)
                 return result(MigrationStatus.ABORTED_SRC, f"source lost after {side} failed: {e}")
         status = MigrationStatus.ABORTED_DST if side == "destination" else MigrationStatus.ABORTED_SRC
         return result(status, f"{side}: {type(e).__name__}: {e}")
 
 
-async def _cancel_committed(request_id: str, dst: Endpoint, error: Exception, result) -> MigrationResult:
-    """The source failed between the commit and its release: the client's stream, which still follows the
-    source, fails over and resumes from its own tokens, so the committed copy would run twice. Cancel it."""
-    log.warning("the source of %s failed before its release (%s: %s); cancelling the copy committed at the "
-                "destination, the stream fails over", request_id, type(error).__name__, error)
+async def _cancel_committed(request_id: str, dst: Endpoint, result, reason: str) -> MigrationResult:
+    """A copy was committed at the destination but the client's stream will not follow it there (the source
+    failed before its release and the stream fails over from its own tokens, or the request ended at the source
+    meanwhile), so the copy would run for nobody, or twice. Cancel it."""
+    log.warning("migration of %s: %s", request_id, reason)
     try:
         await dst.migrate_cancel(request_id)
-    except Exception as e:  # noqa: BLE001 - a dead destination runs nothing
+    except Exception as e:  # noqa: BLE001 - a dead destination runs nothing; a live one aborts a copy nobody follows
         log.warning("cancelling %s at the destination failed (%s: %s)", request_id, type(e).__name__, e)
-    return result(MigrationStatus.ABORTED_SRC, f"source failed before its release: {type(error).__name__}: {error}; "
-                                               "the committed copy was cancelled and the stream fails over")
+    return result(MigrationStatus.ABORTED_SRC, reason)
 
 
 async def _open_channel(src: Endpoint, dst: Endpoint, ids: tuple[str, str], request_id: str,
@@ -400,5 +328,6 @@ async def _close_channel(src: Endpoint, dst: Endpoint, channel: str) -> None:
 async def _drop(dst: Endpoint, request_id: str) -> None:
     try:
         await dst.migrate_drop(request_id)
-    except Exception as e:  # noqa: BLE001 - a dead destination holds nothing; a live one frees it on its own abort
+    except Exception as e:  # noqa: BLE001 - a dead destination holds nothing; a live one that missed this (hung,
+        # or its answer lost) frees the reservation when its lease runs out (actors/instance_server.py)
         log.warning("dropping %s at the destination failed (%s: %s)", request_id, type(e).__name__, e)

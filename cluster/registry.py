@@ -49,6 +49,7 @@ class InstanceEntry:
     in_flight: set[str] = field(default_factory=set)
     last_seen: float = 0.0
     place: InstancePlace = InstancePlace()
+    incarnation: str = ""  # its actor's id: a replacement registers under the same instance id with another
 
     @property
     def accepting(self) -> bool:
@@ -62,7 +63,8 @@ class InstanceEntry:
         return InstanceRow(instance_id=self.instance_id, model=self.model, node=self.node, healthy=self.healthy,
                            error=self.error, draining=self.draining, accepting=self.accepting,
                            in_flight=len(self.in_flight), stats=self.stats,
-                           age_s=round(time.time() - self.registered_at, 3), place=self.place, removed_at=removed_at)
+                           age_s=round(time.time() - self.registered_at, 3), place=self.place, removed_at=removed_at,
+                           incarnation=self.incarnation)
 
 
 @dataclass
@@ -158,9 +160,11 @@ class Registry:
 
     # ---- instances --------------------------------------------------------------------------
     def register(self, instance_id: str, model: str, node: str, now: float,
-                 place: InstancePlace = InstancePlace()) -> InstanceEntry:
-        """Add an instance (or revive one that registers again after a router restart)."""
-        entry = InstanceEntry(instance_id, model, node, registered_at=now, last_seen=now, place=place)
+                 place: InstancePlace = InstancePlace(), incarnation: str = "") -> InstanceEntry:
+        """Add an instance (or revive one that registers again after a router restart, or its replacement: the
+        requests routed to the one it replaces stay counted until they fail over or are reconciled)."""
+        entry = InstanceEntry(instance_id, model, node, registered_at=now, last_seen=now, place=place,
+                              incarnation=incarnation)
         old = self.instances.get(instance_id)
         if old is not None:
             entry.in_flight = old.in_flight
@@ -184,11 +188,30 @@ class Registry:
         self._touch(entry)
         return sorted(entry.in_flight)
 
-    def remove(self, instance_id: str) -> InstanceEntry | None:
+    def remove(self, instance_id: str, now: float) -> InstanceEntry | None:
+        """Take an instance out of the registry; the requests still running there are closed as failed (no poll
+        visits them any more: reconciliation asks instances, and this one is gone). A request that fails over
+        afterwards is running again where it resumes (`reroute`)."""
         self.prefix.drop_instance(instance_id)
         entry = self.instances.pop(instance_id, None)
         if entry is not None:
             self._touch(entry)
+            for rid in sorted(entry.in_flight):
+                self.finish(rid, RequestStatus.FAILED, now)
+        return entry
+
+    def adopt(self, request_id: str, instance_id: str, priority: int, now: float) -> RequestEntry:
+        """Record a request as running at `instance_id` without routing it: one a (re)started router learns from the
+        instance that runs it, or one that fails over to it and that the router never saw."""
+        entry = self.requests.get(request_id)
+        if entry is not None and entry.status == RequestStatus.RUNNING:
+            self.rehome(request_id, instance_id)
+            return entry
+        if entry is not None and request_id in self._finished_order:
+            self._finished_order.remove(request_id)
+        entry = self.requests[request_id] = RequestEntry(request_id, instance_id, priority, RequestStatus.RUNNING, now)
+        self.instances[instance_id].in_flight.add(request_id)
+        self._touch(self.instances[instance_id])
         return entry
 
     def set_draining(self, instance_id: str, draining: bool = True) -> InstanceEntry:
@@ -296,13 +319,16 @@ class Registry:
         self._touch(self.instances[instance_id])
         entry.instance_id, entry.ended_at_instance = instance_id, None
 
-    def reroute(self, request_id: str, exclude: set[str], now: float, model: str | None = None) -> str:
+    def reroute(self, request_id: str, exclude: set[str], now: float, model: str | None = None,
+                priority: int = 0) -> str:
         """Failover: choose another instance for a request whose instance failed, and move it there (running
-        again if the failure had already closed it). NoInstanceAvailable if none is left."""
+        again if the failure had already closed it; recorded afresh if this router never knew it, e.g. it
+        restarted after the instance died). NoInstanceAvailable if none is left."""
+        instance_id = self.choose(exclude, model)
         entry = self.requests.get(request_id)
         if entry is None:
-            raise KeyError(request_id)
-        instance_id = self.choose(exclude, model)
+            self.adopt(request_id, instance_id, priority, now)
+            return instance_id
         if entry.status != RequestStatus.RUNNING:
             if request_id in self._finished_order:
                 self._finished_order.remove(request_id)

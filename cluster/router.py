@@ -3,8 +3,14 @@
 Instances register when they start (and again if the router restarted: registration is idempotent). The
 router polls each instance's stats and health every `stats_interval_s`; an instance that reports unhealthy
 or does not answer within `health_timeout_s` is removed, and its requests in flight are marked failed (their
-streams end with the instance's error). The API (deploy/serve/app.py) asks `route` where a request goes, then
-streams from that instance directly; the router stays off the token path.
+streams fail over). The API (deploy/serve/app.py) asks `route` where a request goes, then streams from that
+instance directly; the router stays off the token path.
+
+The router holds soft state only. The cluster's router (`get_or_create_router`) restarts when its process dies,
+and whoever finds it gone for good (killed) starts another by its name; either way it rebuilds its registry and
+request table from the instances it finds by name (`InstanceServer.registration`: what each runs and queues)
+before it answers anything. Streams keep flowing meanwhile (instance -> API replica); API replicas and instances
+reach the new router through cluster/router_client.py.
 
 The router also moves running requests between instances (Llumnix's global scheduler): on demand
 (`migrate`, `drain_migrate`), and when `router.migration.policies` are set, every `interval_s` and whenever an
@@ -14,6 +20,7 @@ instance joins or drains (`plan_migrations`). A request whose instance died resu
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from dataclasses import replace
@@ -22,7 +29,7 @@ import ray
 from ray.actor import ActorHandle
 
 from cluster.config import MigrationConfig, RouterConfig
-from cluster.migration import MigrationResult, MigrationStatus, RayEndpoint, migrate
+from cluster.migration import MigrationProgress, MigrationResult, MigrationStatus, RayEndpoint, migrate
 from cluster.migration_policy import InstanceLoad, make_planner
 from cluster.dispatch import make_dispatch
 from cluster.instances import InstancePlace, InstanceRow
@@ -31,7 +38,18 @@ from cluster.stats import MigrationStats
 
 ROUTER_NAME = "specfleet-router"
 NAMESPACE = "specfleet"
+INSTANCE_ACTOR_PREFIX = "specfleet-instance/"  # + instance id + "/" + incarnation: instances the router finds
 log = logging.getLogger(__name__)
+
+
+def _after_start(method):
+    """The method runs once the router has rebuilt its state (a fresh router answers nothing before that)."""
+    @functools.wraps(method)
+    async def wrapper(self, *args, **kwargs):
+        if self._started is not None:
+            await asyncio.shield(self._started)
+        return await method(self, *args, **kwargs)
+    return wrapper
 
 
 class Overloaded(RuntimeError):
@@ -39,7 +57,7 @@ class Overloaded(RuntimeError):
 
 
 class Router:
-    def __init__(self, cfg: RouterConfig, health_timeout_s: float = 10.0) -> None:
+    def __init__(self, cfg: RouterConfig, health_timeout_s: float = 10.0, discover: bool = False) -> None:
         self.cfg = cfg
         self.registry = Registry(make_dispatch(cfg.dispatch))
         self.handles: dict[str, ActorHandle] = {}
@@ -50,8 +68,44 @@ class Router:
         self._planner: asyncio.Task | None = None
         self._replan = asyncio.Event()  # an instance joined or is draining: plan migrations now
         self._migrating: dict[str, asyncio.Event] = {}  # requests migrating, each event set when its migration ends
+        self._progress: dict[str, tuple[str, str, MigrationProgress | None]] = {}  # (source, destination, progress)
         self.migration_figures = MigrationStats({s.value: 0 for s in MigrationStatus})
+        self._joined = asyncio.Event()  # set (and replaced) whenever an instance registers: failovers wait on it
+        # as a Ray actor this runs on its event loop: rebuild from the instances, then start polling and planning
+        self._started: asyncio.Task | None = asyncio.get_running_loop().create_task(self._start(discover))
 
+    async def _start(self, discover: bool) -> None:
+        if discover:
+            try:
+                await self._rebuild()
+            except Exception:  # noqa: BLE001 - the instances register again on their own (app.py); start anyway
+                log.exception("rebuilding the registry from the instances failed")
+        loop = asyncio.get_running_loop()
+        self._poller = loop.create_task(self._poll_forever())
+        self._planner = loop.create_task(self._plan_forever())
+
+    async def _rebuild(self) -> None:
+        """Register every instance actor found by name, with the requests each holds (a restarted router)."""
+        named = await asyncio.to_thread(ray.util.list_named_actors, all_namespaces=True)
+        names = [a["name"] for a in named if a["namespace"] == NAMESPACE and a["name"].startswith(INSTANCE_ACTOR_PREFIX)]
+        handles = await asyncio.gather(*(asyncio.to_thread(ray.get_actor, n, namespace=NAMESPACE) for n in names),
+                                       return_exceptions=True)
+        live = [h for h in handles if not isinstance(h, BaseException)]
+        got = await asyncio.gather(*(asyncio.wait_for(h.registration.remote(), self.health_timeout_s) for h in live),
+                                   return_exceptions=True)
+        now = time.time()
+        for handle, reg in zip(live, got):
+            if isinstance(reg, BaseException):
+                log.warning("an instance actor did not report to the new router (%s: %s)", type(reg).__name__, reg)
+                continue
+            i = reg.info
+            self._register(i.instance_id, handle, i.model, i.max_model_len, i.node_id, reg.place, i.actor_id)
+            for rid, priority in reg.requests:
+                self.registry.adopt(rid, i.instance_id, priority, now)
+        log.warning("router started: rebuilt %d instances and %d requests from the instances",
+                    len(self.registry.instances), self.registry.pending())
+
+    @_after_start
     async def configure(self, cfg: RouterConfig) -> None:
         """Take a redeployed app's router config (the actor outlives app redeploys; the registry stays)."""
         if cfg.dispatch != self.cfg.dispatch:
@@ -59,33 +113,49 @@ class Router:
         self.cfg = cfg
 
     # ---- instances ----------------------------------------------------------------------------------
+    @_after_start
     async def register(self, instance_id: str, handle: ActorHandle, model: str, max_model_len: int, node: str,
-                       place: InstancePlace = InstancePlace()) -> None:
-        self.registry.register(instance_id, model, node, time.time(), place)
+                       place: InstancePlace = InstancePlace(), incarnation: str = "") -> None:
+        """Add an instance, or its replacement (another `incarnation` under the same id); idempotent."""
+        self._register(instance_id, handle, model, max_model_len, node, place, incarnation)
+
+    def _register(self, instance_id: str, handle: ActorHandle, model: str, max_model_len: int, node: str,
+                  place: InstancePlace, incarnation: str) -> None:
+        self.registry.register(instance_id, model, node, time.time(), place, incarnation)
         self.handles[instance_id] = handle
         self.max_model_len[model] = max_model_len
-        if self._poller is None:
-            self._poller = asyncio.get_running_loop().create_task(self._poll_forever())
-            self._planner = asyncio.get_running_loop().create_task(self._plan_forever())
         self._replan.set()
+        self._joined.set()
+        self._joined = asyncio.Event()
 
-    async def deregister(self, instance_id: str) -> bool:
+    @_after_start
+    async def deregister(self, instance_id: str, incarnation: str | None = None) -> bool:
+        """Take an instance out; with `incarnation`, only that one (not a replacement that registered since)."""
+        entry = self.registry.instances.get(instance_id)
+        if entry is None or incarnation is not None and entry.incarnation != incarnation:
+            return False
         self.handles.pop(instance_id, None)
-        return self.registry.remove(instance_id) is not None
+        return self.registry.remove(instance_id, time.time()) is not None
 
-    async def is_registered(self, instance_id: str) -> bool:
-        return instance_id in self.registry.instances
+    @_after_start
+    async def is_registered(self, instance_id: str, incarnation: str | None = None) -> bool:
+        entry = self.registry.instances.get(instance_id)
+        return entry is not None and (incarnation is None or entry.incarnation == incarnation)
 
+    @_after_start
     async def instances(self) -> list[InstanceRow]:
         return [e.row() for e in self.registry.instances.values()]
 
+    @_after_start
     async def removed_instances(self) -> list[InstanceRow]:
         return list(self.removed)
 
+    @_after_start
     async def models(self) -> dict[str, int]:
         """Served model name -> context length, over healthy instances."""
         return {m: self.max_model_len[m] for m in self.registry.models()}
 
+    @_after_start
     async def drain(self, instance_id: str, abort_running: bool = False) -> int:
         """Stop dispatching to an instance; optionally abort its requests in flight. Returns how many run there."""
         try:
@@ -98,6 +168,7 @@ class Router:
             await asyncio.gather(*(self.abort(rid) for rid in running))
         return len(running)
 
+    @_after_start
     async def undrain(self, instance_id: str) -> None:
         try:
             self.registry.set_draining(instance_id, False)
@@ -106,18 +177,49 @@ class Router:
         self._replan.set()
 
     # ---- requests -----------------------------------------------------------------------------------
+    @_after_start
     async def route(self, request_id: str, priority: int = 0, model: str | None = None,
                     max_pending: int | None = None) -> tuple[str, ActorHandle]:
-        """Choose the instance for a new request: (instance id, its handle). Raises Overloaded or NoInstanceAvailable."""
+        """Choose the instance for a new request: (instance id, its handle). Raises Overloaded or NoInstanceAvailable.
+        Idempotent: a request already running (a caller's retry) gets where it runs."""
+        entry = self.registry.requests.get(request_id)
+        if entry is not None and entry.status == RequestStatus.RUNNING and entry.instance_id in self.handles:
+            return entry.instance_id, self.handles[entry.instance_id]
         if max_pending is not None and self.registry.pending() >= max_pending:
             raise Overloaded(f"{self.registry.pending()} requests are pending (limit {max_pending})")
-        instance_id = self.registry.route(request_id, priority, time.time(), model)
+        instance_id = await self._placed(lambda: self.registry.route(request_id, priority, time.time(), model), model)
         return instance_id, self.handles[instance_id]
 
+    async def _placed(self, place, model: str | None) -> str:
+        """`place()`'s instance; while none can take the request because none of `model` is up (none registered
+        yet, or the last one failed and its replacement is starting), wait for one to register, up to
+        `failover.wait_s`: the client sees a pause, not an error. An instance drained on purpose is no reason to
+        wait: then NoInstanceAvailable at once, as when the wait runs out."""
+        deadline = time.monotonic() + self.cfg.failover.wait_s
+        while True:
+            joined = self._joined
+            try:
+                return place()
+            except NoInstanceAvailable:
+                left = deadline - time.monotonic()
+                drained = any(e.draining and e.healthy for e in self.registry.instances.values()
+                              if model is None or e.model == model)
+                if left <= 0 or drained:
+                    raise
+                log.warning("no instance of %s is up: waiting up to %.0f s for one to register", model or "any model",
+                            left)
+                try:
+                    await asyncio.wait_for(joined.wait(), left)
+                except asyncio.TimeoutError:
+                    pass
+
+    @_after_start
     async def finish(self, request_id: str, status: str) -> None:
         self.registry.finish(request_id, RequestStatus(status), time.time())
 
     # ---- live migration and failover ----------------------------------------------------------------
+    @ray.method(max_task_retries=0)  # not idempotent: a restarted router does not redo it
+    @_after_start
     async def migrate(self, request_id: str, to: str | None = None,
                       cfg: MigrationConfig | None = None) -> MigrationResult:
         """Move a running request to instance `to` (default: where dispatch would send a new request) with the
@@ -134,9 +236,11 @@ class Router:
         if request_id in self._migrating:
             raise NoInstanceAvailable(f"request {request_id!r} is already migrating")
         ended = self._migrating[request_id] = asyncio.Event()
+        self._progress[request_id] = (src, to, None)
         try:
             result = await migrate(request_id, RayEndpoint(self.handles[src]), RayEndpoint(self.handles[to]),
-                                   cfg or self.cfg.migration, destination=(to, self.handles[to]), ids=(src, to))
+                                   cfg or self.cfg.migration, destination=(to, self.handles[to]), ids=(src, to),
+                                   progress=lambda p: self._progress.__setitem__(request_id, (src, to, p)))
             finished = result.status is MigrationStatus.FINISHED
             self.migration_figures.record(result.status.value, result.downtime_s if finished else None)
             if finished:
@@ -147,10 +251,13 @@ class Router:
                     await self.handles[to].abort.remote(request_id)
         finally:
             del self._migrating[request_id]
+            self._progress.pop(request_id, None)
             ended.set()
         log.info("migration of %s from %s to %s: %s %s", request_id, src, to, result.status.value, result.reason)
         return result
 
+    @ray.method(max_task_retries=0)  # not idempotent: a restarted router does not redo it
+    @_after_start
     async def drain_migrate(self, instance_id: str) -> dict:
         """Stop dispatching to an instance and migrate every request running there to the others; the instance
         ends empty (scale it down, or undrain it). Returns the counts and any request that could not move."""
@@ -169,20 +276,33 @@ class Router:
         return {"instance_id": instance_id, "migrated": moved, "not_moved": stuck,
                 "running": len(self.registry.instances[instance_id].in_flight)}
 
-    async def failover(self, request_id: str, failed_instance: str) -> tuple[str, ActorHandle]:
+    @_after_start
+    async def failover(self, request_id: str, failed_instance: str, failed_handle: ActorHandle | None = None,
+                       priority: int = 0, model: str | None = None) -> tuple[str, ActorHandle]:
         """A request's instance failed under it: the instance where it resumes (from its tokens), recorded as
-        running there. Raises NoInstanceAvailable when no other instance is left."""
+        running there. With no other instance, it waits up to `failover.wait_s` for one to register (the
+        replacement of the failed one counts: another incarnation under the same id). NoInstanceAvailable when
+        the wait runs out."""
         migrating = self._migrating.get(request_id)
-        if migrating is not None:  # let it end first: a copy it committed is cancelled before the stream resumes
+        if migrating is not None:  # let it end first (every step has a deadline): a committed copy is cancelled
             await migrating.wait()
-        entry = self.registry.requests.get(request_id)
-        model = self.registry.instances[failed_instance].model if failed_instance in self.registry.instances else None
-        instance_id = self.registry.reroute(request_id, {failed_instance}, time.time(), model)
+        failed = self.registry.instances.get(failed_instance)
+        model = model or (failed.model if failed is not None else None)
+        gone = failed.incarnation if failed is not None and failed_handle is None else None
+
+        def reroute() -> str:
+            # the failed incarnation is left out; a replacement that registered under its id is not
+            entry = self.registry.instances.get(failed_instance)
+            same = entry is not None and (self.handles.get(failed_instance) == failed_handle
+                                          if failed_handle is not None else entry.incarnation == gone)
+            return self.registry.reroute(request_id, {failed_instance} if same else set(), time.time(), model,
+                                         priority)
+        instance_id = await self._placed(reroute, model)
         self.migration_figures.failovers += 1
-        log.warning("request %s resumes on %s after %s failed (was %s)", request_id, instance_id, failed_instance,
-                    entry.status.value if entry else "?")
+        log.warning("request %s resumes on %s after %s failed", request_id, instance_id, failed_instance)
         return instance_id, self.handles[instance_id]
 
+    @ray.method(max_task_retries=0)
     async def plan_migrations(self) -> list[MigrationResult]:
         """One round of the global scheduler: read every instance's load, ask the configured policies
         (cluster/migration_policy.py) which requests move where, and migrate them side by side."""
@@ -227,36 +347,47 @@ class Router:
             except Exception:  # noqa: BLE001 - a failed round must not stop planning; the next one retries
                 log.exception("planning migrations failed")
 
+    @ray.method(max_task_retries=0)  # not idempotent: a restarted router does not redo it
+    @_after_start
     async def expert_routing(self, instance_id: str) -> bytes:
         """An instance's online routing statistics since the last call (`specfleet experts profile --online`).
         ValueError for an unknown instance; LookupError if its target is not expert parallel."""
         if instance_id not in self.handles:
             raise ValueError(f"no instance {instance_id!r}")
-        got = await self.handles[instance_id].expert_routing.remote()
+        got = await asyncio.wait_for(self.handles[instance_id].expert_routing.remote(), self.health_timeout_s)
         if got is None:
             raise LookupError(f"instance {instance_id!r} does not run its target expert parallel "
                               "(engine.experts.ranks is 1): it has no routing statistics")
         return got
 
+    @_after_start
+    async def migrations_in_flight(self) -> list[tuple[str, str, MigrationProgress | None]]:
+        """Each migration under way: (source, destination, how far it got; None before the reservation)."""
+        return list(self._progress.values())
+
+    @_after_start
     async def migration_stats(self) -> MigrationStats:
         """Migrations by outcome, their downtime, and failovers, since the router started."""
         return self.migration_figures
 
+    @_after_start
     async def abort(self, request_id: str) -> bool:
         """Cancel a running request at its instance; False if it is not running."""
         entry = self.registry.requests.get(request_id)
         if entry is None or entry.status != RequestStatus.RUNNING:
             return False
         handle = self.handles.get(entry.instance_id)
-        if handle is None or not await handle.abort.remote(request_id):
+        if handle is None or not await asyncio.wait_for(handle.abort.remote(request_id), self.health_timeout_s):
             return False  # it ended at its instance just now; the API's `finish` records how
         self.registry.finish(request_id, RequestStatus.ABORTED, time.time())
         return True
 
+    @_after_start
     async def requests(self, status: str | None = None) -> list[dict]:
         rows = [r.as_dict() for r in self.registry.requests.values()]
         return [r for r in rows if status is None or r["status"] == status]
 
+    @_after_start
     async def pending(self) -> int:
         return self.registry.pending()
 
@@ -290,9 +421,8 @@ class Router:
     def _remove_failed(self, instance_id: str, error: str) -> None:
         if instance_id not in self.registry.instances:
             return
-        for rid in self.registry.mark_unhealthy(instance_id, error):
-            self.registry.finish(rid, RequestStatus.FAILED, time.time())
-        entry = self.registry.remove(instance_id)
+        self.registry.mark_unhealthy(instance_id, error)
+        entry = self.registry.remove(instance_id, time.time())  # its requests fail over (or were closed as failed)
         self.handles.pop(instance_id, None)
         self.removed.append(entry.row(removed_at=time.time()))
         del self.removed[:-100]
@@ -307,11 +437,15 @@ class Router:
 
 
 def get_or_create_router(cfg: RouterConfig) -> ActorHandle:
-    """The cluster's router actor, started on first use (on the head node, with no CPU reserved)."""
+    """The cluster's router actor, started on first use (on the head node, with no CPU reserved), or again by
+    whoever finds it gone. It restarts when its process dies (`max_restarts=-1`); a call under way then is retried
+    on the new one where the method is idempotent (all but those marked `max_task_retries=0`); either way it
+    rebuilds its state from the instances it finds (`discover`)."""
     # detached: it outlives the replica that started it; the head-node resource keeps it beside the Serve proxy
     return ray.remote(Router).options(name=ROUTER_NAME, namespace=NAMESPACE, get_if_exists=True, num_cpus=0,
-                                      max_concurrency=1000, lifetime="detached",
-                                      resources={"node:__internal_head__": 0.001}).remote(cfg)
+                                      max_concurrency=1000, lifetime="detached", max_restarts=-1,
+                                      max_task_retries=-1,
+                                      resources={"node:__internal_head__": 0.001}).remote(cfg, discover=True)
 
 
 def find_router(timeout_s: float = 60.0) -> ActorHandle:

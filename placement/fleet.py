@@ -1,4 +1,5 @@
-"""The fleet planned once: each instance's id, resolved engine config, layout (stages and draft on devices), executor."""
+"""The fleet planned once, and one instance planned again: each instance's id, resolved engine config, layout (stages and
+draft on devices), executor."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from cluster.config import EngineConfig, RouterConfig
 from cluster.instances import DraftPlace, InstancePlace, StagePlace
-from placement.inventory import Inventory
+from placement.inventory import Inventory, NodeSpec
 from placement.layout import ShardLayout
 from placement.model_size import ModelSize
 from placement.planner import PlacementError, plan
@@ -69,6 +70,47 @@ def plan_fleet(engine: EngineConfig, router: RouterConfig, inventory: Inventory,
         specs.append(InstanceSpec(instance_id=f"{prefix}-{i}", engine=engine, layout=layout, executor=executor,
                                   num_cpus=router.instance_num_cpus))
     return specs
+
+
+def plan_instance(engine: EngineConfig, router: RouterConfig, inventory: Inventory, target: ModelSize,
+                  draft: ModelSize | None, index: int, *, taken: Collection[tuple[str, int]] = (),
+                  pins: Mapping[str, str] | None = None, gpu_nodes: Collection[str] = (),
+                  prefix: str = "inst") -> InstanceSpec:
+    """Instance `index` of the fleet, planned again over `inventory` (the nodes alive now) where the other instances
+    that run hold the devices `taken`: its own place in the whole fleet's plan (`plan_fleet`) when that place is
+    free, else a plan of this instance alone (`plan_fleet` again) over the devices nobody holds. This is how an
+    instance replaced after its node died lands on the nodes left, and how it comes back to a node that returns.
+    PlacementError if it fits nowhere now (its caller waits for a node to join and asks again)."""
+    name = f"{prefix}-{index}"
+    taken = set(taken)
+    try:
+        mine = plan_fleet(engine, router, inventory, target, draft, pins=pins, gpu_nodes=gpu_nodes, prefix=prefix)[index]
+        if mine.layout.places.isdisjoint(taken):
+            return mine
+    except (PlacementError, IndexError):  # the fleet no longer fits as a whole: place this one where there is room
+        pass
+    free, devices = _free(inventory, taken)
+    if not free:
+        raise PlacementError(f"{name}: every device of the live nodes is held by another instance")
+    [alone] = plan_fleet(engine, router.model_copy(update={"instances": 1}), Inventory(nodes=free), target, draft,
+                         pins=pins, gpu_nodes=gpu_nodes, prefix=prefix)
+    lay = alone.layout  # device i of a node in `free` is the node's i-th free device
+    stages = tuple(s.model_copy(update={"device": devices[s.node][s.device]}) for s in lay.stages)
+    draft_device = devices[lay.draft_node][lay.draft_device] if lay.draft_node is not None else lay.draft_device
+    layout = lay.model_copy(update={"stages": stages, "draft_device": draft_device})
+    return alone.model_copy(update={"instance_id": name, "layout": layout})
+
+
+def _free(inventory: Inventory, taken: set[tuple[str, int]]) -> tuple[list[NodeSpec], dict[str, list[int]]]:
+    """The inventory's nodes with only the devices not `taken` (nodes with none left are dropped), and for each node
+    the indices of its free devices."""
+    nodes, devices = [], {}
+    for node in inventory.nodes:
+        free = [d for d in range(node.count) if (node.name, d) not in taken]
+        if free:
+            nodes.append(node.model_copy(update={"count": len(free)}))
+            devices[node.name] = free
+    return nodes, devices
 
 
 def _with_gpus(layout: ShardLayout, device: str, gpu_nodes: Collection[str], name: str) -> ShardLayout:

@@ -20,31 +20,49 @@ from actors.model.metadata import AttentionMetadata
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm (Zhang & Sennrich 2019) computed in fp32, in the same order as Llama's reference."""
-    dtype = x.dtype
-    h = x.to(torch.float32)
-    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * h.to(dtype)
+    """RMSNorm (Zhang & Sennrich 2019), one fused kernel accumulating in fp32 (in fp32 identical to Llama's
+    reference; in bf16 it rounds once, after the weight, where the reference rounds before it)."""
+    return F.rms_norm(x, weight.shape, weight, eps)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotary position embedding (Su et al. 2021, arXiv 2104.09864), half-rotation layout.
 
-    x: (N, heads, hd); cos, sin: (N, hd).
+    x: (N, heads, hd); cos, sin: (N, 1, hd) from RopeTable, sin with its first half negated, so that
+    x * cos + rotate_half(x) * sin is x * cos + roll(x, hd / 2) * sin (the same products and sums).
     """
-    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # (N, 1, hd)
-    x1, x2 = x.chunk(2, dim=-1)
-    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+    return torch.addcmul(x * cos, torch.roll(x, x.shape[-1] // 2, dims=-1), sin)
+
+
+class RopeTable:
+    """cos and signed sin of every position up to the longest seen, computed once by the model's own rotary
+    module (so any rope scaling it applies is kept) and then indexed per forward."""
+
+    def __init__(self, rotary: nn.Module, dtype: torch.dtype, device: torch.device) -> None:
+        self.rotary, self.dtype, self.device = rotary, dtype, device
+        self.cos = self.sin = torch.empty(0, 1, 0, dtype=dtype, device=device)
+
+    def __call__(self, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """The forward's positions (N,) -> cos, sin (N, 1, hd) each, sin's first half negated (see apply_rope)."""
+        if meta.max_position >= self.cos.shape[0]:
+            self._grow(meta.max_position + 1)
+        return self.cos[meta.positions], self.sin[meta.positions]
+
+    def _grow(self, n: int) -> None:
+        n = max(n, 2 * self.cos.shape[0], 256)
+        pos = torch.arange(n, device=self.device)[None]  # (1, P)
+        cos, sin = self.rotary(torch.empty(0, dtype=self.dtype, device=self.device), pos)  # (1, P, hd) each
+        half = sin.shape[-1] // 2
+        self.cos = cos[0, :, None]  # (P, 1, hd)
+        self.sin = torch.cat([-sin[0, :, :half], sin[0, :, half:]], dim=-1)[:, None]  # (P, 1, hd)
 
 
 @dataclass
 class Attention:
-    """Self-attention weights of one layer (q/k/v/o projections, biases as the checkpoint has them)."""
+    """Self-attention of one layer: a fused q/k/v projection (biases as the checkpoint has them) and o_proj."""
 
-    q_proj: nn.Linear
-    k_proj: nn.Linear
-    v_proj: nn.Linear
-    o_proj: nn.Linear
+    qkv_proj: nn.Module  # (N, H) -> (N, (nh + 2 kvh) * hd): q, k, v side by side
+    o_proj: nn.Module
     num_heads: int
     num_kv_heads: int
     head_dim: int
@@ -52,16 +70,19 @@ class Attention:
     # tensor-parallel slice of the heads (actors/moe/shuffle.py): the local KV head each local query head reads,
     # (nh,); None: grouped-query attention's own grouping, nh / kvh query heads per KV head
     kv_map: torch.Tensor | None = None
+    fused: object | None = None  # our CPU kernels (torch.ops.specfleet) where they run this layer (fused_ops)
 
     def qkv(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """x: (N, H) -> q (N, nh, hd), k and v (N, kvh, hd), RoPE applied to q and k."""
-        n = x.shape[0]
-        q = apply_rope(self.q_proj(x).view(n, self.num_heads, self.head_dim), cos, sin)
-        k = apply_rope(self.k_proj(x).view(n, self.num_kv_heads, self.head_dim), cos, sin)
-        v = self.v_proj(x).view(n, self.num_kv_heads, self.head_dim)
-        return q, k, v
+        """x: (N, H) -> q (N, nh, hd), k and v (N, kvh, hd), RoPE applied to q and k (in one call)."""
+        n, nh, kvh, hd = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
+        qkv = self.qkv_proj(x).view(n, nh + 2 * kvh, hd)  # (N, nh + 2 kvh, hd)
+        if self.fused is not None:
+            self.fused.rope_(qkv[:, :nh + kvh], cos, sin)  # in place, one call
+            return qkv[:, :nh], qkv[:, nh:nh + kvh], qkv[:, nh + kvh:]
+        qk = apply_rope(qkv[:, :nh + kvh], cos, sin)  # (N, nh + kvh, hd)
+        return qk[:, :nh], qk[:, nh:], qkv[:, nh + kvh:]
 
     def __call__(
         self,
@@ -74,13 +95,22 @@ class Attention:
     ) -> torch.Tensor:
         """x: (N, H) -> (N, H). Writes this layer's K, V for the new tokens into the cache."""
         q, k, v = self.qkv(x, cos, sin)
+        if meta.span is not None and self.kv_map is None and self.fused is not None:  # write and attend, one call
+            kpool, vpool = cache.pools(layer)
+            out = self.fused.span_attention(q, k, v, kpool, vpool, meta.slots, *meta.span, self.sliding_window or 0)
+            return self.o_proj(out)
         cache.write(layer, meta.slots, k, v)
+        if meta.span is not None and self.kv_map is None:  # one sequence on consecutive blocks: read in place
+            return self.o_proj(self._attend_span(q, cache, layer, meta))
         keys, values = cache.gather(layer, meta.block_tables)  # (B, S, kvh, hd) each
         if self.kv_map is not None:
             keys, values = keys[:, :, self.kv_map], values[:, :, self.kv_map]  # (B, S, nh, hd) each
         b, t = meta.padded_shape
-        q_pad = q.new_zeros(b * t, self.num_heads, self.head_dim)
-        q_pad[meta.pad_index] = q
+        if meta.packed_is_padded:  # every sequence brings T tokens: the packed rows are the padded layout
+            q_pad = q
+        else:
+            q_pad = q.new_zeros(b * t, self.num_heads, self.head_dim)
+            q_pad[meta.pad_index] = q
         out = F.scaled_dot_product_attention(
             q_pad.view(b, t, self.num_heads, self.head_dim).transpose(1, 2),  # (B, nh, T, hd)
             keys.transpose(1, 2),
@@ -88,21 +118,43 @@ class Attention:
             attn_mask=meta.mask(self.sliding_window),  # (B, 1, T, S)
             enable_gqa=self.kv_map is None and self.num_heads != self.num_kv_heads,
         )  # (B, nh, T, hd)
-        out = out.transpose(1, 2).reshape(b * t, self.num_heads * self.head_dim)[meta.pad_index]  # (N, nh*hd)
+        out = out.transpose(1, 2).reshape(b * t, self.num_heads * self.head_dim)  # (B*T, nh*hd)
+        if not meta.packed_is_padded:
+            out = out[meta.pad_index]  # (N, nh*hd)
         return self.o_proj(out)
+
+    def _attend_span(self, q: torch.Tensor, cache: KVCache, layer: int, meta: AttentionMetadata) -> torch.Tensor:
+        """Attention of one sequence whose blocks are consecutive in the pool: its keys and values are a slice
+        of the layer's storage (no copy of the pool), exactly its S = start + T slots (no padding). q (T, nh, hd)
+        -> (T, nh*hd). Two batched matmuls per KV head in fp32 (the query heads of a group as rows): at a few
+        new tokens this is several times faster on the CPU than SDPA's flash kernel (docs/benchmarks.md)."""
+        start, length = meta.span
+        keys, values = cache.span(layer, start, length)  # (S, kvh, hd) each, views
+        t, kvh, hd = q.shape[0], self.num_kv_heads, self.head_dim
+        g = self.num_heads // kvh
+        qh = q.view(t, kvh, g, hd).transpose(0, 1).reshape(kvh, t * g, hd).float()  # (kvh, T*g, hd)
+        scores = torch.bmm(qh, keys.permute(1, 2, 0).float()).mul_(hd ** -0.5)  # (kvh, T*g, S)
+        mask = meta.span_mask(self.sliding_window)  # (1, 1, T, S) or None
+        if mask is not None:
+            scores.view(kvh, t, g, length).masked_fill_(~mask[0, 0, :, None, :], float("-inf"))
+        out = torch.bmm(torch.softmax(scores, dim=-1), values.transpose(0, 1).float())  # (kvh, T*g, hd)
+        return out.view(kvh, t, g, hd).transpose(0, 1).reshape(t, self.num_heads * hd).to(q.dtype)
 
 
 @dataclass
 class DenseMLP:
-    """Gated MLP: down(act(gate(x)) * up(x))."""
+    """Gated MLP: down(act(gate(x)) * up(x)), gate and up in one fused projection."""
 
-    gate_proj: nn.Linear
-    up_proj: nn.Linear
-    down_proj: nn.Linear
+    gate_up_proj: nn.Module  # (N, H) -> (N, 2I): gate, then up
+    down_proj: nn.Module
     act: nn.Module
+    fused: object | None = None  # our CPU kernels where they run this MLP (SiLU, bf16: fused_ops)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+        if self.fused is not None:
+            return self.down_proj(self.fused.silu_mul(self.gate_up_proj(x)))
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # (N, I) each
+        return self.down_proj(self.act(gate) * up)
 
 
 @dataclass
@@ -163,9 +215,28 @@ class DecoderLayer:
     eps: float
     attn: Attention
     ffn: DenseMLP | MoE
+    fused: object | None = None  # our CPU kernels where they run this layer's norms (fused_ops)
 
     def __call__(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata, cache: KVCache
     ) -> torch.Tensor:
+        if self.fused is not None:  # the residual add and the second norm in one call
+            a = self.attn(self.fused.rms_norm(x, self.input_norm, self.eps), cos, sin, meta, cache, self.index)
+            h, normed = self.fused.add_rms_norm(x, a, self.post_norm, self.eps)
+            return h + self.ffn(normed)
         h = x + self.attn(rms_norm(x, self.input_norm, self.eps), cos, sin, meta, cache, self.index)
         return h + self.ffn(rms_norm(h, self.post_norm, self.eps))
+
+
+def fused_ops(layer: DecoderLayer, act: str, device: torch.device, dtype: torch.dtype) -> None:
+    """Hand our CPU kernels (actors/model/cpu_kernels.py) to the parts of `layer` they can run: bf16 on a CPU where
+    they are built, widths in whole vectors (hidden size and MLP width multiples of 16, head dim of 32), SiLU."""
+    from actors.model import cpu_kernels
+
+    ops = cpu_kernels.ops() if (device.type, dtype) == ("cpu", torch.bfloat16) else None
+    a = layer.attn
+    if ops is None or layer.input_norm.shape[0] % 16 or a.head_dim % 32 or a.head_dim > 256:
+        return
+    layer.fused = a.fused = ops
+    if isinstance(layer.ffn, DenseMLP) and act == "silu" and layer.ffn.down_proj.in_features % 16 == 0:
+        layer.ffn.fused = ops

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -15,6 +15,10 @@ from transformers import (
     PreTrainedModel,
     PreTrainedTokenizerBase,
 )
+
+from actors.model.convert import MANIFEST
+from actors.model.gguf_tensors import StoredTensors, source_of
+from actors.model.weights import WEIGHT_MODES, WeightMode
 
 # model_type -> feed-forward kind; anything else is refused before weights are read.
 SUPPORTED_ARCHITECTURES = {"llama": "dense", "qwen2": "dense", "mistral": "dense", "mixtral": "moe", "qwen2_moe": "moe"}
@@ -43,6 +47,9 @@ class LoadedModel:
     tokenizer: PreTrainedTokenizerBase
     dtype: torch.dtype
     generation_config: GenerationConfig | None = None  # set by load_metadata; else the hf_model's
+    weights: WeightMode = "dequantized"  # how runners compute its linear maps by default (actors/model/weights.py)
+    stored: StoredTensors | None = None  # the GGUF file's quantized tensors, for `weights: stored`
+    prepared: dict = field(default_factory=dict, repr=False)  # projections built for runners, shared by them
 
     @property
     def device(self) -> torch.device | None:
@@ -114,11 +121,16 @@ def load_model_config(source: str) -> PretrainedConfig:
     return config
 
 
-def load_model(source: str, dtype: str = "fp32", device: torch.device | str = "cpu") -> LoadedModel:
+def load_model(source: str, dtype: str = "fp32", device: torch.device | str = "cpu",
+               weights: WeightMode = "dequantized") -> LoadedModel:
     """Load weights and tokenizer of `source` (a GGUF file, a local folder, or a hub id) in `dtype` onto `device`
-    ("meta" allocates nothing: for checking where tensors go)."""
+    ("meta" allocates nothing: for checking where tensors go). `weights` is how runners compute its linear maps
+    (actors/model/weights.py); `stored` reads a GGUF source's quantized tensors, from the file itself or from the
+    file a converted folder names (actors/model/convert.py)."""
     if dtype not in DTYPES:
         raise ModelLoadError(f"unsupported dtype {dtype!r}; supported: {', '.join(DTYPES)}")
+    if weights not in WEIGHT_MODES:
+        raise ModelLoadError(f"unsupported weights {weights!r}; supported: {', '.join(WEIGHT_MODES)}")
     config = load_model_config(source)
     where, kwargs = _location(source)
     try:
@@ -129,7 +141,24 @@ def load_model(source: str, dtype: str = "fp32", device: torch.device | str = "c
     model.eval().requires_grad_(False)
     if torch.device(device) != torch.device("cpu"):
         model.to(device)
-    return LoadedModel(source=source, config=config, hf_model=model, tokenizer=tokenizer, dtype=DTYPES[dtype])
+    stored = _stored_tensors(source, config) if weights == "stored" else None
+    return LoadedModel(source=source, config=config, hf_model=model, tokenizer=tokenizer, dtype=DTYPES[dtype],
+                       weights=weights, stored=stored)
+
+
+def _stored_tensors(source: str, config: PretrainedConfig) -> StoredTensors | None:
+    """The GGUF tensors behind `source`: the file itself, or the one a converted folder was made from (None for
+    a safetensors model: its weights are computed as they are stored, dense)."""
+    path = Path(source).expanduser()
+    if path.is_dir() and (path / MANIFEST).is_file():
+        gguf = source_of(path)
+        if gguf is None:
+            raise ModelLoadError(f"{source} was converted from a GGUF file that is gone or changed since: "
+                                 "`weights: stored` computes on that file (or use `weights: dequantized`)")
+        path = gguf
+    if path.suffix != ".gguf" or not path.is_file():
+        return None
+    return StoredTensors(path, config.num_attention_heads, config.num_key_value_heads)
 
 
 def load_metadata(source: str, dtype: str = "fp32") -> LoadedModel:

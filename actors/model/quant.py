@@ -1,54 +1,44 @@
-"""Int8 weight-only quantization of a draft runner's linear layers (lossless: the target still verifies).
+"""Weight-only quantization at load, round to nearest (RTN), as gpt-fast does (pytorch-labs/gpt-fast, quantize.py).
 
-Per output channel, w ≈ q * s with q int8 in [-127, 127] and s = max|w| / 127, as in gpt-fast's
-`WeightOnlyInt8Linear` (pytorch-labs/gpt-fast, quantize.py). Decoding is memory-bound, so halving
-the bytes of a bf16 draft makes each draft forward about 2-3x faster on this CPU (docs/benchmarks.md).
-Only the draft is quantized: every emitted token is still the target's, so the output is unchanged
-and only the acceptance rate can move. The target's modules are never modified (a self-speculative
-draft shares them): the runner's references are swapped for new modules.
+- int8: per output row, w ≈ q * s with q in [-127, 127] and s = max|w| / 127 (actors/model/qlinear.py Int8Linear).
+- int4: per group of `group` weights of a row, asymmetric: w ≈ s * q + lo with q in [0, 15], s = (max - min) / 15
+  and lo = the group's min (both rounded to fp16); computed on the int4 kernel (qlinear.Int4Linear), or where its
+  shape preconditions fail on int8.
+Decoding is memory-bound, so fewer bytes per weight make each forward faster (docs/benchmarks.md). For a draft
+this is lossless: every emitted token is still the target's, only the acceptance rate can move. A target
+quantized at load computes a different model than its checkpoint (`engine.model.weights: int8 | int4`).
 """
 
 from __future__ import annotations
 
 import torch
-from torch import nn
 
-from actors.model.layers import DenseMLP
+from actors.model.gguf_blocks import GroupedInts
+from actors.model.weights import WeightMode
 
+INT4_GROUP = 32
 
-class Int8Linear(nn.Module):
-    """y = x @ (q * s).T + b with int8 weights q (out, in) and per-row scales s (out,)."""
-
-    def __init__(self, linear: nn.Linear) -> None:
-        super().__init__()
-        w = linear.weight.detach().float()  # (out, in)
-        scale = w.abs().amax(dim=1).clamp_min(1e-12) / 127.0  # (out,)
-        self.weight = torch.round(w / scale[:, None]).to(torch.int8)  # (out, in)
-        self.scale = scale.to(linear.weight.dtype)  # (out,)
-        self.bias = None if linear.bias is None else linear.bias.detach()
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        shape = x.shape
-        x2 = x.reshape(-1, shape[-1])  # (N, in)
-        if x2.dtype == torch.bfloat16 and x2.device.type == "cpu":  # the fused kernel is a CPU (and MPS) one
-            y = torch.ops.aten._weight_int8pack_mm(x2, self.weight, self.scale)  # (N, out)
-        else:
-            y = (x2 @ self.weight.to(x2.dtype).t()) * self.scale.to(x2.dtype)
-        if self.bias is not None:
-            y = y + self.bias
-        return y.reshape(*shape[:-1], -1)
+def rtn_int4(w: torch.Tensor, group: int = INT4_GROUP) -> GroupedInts:
+    """Round-to-nearest 4-bit codes of w (N, K) per group of `group` weights (a group of K where K is not a
+    multiple of `group`, so every width quantizes; the int4 kernel then decides whether it can take it)."""
+    n, k = w.shape
+    group = group if k % group == 0 else k
+    g = w.detach().float().view(n, k // group, group)  # (N, G, group)
+    # the scale and the minimum as fp16 values (the codes are rounded against them): our CPU kernel then reads 2
+    # bytes for each instead of 4 (cpu_kernels.pack)
+    lo = _half(g.amin(-1))  # (N, G)
+    scale = _half(((g.amax(-1) - lo) / 15).clamp_min(2**-24))
+    codes = torch.round((g - lo[..., None]) / scale[..., None]).clamp_(0, 15).to(torch.uint8).view(n, k)
+    return GroupedInts(codes, scale, lo, bits=4, group=group, source="rtn")
 
 
-def quantize_runner_int8(runner) -> None:
-    """Swap every dense linear of `runner` (attention, MLP, LM head) for an Int8Linear copy.
+def _half(t: torch.Tensor) -> torch.Tensor:
+    """fp32 values rounded to the nearest fp16 (kept in fp32)."""
+    return t.to(torch.float16).float()
 
-    MoE experts keep their weights (their fused 3D tensors are not linears); routing is unchanged.
-    """
-    for layer in runner.layers:
-        a = layer.attn
-        a.q_proj, a.k_proj, a.v_proj, a.o_proj = (Int8Linear(m) for m in (a.q_proj, a.k_proj, a.v_proj, a.o_proj))
-        if isinstance(layer.ffn, DenseMLP):
-            f = layer.ffn
-            f.gate_proj, f.up_proj, f.down_proj = (Int8Linear(m) for m in (f.gate_proj, f.up_proj, f.down_proj))
-    if runner.lm_head is not None:
-        runner.lm_head = Int8Linear(runner.lm_head)
+
+def quantize_runner(runner, mode: WeightMode) -> None:
+    """Compute `runner`'s dense linear maps (attention, MLP, LM head) quantized at load in `mode` ("int8" /
+    "int4") from now on. The target's own modules are never modified (a self-speculative draft shares them): the
+    runner gets new ones. MoE experts keep their dense weights; routing is unchanged."""
+    runner.use_weights(mode)

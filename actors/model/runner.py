@@ -13,9 +13,10 @@ import torch
 from transformers.activations import ACT2FN
 
 from actors.kv_cache import KVCache, KVExport, reshard
-from actors.model.layers import Attention, DecoderLayer, DenseMLP, MoE, rms_norm
+from actors.model.layers import Attention, DecoderLayer, DenseMLP, MoE, RopeTable, fused_ops, rms_norm
 from actors.model.loader import SUPPORTED_ARCHITECTURES, LoadedModel
 from actors.model.metadata import AttentionMetadata, SeqChunk
+from actors.model.weights import Part, WeightMode, fuse, head_projection, layer_projections
 from actors.spec.easyspec import LayerParallel
 from cluster.config import CacheConfig
 
@@ -31,14 +32,15 @@ def _sliding_window(config, index: int) -> int | None:
     return getattr(config, "sliding_window", None)
 
 
-def build_layer(model: LoadedModel, index: int) -> DecoderLayer:
-    """Wrap layer `index` of the transformers model in our own layer (weights shared, not copied)."""
+def build_layer(model: LoadedModel, index: int, device: torch.device, weights: WeightMode) -> DecoderLayer:
+    """Wrap layer `index` of the transformers model in our own layer, its projections fused and in `weights`
+    mode on `device` (actors/model/weights.py; shared with every runner of the model, never copied twice)."""
     cfg = model.config
     hf = model.hf_model.model.layers[index]
-    a = hf.self_attn
+    proj = layer_projections(model, index, device, weights)
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     attn = Attention(
-        a.q_proj, a.k_proj, a.v_proj, a.o_proj,
+        proj.qkv, proj.o,
         num_heads=cfg.num_attention_heads,
         num_kv_heads=cfg.num_key_value_heads,
         head_dim=head_dim,
@@ -56,12 +58,12 @@ def build_layer(model: LoadedModel, index: int) -> DecoderLayer:
             normalize_top_k=getattr(cfg, "norm_topk_prob", True),
             act=ACT2FN[cfg.hidden_act],
             weights_in_input_dtype=cfg.model_type == "qwen2_moe",
-            shared=DenseMLP(shared.gate_proj, shared.up_proj, shared.down_proj, shared.act_fn) if shared else None,
+            shared=shared_expert_mlp(model, index, device) if shared is not None else None,
             shared_gate=getattr(mlp, "shared_expert_gate", None),
         )
     else:
-        ffn = DenseMLP(mlp.gate_proj, mlp.up_proj, mlp.down_proj, mlp.act_fn)
-    return DecoderLayer(
+        ffn = DenseMLP(proj.gate_up, proj.down, mlp.act_fn)
+    layer = DecoderLayer(
         index=index,
         input_norm=hf.input_layernorm.weight,
         post_norm=hf.post_attention_layernorm.weight,
@@ -69,10 +71,34 @@ def build_layer(model: LoadedModel, index: int) -> DecoderLayer:
         attn=attn,
         ffn=ffn,
     )
+    fused_ops(layer, cfg.hidden_act, device, model.dtype)
+    return layer
+
+
+def shared_expert_mlp(model: LoadedModel, index: int, device: torch.device) -> DenseMLP:
+    """A MoE layer's shared expert as a dense MLP with a fused gate-up projection (experts stay dense)."""
+    shared = model.hf_model.model.layers[index].mlp.shared_expert
+    prefix = f"model.layers.{index}.mlp.shared_expert."
+    gate_up = fuse([Part(prefix + "gate_proj", shared.gate_proj), Part(prefix + "up_proj", shared.up_proj)],
+                   device, model.dtype, "dequantized", lambda name: None)
+    return DenseMLP(gate_up, shared.down_proj, shared.act_fn)
+
+
+def _dense_part(layer: torch.nn.Module, weights: WeightMode) -> torch.nn.Module:
+    """What of a transformers decoder layer a runner on another device moves there: all of it for dense weights;
+    with quantized ones, its norms and MoE feed-forward (the projections are built on the device from the source)."""
+    if weights == "dequantized":
+        return layer
+    keep = [layer.input_layernorm, layer.post_attention_layernorm] + (
+        [layer.mlp] if hasattr(layer.mlp, "experts") else [])
+    return torch.nn.ModuleList(keep)
 
 
 class ModelRunner:
-    """Runs `layer_ids` of a loaded model in order; embeds tokens if `first`, returns logits if `last`."""
+    """Runs `layer_ids` of a loaded model in order; embeds tokens if `first`, returns logits if `last`.
+
+    `weights` (default: the model's) is how its linear maps compute (actors/model/weights.py).
+    """
 
     exports_kv = True  # the PipelineRunner interface: its KV can be exported and imported
     replicated_cache = True  # one cache: block sharing works
@@ -85,6 +111,7 @@ class ModelRunner:
         first: bool = True,
         last: bool = True,
         device: torch.device | str | None = None,
+        weights: WeightMode | None = None,
     ) -> None:
         cfg = model.config
         assert cfg.model_type in SUPPORTED_ARCHITECTURES, cfg.model_type
@@ -95,22 +122,34 @@ class ModelRunner:
         # weights of this runner, its KV cache and every tensor of a forward live here (default: the weights')
         self.device = torch.device(device) if device is not None else model.device
         self.first, self.last = first, last
+        self.weights: WeightMode = weights or model.weights
         hf = model.hf_model
         if self.device != model.device:  # move only what this runner runs (a shared checkpoint keeps the rest)
-            for module in [hf.model.layers[i] for i in layer_ids] + [hf.model.rotary_emb] + (
-                    [hf.model.embed_tokens] if first else []) + ([hf.model.norm, hf.lm_head] if last else []):
+            for module in [_dense_part(hf.model.layers[i], self.weights) for i in layer_ids] + [hf.model.rotary_emb] \
+                    + ([hf.model.embed_tokens] if first else []) + ([hf.model.norm] if last else []):
                 module.to(self.device)
-        self.layers = [build_layer(model, i) for i in layer_ids]
+        self.layers = [build_layer(model, i, self.device, self.weights) for i in layer_ids]
         self.embed = hf.model.embed_tokens if first else None
         self.norm = hf.model.norm.weight if last else None
-        self.lm_head = hf.lm_head if last else None
-        self.rotary = hf.model.rotary_emb
+        self.lm_head = head_projection(model, self.device, self.weights) if last else None
+        self.rope = RopeTable(hf.model.rotary_emb, model.dtype, self.device)
         attn = self.layers[0].attn
         self.layer_parallel: LayerParallel | None = None  # EasySpec groups of a draft (actors/spec/easyspec.py)
         self.cache = KVCache(
             list(layer_ids), cache.num_blocks, cache.block_size, attn.num_kv_heads, attn.head_dim, model.dtype,
             device=self.device,
         )
+
+    def use_weights(self, weights: WeightMode) -> None:
+        """Compute this runner's linear maps in `weights` mode from now on (a draft quantized after loading)."""
+        self.weights = weights
+        for layer in self.layers:
+            proj = layer_projections(self.model, layer.index, self.device, weights)
+            layer.attn.qkv_proj, layer.attn.o_proj = proj.qkv, proj.o
+            if isinstance(layer.ffn, DenseMLP):
+                layer.ffn.gate_up_proj, layer.ffn.down_proj = proj.gate_up, proj.down
+        if self.last:
+            self.lm_head = head_projection(self.model, self.device, weights)
 
     @property
     def layer_ids(self) -> list[int]:
@@ -132,7 +171,8 @@ class ModelRunner:
         return self.cache.import_(reshard(exports, [self.layer_ids])[0])
 
     @torch.inference_mode()
-    def forward(self, chunks: list[SeqChunk], hidden: torch.Tensor | None = None, parallel: bool = False) -> torch.Tensor:
+    def forward(self, chunks: list[SeqChunk], hidden: torch.Tensor | None = None,
+                parallel: bool = False) -> torch.Tensor:
         """Run the new tokens of each chunk through this runner's layers, appending their KV.
 
         `parallel`: run the layer-parallel groups of `self.layer_parallel` (EasySpec), if it has any; otherwise
@@ -147,8 +187,7 @@ class ModelRunner:
                 raise CacheFull(f"no KV blocks for {c.request_id}")
         meta = AttentionMetadata.build(chunks, self.cache)
         x = self.embed(meta.token_ids) if self.first else hidden  # (N, H)
-        cos, sin = self.rotary(x, meta.positions[None])  # (1, N, hd) each
-        cos, sin = cos[0], sin[0]  # (N, hd)
+        cos, sin = self.rope(meta)  # (N, 1, hd) each
         if self.layer_parallel is not None:
             x = self.layer_parallel.run(self.layers, x, parallel, cos, sin, meta, self.cache)
         else:
@@ -161,4 +200,7 @@ class ModelRunner:
         h = x[meta.logits_index]  # (sum num_logits, H)
         if h.shape[0] == 0:  # prefill chunks only: no logits wanted
             return torch.empty(0, self.model.config.vocab_size, device=self.device)
-        return self.lm_head(rms_norm(h, self.norm, self.model.config.rms_norm_eps)).float()  # (N, V)
+        fused = self.layers[-1].fused  # our CPU kernels, where they run this model's norms
+        eps = self.model.config.rms_norm_eps
+        normed = fused.rms_norm(h, self.norm, eps) if fused is not None else rms_norm(h, self.norm, eps)
+        return self.lm_head(normed).float()  # (N, V)

@@ -62,18 +62,23 @@ def kv_heads_of(q_lo: int, q_hi: int, num_heads: int, num_kv_heads: int) -> tupl
     return q_lo // group, (q_hi - 1) // group + 1
 
 
-def _rows(linear: nn.Linear, lo: int, hi: int) -> nn.Linear:
-    """Output features [lo, hi) of a projection (its bias too), as a new module."""
-    out = nn.Linear(linear.in_features, hi - lo, bias=linear.bias is not None, device=linear.weight.device,
+def _rows(linear: nn.Linear, ranges: list[tuple[int, int]]) -> nn.Linear:
+    """Output features in `ranges` [lo, hi) of a projection (its bias too), side by side, as a new module."""
+    if not isinstance(linear, nn.Linear):
+        raise ValueError("tensor-parallel attention slices dense projections: load with `weights: dequantized`")
+    index = torch.cat([torch.arange(lo, hi) for lo, hi in ranges]).to(linear.weight.device)
+    out = nn.Linear(linear.in_features, len(index), bias=linear.bias is not None, device=linear.weight.device,
                     dtype=linear.weight.dtype)
-    out.weight = nn.Parameter(linear.weight[lo:hi].clone(), requires_grad=False)  # (hi - lo, H)
+    out.weight = nn.Parameter(linear.weight[index], requires_grad=False)  # (n, H), a copy
     if linear.bias is not None:
-        out.bias = nn.Parameter(linear.bias[lo:hi].clone(), requires_grad=False)
+        out.bias = nn.Parameter(linear.bias[index], requires_grad=False)
     return out
 
 
 def _columns(linear: nn.Linear, lo: int, hi: int, keep_bias: bool) -> nn.Linear:
     """Input features [lo, hi) of a projection; its bias only where `keep_bias` (one rank adds it)."""
+    if not isinstance(linear, nn.Linear):
+        raise ValueError("tensor-parallel attention slices dense projections: load with `weights: dequantized`")
     out = nn.Linear(hi - lo, linear.out_features, bias=keep_bias and linear.bias is not None,
                     device=linear.weight.device, dtype=linear.weight.dtype)
     out.weight = nn.Parameter(linear.weight[:, lo:hi].clone(), requires_grad=False)  # (H, hi - lo)
@@ -87,10 +92,12 @@ def slice_attention(attn: Attention, rank: int, world_size: int) -> Attention:
     q_lo, q_hi = head_split(attn.num_heads, world_size)[rank]
     kv_lo, kv_hi = kv_heads_of(q_lo, q_hi, attn.num_heads, attn.num_kv_heads)
     hd, group = attn.head_dim, attn.num_heads // attn.num_kv_heads
-    kv_map = torch.tensor([h // group - kv_lo for h in range(q_lo, q_hi)], device=attn.q_proj.weight.device)
+    nq, nkv = attn.num_heads * hd, attn.num_kv_heads * hd  # the fused projection's q, k, v row blocks
+    qkv = _rows(attn.qkv_proj, [(q_lo * hd, q_hi * hd), (nq + kv_lo * hd, nq + kv_hi * hd),
+                                (nq + nkv + kv_lo * hd, nq + nkv + kv_hi * hd)])
+    kv_map = torch.tensor([h // group - kv_lo for h in range(q_lo, q_hi)], device=qkv.weight.device)
     return Attention(
-        _rows(attn.q_proj, q_lo * hd, q_hi * hd), _rows(attn.k_proj, kv_lo * hd, kv_hi * hd),
-        _rows(attn.v_proj, kv_lo * hd, kv_hi * hd), _columns(attn.o_proj, q_lo * hd, q_hi * hd, rank == 0),
+        qkv, _columns(attn.o_proj, q_lo * hd, q_hi * hd, rank == 0),
         num_heads=q_hi - q_lo, num_kv_heads=kv_hi - kv_lo, head_dim=hd, sliding_window=attn.sliding_window,
         kv_map=kv_map,
     )
@@ -215,8 +222,9 @@ def enable(runner: ModelRunner, comm: ep.ExpertComm, predictor: TokenPredictor |
     hf_layers = runner.model.hf_model.model.layers
     for pos, layer in enumerate(runner.layers):
         attn = slice_attention(layer.attn, comm.rank, comm.world_size)
-        hf = hf_layers[layer.index].self_attn  # drop the other heads' weights there too
-        hf.q_proj, hf.k_proj, hf.v_proj, hf.o_proj = attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj
+        hf = hf_layers[layer.index].self_attn  # drop every head's weights there: this rank runs its own copies
+        hf.q_proj = hf.k_proj = hf.v_proj = hf.o_proj = None
+        runner.model.prepared.pop(("layer", layer.index, str(runner.device), runner.weights), None)
         runner.layers[pos] = ShuffledLayer(layer.index, layer.input_norm, layer.post_norm, layer.eps, attn,
                                            layer.ffn, shuffle=shuffle, first=pos == 0)
     old, attn = runner.cache, runner.layers[0].attn

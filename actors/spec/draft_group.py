@@ -91,8 +91,7 @@ def follow(runner: ModelRunner, schedule: LayerParallel, layer_ids: Sequence[int
             raise CacheFull(f"no KV blocks for {c.request_id}")
     meta = AttentionMetadata.build(chunks, runner.cache)
     n, hidden = meta.num_tokens, runner.model.config.hidden_size
-    cos, sin = runner.rotary(torch.empty(0, dtype=runner.model.dtype, device=runner.device), meta.positions[None])
-    cos, sin = cos[0], sin[0]  # (N, hd)
+    cos, sin = runner.rope(meta)  # (N, 1, hd) each
     mine = {layer.index: layer for layer in runner.layers}
     for step in schedule.steps_for(parallel):
         ranks = [owner[layer_ids[p]] for p in step]

@@ -22,7 +22,7 @@ import torch
 from actors.device import device_name, resolve_device
 from actors.engine import Engine
 from actors.model.loader import load_model
-from actors.model.quant import quantize_runner_int8
+from actors.model.quant import quantize_runner
 from actors.model.runner import ModelRunner
 from actors.spec.cost_model import StepCostModel
 from cluster.config import CacheConfig, SchedulerConfig, SpeculationConfig
@@ -129,7 +129,7 @@ def _build(setup: Setup, args: argparse.Namespace, batch: int, costs: dict[str, 
         if kind == "model":
             runner = ModelRunner(draft, range(draft.num_layers), cache)
             if int8:
-                quantize_runner_int8(runner)
+                quantize_runner(runner, "int8")
         label = "int8 self-draft" if kind == "model" and int8 and not draft_name else \
             ("draft model" if kind == "model" else kind)
         for policy in ("fixed", "goodput"):

@@ -19,7 +19,7 @@ import torch
 from actors.engine import Engine
 from actors.spec.cost_model import ForwardShape, StepCostModel
 from actors.model.loader import load_model
-from actors.model.quant import quantize_runner_int8
+from actors.model.quant import quantize_runner
 from actors.model.runner import ModelRunner
 from cluster.config import CacheConfig, SchedulerConfig, SpeculationConfig
 from cluster.request import Request, SamplingParams
@@ -43,7 +43,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-prompt-tokens", type=int, default=1024, help="prompts are cut to their first N tokens")
     p.add_argument("--k", type=int, default=4, help="K: drafts per request for fixed, the most for goodput")
     p.add_argument("--dtype", choices=["fp32", "bf16"], default="bf16")
-    p.add_argument("--draft-quantization", choices=["none", "int8"], default="int8")
+    p.add_argument("--draft-quantization", choices=["none", "int8", "int4"], default="int8")
     p.add_argument("--max-batch-size", type=int, default=8)
     p.add_argument("--max-num-batched-tokens", type=int, default=128)
     p.add_argument("--concurrency", type=int, default=8, help="saturation check: C requests at once vs 1")
@@ -142,8 +142,8 @@ def run(args: argparse.Namespace) -> int:
     cache = CacheConfig(block_size=16, num_blocks=args.max_batch_size * (1024 + args.max_tokens) // 16 + 64)
     target_runner = ModelRunner(target, range(target.num_layers), cache)
     draft_runner = ModelRunner(draft_model, range(draft_model.num_layers), cache)
-    if args.draft_quantization == "int8":
-        quantize_runner_int8(draft_runner)
+    if args.draft_quantization != "none":
+        quantize_runner(draft_runner, args.draft_quantization)
     sched = SchedulerConfig(max_batch_size=args.max_batch_size, max_num_batched_tokens=args.max_num_batched_tokens)
 
     cost = StepCostModel()  # one step-time model for every goodput engine: calibrated once, then fitted online

@@ -18,7 +18,7 @@ import torch
 from actors.device import device_name, resolve_device
 from actors.engine import Engine
 from actors.model.loader import LoadedModel, load_model
-from actors.model.quant import quantize_runner_int8
+from actors.model.quant import quantize_runner
 from actors.model.runner import ModelRunner
 from cluster.config import CacheConfig, SpeculationConfig
 from cluster.request import SamplingParams, SpecStats
@@ -117,7 +117,7 @@ def run(args: argparse.Namespace) -> int:
     def draft_runner(quantize: bool) -> ModelRunner:
         r = ModelRunner(draft, range(draft.num_layers), cache)
         if quantize:
-            quantize_runner_int8(r)
+            quantize_runner(r, "int8")
         return r
 
     int8 = args.draft_quantization == "int8"

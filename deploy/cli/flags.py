@@ -42,7 +42,11 @@ def add_engine_flags(p: argparse.ArgumentParser, *, default_dtype: str | None = 
     g.add_argument("--target", help="target model: catalog name, GGUF file, HF folder, or hub id")
     g.add_argument("--draft", help="draft model (same forms as --target), or 'none' for no speculation")
     g.add_argument("--draft-layers", type=parse_layers, help="self-speculative draft from these target layers")
-    g.add_argument("--draft-quantization", choices=["none", "int8"], help="int8: weight-only int8 draft")
+    g.add_argument("--draft-quantization", choices=["none", "int8", "int4"],
+                   help="the draft re-quantized at load: weight-only int8 or int4")
+    g.add_argument("--weights", choices=["stored", "dequantized", "int8", "int4"],
+                   help="stored: compute on a GGUF file's quantized weights as stored; dequantized: on weights "
+                        "expanded to --dtype; int8 / int4: quantized at load")
     g.add_argument("--dtype", choices=["fp32", "bf16"], default=default_dtype)
     g.add_argument("--k", type=int, help="draft tokens per round, the most with --policy goodput (0 = none)")
     g.add_argument("--policy", choices=["fixed", "off", "goodput"], help="speculation length policy")
@@ -65,7 +69,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
             raw.setdefault("speculation", {})["policy"] = "off"
     if args.draft_layers is not None:
         model["draft_layers"], model["draft"] = args.draft_layers, None
-    for key in ("draft_quantization", "dtype"):
+    for key in ("draft_quantization", "dtype", "weights"):
         if getattr(args, key) is not None:
             model[key] = getattr(args, key)
     if args.k is not None:

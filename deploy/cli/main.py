@@ -24,6 +24,8 @@ COMMANDS: list[tuple[tuple[str, ...], str, str, str]] = [
      "deploy.bench.spec", "add_arguments"),
     (("bench", "default"), "off vs fixed vs goodput for every draft kind (model, n-gram, suffix), default model and "
      "Qwen pair, batch 1 and 8", "deploy.bench.default", "add_arguments"),
+    (("bench", "cpu"), "llama.cpp (if installed) vs plain and speculative decoding, weights dequantized vs stored, "
+     "default model and Qwen pair", "deploy.bench.cpu", "add_arguments"),
     (("bench", "load"), "Poisson load at several rates for each speculation policy (off, fixed, goodput)",
      "deploy.bench.load", "add_arguments"),
     (("bench", "pipeline"), "one process vs the target split over 2, 3... stages on the local cluster",
@@ -36,6 +38,9 @@ COMMANDS: list[tuple[tuple[str, ...], str, str, str]] = [
      "migration policies under skewed load, on the local cluster", "deploy.bench.migration", "add_arguments"),
     (("bench", "moe"), "plain expert parallelism vs Speculative MoE's expert grouping and request placement, on "
      "the local cluster", "deploy.bench.moe", "add_arguments"),
+    (("bench", "faults"), "each fault (router, instance, shard, node killed; link cut or degraded; a migration's "
+     "destination killed) under streaming load, on hosts in network namespaces: a row per fault",
+     "deploy.bench.faults", "add_arguments"),
     (("bench", "serve"), "load through the served app over HTTP: latency, router overhead, concurrency",
      "deploy.bench.serve", "add_arguments"),
     (("bench", "attention"), "attention over the paged KV cache: gather-then-SDPA vs the whole pool, per layer",

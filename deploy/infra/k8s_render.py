@@ -5,7 +5,9 @@ inventory becomes one RayService worker group whose pods carry the Ray custom re
 `placement/inventory.py` (`ray_resources`, `ray_labels`) gives a node of that kind. A worker group is a
 set of interchangeable pods, so the per-node pin (`specfleet_node_<name>`) and the `specfleet/node`
 label cannot be given to each pod; they are left out, and pods of a group are told apart by kind
-(`accelerator_<kind>`, `specfleet/accelerator`) and by the `specfleet/group` label (docs/kubernetes.md).
+(`accelerator_<kind>`, `specfleet/accelerator`) and by the `specfleet/group` label (docs/kubernetes.md). The app
+names a group's pods by their place in it and pins work by the kind's resource (deploy/serve/fleet.py), never
+by a pod's address, so a pod that replaces another is used like it.
 
 Closed by default (docs/security.md): Ray token auth (`authOptions: {mode: token}`: the operator generates the
 token and gives it to every Ray container and to its own dashboard client), the API keys from the Secret mounted

@@ -36,7 +36,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 from deploy import DEFAULT_INVENTORY
 from deploy.cli.flags import UsageError
 from deploy.infra import ray_node
-from placement.inventory import Inventory, NodeSpec, ray_labels, ray_resources
+from placement.inventory import LABEL_PREFIX, Inventory, NodeSpec, ray_labels, ray_resources
 
 DEFAULT_STATE = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "specfleet" / "cluster.json"
 MARKER = "SPECFLEET_LOCAL_CLUSTER"  # env var: the cluster id, inherited by every process of the cluster
@@ -183,11 +183,14 @@ def _allocate_ports(num_nodes: int) -> list[dict[str, int]]:
     return allocated
 
 
-def ray_start_command(node: NodeSpec, head_address: str | None, ports: dict[str, int], temp_dir: str,
+def ray_start_command(node: NodeSpec | None, head_address: str | None, ports: dict[str, int], temp_dir: str,
                       num_cpus: int, object_store_mb: int, host: str = "127.0.0.1",
                       client_server: bool = False) -> list[str]:
     """`ray start --block` for one node, every port bound to `host`: the head if `head_address` is None (dashboard
-    off; the Ray client server only with `client_server`), else a worker joining it (deploy/infra/ray_node.py)."""
+    off; the Ray client server only with `client_server`), else a worker joining it (deploy/infra/ray_node.py).
+    `node` None: a node outside the inventory (no accelerator labels or pins: nothing is planned there), named
+    "head". `host` is also the address the node announces and is reached at (a node in a network namespace of
+    its own has its own, deploy/infra/netns.py)."""
     if head_address is None:
         role = ["--head", f"--port={ports['gcs']}", f"--dashboard-port={ports['dashboard']}",
                 "--include-dashboard=false"]
@@ -195,13 +198,17 @@ def ray_start_command(node: NodeSpec, head_address: str | None, ports: dict[str,
     else:
         role = [f"--address={head_address}"]
     flags = {name: ports[name] for name in _NODE_PORTS + ("min_worker", "max_worker")}
+    if node is None:
+        identity = ["--node-name=head", f"--labels={json.dumps({LABEL_PREFIX + 'role': 'head'})}"]
+    else:
+        identity = [f"--node-name={node.name}", f"--resources={json.dumps(ray_resources(node))}",
+                    f"--labels={json.dumps(ray_labels(node))}"]
     return [
         sys.executable, "-m", "deploy.infra.ray_node", *(["--client-server"] if client_server else []),
-        "start", "--block", *role, f"--node-ip-address={host}", f"--node-name={node.name}", f"--temp-dir={temp_dir}",
+        "start", "--block", *role, f"--node-ip-address={host}", f"--temp-dir={temp_dir}",
         *(f"--{name.replace('_', '-')}-port={port}" for name, port in flags.items()),
         "--disable-usage-stats", f"--num-cpus={num_cpus}",
-        f"--object-store-memory={object_store_mb * 2**20}",
-        f"--resources={json.dumps(ray_resources(node))}", f"--labels={json.dumps(ray_labels(node))}",
+        f"--object-store-memory={object_store_mb * 2**20}", *identity,
     ]
 
 
@@ -302,7 +309,7 @@ def up(inventory: Inventory, state_path: Path = DEFAULT_STATE, *, num_cpus: int 
                              f"or pass another --state")
         stop(old)  # a stale record: nothing runs, only its temp folder is left to remove
     cluster_id = uuid.uuid4().hex[:12]
-    root = tempfile.mkdtemp(prefix="sf-", dir="/tmp")  # short: Ray's socket paths must stay under ~107 chars
+    root = make_temp_root()
     token = None
     if auth == "token" or (auth == "auto" and not ray_node.is_loopback(host)):
         token = str(ray_node.new_token(Path(root) / "ray-auth-token"))
@@ -329,6 +336,23 @@ def up(inventory: Inventory, state_path: Path = DEFAULT_STATE, *, num_cpus: int 
         state_path.unlink(missing_ok=True)
         raise
     return state
+
+
+def make_temp_root() -> str:
+    """A cluster's temp folder, /tmp/sf-*: short, as Ray's socket paths must stay under ~107 characters."""
+    return tempfile.mkdtemp(prefix="sf-", dir="/tmp")
+
+
+def node_processes(state: ClusterState, node: NodeProcess) -> list[psutil.Process]:
+    """The live processes of one node of the cluster: its `ray start` and everything under it (raylet, agents, the
+    node's Ray workers), for killing one node alone (fault tests)."""
+    if not _is_running(node.pid, node.create_time):
+        return []
+    try:
+        leader = psutil.Process(node.pid)
+        return [leader, *leader.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return []
 
 
 def stop(state: ClusterState, grace_s: float = 10.0) -> None:

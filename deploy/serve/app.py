@@ -2,7 +2,8 @@
 
 The fleet is planned once, here (deploy/serve/fleet.py): one `SpecfleetInstance` deployment per planned instance
 (one replica: it starts the InstanceServer actor its InstanceSpec describes, registers it with the router and
-reports its health to Serve, which replaces it, in the same place, if it fails), and
+reports its health to Serve, which replaces it if it fails: in the same place, or, if that place's node is gone
+or its devices taken, in a place planned again over the nodes alive then), and
 `SpecfleetAPI`, the ingress: OpenAI-compatible HTTP (deploy/serve/http_api.py) and the gRPC service
 (deploy/rpc/specfleet.proto, deploy/serve/grpc_api.py), both over one Frontend (deploy/serve/frontend.py).
 
@@ -10,7 +11,10 @@ reports its health to Serve, which replaces it, in the same place, if it fails),
 """
 
 
+import asyncio
 import logging
+import time
+import uuid
 from pathlib import Path
 
 import ray
@@ -20,11 +24,13 @@ from ray.serve.handle import DeploymentHandle
 
 from actors.instance_server import InstanceServer
 from cluster.config import ConfigError, RouterConfig, SpecfleetConfig, load_config, parse_config
-from cluster.router import find_router, get_or_create_router
+from cluster.router import INSTANCE_ACTOR_PREFIX, NAMESPACE, find_router, get_or_create_router
+from cluster.router_client import RouterClient
 from deploy import DEFAULT_CONFIG
 from deploy.rpc import codegen
-from deploy.serve.fleet import fleet_specs
+from deploy.serve.fleet import fleet_specs, live_nodes, replan
 from placement.fleet import InstanceSpec
+from placement.planner import PlacementError
 
 codegen.ensure()  # the gRPC modules, before deploy.serve.grpc_api imports them
 
@@ -48,40 +54,113 @@ def config_from_args(args: dict) -> SpecfleetConfig:
     return load_config(args.get("config_path") or DEFAULT_CONFIG)
 
 
+LOAD_TIMEOUT_S = 900.0  # for an instance to load its models, and for room to place it when its node is gone
+HEALTH_TIMEOUT_S = 20.0
+
+
+def router_client(cfg: RouterConfig) -> RouterClient:
+    """The router of this cluster, found again (or started again) by name whenever it died."""
+    return RouterClient.resolving(lambda: get_or_create_router(cfg), reconnect_s=cfg.reconnect_s)
+
+
 @serve.deployment(ray_actor_options={"num_cpus": 0}, health_check_period_s=2.0, health_check_timeout_s=30.0,
                   graceful_shutdown_timeout_s=5.0)
 class SpecfleetInstance:
-    """One planned engine instance: owns its InstanceServer actor and keeps it registered with the router."""
+    """One planned engine instance: owns its InstanceServer actor and keeps it registered with the router.
 
-    def __init__(self, spec: InstanceSpec, router_cfg: RouterConfig) -> None:
-        self.spec = spec
+    Its health is its instance's alone: the router being away (restarting, killed) never fails it; registration is
+    kept up beside the health checks, with the router found again by name when it comes back."""
+
+    def __init__(self, index: int, spec: InstanceSpec, router_cfg: RouterConfig) -> None:
         self.instance_id = spec.instance_id
-        pin = InstanceServer.pin(spec)
-        self.server = InstanceServer.spawn(spec, resources={**pin, **router_cfg.instance_resources})
-        self.info = ray.get(self.server.info.remote(), timeout=900)  # models load here
-        self.router = get_or_create_router(router_cfg)
-        self._register()
+        self.router_cfg = router_cfg
+        self.router = router_client(router_cfg)
+        self.spec, self.server, self.info = self._start(index, spec, time.monotonic() + LOAD_TIMEOUT_S)
+        self.router.call_blocking(self._register)
+        self._registering: asyncio.Task | None = None
 
-    def _register(self) -> None:
+    def _start(self, index: int, spec: InstanceSpec, deadline: float):
+        """Place, spawn and load the instance: (spec, server, info). A node of its place that Ray declares dead
+        while it loads (the place was planned before Ray noticed), or a load that fails, makes it plan again."""
+        while True:
+            placed = self._placed(index, spec, deadline)
+            name = f"{INSTANCE_ACTOR_PREFIX}{self.instance_id}/{uuid.uuid4().hex[:8]}"  # the router finds it by name
+            server = InstanceServer.spawn(placed, resources={**InstanceServer.pin(placed),
+                                                             **self.router_cfg.instance_resources},
+                                          name=name, namespace=NAMESPACE)
+            loading = server.info.remote()  # models load here
+            failure = f"not loaded within {LOAD_TIMEOUT_S:.0f} s"
+            while not ray.wait([loading], timeout=2.0)[0]:
+                gone = {node for node, _ in placed.layout.places} - live_nodes()
+                if gone:
+                    failure = f"its nodes {sorted(gone)} died"
+                    break
+                if time.monotonic() > deadline:
+                    break
+            else:
+                try:
+                    return placed, server, ray.get(loading)
+                except ray.exceptions.RayError as e:
+                    failure = f"{type(e).__name__}: {e}"
+            ray.kill(server, no_restart=True)  # its placement group goes with it
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{self.instance_id} did not start: {failure}")
+            log.warning("%s: starting on %s failed (%s); planning again", self.instance_id, placed.place, failure)
+
+    def _placed(self, index: int, spec: InstanceSpec, deadline: float) -> InstanceSpec:
+        """The spec to start: as planned if its place is alive and free, else planned again over the nodes alive
+        now; with no room, wait for a node to join (until `deadline`)."""
+        while True:
+            try:
+                rows = self.router.call_blocking(lambda r: r.instances.remote())
+            except Exception as e:  # noqa: BLE001 - no router to ask: plan as if no other instance held a device
+                log.warning("%s: no instances from the router (%s: %s)", self.instance_id, type(e).__name__, e)
+                rows = []
+            taken = {(p.node, p.device) for r in rows if r.instance_id != self.instance_id
+                     for p in r.place.stages + ((r.place.draft,) if r.place.draft else ())}
+            try:
+                placed = replan(spec, self.router_cfg, index, taken)
+            except PlacementError as e:
+                if time.monotonic() > deadline:
+                    raise
+                log.warning("%s: no room to start it now (%s); waiting for a node to join", self.instance_id, e)
+                time.sleep(2.0)
+                continue
+            if placed.layout != spec.layout:
+                log.warning("%s: planned again over the nodes alive now: %s", self.instance_id, placed.place)
+            return placed
+
+    def _register(self, router):
         i = self.info
-        ray.get(self.router.register.remote(self.instance_id, self.server, i.model, i.max_model_len, i.node_id,
-                                            self.spec.place), timeout=30)
+        return router.register.remote(self.instance_id, self.server, i.model, i.max_model_len, i.node_id,
+                                      self.spec.place, i.actor_id)
 
     async def check_health(self) -> None:
-        """Serve calls this every few seconds; raising makes Serve replace the replica (and so the instance)."""
-        health = await self.server.health.remote()
+        """Serve calls this every few seconds; raising makes Serve replace the replica (and so the instance). Only
+        the instance's own health counts; registration is kept up beside it, in a supervised task."""
+        health = await asyncio.wait_for(self.server.health.remote(), HEALTH_TIMEOUT_S)
         if not health.healthy:
             raise RuntimeError(f"instance {self.instance_id} is unhealthy: {health.error}")
-        if not await self.router.is_registered.remote(self.instance_id):  # the router restarted, or removed us
-            await self.router.register.remote(self.instance_id, self.server, self.info.model,
-                                              self.info.max_model_len, self.info.node_id, self.spec.place)
+        if self._registering is None or self._registering.done():
+            self._registering = asyncio.get_running_loop().create_task(self._keep_registered())
+
+    async def _keep_registered(self) -> None:
+        """Register again if the router does not know this incarnation (it restarted, or removed us)."""
+        try:
+            known = await self.router.call(lambda r: r.is_registered.remote(self.instance_id, self.info.actor_id),
+                                           timeout_s=HEALTH_TIMEOUT_S)
+            if not known:
+                await self.router.call(self._register, timeout_s=HEALTH_TIMEOUT_S)
+                log.warning("%s registered again with the router", self.instance_id)
+        except Exception as e:  # noqa: BLE001 - the router is away: the next health check tries again
+            log.warning("%s: could not reach the router (%s: %s)", self.instance_id, type(e).__name__, e)
 
     async def instance_id_(self) -> str:
         return self.instance_id
 
     def __del__(self) -> None:
-        try:
-            self.router.deregister.remote(self.instance_id)
+        try:  # only this incarnation: a replacement may have registered under the same id already
+            self.router.handle.deregister.remote(self.instance_id, self.info.actor_id)
             ray.kill(self.server, no_restart=True)
         except Exception:  # noqa: BLE001 - best effort at teardown; the router also drops instances that vanish
             log.warning("could not deregister instance %s at shutdown", getattr(self, "instance_id", "?"))
@@ -100,8 +179,8 @@ class SpecfleetAPI(HttpRoutes, GrpcMethods):
 
         self.cfg = cfg
         self.instances = instances  # keeps the instance deployments part of the app
-        self.router = get_or_create_router(cfg.router)
-        ray.get(self.router.configure.remote(cfg.router), timeout=30)
+        self.router = router_client(cfg.router)  # routes call `await self.router.call(lambda r: r.<method>.remote())`
+        self.router.call_blocking(lambda r: r.configure.remote(cfg.router), timeout_s=30)
         self.frontend = Frontend(cfg, self.router, resolve=lambda s: resolve_model(s, cfg.engine.model.dtype))
         self.edge = Edge(cfg.serve, self.frontend)
         self.api_keys = KeySet.load(cfg.serve.auth)
@@ -166,12 +245,19 @@ class SpecfleetAPI(HttpRoutes, GrpcMethods):
 
 def build_app(args: dict) -> serve.Application:
     """Serve's application builder: the instance deployment (one replica per instance) and the API in front."""
-    cfg = config_from_args(args or {})
-    specs = fleet_specs(cfg)  # the fleet, planned once (deploy/serve/fleet.py)
-    instances = [SpecfleetInstance.options(name=f"SpecfleetInstance-{s.instance_id}", num_replicas=1).bind(s, cfg.router)
-                 for s in specs]
-    api = SpecfleetAPI.options(ray_actor_options={"num_cpus": 0, "resources": dict(cfg.serve.api_resources)})
+    return compose(config_from_args(args or {}))
+
+
+def compose(cfg: SpecfleetConfig, replica_resources: dict[str, float] | None = None) -> serve.Application:
+    """The application for `cfg`, its fleet planned once (deploy/serve/fleet.py). `replica_resources`: Ray resources
+    the API's and the instance deployments' replicas also ask for (the fault tests keep them on the head node)."""
+    specs = fleet_specs(cfg)
+    extra = dict(replica_resources or {})
+    opts = {"ray_actor_options": {"num_cpus": 0, "resources": extra}} if extra else {}
+    instances = [SpecfleetInstance.options(name=f"SpecfleetInstance-{s.instance_id}", num_replicas=1, **opts)
+                 .bind(i, s, cfg.router) for i, s in enumerate(specs)]
+    api = SpecfleetAPI.options(ray_actor_options={"num_cpus": 0, "resources": {**cfg.serve.api_resources, **extra}})
     return api.bind(cfg, instances)
 
 
-__all__ = ["build_app", "find_router", "APP_NAME"]
+__all__ = ["build_app", "compose", "find_router", "APP_NAME"]

@@ -1,9 +1,10 @@
 """Plan the fleet where the app is built: resolve the models to files, read the cluster's inventory, plan once.
 
 `build_app` (deploy/serve/app.py) calls `fleet_specs` once; each instance deployment is then given its own
-InstanceSpec (placement/fleet.py), so no instance actor plans, reads the cluster, or fetches a model. A change
-of nodes is handled by building the app again (`specfleet serve` or a RayService update): the same function
-plans the fleet over the new inventory.
+InstanceSpec (placement/fleet.py), so no instance actor plans, reads the cluster, or fetches a model. When an
+instance deployment starts again (Serve replaced it: its instance or its node died), it checks that its place
+still exists and is free; if not, `replan` places it again over the nodes alive now with the same planner
+(placement/fleet.py, plan_instance), and waits for a node to join if there is no room.
 
 Catalog names are fetched here, on the node that builds the app; on a multi-node cluster the model cache
 (~/.cache/specfleet-models) must be shared or baked into the image so that the paths resolve on every node.
@@ -12,10 +13,10 @@ Catalog names are fetched here, on the node that builds the app; on a multi-node
 from __future__ import annotations
 
 from actors.model.loader import load_model_config
-from cluster.config import EngineConfig, SpecfleetConfig
+from cluster.config import EngineConfig, RouterConfig, SpecfleetConfig
 from deploy.model_store import resolve_model
-from placement.fleet import InstanceSpec, plan_fleet
-from placement.inventory import LABEL_PREFIX, Inventory, inventory_from_labels
+from placement.fleet import InstanceSpec, plan_fleet, plan_instance
+from placement.inventory import ACCELERATOR_RESOURCE, LABEL_PREFIX, Inventory, inventory_from_labels
 from placement.model_size import model_size_from_config
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2}
@@ -35,21 +36,24 @@ def cluster_inventory() -> tuple[Inventory, dict[str, str], set[str]]:
     the nodes that offer Ray GPUs.
 
     A node started by `specfleet cluster up` carries its name (label `specfleet/node`) and the custom resource
-    that pins work to it. A pod of a KubeRay worker group carries every label but the name (its group's pods
-    are interchangeable): it is named after its accelerator kind and address, and pinned by Ray's own
-    `node:<ip>` resource.
+    that pins work to it. A pod of a KubeRay worker group carries every label but the name: its group's pods are
+    interchangeable, so they are named by their place in the group (`<group>-0`, `<group>-1`, ... in node-id
+    order) and pinned by their kind's resource (`accelerator_<kind>`), never by address: a pod that replaces
+    one with a new IP serves its slot as well as any other pod of the group.
     """
     import ray  # only here: `specfleet generate` resolves configs without starting Ray
 
-    nodes, pins, gpu_nodes = [], {}, set()
-    for n in ray.nodes():
+    nodes, pins, gpu_nodes, pods = [], {}, set(), {}
+    for n in sorted(ray.nodes(), key=lambda n: n["NodeID"]):
         labels = dict(n["Labels"])
         if not n["Alive"] or f"{LABEL_PREFIX}accelerator" not in labels:
             continue
         if f"{LABEL_PREFIX}node" not in labels:
-            address = n["NodeManagerAddress"]
-            name = f"{labels[LABEL_PREFIX + 'accelerator']}-{address.replace('.', '-').replace(':', '-')}"
-            labels[f"{LABEL_PREFIX}node"], pins[name] = name, f"node:{address}"
+            kind = labels[f"{LABEL_PREFIX}accelerator"]
+            group = labels.get(f"{LABEL_PREFIX}group") or kind
+            slot = pods[group] = pods.get(group, -1) + 1
+            name = f"{group}-{slot}"
+            labels[f"{LABEL_PREFIX}node"], pins[name] = name, ACCELERATOR_RESOURCE.format(kind=kind)
         nodes.append(labels)
         if n["Resources"].get("GPU", 0) > 0:
             gpu_nodes.add(labels[f"{LABEL_PREFIX}node"])
@@ -67,3 +71,25 @@ def fleet_specs(cfg: SpecfleetConfig, inventory: Inventory | None = None, pins: 
     target = model_size_from_config(load_model_config(m.target), dtype_bytes=dtype_bytes)
     draft = model_size_from_config(load_model_config(m.draft), dtype_bytes=dtype_bytes) if m.draft else None
     return plan_fleet(engine, cfg.router, inventory, target, draft, pins=pins, gpu_nodes=gpu_nodes or set())
+
+
+def replan(spec: InstanceSpec, router: RouterConfig, index: int, taken: set[tuple[str, int]]) -> InstanceSpec:
+    """`spec` (instance `index`, its engine resolved) as it should start now: itself if every node it names is alive
+    and none of its devices is `taken` by another instance, else planned again over the live nodes
+    (placement/fleet.py, plan_instance). PlacementError if there is no room now."""
+    inventory, pins, gpu_nodes = cluster_inventory()
+    alive = {n.name for n in inventory.nodes}
+    if {node for node, _ in spec.layout.places} <= alive and spec.layout.places.isdisjoint(taken):
+        return spec
+    m = spec.engine.model
+    dtype_bytes = DTYPE_BYTES[m.dtype]
+    target = model_size_from_config(load_model_config(m.target), dtype_bytes=dtype_bytes)
+    draft = model_size_from_config(load_model_config(m.draft), dtype_bytes=dtype_bytes) if m.draft else None
+    prefix = spec.instance_id.rsplit("-", 1)[0]
+    return plan_instance(spec.engine, router, inventory, target, draft, index, taken=taken, pins=pins,
+                         gpu_nodes=gpu_nodes, prefix=prefix)
+
+
+def live_nodes() -> set[str]:
+    """The names of the cluster's nodes Ray counts alive now (as `cluster_inventory` names them)."""
+    return {n.name for n in cluster_inventory()[0].nodes}

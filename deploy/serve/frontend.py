@@ -13,6 +13,11 @@ cancellation can skip it) hands the abort at the instance and the `finish` at th
 that await them and log a failure. A route whose caller is cancelled while it is under way is released when
 it completes. What still escapes (a process that dies) the router's reconciliation closes (cluster/router.py).
 
+The router is reached through a RouterClient (cluster/router_client.py): every call has a deadline, and a router
+that died is found again by name, so a router restart pauses routing without failing requests; streams never
+pass through it. Each choice's stream runs in a supervised task: whatever it raises ends that choice with an
+error item, never a client left waiting.
+
 Every Ray call (route, generate, finish, abort) is submitted outside the request's context. When a client disconnects,
 Serve cancels the replica's request with `ray.cancel`, which is recursive: every Ray call submitted from the
 request's context is a child of it and is cancelled too. That is how releases were lost (issue 12): the
@@ -45,17 +50,20 @@ from cluster.registry import NoInstanceAvailable
 from cluster.request import (FinishReason, InvalidRequest, Request, RequestStatus, Resume, SamplingParams,
                              SpecStats, StructuredOutput, TokenDelta, TokenLogprob, check_prompt)
 from cluster.router import Overloaded
+from cluster.router_client import RouterClient
 from deploy.serve.logprobs import TokenStrings
 from deploy.serve.metrics import Metrics
 from deploy.serve.openai_api import APIError, from_validation_error
 from deploy.serve.tokenizing import TokenizerPool, max_chars_per_token
 
 log = logging.getLogger(__name__)
-MAX_FAILOVERS = 3  # instances one request may resume on after failures, before its stream ends in an error
 
 
 class InstanceFailed(RuntimeError):
     """The instance ended a stream with its own failure (a lost shard, a failed loop), not the request's."""
+
+
+RELEASE_TIMEOUT_S = 30.0  # for an abort at an instance or a call to the router on a request's way out
 
 
 @dataclass(frozen=True)
@@ -99,7 +107,7 @@ class Choice:
 class Frontend:
     """Tokenizer, limits and routing of one served model."""
 
-    def __init__(self, cfg: SpecfleetConfig, router: ActorHandle, resolve=lambda s: s) -> None:
+    def __init__(self, cfg: SpecfleetConfig, router: RouterClient | ActorHandle, resolve=lambda s: s) -> None:
         m = cfg.engine.model
         self.cfg = cfg
         self.model_name = m.served_name
@@ -108,7 +116,9 @@ class Frontend:
         self.token_strings = TokenStrings(self.tokenizer)  # what logprobs name each token by
         self.max_model_len = min(m.max_model_len or self.meta.max_model_len, self.meta.max_model_len)
         self.vocab_size = self.meta.config.vocab_size
-        self.router = router
+        # a bare handle (tests, benchmarks with their own router) gets deadlines but is never replaced
+        self.router = router if isinstance(router, RouterClient) else RouterClient(router,
+                                                                                  reconnect_s=cfg.router.reconnect_s)
         self.metrics = Metrics(self.model_name)
         self._releases: set[asyncio.Task] = set()  # supervised release calls under way
         # tokenization is CPU work: off the event loop, on a bounded pool fair among tenants (deploy/serve/tokenizing.py)
@@ -219,9 +229,12 @@ class Frontend:
 
     async def _route(self, rid: str, priority: int) -> tuple[str, ActorHandle]:
         """One `router.route`; if the caller is cancelled while it is under way, its result is released later."""
-        ref = contextvars.Context().run(self.router.route.remote, rid, priority, self.model_name,
-                                        self.cfg.serve.max_pending_requests)  # no child of the request: see above
-        routing = asyncio.wrap_future(ref.future())
+        limit = self.cfg.serve.max_pending_requests
+        wait_s = self.cfg.router.failover.wait_s  # the router may wait that long for an instance to come up
+        routing = asyncio.get_running_loop().create_task(
+            self.router.call(lambda r: r.route.remote(rid, priority, self.model_name, limit),
+                             timeout_s=wait_s + RELEASE_TIMEOUT_S),
+            context=contextvars.Context())  # no child of the request: see above
         try:
             return await asyncio.shield(routing)
         except asyncio.CancelledError:
@@ -245,19 +258,22 @@ class Frontend:
     async def _release_one(self, rid: str, handle: ActorHandle, status: RequestStatus, abort: bool) -> None:
         if abort:  # idempotent at the instance: False if it already ended there
             try:
-                await handle.abort.remote(rid)
-            except RayError as e:
+                await asyncio.wait_for(asyncio.wrap_future(handle.abort.remote(rid).future()), RELEASE_TIMEOUT_S)
+            except (RayError, asyncio.TimeoutError) as e:
                 log.warning("aborting request %s at its instance failed (%s: %s)", rid, type(e).__name__, e)
         try:  # idempotent at the router: a request that already ended keeps its status
-            await self.router.finish.remote(rid, status.value)
-        except RayError as e:
+            await self.router.call(lambda r: r.finish.remote(rid, status.value), timeout_s=RELEASE_TIMEOUT_S)
+        except (RayError, asyncio.TimeoutError) as e:
             log.error("telling the router that request %s ended (%s) failed (%s: %s); its next poll closes it",
                       rid, status.value, type(e).__name__, e)
 
-    async def failover(self, rid: str, failed_instance: str) -> tuple[str, ActorHandle]:
-        """Where a request whose instance failed resumes (the router records it there)."""
-        ref = contextvars.Context().run(self.router.failover.remote, rid, failed_instance)
-        return await asyncio.wrap_future(ref.future())
+    async def failover(self, rid: str, failed: tuple[str, ActorHandle], priority: int) -> tuple[str, ActorHandle]:
+        """Where a request whose instance failed resumes (the router records it there); the router may wait for an
+        instance to join (`router.failover.wait_s`), so the deadline leaves it that long."""
+        instance_id, handle = failed
+        wait_s = self.cfg.router.failover.wait_s
+        return await self.router.call(lambda r: r.failover.remote(rid, instance_id, handle, priority, self.model_name),
+                                      timeout_s=wait_s + RELEASE_TIMEOUT_S)
 
     def _supervise(self, coro, rid: str) -> None:
         """Run a release in its own task, in a fresh context: its Ray calls are no children of the request."""
@@ -299,6 +315,7 @@ class Call:
     def __init__(self, frontend: Frontend, prep: Prepared, ids: list[str], routed: list[tuple[str, ActorHandle]]):
         self.f, self.prep, self.ids, self.routed = frontend, prep, ids, routed
         self._open = set(range(len(ids)))  # choices not yet released
+        self._ended: set[int] = set()  # choices whose last item was handed out
         self._tasks: list[asyncio.Task] = []
         self._closed = False
         self._on_close: list[Callable[[], None]] = []  # e.g. the admission ticket's release (deploy/serve/edge.py)
@@ -311,32 +328,45 @@ class Call:
             self._on_close.append(callback)
 
     async def _one(self, index: int, out: asyncio.Queue) -> None:
+        """One choice's task, supervised: whatever `_stream` raises ends the choice with an error item (it used to
+        end the task silently and leave the client waiting, and the request pending, for good)."""
+        try:
+            await self._stream(index, out)
+        except Exception as e:  # noqa: BLE001 - the choice ends with the error, logged with its cause
+            log.exception("the stream of %s failed", self.ids[index])
+            if index not in self._ended:
+                await self._put(out, index, TokenDelta(self.ids[index], (), "", FinishReason.ERROR,
+                                                       error=f"the request failed: {type(e).__name__}: {e}"))
+
+    async def _stream(self, index: int, out: asyncio.Queue) -> None:
         """Stream one choice from its instance; follow it when it migrates, resume it elsewhere when its instance
-        fails (failover: the prompt plus the tokens streamed so far, KV recomputed there)."""
+        fails (failover: the prompt plus the tokens streamed so far, KV recomputed there; the router may wait for a
+        replacement when none is left)."""
         rid = self.ids[index]
         request = Request(rid, self.prep.prompt_ids, self.prep.params[index], self.prep.priority, time.time(),
                           tenant=self.prep.tenant)
         tokens: list[int] = []
-        chars = 0
-        method = "generate"
-        args: tuple = (request,)
-        for attempt in range(MAX_FAILOVERS + 1):
+        chars = failovers = 0
+        max_failovers = self.f.cfg.router.failover.max_attempts
+        submit = lambda h: h.generate.options(num_returns="streaming").remote(request)  # noqa: E731
+        while True:
             instance_id, handle = self.routed[index]
             try:
-                # outside the request's context too: a recursive ray.cancel would otherwise end this stream with
-                # a TaskCancelledError that reads as an instance failure; close() aborts it at the instance instead
-                gen = contextvars.Context().run(getattr(handle, method).options(num_returns="streaming").remote,
-                                                *args)
+                # outside the request's context: a recursive ray.cancel would otherwise end this stream with a
+                # TaskCancelledError that reads as an instance failure; close() aborts it at the instance instead
+                gen = contextvars.Context().run(submit, handle)
                 async for ref in gen:
                     item: StreamItem = await ref
                     if item.migrated_to is not None:  # live migration: the rest comes from the destination
                         self.routed[index] = item.migrated_to
-                        method, args = "resume_stream", (rid,)
+                        submit = lambda h: h.resume_stream.options(num_returns="streaming").remote(rid)  # noqa: E731
                         break
                     if item.delta.finished and item.delta.instance_failure:
                         raise InstanceFailed(item.delta.error or "the instance failed")
                     tokens.extend(item.delta.token_ids)
                     chars += len(item.delta.text)
+                    if item.delta.finished:
+                        self._ended.add(index)
                     await out.put((index, item))
                     if item.delta.finished:
                         return
@@ -345,16 +375,24 @@ class Call:
                 continue  # followed a migration: not a failure
             except (RayError, RuntimeError) as e:  # the instance died or failed mid-stream
                 error = f"the instance failed: {type(e).__name__}: {e}"
-            try:
-                self.routed[index] = await self.f.failover(rid, instance_id)
-            except (NoInstanceAvailable, RayError, KeyError) as e:
-                await out.put((index, StreamItem(TokenDelta(rid, (), "", FinishReason.ERROR,
-                                                            error=f"{error}; no instance to resume on: {e}"))))
+            if failovers == max_failovers:
+                await self._put(out, index, TokenDelta(rid, (), "", FinishReason.ERROR,
+                                                       error=f"{error}; gave up after {failovers} failovers"))
                 return
-            method = "generate"
-            args = (dataclasses.replace(request, resume=Resume(tuple(tokens), chars)),)
-        await out.put((index, StreamItem(TokenDelta(rid, (), "", FinishReason.ERROR,
-                                                    error=f"gave up after {MAX_FAILOVERS} failovers"))))
+            failovers += 1
+            try:
+                self.routed[index] = await self.f.failover(rid, (instance_id, handle), self.prep.priority)
+            except (NoInstanceAvailable, RayError, KeyError, asyncio.TimeoutError) as e:
+                await self._put(out, index, TokenDelta(rid, (), "", FinishReason.ERROR,
+                                                       error=f"{error}; no instance to resume on: {e}"))
+                return
+            resumed = dataclasses.replace(request, resume=Resume(tuple(tokens), chars))
+            submit = lambda h, r=resumed: h.generate.options(num_returns="streaming").remote(r)  # noqa: E731
+
+    async def _put(self, out: asyncio.Queue, index: int, delta: TokenDelta) -> None:
+        """A choice's last item, made here (an error)."""
+        self._ended.add(index)
+        await out.put((index, StreamItem(delta)))
 
     async def __aiter__(self) -> AsyncIterator[tuple[int, StreamItem]]:
         if self._closed:

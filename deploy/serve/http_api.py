@@ -32,6 +32,7 @@ from deploy.serve.openai_api import (APIError, ChatCompletionRequest, Completion
                                completion_body, from_validation_error, model_list, usage, usage_chunk)
 
 log = logging.getLogger(__name__)
+ADMIN_TIMEOUT_S = 600.0  # a migration or a migrating drain, which move requests one after another
 http_app = FastAPI(title="specfleet", docs_url=None, redoc_url=None, openapi_url="/openapi.json")
 openapi.install(http_app)
 
@@ -156,12 +157,14 @@ class HttpRoutes:
     # ---- OpenAI ---------------------------------------------------------------------------------------
     async def _models(self, request: Request) -> JSONResponse:
         self._auth(request)
-        return JSONResponse(model_list(await self.router.models.remote()))
+        return JSONResponse(model_list(await self.router.call(lambda r: r.models.remote())))
 
     async def _completions(self, request: Request) -> Response:
         tenant = self._auth(request)
         self.edge.precheck(tenant)
-        self.frontend.check_completion_body(request.headers.get("content-length", ""))
+        declared = request.headers.get("content-length", "")
+        if not (declared.isdigit() and int(declared) > self.cfg.serve.max_request_bytes):  # that is a 413 (_read)
+            self.frontend.check_completion_body(declared)
         body: CompletionRequest = await _body(request, CompletionRequest, self.cfg.serve)
         f = self.frontend
         f.check_model(body.model)
@@ -281,14 +284,14 @@ class HttpRoutes:
 
     # ---- health and metrics ---------------------------------------------------------------------------
     async def _health(self) -> JSONResponse:
-        instances = await self.router.instances.remote()
+        instances = await self.router.call(lambda r: r.instances.remote())
         healthy = sum(i.accepting for i in instances)
         return JSONResponse({"status": "ok" if healthy else "unavailable", "healthy_instances": healthy},
                             status_code=200 if healthy else 503)
 
     async def _metrics(self) -> Response:
-        instances, migrations = await asyncio.gather(self.router.instances.remote(),
-                                                     self.router.migration_stats.remote())
+        instances, migrations = await asyncio.gather(self.router.call(lambda r: r.instances.remote()),
+                                                     self.router.call(lambda r: r.migration_stats.remote()))
         self.frontend.metrics.set_instances(instances)
         self.frontend.metrics.migration_figures = migrations
         return Response(self.frontend.metrics.render(), media_type=CONTENT_TYPE)
@@ -296,14 +299,15 @@ class HttpRoutes:
     # ---- admin ----------------------------------------------------------------------------------------
     async def _admin_instances(self, request: Request) -> JSONResponse:
         self._auth(request, admin=True)
-        rows, removed = await self.router.instances.remote(), await self.router.removed_instances.remote()
+        rows, removed = await asyncio.gather(self.router.call(lambda r: r.instances.remote()),
+                                             self.router.call(lambda r: r.removed_instances.remote()))
         return JSONResponse({"instances": [r.model_dump(mode="json") for r in rows],
                              "removed": [r.model_dump(mode="json") for r in removed]})
 
     async def _admin_migrations(self, request: Request) -> JSONResponse:
         """The router's migration and failover figures (cluster/stats.py, MigrationStats)."""
         self._auth(request, admin=True)
-        figures = await self.router.migration_stats.remote()
+        figures = await self.router.call(lambda r: r.migration_stats.remote())
         return JSONResponse({**figures.as_dict(), "downtime_mean_s": figures.downtime_mean_s})
 
     async def _admin_requests(self, request: Request) -> JSONResponse:
@@ -311,11 +315,11 @@ class HttpRoutes:
         status = request.query_params.get("status")
         if status not in (None, "running", "finished", "aborted", "failed"):
             raise APIError(400, f"unknown status {status!r}", param="status")
-        return JSONResponse({"requests": await self.router.requests.remote(status)})
+        return JSONResponse({"requests": await self.router.call(lambda r: r.requests.remote(status))})
 
     async def _admin_abort(self, request_id: str, request: Request) -> JSONResponse:
         self._auth(request, admin=True)
-        if not await self.router.abort.remote(request_id):
+        if not await self.router.call(lambda r: r.abort.remote(request_id)):
             raise APIError(404, f"no running request {request_id!r} (unknown, or it has just ended)", param="request_id",
                            code="request_not_found")
         return JSONResponse({"request_id": request_id, "aborted": True})
@@ -330,9 +334,10 @@ class HttpRoutes:
             raise APIError(400, "choose migrate or abort, not both", param="migrate")
         try:
             if migrate:
-                moved = await self.router.drain_migrate.remote(instance_id)
+                moved = await self.router.call(lambda r: r.drain_migrate.remote(instance_id), retry=False,
+                                               timeout_s=ADMIN_TIMEOUT_S)
                 return JSONResponse({**moved, "draining": True, "aborted": False})
-            running = await self.router.drain.remote(instance_id, abort)
+            running = await self.router.call(lambda r: r.drain.remote(instance_id, abort))
         except ValueError as e:
             raise APIError(404, _reason(e), param="instance_id", code="instance_not_found") from None
         return JSONResponse({"instance_id": instance_id, "draining": True, "running": running, "aborted": abort})
@@ -341,7 +346,9 @@ class HttpRoutes:
         """Live-migrate a running request (`to`: the destination instance; default: where dispatch would send it)."""
         self._auth(request, admin=True)
         try:
-            result = await self.router.migrate.remote(request_id, request.query_params.get("to"))
+            to = request.query_params.get("to")
+            result = await self.router.call(lambda r: r.migrate.remote(request_id, to), retry=False,
+                                            timeout_s=ADMIN_TIMEOUT_S)
         except ValueError as e:
             raise APIError(404, _reason(e), param="request_id", code="request_not_found") from None
         except NoInstanceAvailable as e:
@@ -351,7 +358,7 @@ class HttpRoutes:
     async def _admin_undrain(self, instance_id: str, request: Request) -> JSONResponse:
         self._auth(request, admin=True)
         try:
-            await self.router.undrain.remote(instance_id)
+            await self.router.call(lambda r: r.undrain.remote(instance_id))
         except ValueError as e:
             raise APIError(404, _reason(e), param="instance_id", code="instance_not_found") from None
         return JSONResponse({"instance_id": instance_id, "draining": False})
@@ -361,7 +368,7 @@ class HttpRoutes:
         """An expert-parallel instance's online routing statistics since the last call: a statistics file."""
         self._auth(request, admin=True)
         try:
-            data = await self.router.expert_routing.remote(instance_id)
+            data = await self.router.call(lambda r: r.expert_routing.remote(instance_id), retry=False)
         except ValueError as e:
             raise APIError(404, _reason(e), param="instance_id", code="instance_not_found") from None
         except LookupError as e:

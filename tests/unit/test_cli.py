@@ -52,6 +52,21 @@ def test_generate_without_draft_and_with_self_draft_agree(pair):
     assert outs[0] == outs[1] and len(outs[0]) > 0
 
 
+def test_generate_on_weights_quantized_at_load_is_lossless_with_a_quantized_draft(pair):
+    """`--weights int4` reaches the loader (a different model than the dense one), and a self-draft re-quantized
+    to int4 on top of it leaves the output that of the int4 target alone."""
+    target, _ = pair
+    outs = []
+    for extra in (["--draft", "none"], ["--draft-layers", "0,3", "--draft-quantization", "int4"],
+                  ["--draft", "none", "--weights", "dequantized"]):
+        res = specfleet("generate", "--target", str(target), "--weights", "int4", *extra, "--prompt", "Hello there",
+                        "--max-tokens", "12", "--json")
+        assert res.returncode == 0, res.stderr
+        outs.append(json.loads(res.stdout)["token_ids"])
+    assert outs[0] == outs[1] and len(outs[0]) > 0
+    assert outs[0] != outs[2]  # the last flag wins: dense weights, another model
+
+
 @pytest.mark.parametrize(
     "args, message",
     [

@@ -8,7 +8,7 @@ import pytest
 
 from cluster.config import (CacheConfig, EngineConfig, ExpertParallelConfig, ModelConfig, RouterConfig,
                             SpeculationConfig)
-from placement.fleet import plan_fleet
+from placement.fleet import plan_fleet, plan_instance
 from placement.inventory import Inventory, NodeSpec
 from placement.planner import PlacementError
 from tests.unit.test_planner import model
@@ -93,3 +93,55 @@ def test_expert_parallel_ranks_take_one_planned_slot_each_as_actors() -> None:
     [spec] = plan_fleet(cfg, RouterConfig(pipeline_stages=3), FOUR_DEVICES, model(8), None)
     assert spec.executor == "ray" and len(spec.layout.stages) == 3 == len(spec.layout.places)
     assert spec.engine.experts.ranks == 3
+
+
+def test_an_instance_planned_again_keeps_its_place_while_it_is_free_and_lands_on_the_nodes_left() -> None:
+    """Node loss and return (placement/fleet.py, plan_instance): the replacement of instance 1 takes its place in the
+    fleet's plan while that place is free; when its node is gone it is planned alone over the devices nobody else
+    holds; when nothing is free it waits (PlacementError); when the node returns it is used again."""
+    router = RouterConfig(instances=2)
+    fleet = plan_fleet(engine(), router, FOUR_DEVICES, model(4), model(2, name="draft"))
+    holds = {i: s.layout.places for i, s in enumerate(fleet)}
+    # every node alive, instance 0 where the plan put it: instance 1's replacement takes its planned place
+    again = plan_instance(engine(), router, FOUR_DEVICES, model(4), model(2, name="draft"), 1, taken=holds[0])
+    assert again.instance_id == "inst-1" and again.layout.places == holds[1]
+    # its node died: it lands on a device of the nodes left that instance 0 does not hold
+    lost = next(iter(holds[1]))[0]
+    left = Inventory(nodes=[n for n in FOUR_DEVICES.nodes if n.name != lost])
+    moved = plan_instance(engine(), router, left, model(4), model(2, name="draft"), 1, taken=holds[0])
+    assert moved.instance_id == "inst-1" and moved.layout.places.isdisjoint(holds[0])
+    assert {node for node, _ in moved.layout.places} <= {n.name for n in left.nodes}
+    # only devices instance 0 holds are left: nowhere to go until a node returns
+    only = Inventory(nodes=[n.model_copy(update={"count": 1}) for n in FOUR_DEVICES.nodes if (n.name, 0) in holds[0]])
+    with pytest.raises(PlacementError, match="held by another instance"):
+        plan_instance(engine(), router, only, model(4), model(2, name="draft"), 1, taken=holds[0])
+    # a device that is free on a node with another taken is addressed by its own index there
+    a100_1 = plan_instance(engine(), RouterConfig(instances=3), FOUR_DEVICES, model(4), model(2, name="draft"), 2,
+                           taken={("a100", 0), ("l4-0", 0), ("l4-1", 0)})
+    assert a100_1.layout.places == {("a100", 1)}
+
+
+def _pod(node_id: str, ip: str, kind: str = "l4-24g", group: str = "l4-24g") -> dict:
+    """A KubeRay worker pod as ray.nodes() reports it: every inventory label but the name (k8s_render)."""
+    labels = {"specfleet/accelerator": kind, "specfleet/count": "1", "specfleet/memory-gb": "24",
+              "specfleet/speed": "1", "specfleet/group": group}
+    return {"NodeID": node_id, "Alive": True, "Labels": labels, "NodeManagerAddress": ip, "Resources": {"CPU": 8.0}}
+
+
+def test_kuberay_pods_are_named_by_slot_and_pinned_by_kind_so_a_replaced_pod_takes_its_place(monkeypatch) -> None:
+    """Issue 24: unnamed pods were named and pinned by IP (`node:<ip>`), so a pod that replaced one (a new IP) never
+    hosted an instance again. Now a group's pods are its slots, pinned by the kind's resource: after a pod is
+    replaced the inventory, its names and its pins are what they were, and a planned place still exists."""
+    import ray
+
+    from deploy.serve.fleet import cluster_inventory
+
+    monkeypatch.setattr(ray, "nodes", lambda: [_pod("b", "10.0.0.7"), _pod("a", "10.0.0.5")])
+    inventory, pins, _ = cluster_inventory()
+    monkeypatch.setattr(ray, "nodes", lambda: [_pod("b", "10.0.0.7"), _pod("c", "10.0.0.9"),
+                                               {**_pod("a", "10.0.0.5"), "Alive": False}])
+    replaced, pins_after, _ = cluster_inventory()
+
+    assert [n.name for n in inventory.nodes] == ["l4-24g-0", "l4-24g-1"] == [n.name for n in replaced.nodes]
+    assert pins == pins_after == {"l4-24g-0": "accelerator_l4-24g", "l4-24g-1": "accelerator_l4-24g"}
+    assert not any("10.0.0" in p for p in pins.values())

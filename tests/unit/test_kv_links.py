@@ -81,7 +81,7 @@ class LinkedEndpoint(EngineEndpoint):
             await asyncio.to_thread(self.engine.draft.executor.receive_links, kv)
         return self.engine.import_draft(kv)
 
-    async def migrate_stop(self, rid, start, via=None):
+    async def migrate_stop(self, rid, start, via=None, lease_s=None):
         seq, resume, kv, end = self.engine.stop_out(rid, start, self._links(via, "target"))
         self.detached[rid] = seq
         return dataclasses.replace(seq.request, resume=resume), kv, end, 0.0

@@ -50,7 +50,7 @@ class EngineEndpoint:
         self._maybe_fail("length")
         return self.engine.kv_length(rid) if self.engine.holds(rid) else None
 
-    async def migrate_reserve(self, rid, tokens):
+    async def migrate_reserve(self, rid, tokens, lease_s=None):
         return self.engine.reserve_incoming(rid, tokens)
 
     async def migrate_export(self, rid, start, end, via=None):
@@ -75,7 +75,7 @@ class EngineEndpoint:
         self.draft_imports.append(exports[0].end)
         return self.engine.import_draft(exports)
 
-    async def migrate_stop(self, rid, start, via=None):
+    async def migrate_stop(self, rid, start, via=None, lease_s=None):
         self.before_stop()
         stopped = self.engine.stop_out(rid, start)
         if stopped is None:
@@ -96,6 +96,7 @@ class EngineEndpoint:
             self.engine.release_detached(seq)
         else:
             self.engine.reattach(seq)
+        return True
 
     async def migrate_drop(self, rid):
         self.engine.drop_incoming(rid)

@@ -133,3 +133,37 @@ def test_reconcile_leaves_a_migrating_request_alone() -> None:
     assert reg.requests["moving"].status == RequestStatus.RUNNING
     [closed] = reg.reconcile("i0", ["moving"], {}, now=60.0, grace_s=30.0)  # not migrating: an orphan
     assert closed.status == RequestStatus.ABORTED
+
+
+def test_removing_an_instance_closes_the_requests_still_running_there() -> None:
+    """Issue 24: `remove` left the removed instance's RUNNING rows behind, which no poll ever visits again (each
+    poll asks the instances it knows), so they stayed running in the table forever."""
+    reg = Registry(make_dispatch("round_robin"))
+    reg.register("i0", "m", "n0", now=0.0)
+    reg.register("i1", "m", "n1", now=0.0)
+    for rid in ("a", "b", "c"):
+        reg.route(rid, 0, now=1.0)
+    on_i0 = sorted(reg.instances["i0"].in_flight)
+
+    reg.remove("i0", now=2.0)
+
+    assert {rid: reg.requests[rid].status for rid in on_i0} == {rid: RequestStatus.FAILED for rid in on_i0}
+    assert all(reg.requests[rid].finished_at == 2.0 for rid in on_i0)
+    assert [r.request_id for r in reg.requests.values() if r.status == RequestStatus.RUNNING] == \
+        sorted(reg.instances["i1"].in_flight)
+    # a closed request that fails over runs again where it resumes
+    assert reg.reroute(on_i0[0], {"i0"}, now=3.0) == "i1" and reg.requests[on_i0[0]].status == RequestStatus.RUNNING
+
+
+def test_a_router_that_never_saw_a_request_adopts_it_on_failover_and_from_its_instance() -> None:
+    """After a router restart the table is rebuilt from what instances report (`adopt`); a request whose instance
+    died before that is unknown, and its failover records it where it resumes instead of failing."""
+    reg = Registry(make_dispatch("least_load"))
+    reg.register("i0", "m", "n0", now=0.0, incarnation="actor-0")
+    reg.adopt("held", "i0", priority=2, now=0.0)
+    assert reg.requests["held"].priority == 2 and reg.instances["i0"].in_flight == {"held"}
+    assert reg.reroute("unknown", {"gone"}, now=1.0, priority=1) == "i0"
+    assert reg.requests["unknown"].status == RequestStatus.RUNNING and reg.pending() == 2
+    # a replacement under the same id (another incarnation) keeps counting what was routed to the one it replaced
+    reg.register("i0", "m", "n0", now=2.0, incarnation="actor-1")
+    assert reg.instances["i0"].incarnation == "actor-1" and reg.pending() == 2

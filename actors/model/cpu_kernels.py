@@ -1,0 +1,105 @@
+"""Our CPU kernels for bf16 decoding on AVX512-BF16 CPUs: the int4 matmul (int4_cpu.cpp) and the fused per-layer
+steps (fused_cpu.cpp), built once per machine by torch's C++ extension builder (cached under
+~/.cache/torch_extensions), and the weight layout the matmul reads.
+
+Where they beat torch's own ops is measured in docs/benchmarks.md. Elsewhere (another CPU, fp32, CUDA) or where
+they cannot be built (no C++ compiler or no ninja), the model runs on torch's ops. `SPECFLEET_CPU_KERNELS=torch` keeps
+torch's ops anyway (a diagnostic: the benchmarks' comparison).
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+SOURCES = [Path(__file__).with_name(name) for name in ("int4_cpu.cpp", "fused_cpu.cpp")]
+ROWS, GROUP = 16, 32  # the matmul's row block and scale group (int4_cpu.cpp kRows, kGroup)
+FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma"]
+
+
+@functools.cache
+def ops():
+    """`torch.ops.specfleet` (int4_mm, rms_norm, add_rms_norm, rope_, silu_mul, span_attention), built on first
+    use; None where this CPU or machine cannot run them."""
+    reason = unavailable()
+    if reason is not None:
+        log.info("our CPU kernels do not run here (%s); using torch's ops", reason)
+        return None
+    from torch.utils.cpp_extension import load
+
+    digest = hashlib.sha256(b"".join(s.read_bytes() for s in SOURCES) + " ".join(FLAGS).encode()).hexdigest()[:12]
+    try:
+        load(name=f"specfleet_cpu_{digest}", sources=[str(s) for s in SOURCES], extra_cflags=FLAGS,
+             is_python_module=False, verbose=False)
+    except (OSError, RuntimeError) as e:  # no compiler, or it refused the flags: torch's ops do the work
+        log.warning("our AVX512-BF16 CPU kernels could not be built (%s); using torch's ops", e)
+        return None
+    _register_fake()
+    return torch.ops.specfleet
+
+
+def unavailable() -> str | None:
+    """Why our kernels cannot run in this process, or None where they run (or can be built: a build that still
+    fails falls back too, with a warning)."""
+    if os.environ.get("SPECFLEET_CPU_KERNELS") == "torch":
+        return "SPECFLEET_CPU_KERNELS=torch"
+    if not torch.cpu._is_avx512_bf16_supported():
+        return "this CPU has no AVX512-BF16"
+    if shutil.which(os.environ.get("CXX", "c++")) is None:  # the compiler torch's extension builder calls
+        return "no C++ compiler"
+    from torch.utils.cpp_extension import is_ninja_available
+
+    return None if is_ninja_available() else "no ninja (torch's extension builder needs it)"
+
+
+def kernel() -> Callable | None:
+    """The int4 matmul (int4_cpu.cpp), or None where our kernels do not run."""
+    lib = ops()
+    return None if lib is None else lib.int4_mm
+
+
+def _register_fake() -> None:
+    """Output shapes for fake tensors (torch.compile tracing)."""
+    @torch.library.register_fake("specfleet::int4_mm")
+    def _(x, codes, scale, offset, scale_mult, offset_mult, bias, n):  # noqa: ANN001, ANN202 - the op's schema
+        return x.new_empty(x.shape[0], n)
+
+
+def pack(codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor,
+         levels: tuple[torch.Tensor, ...] | None = None) -> tuple[torch.Tensor, ...]:
+    """The matmul's layout of 4-bit codes (N, K) uint8 (planes side by side; N a multiple of 16, K of 32) and their
+    per-group scale and offset (N, K / 32) fp32: (codes, scale, offset, scale_mult, offset_mult) for int4_mm.
+
+    Codes: (N / 16, K / 4, 32) uint8, byte j = 2i + e of chunk c holding row i's code at 4c + e (low nibble) and
+    4c + 2 + e (high nibble). Scales, the fewest bytes that hold them exactly: a K-quant's two levels (`levels`:
+    fp16 per 8 groups, uint8 multipliers per group), else fp16 per group where every value is an fp16, else fp32;
+    each as (N / 16, groups, 16), rows innermost. The multipliers are None but for two levels.
+    """
+    n, k = codes.shape
+    c = codes.view(n // ROWS, ROWS, k // 4, 2, 2)  # block, row i, chunk, k + 0/1 or k + 2/3, e
+    packed = (c[:, :, :, 0] | c[:, :, :, 1] << 4).permute(0, 2, 1, 3).reshape(n // ROWS, k // 4, 32).contiguous()
+
+    def blocked(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:  # (N, G) -> (N / 16, G, 16)
+        return t.to(dtype).view(n // ROWS, ROWS, -1).transpose(1, 2).contiguous()
+
+    if levels is not None and all(_is_half(t) for t in (levels[0], levels[2])):
+        d, sc, dm, mn = levels
+        return (packed, blocked(d, torch.float16), blocked(dm, torch.float16), blocked(sc, torch.uint8),
+                blocked(mn, torch.uint8))
+    dtype = torch.float16 if _is_half(scale) and _is_half(offset) else torch.float32
+    return packed, blocked(scale, dtype), blocked(offset, dtype), None, None
+
+
+def _is_half(t: torch.Tensor) -> bool:
+    """Every value of fp32 `t` is an fp16 (finite): it can be stored in half the bytes exactly."""
+    h = t.to(torch.float16)
+    return bool(torch.isfinite(h).all()) and torch.equal(h.float(), t.float())

@@ -1,0 +1,199 @@
+// Int4 weight-only matmul for small batches on AVX512-BF16 CPUs: y = x @ W.T (+ bias), W as 4-bit codes with an
+// fp32 scale and offset per group of 32 weights of a row (w = scale * code + offset), exact in fp32 arithmetic.
+//
+// Why: torch's `_weight_int4pack_mm_for_cpu` dequantizes every weight with fp32 FMAs and re-does that work for
+// each block of 4 input rows, so it is compute-bound at one token and costs about 3x as much for the 5 rows of a
+// k = 4 verification. Here codes become bf16 integers with one table lookup (exact: 0..15), and VDPBF16PS takes
+// 32 multiply-adds per instruction for every input row, so the weights are unpacked once per 8 rows and the scale
+// is applied once per group; products of bf16 values are exact in fp32 and sums are fp32.
+//
+// Layout (made by actors/model/cpu_kernels.py): rows in blocks of 16; per block, the K codes (all planes side by
+// side) in chunks of 4: 32 bytes where byte j = 2i + e holds row i's code at k + e in its low nibble and at
+// k + 2 + e in its high nibble. Scales and offsets per block, in one of three encodings (Encoding below). Planes:
+// codes of 5-8 bits are split into 4-bit planes laid side by side along K; plane p reads the same input x
+// (k mod K).
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <immintrin.h>
+#include <torch/library.h>
+
+#include <cstring>
+
+namespace {
+
+constexpr int kRows = 16;   // rows per block (one fp32 vector of outputs)
+constexpr int kGroup = 32;  // weights per scale group
+constexpr int kTile = 8;    // input rows per pass over a block's codes
+
+inline __m512i bf16_table() {
+  alignas(64) uint16_t t[32];
+  for (int c = 0; c < 32; ++c) {
+    float f = static_cast<float>(c & 15);
+    uint32_t bits;
+    std::memcpy(&bits, &f, 4);
+    t[c] = static_cast<uint16_t>(bits >> 16);  // exact: small integers have no bits below bf16's
+  }
+  return _mm512_load_si512(t);
+}
+
+// Where a block's group scales and offsets are: fp32 per group (kFloat), fp16 per group (kHalf), or fp16 per 8
+// groups times a small integer per group (kTwoLevel: the K-quants' super-block scales, scale = d * sc, offset =
+// dm * mn). All three are exact for what they hold; the smaller ones read fewer bytes per weight.
+enum Encoding { kFloat = 0, kHalf = 1, kTwoLevel = 2 };
+
+struct Scales {
+  const void* scale;   // (groups or groups / 8, 16) per block, fp32 or fp16
+  const void* offset;
+  const uint8_t* scale_mult;  // kTwoLevel: (groups, 16) per block
+  const uint8_t* offset_mult;
+};
+
+template <int E>
+inline void load_scales(const Scales& sc, int64_t g, __m512& s, __m512& o) {
+  if constexpr (E == kFloat) {
+    s = _mm512_loadu_ps(static_cast<const float*>(sc.scale) + g * kRows);
+    o = _mm512_loadu_ps(static_cast<const float*>(sc.offset) + g * kRows);
+  } else {
+    const int64_t at = (E == kHalf ? g : g / 8) * kRows;
+    s = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(sc.scale) + at)));
+    o = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(sc.offset) + at)));
+    if constexpr (E == kTwoLevel) {
+      const auto mult = [&](const uint8_t* p) {
+        return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + g * kRows))));
+      };
+      s = _mm512_mul_ps(s, mult(sc.scale_mult));
+      o = _mm512_mul_ps(o, mult(sc.offset_mult));
+    }
+  }
+}
+
+// One block of 16 rows against MT input rows: y[m, rows] over every group of every plane.
+template <int MT, int E>
+void block(const uint16_t* x, const float* xsum, const uint8_t* codes, const Scales& scales,
+           const at::BFloat16* bias, at::BFloat16* y, int64_t K, int64_t groups, int64_t lda_y, int64_t rows,
+           __m512i table) {
+  const int64_t G = K / kGroup;  // groups per plane
+  const __m512i low = _mm512_set1_epi16(0x0F);
+  __m512 acc[MT];
+  for (int m = 0; m < MT; ++m) acc[m] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    const int64_t xk = (g % G) * kGroup;  // the input columns of this group (planes share them)
+    __m512 lo_sum[MT], hi_sum[MT];
+    for (int m = 0; m < MT; ++m) lo_sum[m] = hi_sum[m] = _mm512_setzero_ps();
+#pragma GCC unroll 8
+    for (int c = 0; c < kGroup / 4; ++c) {
+      const __m512i v = _mm512_cvtepu8_epi16(_mm256_loadu_si256(
+          reinterpret_cast<const __m256i*>(codes + (g * (kGroup / 4) + c) * 32)));
+      const __m512bh lo = (__m512bh)_mm512_permutexvar_epi16(_mm512_and_si512(v, low), table);
+      const __m512bh hi = (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(v, 4), table);
+#pragma GCC unroll 8
+      for (int m = 0; m < MT; ++m) {
+        const uint16_t* xm = x + m * K + xk + c * 4;
+        int32_t x01, x23;
+        std::memcpy(&x01, xm, 4);
+        std::memcpy(&x23, xm + 2, 4);
+        lo_sum[m] = _mm512_dpbf16_ps(lo_sum[m], lo, (__m512bh)_mm512_set1_epi32(x01));
+        hi_sum[m] = _mm512_dpbf16_ps(hi_sum[m], hi, (__m512bh)_mm512_set1_epi32(x23));
+      }
+    }
+    __m512 s, o;
+    load_scales<E>(scales, g, s, o);
+#pragma GCC unroll 8
+    for (int m = 0; m < MT; ++m) {
+      acc[m] = _mm512_fmadd_ps(_mm512_add_ps(lo_sum[m], hi_sum[m]), s, acc[m]);
+      acc[m] = _mm512_fmadd_ps(o, _mm512_set1_ps(xsum[m * G + g % G]), acc[m]);
+    }
+  }
+  const __mmask16 keep = rows >= kRows ? __mmask16(0xFFFF) : __mmask16((1u << rows) - 1);
+  __m512 b = _mm512_setzero_ps();
+  if (bias != nullptr) {
+    b = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(keep, bias)), 16));
+  }
+  for (int m = 0; m < MT; ++m) {
+    const __m256bh out = _mm512_cvtneps_pbh(_mm512_add_ps(acc[m], b));
+    _mm256_mask_storeu_epi16(y + m * lda_y, keep, (__m256i)out);
+  }
+}
+
+using BlockFn = void (*)(const uint16_t*, const float*, const uint8_t*, const Scales&, const at::BFloat16*,
+                         at::BFloat16*, int64_t, int64_t, int64_t, int64_t, __m512i);
+
+template <int E>
+constexpr BlockFn kBlocks[kTile + 1] = {nullptr, block<1, E>, block<2, E>, block<3, E>, block<4, E>,
+                                        block<5, E>, block<6, E>, block<7, E>, block<8, E>};
+
+at::Tensor int4_mm(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale, const at::Tensor& offset,
+                   const std::optional<at::Tensor>& scale_mult, const std::optional<at::Tensor>& offset_mult,
+                   const std::optional<at::Tensor>& bias, int64_t n) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.is_contiguous(), "x: contiguous (M, K) bf16");
+  const int64_t M = x.size(0), K = x.size(1), blocks = codes.size(0), groups = codes.size(1) / 8;
+  TORCH_CHECK(K % kGroup == 0 && groups % (K / kGroup) == 0, "K must be a whole number of groups of 32");
+  TORCH_CHECK(codes.scalar_type() == at::kByte && codes.is_contiguous() && codes.size(2) == 32,
+              "codes: (blocks, groups * 8, 32) uint8");
+  const bool two_level = scale_mult.has_value();
+  const int enc = two_level ? kTwoLevel : scale.scalar_type() == at::kHalf ? kHalf : kFloat;
+  TORCH_CHECK(scale.scalar_type() == offset.scalar_type() && scale.is_contiguous() && offset.is_contiguous() &&
+                  (enc == kFloat ? scale.scalar_type() == at::kFloat : scale.scalar_type() == at::kHalf) &&
+                  scale.size(0) == blocks && scale.size(1) == (two_level ? groups / 8 : groups) &&
+                  scale.size(2) == kRows && offset.sizes() == scale.sizes(),
+              "scale, offset: (blocks, groups, 16) fp32 or fp16, or (blocks, groups / 8, 16) fp16 with multipliers");
+  if (two_level) {
+    TORCH_CHECK(offset_mult.has_value() && groups % 8 == 0 && scale_mult->scalar_type() == at::kByte &&
+                    offset_mult->scalar_type() == at::kByte && scale_mult->is_contiguous() &&
+                    offset_mult->is_contiguous() && scale_mult->numel() == blocks * groups * kRows &&
+                    offset_mult->numel() == blocks * groups * kRows,
+                "scale_mult, offset_mult: (blocks, groups, 16) uint8");
+  }
+  TORCH_CHECK(n > (blocks - 1) * kRows && n <= blocks * kRows, "n must fall in the last block");
+  const at::BFloat16* b = nullptr;
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->scalar_type() == at::kBFloat16 && bias->is_contiguous() && bias->numel() == n, "bias: (n,) bf16");
+    b = bias->data_ptr<at::BFloat16>();
+  }
+  at::Tensor y = at::empty({M, n}, x.options());
+  const int64_t G = K / kGroup;
+  at::Tensor xsum = at::empty({M, G}, x.options().dtype(at::kFloat));  // each group's input sum, for the offsets
+  const uint16_t* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
+  float* xs = xsum.data_ptr<float>();
+  for (int64_t i = 0; i < M * G; ++i) {
+    float s = 0.f;
+    for (int j = 0; j < kGroup; ++j) {
+      uint32_t bits = uint32_t(xp[i * kGroup + j]) << 16;
+      float f;
+      std::memcpy(&f, &bits, 4);
+      s += f;
+    }
+    xs[i] = s;
+  }
+  const uint8_t* cp = codes.data_ptr<uint8_t>();
+  const char *sp = static_cast<const char*>(scale.data_ptr()), *op = static_cast<const char*>(offset.data_ptr());
+  const int64_t per_block = scale.size(1) * kRows * scale.element_size();  // bytes of one block's scales
+  const uint8_t* smp = two_level ? scale_mult->data_ptr<uint8_t>() : nullptr;
+  const uint8_t* omp = two_level ? offset_mult->data_ptr<uint8_t>() : nullptr;
+  at::BFloat16* yp = y.data_ptr<at::BFloat16>();
+  const __m512i table = bf16_table();
+  const BlockFn* fns = enc == kFloat ? kBlocks<kFloat> : enc == kHalf ? kBlocks<kHalf> : kBlocks<kTwoLevel>;
+  at::parallel_for(0, blocks, 1, [&](int64_t lo, int64_t hi) {
+    for (int64_t nb = lo; nb < hi; ++nb) {
+      const int64_t rows = std::min<int64_t>(kRows, n - nb * kRows);
+      const Scales sc{sp + nb * per_block, op + nb * per_block,
+                      two_level ? smp + nb * groups * kRows : nullptr, two_level ? omp + nb * groups * kRows : nullptr};
+      for (int64_t m0 = 0; m0 < M; m0 += kTile) {
+        const int mt = static_cast<int>(std::min<int64_t>(kTile, M - m0));
+        fns[mt](xp + m0 * K, xs + m0 * G, cp + nb * groups * 8 * 32, sc, b == nullptr ? nullptr : b + nb * kRows,
+                yp + m0 * n + nb * kRows, K, groups, n, rows, table);
+      }
+    }
+  });
+  return y;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(specfleet, m) {
+  m.def("int4_mm(Tensor x, Tensor codes, Tensor scale, Tensor offset, Tensor? scale_mult, Tensor? offset_mult, "
+        "Tensor? bias, int n) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(specfleet, CPU, m) { m.impl("int4_mm", &int4_mm); }

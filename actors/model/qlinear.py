@@ -1,0 +1,223 @@
+"""Linear layers that compute on quantized weights through torch's fused weight-only kernels, each kernel's shape
+preconditions checked before it is chosen.
+
+- `Int4Linear`: 4-bit codes with a scale and a zero per group of 32-256 weights, the layout of gpt-fast's int4
+  weight-only matmul: `_weight_int4pack_mm_for_cpu` on the CPU, `_weight_int4pack_mm` (tinygemm) on CUDA; both
+  dequantize w = (code - 8) * scale + zero inside the kernel. Codes of 5 to 8 bits are split into two 4-bit
+  planes, code = low + 16 * high, laid side by side along K (the input is repeated to match): exact, at the
+  bytes of int8.
+- `Int8Linear`: int8 codes with one scale per output row (`_weight_int8pack_mm`, a CPU kernel).
+
+Preconditions (measured on torch 2.13; tests/unit/test_qlinear.py holds them):
+- `_weight_int8pack_mm` (CPU): K % 16 == 0. Other K give wrong results and, for batches of 2+ rows, a segfault
+  (K = 72, a tiny Llama's hidden size, crashes). Guarded here; such layers take the dense matmul.
+- `_convert_weight_to_int4pack_for_cpu`: N % 16 == 0 (other N are padded with zero rows, sliced off the
+  output); `_weight_int4pack_mm_for_cpu`: group in {32, 64, 128, 256}, K % group == 0. Its vectorised (AVX512 /
+  AVX2) kernel is bf16 only: fp32 runs a scalar loop (exact, slow: for tests), so `weights: stored` pays in bf16.
+- CUDA `_convert_weight_to_int4pack`: N % 8 == 0 (padded as on the CPU), K % (16 * inner tiles) == 0;
+  `_weight_int4pack_mm`: bf16 only, compute capability 8.0+. Int8 has no CUDA kernel here: such layers are
+  stored dense on CUDA.
+- Our AVX512-BF16 kernel (int4_cpu.cpp), where it is built: bf16 inputs, groups of 32, K % 32 == 0, any N.
+Shape legend: M rows of input, K input features, N output features, G groups per row (K / group), P planes.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from actors.model import cpu_kernels
+from actors.model.gguf_blocks import GroupedInts
+
+INT4_GROUPS = (32, 64, 128, 256)
+_ROW_CHUNK = 4096  # rows packed at a time (a multiple of the CPU kernel's 64-row blocks): bounds the int32 copy
+
+
+def int4_unsupported(w: GroupedInts, device: torch.device, dtype: torch.dtype) -> str | None:
+    """Why `w` cannot run on the int4 kernel on `device` in `dtype`, or None if it can."""
+    n, k = w.shape
+    planes = -(-w.bits // 4)
+    if planes > 2:
+        return f"{w.bits}-bit codes"
+    if w.group not in INT4_GROUPS:
+        return f"groups of {w.group} (the kernel takes {INT4_GROUPS})"
+    if device.type == "cpu":
+        return None
+    if device.type == "cuda":
+        if dtype != torch.bfloat16:
+            return f"{dtype} (the CUDA kernel is bf16 only)"
+        if (planes * k) % 32:
+            return f"K = {planes * k} is not a multiple of 32"
+        if torch.cuda.is_available() and torch.cuda.get_device_capability(device) < (8, 0):
+            return "a GPU below compute capability 8.0"
+        return None
+    return f"device {device.type}"
+
+
+def int8_unsupported(k: int, device: torch.device) -> str | None:
+    """Why an int8 (N, k) weight cannot run on `_weight_int8pack_mm` on `device`, or None if it can."""
+    if device.type != "cpu":
+        return f"device {device.type} (the kernel is a CPU one)"
+    return f"K = {k} is not a multiple of 16 (the kernel then crashes)" if k % 16 else None
+
+
+class Int4Linear(nn.Module):
+    """y = x @ W.T + b, W (N, K) as 4-bit codes in P planes with a scale and an offset per group. On a CPU with
+    AVX512-BF16 and bf16 inputs, our kernel (actors/model/int4_cpu.cpp: fp32 scales, the planes and the bias in
+    one call); otherwise torch's int4 weight-only kernel for `device`. Build it only where `int4_unsupported`
+    says nothing."""
+
+    def __init__(self, w: GroupedInts, bias: torch.Tensor | None, device: torch.device, dtype: torch.dtype,
+                 ours: bool = True) -> None:
+        """`ours=False` keeps torch's kernel even where ours runs (the benchmark's comparison)."""
+        super().__init__()
+        why = int4_unsupported(w, device, dtype)
+        if why is not None:
+            raise ValueError(f"the int4 kernel cannot take this weight: {why}")
+        self.out_features, self.in_features = w.shape
+        self.planes = -(-w.bits // 4)
+        self.group = w.group
+        mine = ours and (device.type, dtype, w.group) == ("cpu", torch.bfloat16, cpu_kernels.GROUP)
+        own = cpu_kernels.kernel() if mine else None
+        pad = -self.out_features % (16 if device.type == "cpu" else 8)  # zero rows: the kernel's N multiple
+        codes, scale, offset = (F.pad(t, (0, 0, 0, pad)) for t in (w.codes, w.scale, w.offset))
+        self.padded = pad > 0 and own is None  # our kernel stores only the real rows
+        planes = torch.cat([codes & 0x0F] + ([codes >> 4] if self.planes == 2 else []), dim=1)  # (N, P*K)
+        scales = torch.cat([scale * 16**p for p in range(self.planes)], dim=1)  # (N, P*G): plane p's is 16**p * scale
+        offsets = torch.cat([offset] + [torch.zeros_like(offset)] * (self.planes - 1), dim=1)  # the first carries it
+        self.bias = None if bias is None else bias.to(device, dtype)
+        self.own = own
+        if own is not None:
+            levels = None
+            if w.levels is not None:  # the same per plane: d scaled by 16**p, the offset's on the first plane only
+                d, sc, dm, mn = (F.pad(t, (0, 0, 0, pad)) for t in w.levels)
+                levels = (torch.cat([d * 16**p for p in range(self.planes)], 1), sc.repeat(1, self.planes),
+                          torch.cat([dm] + [torch.zeros_like(dm)] * (self.planes - 1), 1), mn.repeat(1, self.planes))
+            self.weight, self.scale, self.offset, self.scale_mult, self.offset_mult = cpu_kernels.pack(
+                planes, scales, offsets, levels)
+            return
+        self.weight = _pack(planes, device)  # packed for torch's kernel
+        # torch's kernels dequantize (code - 8) * scale + zero: zero = offset + 8 * scale
+        self.scale_zeros = torch.stack([scales, offsets + 8 * scales], dim=-1).transpose(0, 1) \
+            .contiguous().to(device, dtype)  # (P*G, N, 2)
+        self.kernel = torch.ops.aten._weight_int4pack_mm_for_cpu if device.type == "cpu" \
+            else torch.ops.aten._weight_int4pack_mm
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x2 = x.reshape(-1, self.in_features)  # (M, K)
+        if self.own is not None:
+            y = self.own(x2.contiguous(), self.weight, self.scale, self.offset, self.scale_mult, self.offset_mult,
+                         self.bias, self.out_features)
+            return y.view(*shape[:-1], self.out_features)
+        if self.planes > 1:
+            x2 = x2.repeat(1, self.planes)  # (M, P*K): one input copy per plane
+        y = self.kernel(x2.contiguous(), self.weight, self.group, self.scale_zeros)  # (M, N padded)
+        if self.padded:
+            y = y[:, :self.out_features].contiguous()  # (M, N)
+        if self.bias is not None:
+            y = y + self.bias
+        return y.view(*shape[:-1], self.out_features)
+
+
+def _pack(codes: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """4-bit codes (N, K) uint8 -> the int4 kernel's packed weight on `device`."""
+    if device.type == "cpu":
+        return torch.cat([torch.ops.aten._convert_weight_to_int4pack_for_cpu(part.to(torch.int32), 1)
+                          for part in codes.split(_ROW_CHUNK)])  # (N, K / 2) uint8, 64-row blocks
+    pairs, inner = tinygemm_pairs(codes)
+    return torch.ops.aten._convert_weight_to_int4pack(pairs.to(device), inner)
+
+
+def tinygemm_pairs(codes: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """The CUDA kernel's input, made on the host: 4-bit codes (N, K) -> bytes (N, K / 2) holding two codes each,
+    the even-indexed one in the high nibble (gpt-fast's and torchao's convention), and its inner K tiles."""
+    k = codes.shape[1]
+    inner = next(t for t in (8, 4, 2) if k % (16 * t) == 0)
+    return (codes[:, ::2] << 4 | codes[:, 1::2]).contiguous(), inner
+
+
+class Int8Linear(nn.Module):
+    """y = x @ (q * s).T + b with int8 codes q (N, K) and one scale per row s (N,), w ≈ q * s.
+
+    On the CPU kernel where its precondition holds (`int8_unsupported`); otherwise the same maths as a dense
+    matmul of the codes, so an odd-sized layer is slower, never wrong or a crash.
+    """
+
+    def __init__(self, codes: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None, device: torch.device,
+                 dtype: torch.dtype) -> None:
+        super().__init__()
+        self.out_features, self.in_features = codes.shape
+        self.weight = codes.to(device)  # (N, K) int8
+        self.scale = scale.to(device, dtype)  # (N,)
+        self.bias = None if bias is None else bias.to(device, dtype)
+        self.fused = int8_unsupported(self.in_features, device) is None
+
+    @classmethod
+    def rtn(cls, w: torch.Tensor, bias: torch.Tensor | None, device: torch.device, dtype: torch.dtype) -> "Int8Linear":
+        """Round-to-nearest per output row (`rtn_int8`)."""
+        codes, scale = rtn_int8(w)
+        return cls(codes, scale, bias, device, dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x2 = x.reshape(-1, self.in_features)  # (M, K)
+        if self.fused and x2.dtype in (torch.bfloat16, torch.float16, torch.float32):
+            y = torch.ops.aten._weight_int8pack_mm(x2.contiguous(), self.weight, self.scale)  # (M, N)
+        else:
+            y = F.linear(x2, self.weight.to(x2.dtype)) * self.scale.to(x2.dtype)
+        if self.bias is not None:
+            y = y + self.bias
+        return y.view(*shape[:-1], self.out_features)
+
+
+def rtn_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Round to nearest per output row, as gpt-fast's `WeightOnlyInt8Linear` (pytorch-labs/gpt-fast, quantize.py):
+    w (N, K) -> codes (N, K) int8 in [-127, 127] and scales (N,) with w ≈ codes * scale, the scale max|w| / 127
+    rounded to an fp16 (our kernel then reads 2 bytes of it a group)."""
+    w = w.detach().float()
+    scale = (w.abs().amax(dim=1) / 127.0).clamp_min(2**-24).half().float()  # (N,)
+    return torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8), scale
+
+
+def dense_linear(weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Linear:
+    """An nn.Linear around existing tensors (shared, not copied): weight (N, K), bias (N,) or None."""
+    out = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None, device="meta")
+    out.weight = nn.Parameter(weight, requires_grad=False)
+    if bias is not None:
+        out.bias = nn.Parameter(bias, requires_grad=False)
+    return out
+
+
+def stored_linear(w: GroupedInts, bias: torch.Tensor | None, device: torch.device, dtype: torch.dtype) -> nn.Module:
+    """The fastest exact-where-possible module for a quantized weight on `device` in `dtype`:
+
+    the int4 kernel where it takes the weight (exact: 4-bit codes as stored, 5-8 bit codes as two planes); else
+    int8 per row re-quantized from the weight's values (not exact: Q6_K's 16-weight groups, which no int4 group
+    size holds), see `int8_linear`; else (no int8 kernel on the device) the dequantized weight, dense. In fp32 on
+    the CPU the weight is dense: fp32 holds every stored weight exactly, and torch's fp32 int4 kernel is a scalar
+    loop (the int4 kernels pay in bf16).
+    """
+    if (device.type, dtype) == ("cpu", torch.float32):
+        return dense_linear(w.dequantize().to(device), None if bias is None else bias.to(device, dtype))
+    if int4_unsupported(w, device, dtype) is None:
+        return Int4Linear(w, bias, device, dtype)
+    dense = w.dequantize()  # (N, K) fp32
+    if device.type == "cpu":
+        return int8_linear(dense, bias, device, dtype)
+    return dense_linear(dense.to(device, dtype), None if bias is None else bias.to(device, dtype))
+
+
+def int8_linear(w: torch.Tensor, bias: torch.Tensor | None, device: torch.device, dtype: torch.dtype) -> nn.Module:
+    """w (N, K) round to nearest per row on int8 (Int8Linear.rtn's codes and scales). Where our AVX512-BF16 kernel
+    runs (bf16 on such a CPU, K a multiple of 32), the same codes go to it as two 4-bit planes with the row's
+    scale in every group: the same maths, about twice as fast as `_weight_int8pack_mm` (docs/benchmarks.md)."""
+    n, k = w.shape
+    if (device.type, dtype) == ("cpu", torch.bfloat16) and k % cpu_kernels.GROUP == 0 and cpu_kernels.kernel() is not None:
+        q, scale = rtn_int8(w)
+        codes = (q.to(torch.int16) + 128).to(torch.uint8)  # (N, K), 1..255
+        per_group = scale[:, None].expand(n, k // cpu_kernels.GROUP).contiguous()  # (N, G)
+        return Int4Linear(GroupedInts(codes, per_group, -128 * per_group, bits=8, group=cpu_kernels.GROUP,
+                                      source="rtn8"), bias, device, dtype)
+    return Int8Linear.rtn(w, bias, device, dtype)

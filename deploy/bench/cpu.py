@@ -1,0 +1,279 @@
+"""`specfleet bench cpu`: llama.cpp's plain decoding (the anchor) against ours, plain and speculative, with the
+weights dequantized and computed as stored, on the default model and the Qwen pair, in one run.
+
+Every row decodes the same chat prompts (each model's chat template, our tokenizer's ids given to llama.cpp too),
+greedy, exactly `--max-tokens` new tokens, timed per request with its prefill, at each of `--batches` (llama.cpp
+at batch 1 only: its row is the anchor of a single user). Rows run interleaved group of prompts by group, their
+order rotating, so that drift in the machine's speed hits every row alike; ratios come from totals within the run. Each setup also reports how far the stored weights' logits are from the dequantized
+ones and how often their greedy tokens agree, and `--profile` reports the share of a plain decode step spent
+outside torch's kernels.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from actors.engine import Engine
+from actors.model.loader import LoadedModel, load_model
+from actors.model.metadata import SeqChunk
+from actors.model.runner import ModelRunner
+from cluster.config import CacheConfig, SchedulerConfig, SpeculationConfig
+from cluster.request import SamplingParams, SpecStats
+from deploy.bench import llama_anchor
+from deploy.bench.default import cpu_model
+from deploy.bench.output import save
+from deploy.bench.prompts import DATASETS, load_prompts
+from deploy.bench.spec import _agreement
+from deploy.model_store import model_path, resolve_model
+
+
+@dataclass(frozen=True)
+class Setup:
+    """A target, how it speculates (a draft model, or none for a lookup drafter), and its draft's re-quantization."""
+
+    target: str
+    draft: str | None
+    speculation: SpeculationConfig
+    draft_quantization: str  # of the dequantized rows' draft (the stored rows' draft is stored, or re-quantized)
+
+
+SETUPS = {
+    # the default app: n-gram lookup with the goodput policy (deploy/configs/default.yaml)
+    "default": Setup("smollm2-135m-instruct", None, SpeculationConfig(method="ngram", policy="goodput", k=4), "none"),
+    # the Qwen pair, the 0.5B drafting 4 tokens a round (its best setting so far: docs/benchmarks.md)
+    "qwen": Setup("qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b", SpeculationConfig(policy="fixed", k=4), "int8"),
+}
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--setups", nargs="+", choices=list(SETUPS), default=list(SETUPS))
+    p.add_argument("--prompts", type=Path, nargs="+",
+                   default=[DATASETS / "mt_bench_questions.jsonl", DATASETS / "HumanEval.jsonl.gz"])
+    p.add_argument("--num-prompts", type=int, default=8)
+    p.add_argument("--max-tokens", type=int, default=96)
+    p.add_argument("--threads", type=int, default=2, help="torch's and llama.cpp's threads")
+    p.add_argument("--batches", type=int, nargs="+", default=[1],
+                   help="batch sizes: at batch B our rows decode B prompts at once (continuous batching)")
+    p.add_argument("--stored-draft", nargs="+", choices=["stored", "int8", "int4"], default=["int4", "stored"],
+                   help="the Qwen draft of the stored rows, one row each: as stored, or re-quantized at load")
+    p.add_argument("--fp32-reference", nargs="*", choices=list(SETUPS), default=["default"],
+                   help="setups whose bf16 logits are also held to the target's stored weights computed in fp32")
+    p.add_argument("--no-llama", action="store_true", help="leave out the llama.cpp row even if it is installed")
+    p.add_argument("--profile", action="store_true", help="profile one plain stored request of the first setup")
+    p.add_argument("--kernels", action="store_true", help="also time each matmul kernel alone (deploy/bench/kernels.py)")
+    p.add_argument("--json", type=Path, help="write the results here")
+
+
+@dataclass
+class Row:
+    name: str
+    run: Callable[[list[list[int]], int], tuple[list[list[int]], SpecStats]]
+    tokens: int = 0
+    seconds: float = 0.0
+    stats: SpecStats = field(default_factory=SpecStats)
+    outputs: list[list[int]] = field(default_factory=list)
+
+    @property
+    def tok_s(self) -> float:
+        return self.tokens / self.seconds if self.seconds else 0.0
+
+
+def _engine(target: ModelRunner, draft: ModelRunner | None, spec: SpeculationConfig | None, batch: int) -> Callable:
+    engine = Engine(target, draft, spec or SpeculationConfig(policy="off"),
+                    SchedulerConfig(max_batch_size=batch, max_num_batched_tokens=max(256, batch)))
+
+    def run(prompts: list[list[int]], n: int) -> tuple[list[list[int]], SpecStats]:
+        done = engine.generate(prompts, SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True))
+        stats = SpecStats()
+        for d in done:
+            stats.merge(d.stats)
+        return [d.token_ids for d in done], stats
+    return run
+
+
+def _llama_row(setup: Setup, args: argparse.Namespace) -> Row:
+    llama = llama_anchor.LlamaCpp(model_path(setup.target), args.threads, n_ctx=args.max_tokens + 2048)
+    return Row("llama.cpp plain", lambda prompts, n: ([llama.generate(ids, n) for ids in prompts], SpecStats()))
+
+
+def _rows(setup: Setup, args: argparse.Namespace, target: LoadedModel, draft: LoadedModel | None,
+          batch: int) -> list[Row]:
+    """llama.cpp (batch 1), then ours: plain and speculative, dequantized and stored."""
+    cache = CacheConfig(block_size=16, num_blocks=batch * (args.max_tokens + 2048) // 16 + 8 * batch)
+    rows = []
+    if batch == 1 and llama_anchor.available() and not args.no_llama:
+        rows.append(_llama_row(setup, args))
+    for weights in ("dequantized", "stored"):
+        runner = ModelRunner(target, range(target.num_layers), cache, weights=weights)
+        rows.append(Row(f"plain {weights}", _engine(runner, None, None, batch)))
+        if draft is None:
+            rows.append(Row(f"spec {weights}", _engine(runner, None, setup.speculation, batch)))
+            continue
+        for quant in [setup.draft_quantization] if weights == "dequantized" else args.stored_draft:
+            draft_runner = ModelRunner(draft, range(draft.num_layers), cache,
+                                       weights=weights if quant in ("none", "stored") else quant)
+            label = "" if weights == "dequantized" else f", draft {quant}"
+            rows.append(Row(f"spec {weights}{label}", _engine(runner, draft_runner, setup.speculation, batch)))
+    return rows
+
+
+def _logit_gap(target: LoadedModel, ids: list[int], exact: LoadedModel | None) -> dict[str, float]:
+    """Prefill logits of the stored weights against the dequantized ones (bf16): the largest difference, the
+    logits' standard deviation, and the share of positions whose top token agrees. With `exact` (the model in
+    fp32, stored: the GGUF's own weights in fp32 arithmetic), each bf16 path against it too."""
+    cache = CacheConfig(block_size=16, num_blocks=len(ids) // 16 + 2)
+
+    def logits(model: LoadedModel, weights: str) -> torch.Tensor:
+        return ModelRunner(model, range(model.num_layers), cache, weights=weights).forward(
+            [SeqChunk("gap", tuple(ids), len(ids))])
+
+    def gap(a: torch.Tensor, b: torch.Tensor) -> tuple[float, float]:
+        return round(float((a - b).abs().max()), 3), round(float((a.argmax(-1) == b.argmax(-1)).float().mean()), 4)
+
+    stored, dense = logits(target, "stored"), logits(target, "dequantized")
+    out = dict(zip(("max_abs_diff", "top1_agreement"), gap(stored, dense)), logit_std=round(float(dense.std()), 3))
+    if exact is not None:
+        ref = logits(exact, "stored")
+        for name, got in (("stored", stored), ("dequantized", dense)):
+            out[f"{name}_vs_fp32_max_abs_diff"], out[f"{name}_vs_fp32_top1"] = gap(got, ref)
+    return out
+
+
+def _profile(run: Callable, ids: list[int], n: int) -> dict[str, float]:
+    """One request under torch's profiler: wall time, time inside torch ops (self CPU time summed), the rest."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        t = time.perf_counter()
+        run([ids], n)
+        wall = time.perf_counter() - t
+    inside = sum(e.self_cpu_time_total for e in prof.key_averages()) / 1e6
+    top = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[:8]
+    return {"wall_s": round(wall, 3), "in_ops_s": round(inside, 3), "outside_share": round(1 - inside / wall, 3),
+            "ms_per_token": round(wall / n * 1e3, 2),
+            "top_ops_ms_per_token": {e.key: round(e.self_cpu_time_total / 1e3 / n, 3) for e in top}}
+
+
+def cpu_load() -> list[float]:
+    """The machine's 1, 5 and 15 minute load averages: how busy it was around the measurement."""
+    return [round(x, 2) for x in os.getloadavg()]
+
+
+def run(args: argparse.Namespace) -> int:
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    report: dict = {"command": "specfleet bench cpu", "cpu": cpu_model(), "threads": args.threads,
+                    "num_prompts": args.num_prompts, "max_tokens": args.max_tokens, "load_before": cpu_load(),
+                    "llama_cpp": llama_anchor.available() and not args.no_llama, "setups": {}}
+    texts = load_prompts(args.prompts, args.num_prompts)
+    if args.kernels:
+        from deploy.bench import kernels
+
+        report["kernels"] = kernels.measure()
+    for name in args.setups:
+        setup = SETUPS[name]
+        t0 = time.perf_counter()
+        target = load_model(resolve_model(setup.target, "bf16"), "bf16", weights="stored")
+        draft = load_model(resolve_model(setup.draft, "bf16"), "bf16", weights="stored") if setup.draft else None
+        print(f"{name}: loaded in {time.perf_counter() - t0:.0f}s", flush=True)
+        prompts = [target.encode(t, chat=True) for t in texts]
+        exact = load_model(resolve_model(setup.target, "fp32"), "fp32", weights="stored") \
+            if name in args.fp32_reference else None
+        gap = _logit_gap(target, prompts[0], exact)
+        del exact
+        for batch in args.batches:
+            rows = _rows(setup, args, target, draft, batch)
+            _measure(f"{name} batch {batch}", rows, prompts, batch, args.max_tokens)
+            report["setups"][name if batch == 1 else f"{name}, batch {batch}"] = _report(setup, rows, gap)
+            if args.profile and not report.get("profile"):
+                plain = next(r for r in rows if r.name == "plain stored")
+                report["profile"] = {"setup": name, "batch": batch, **_profile(plain.run, prompts[0], args.max_tokens)}
+            del rows
+        del target, draft
+    report["load_after"] = cpu_load()
+    _print(report)
+    save(report, args.json, None, lambda *_: None)
+    return 0
+
+
+def _measure(label: str, rows: list[Row], prompts: list[list[int]], batch: int, n: int) -> None:
+    """Every row decodes every group of `batch` prompts, the rows' order rotating from group to group."""
+    for r in rows:  # warm-up: first-call set-up (and the goodput policy's calibration) is not measured
+        r.run([prompts[0]] * min(batch, 2), 8)
+    groups = [prompts[i:i + batch] for i in range(0, len(prompts), batch)]
+    for i, group in enumerate(groups):
+        for r in rows[i % len(rows):] + rows[:i % len(rows)]:
+            t = time.perf_counter()
+            outs, stats = r.run(group, n)
+            r.seconds += time.perf_counter() - t
+            r.tokens += sum(map(len, outs))
+            r.stats.merge(stats)
+            r.outputs.extend(outs)
+        print(f"{label} group {i + 1}/{len(groups)}: " + ", ".join(f"{r.name} {r.tok_s:.1f}" for r in rows),
+              flush=True)
+
+
+def _report(setup: Setup, rows: list[Row], gap: dict[str, float]) -> dict:
+    anchor = next((r for r in rows if r.name.startswith("llama.cpp")), None)
+    by_name = {r.name: r for r in rows}
+    out = {}
+    for r in rows:
+        own_plain = by_name.get(r.name.split(",")[0].replace("spec", "plain")) if r.name.startswith("spec") else None
+        same, prefix = _agreement(own_plain.outputs, r.outputs) if own_plain else (None, None)
+        out[r.name] = {
+            "tok_s": round(r.tok_s, 2), "tokens": r.tokens, "seconds": round(r.seconds, 2),
+            "vs_llama_cpp": round(r.tok_s / anchor.tok_s, 3) if anchor and anchor.tok_s else None,
+            "vs_own_plain": round(r.tok_s / own_plain.tok_s, 3) if own_plain and own_plain.tok_s else None,
+            "identical_to_own_plain": same,
+            "token_agreement_with_own_plain": None if prefix is None else round(prefix, 4),
+            "acceptance": round(r.stats.acceptance_rate, 3) if r.stats.proposed else None,
+        }
+    stored, dense = by_name["plain stored"], by_name["plain dequantized"]
+    same, prefix = _agreement(dense.outputs, stored.outputs)
+    return {"target": setup.target, "draft": setup.draft or setup.speculation.method, "rows": out,
+            "stored_vs_dequantized": {**gap, "identical_outputs": same, "token_agreement": round(prefix, 4)}}
+
+
+def _print(report: dict) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console(width=120)
+    if "kernels" in report:
+        from deploy.bench import kernels
+
+        kernels.print_table(report["kernels"])
+    console.print(f"[bold]bench cpu[/] {report['threads']} threads, CPU {report['cpu']}, {report['num_prompts']} "
+                  f"prompts x {report['max_tokens']} tokens; load average before {report['load_before']}, after "
+                  f"{report['load_after']}")
+    for name, s in report["setups"].items():
+        t = Table(title=f"{name}: {s['target']} (speculation: {s['draft']})")
+        for col in ("row", "tok/s", "x llama.cpp", "x own plain", "accept", "identical", "agreement"):
+            t.add_column(col, justify="left" if col == "row" else "right")
+        for row, r in s["rows"].items():
+            def fmt(v, spec="{:.2f}"):
+                return "-" if v is None else spec.format(v)
+            t.add_row(row, f"{r['tok_s']:.1f}", fmt(r["vs_llama_cpp"], "{:.2f}x"), fmt(r["vs_own_plain"], "{:.2f}x"),
+                      fmt(r["acceptance"]), fmt(r["identical_to_own_plain"]), fmt(r["token_agreement_with_own_plain"],
+                                                                                  "{:.3f}"))
+        console.print(t)
+        g = s["stored_vs_dequantized"]
+        console.print(f"stored vs dequantized (bf16): prefill logits differ by at most {g['max_abs_diff']} (logit std "
+                      f"{g['logit_std']}), top-1 agreement {g['top1_agreement']:.3f}; greedy outputs identical "
+                      f"{g['identical_outputs']:.2f}, token agreement {g['token_agreement']:.3f}")
+        if "stored_vs_fp32_max_abs_diff" in g:
+            console.print("against the GGUF's weights in fp32: " + ", ".join(
+                f"{w} (bf16) at most {g[w + '_vs_fp32_max_abs_diff']}, top-1 {g[w + '_vs_fp32_top1']:.3f}"
+                for w in ("stored", "dequantized")))
+    if "profile" in report:
+        p = report["profile"]
+        console.print(f"profile ({p['setup']}, plain stored): {p['ms_per_token']} ms per token, "
+                      f"{p['outside_share']:.0%} of the wall time outside torch ops; top ops (ms per token): "
+                      + ", ".join(f"{k} {v}" for k, v in p["top_ops_ms_per_token"].items()))

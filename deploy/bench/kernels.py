@@ -1,0 +1,83 @@
+"""The matmuls behind `weights: stored | dequantized`, side by side: microseconds per call of one weight matrix at
+1 and 5 input rows (a decode step, a k = 4 verification), streaming through enough copies that the weights come
+from memory, not cache, as in a real forward. Part of `specfleet bench cpu --kernels`."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import torch
+
+from actors.model import cpu_kernels
+from actors.model.gguf_blocks import GroupedInts
+from actors.model.qlinear import Int4Linear, Int8Linear, int8_linear
+
+SHAPES = {"135M gate_up (3072 x 576)": (3072, 576), "1.5B down (1536 x 8960)": (1536, 8960)}
+BYTES = 48 << 20  # each variant cycles through this much weight data, above the 32 MiB L3 of this machine
+
+
+def _variants(n: int, k: int) -> dict[str, Callable[[], Callable[[torch.Tensor], torch.Tensor]]]:
+    """name -> a builder of one fresh module (random weights) of that kind, bf16 in and out."""
+    cpu, bf16 = torch.device("cpu"), torch.bfloat16
+
+    def int4(own: bool) -> Callable:
+        def build() -> Callable:
+            codes = torch.randint(0, 16, (n, k), dtype=torch.uint8)
+            w = GroupedInts(codes, torch.rand(n, k // 32) / 64, -torch.rand(n, k // 32) / 8, bits=4, group=32)
+            return Int4Linear(w, None, cpu, bf16, ours=own)
+        return build
+
+    out = {
+        "dense bf16 (dequantized)": lambda: torch.nn.Linear(k, n, bias=False, dtype=bf16),
+        "int8 per row, torch's _weight_int8pack_mm": lambda: Int8Linear.rtn(torch.randn(n, k), None, cpu, bf16),
+        "int4 groups of 32, torch's _weight_int4pack_mm_for_cpu": int4(own=False),
+    }
+    if cpu_kernels.kernel() is not None:
+        out["int4 groups of 32, ours"] = int4(own=True)
+        out["int8 per row as two int4 planes, ours"] = lambda: int8_linear(torch.randn(n, k), None, cpu, bf16)
+    return out
+
+
+def measure(repeats: int = 5) -> dict[str, dict[str, dict[int, float]]]:
+    """shape -> variant -> rows -> microseconds per call (wall time, median of `repeats` passes)."""
+    report: dict = {}
+    for label, (n, k) in SHAPES.items():
+        report[label] = {}
+        for name, build in _variants(n, k).items():
+            first = build()
+            copies = max(2, BYTES // max(1, _bytes(first)))
+            mods = [first] + [build() for _ in range(copies - 1)]
+            report[label][name] = {}
+            for m in (1, 5):
+                x = torch.randn(m, k, dtype=torch.bfloat16)
+                with torch.inference_mode():
+                    for mod in mods:
+                        mod(x)
+                    times = []
+                    for _ in range(repeats):
+                        t = time.perf_counter()
+                        for mod in mods:
+                            mod(x)
+                        times.append((time.perf_counter() - t) / len(mods))
+                report[label][name][m] = round(sorted(times)[len(times) // 2] * 1e6, 1)
+            del mods
+    return report
+
+
+def _bytes(module: torch.nn.Module) -> int:
+    return sum(t.numel() * t.element_size() for t in vars(module).values() if isinstance(t, torch.Tensor)) + sum(
+        p.numel() * p.element_size() for p in module.parameters())
+
+
+def print_table(report: dict) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    for label, rows in report.items():
+        t = Table(title=f"matmul, {label}: microseconds per call")
+        for col in ("kernel", "1 row", "5 rows", "5 rows / 1 row"):
+            t.add_column(col, justify="left" if col == "kernel" else "right")
+        for name, r in rows.items():
+            t.add_row(name, f"{r[1]:.0f}", f"{r[5]:.0f}", f"{r[5] / r[1]:.2f}")
+        Console(width=120).print(t)

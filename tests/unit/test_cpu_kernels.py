@@ -1,0 +1,139 @@
+"""Our fused CPU kernels (actors/model/fused_cpu.cpp) against the torch ops they replace, op by op and through a
+whole bf16 model: each within bf16 rounding of the reference, and a model on them as close to its fp32 self as the
+same model on torch's ops."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from actors.kv_cache import KVCache
+from actors.model import cpu_kernels
+from actors.model.layers import Attention, RopeTable, apply_rope
+from actors.model.loader import load_model
+from actors.model.metadata import AttentionMetadata, SeqChunk
+from actors.model.runner import ModelRunner
+from cluster.config import CacheConfig
+from tests.fixtures.tiny_models import build_tiny_model
+from tests.unit.helpers import text_prompts
+
+# without AVX512-BF16, a compiler or ninja the model runs on torch's ops (tests/unit/test_qlinear.py covers that path)
+pytestmark = pytest.mark.skipif(cpu_kernels.unavailable() is not None, reason=f"{cpu_kernels.unavailable()}")
+BF16 = dict(rtol=2**-7, atol=1e-2)  # a bf16 rounding or two
+
+
+@pytest.fixture(scope="module")
+def ops():
+    lib = cpu_kernels.ops()
+    assert lib is not None, "AVX512-BF16, a C++ compiler and ninja: they build on this machine"
+    return lib
+
+
+def test_norms_and_gated_product_match_the_reference_order(ops) -> None:
+    torch.manual_seed(0)
+    x, r, w = (torch.randn(3, 96).bfloat16() for _ in range(3))
+    w = w[0]
+
+    def reference(v: torch.Tensor) -> torch.Tensor:  # Llama's: normalize in fp32, round, scale
+        h = v.float()
+        return w * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-5)).bfloat16()
+
+    torch.testing.assert_close(ops.rms_norm(x, w, 1e-5), reference(x), **BF16)
+    s, normed = ops.add_rms_norm(x, r, w, 1e-5)
+    assert torch.equal(s, x + r)
+    torch.testing.assert_close(normed, reference(x + r), **BF16)
+    gu = torch.randn(4, 2 * 48).bfloat16()
+    torch.testing.assert_close(ops.silu_mul(gu), F.silu(gu[:, :48]) * gu[:, 48:], **BF16)
+
+
+def test_rope_in_place_matches_apply_rope(ops) -> None:
+    torch.manual_seed(1)
+    rope = RopeTable(_rotary(64), torch.bfloat16, torch.device("cpu"))
+    meta = _meta([SeqChunk("r", tuple(range(5)))], _cache(64), )
+    cos, sin = rope(meta)
+    qkv = torch.randn(5, 7, 64).bfloat16()
+    want = apply_rope(qkv[:, :5].float(), cos.float(), sin.float())  # in fp32, rounded once below
+    ops.rope_(qkv[:, :5], cos, sin)
+    torch.testing.assert_close(qkv[:, :5], want.bfloat16(), **BF16)
+
+
+@pytest.mark.parametrize("window", [None, 6])
+def test_span_attention_writes_kv_and_attends_like_the_torch_path(ops, window: int | None) -> None:
+    torch.manual_seed(2)
+    nh, kvh, hd = 6, 2, 32
+    attn = Attention(torch.nn.Identity(), torch.nn.Identity(), nh, kvh, hd, window)
+    torch_cache, our_cache = _cache(hd, kvh), _cache(hd, kvh)
+    for chunk in (tuple(range(11)), (3, 4, 5), (7,)):  # a prefill, a verification, a decode step
+        q = torch.randn(len(chunk), nh, hd).bfloat16()
+        k, v = torch.randn(len(chunk), kvh, hd).bfloat16(), torch.randn(len(chunk), kvh, hd).bfloat16()
+        outs = []
+        for cache, fused in ((torch_cache, False), (our_cache, True)):
+            meta = _meta([SeqChunk("r", chunk)], cache)
+            assert meta.span is not None
+            if fused:
+                kpool, vpool = cache.pools(0)
+                outs.append(ops.span_attention(q, k, v, kpool, vpool, meta.slots, *meta.span, window or 0))
+            else:
+                cache.write(0, meta.slots, k, v)
+                outs.append(attn._attend_span(q, cache, 0, meta))
+            cache.set_length("r", meta.span[1])
+        torch.testing.assert_close(outs[1], outs[0], **BF16)
+    assert torch.equal(our_cache.k, torch_cache.k) and torch.equal(our_cache.v, torch_cache.v)
+
+
+def test_a_bf16_model_on_our_kernels_is_as_close_to_fp32_as_on_torchs_ops(tmp_path: Path) -> None:
+    path = build_tiny_model("mistral", tmp_path / "m", hidden_size=128, head_dim=32, intermediate_size=256)
+    exact = ModelRunner(load_model(str(path), "fp32"), range(4), CacheConfig(block_size=4, num_blocks=64))
+    model = load_model(str(path), "bf16")
+    ours = ModelRunner(model, range(4), CacheConfig(block_size=4, num_blocks=64))
+    assert ours.layers[0].fused is not None and ours.layers[0].ffn.fused is not None
+    plain = ModelRunner(model, range(4), CacheConfig(block_size=4, num_blocks=64))
+    for layer in plain.layers:
+        layer.fused = layer.attn.fused = layer.ffn.fused = None
+    prompt = text_prompts(model, 1)[0]  # 40 tokens: past mistral's window of 24
+    logits = {}
+    for name, runner in (("exact", exact), ("ours", ours), ("plain", plain)):
+        parts = [runner.forward([SeqChunk("r", tuple(piece), len(piece))]) for piece in (prompt[:30], prompt[30:])]
+        parts.append(runner.forward([SeqChunk("r", (5,), 1)]))
+        logits[name] = torch.cat(parts)
+    err = {name: float((logits[name] - logits["exact"]).abs().max()) for name in ("ours", "plain")}
+    assert err["ours"] <= 1.5 * err["plain"] + 0.02, err
+    agree = (logits["ours"].argmax(-1) == logits["exact"].argmax(-1)).float().mean()
+    assert float(agree) >= 0.95
+
+
+def _cache(hd: int, kvh: int = 2) -> KVCache:
+    return KVCache([0], num_blocks=16, block_size=4, num_kv_heads=kvh, head_dim=hd, dtype=torch.bfloat16)
+
+
+def _meta(chunks: list[SeqChunk], cache: KVCache) -> AttentionMetadata:
+    for c in chunks:
+        assert cache.reserve(c.request_id, cache.length(c.request_id) + len(c.token_ids))
+    return AttentionMetadata.build(chunks, cache)
+
+
+def _rotary(hd: int) -> torch.nn.Module:
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    return LlamaRotaryEmbedding(LlamaConfig(hidden_size=hd * 4, num_attention_heads=4, head_dim=hd))
+
+
+def test_on_our_kernels_a_tokens_logits_do_not_depend_on_its_batch(tmp_path: Path) -> None:
+    """Every kernel of the bf16 stored path computes each row alone (the int4 matmul's sums run per row in the
+    same order whatever the tile), so k+1 verification positions give bit for bit the logits of k+1 one-token
+    steps: speculation on this path is token-for-token lossless in bf16 too, not only in fp32."""
+    path = build_tiny_model("qwen2", tmp_path / "q", hidden_size=128, head_dim=32, intermediate_size=256)
+    model = load_model(str(path), "bf16", weights="int4")
+    runner = ModelRunner(model, range(4), CacheConfig(block_size=4, num_blocks=64))
+    assert runner.layers[0].fused is not None and runner.layers[0].attn.qkv_proj.own is not None
+    prompt = text_prompts(model, 1)[0]
+    for rid in ("a", "b"):  # each request's blocks consecutive: attention reads them in place (metadata.span)
+        assert runner.reserve(rid, len(prompt) + 5)
+        runner.forward([SeqChunk(rid, tuple(prompt), 1)])
+    together = runner.forward([SeqChunk("a", (7, 8, 9, 10, 11), 5)])  # a verification of 4 drafts
+    one_by_one = torch.cat([runner.forward([SeqChunk("b", (t,), 1)]) for t in (7, 8, 9, 10, 11)])
+    assert torch.equal(together, one_by_one)

@@ -1,0 +1,163 @@
+"""The fused weight-only kernels behind the quantized linears: exact where the mapping is, preconditions checked
+(an odd width never reaches a kernel that crashes on it), and the CUDA branch's shapes (checked on fake tensors:
+no GPU runs these tests)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from gguf import GGMLQuantizationType as Q
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from actors.model import cpu_kernels
+from actors.model.gguf_blocks import GroupedInts, read_blocks
+from actors.model.qlinear import Int4Linear, Int8Linear, int4_unsupported, int8_linear, stored_linear, tinygemm_pairs
+from actors.model.loader import load_model
+from actors.model.metadata import SeqChunk
+from actors.model.quant import rtn_int4
+from actors.model.runner import ModelRunner
+from cluster.config import CacheConfig
+from tests.fixtures.tiny_models import build_tiny_model
+from tests.unit.helpers import text_prompts
+from tests.unit.test_gguf_blocks import random_blocks
+
+CPU = torch.device("cpu")
+
+
+def reference(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    """x (M, K) @ w (N, K).T + b in float64."""
+    y = x.double() @ w.double().t()
+    return y if b is None else y + b.double()
+
+
+@pytest.mark.parametrize("k", [8, 24, 40, 72, 48, 64])
+def test_int8_linear_takes_any_width_without_crashing(k: int) -> None:
+    """`_weight_int8pack_mm` gives wrong results for K % 16 != 0 and segfaults on batches of 2+ rows (K = 72 is a
+    tiny Llama's hidden size): such layers must take the dense fallback."""
+    torch.manual_seed(k)
+    w, b = torch.randn(24, k), torch.randn(24)
+    lin = Int8Linear.rtn(w, b, CPU, torch.float32)
+    assert lin.fused == (k % 16 == 0)
+    deq = lin.weight.double() * lin.scale.double()[:, None]  # what the codes encode
+    for m in (1, 2, 3, 5):
+        x = torch.randn(m, k)
+        torch.testing.assert_close(lin(x).double(), reference(x, deq, b), rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q4_K, Q.Q5_0, Q.Q5_1, Q.Q5_K, Q.Q8_0], ids=lambda q: q.name)
+@pytest.mark.parametrize("n", [64, 72])
+def test_int4_kernel_computes_gguf_blocks_exactly_in_fp32(qtype: Q, n: int) -> None:
+    """4-bit codes in one plane, 5-8 bit codes in two; N = 72 is padded to the CPU kernel's multiple of 16."""
+    w = read_blocks(random_blocks(qtype, n, 512), qtype, (n, 512))
+    b = torch.randn(n)
+    lin = Int4Linear(w, b, CPU, torch.float32)  # torch's kernel (ours is bf16 only)
+    assert lin.planes == (1 if w.bits == 4 else 2)
+    assert isinstance(stored_linear(w, b, CPU, torch.float32), torch.nn.Linear)  # fp32: dense, the same values
+    x = torch.randn(5, 512)
+    want = reference(x, w.dequantize(), b)
+    torch.testing.assert_close(lin(x).double(), want, rtol=0, atol=1e-5 * float(want.abs().max()))
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_1, Q.Q4_K, Q.Q5_0, Q.Q8_0], ids=lambda q: q.name)
+@pytest.mark.parametrize("m", [1, 5, 9, 17])  # one tile of 8 rows, and more than one
+def test_bf16_is_the_exact_result_rounded_once(qtype: Q, m: int) -> None:
+    """bf16 inputs: on AVX512-BF16 CPUs our kernel (fp32 scales, sums in fp32: the exact result, rounded once to
+    bf16; N = 40 ends in a partial block of rows), elsewhere torch's (its scales rounded to bf16: looser)."""
+    w = read_blocks(random_blocks(qtype, 40, 512), qtype, (40, 512))
+    b = torch.randn(40).bfloat16()
+    lin = stored_linear(w, b, CPU, torch.bfloat16)
+    x = torch.randn(m, 512).bfloat16()
+    want = reference(x, w.dequantize(), b)  # x already bf16: the exact result of these inputs
+    got = lin(x).double()
+    if lin.own is not None:
+        torch.testing.assert_close(got, want.bfloat16().double(), rtol=2**-8, atol=1e-6 * float(want.abs().max()))
+        # the fewest bytes that hold the scales exactly: a K-quant's two levels, else fp16 (GGUF's are)
+        assert lin.scale.dtype == torch.float16 and (lin.scale_mult is not None) == (qtype == Q.Q4_K)
+    else:
+        assert float((got - want).abs().max()) <= 1e-2 * float(want.abs().max())
+
+
+def test_our_kernel_is_built_where_it_can_be() -> None:
+    """AVX512-BF16, a C++ compiler and ninja: built (a failed build would fall back with a warning); else not."""
+    assert (cpu_kernels.kernel() is not None) == (cpu_kernels.unavailable() is None)
+
+
+def test_q6_k_has_no_exact_int4_form_and_goes_to_int8() -> None:
+    w = read_blocks(random_blocks(Q.Q6_K, 32, 256), Q.Q6_K, (32, 256))
+    assert "groups of 16" in int4_unsupported(w, CPU, torch.bfloat16)
+    lin = stored_linear(w, None, CPU, torch.bfloat16)
+    assert isinstance(lin, Int4Linear if cpu_kernels.kernel() is not None else Int8Linear)  # int8 codes
+    x = torch.randn(2, 256).bfloat16()
+    want = reference(x, w.dequantize(), None)
+    assert float((lin(x).double() - want).abs().max()) <= 0.02 * float(want.abs().max())  # close, not exact
+
+
+def test_rtn_int4_is_within_half_a_step_of_each_weight() -> None:
+    torch.manual_seed(0)
+    w = torch.randn(48, 96)
+    q = rtn_int4(w)
+    assert (q.group, q.bits) == (32, 4)
+    step = q.scale.repeat_interleave(32, dim=1)  # (N, K)
+    assert bool(((q.dequantize() - w).abs() <= step / 2 + 1e-6).all())
+    assert rtn_int4(torch.randn(8, 72)).group == 72  # a width with no 32-groups: one group per row
+
+
+def test_cuda_branch_packs_for_tinygemm_and_refuses_what_it_cannot_run() -> None:
+    """No GPU runs these tests: the CUDA branch's host-side layout, then the kernels' own shape rules on fake
+    CUDA tensors (`_convert_weight_to_int4pack`, `_weight_int4pack_mm`)."""
+    cuda = torch.device("cuda")
+    w = read_blocks(random_blocks(Q.Q5_0, 40, 256), Q.Q5_0, (40, 256))
+    assert "bf16 only" in int4_unsupported(w, cuda, torch.float32)
+    assert int4_unsupported(w, cuda, torch.bfloat16) is None
+    codes = torch.cat([w.codes & 0x0F, w.codes >> 4], dim=1)  # the two planes side by side: (40, 512)
+    pairs, inner = tinygemm_pairs(codes)
+    assert pairs.shape == (40, 256) and inner == 8
+    assert int(pairs[3, 5]) == int(codes[3, 10]) << 4 | int(codes[3, 11])  # the even code in the high nibble
+    with FakeTensorMode():
+        packed = torch.ops.aten._convert_weight_to_int4pack(torch.empty(40, 256, dtype=torch.uint8, device=cuda), inner)
+        assert tuple(packed.shape) == (5, 4, 32, 4) and packed.dtype == torch.int32  # (N/8, K/128, 32, inner/2)
+        sz = torch.empty(512 // 32, 40, 2, dtype=torch.bfloat16, device=cuda)
+        y = torch.ops.aten._weight_int4pack_mm(torch.empty(3, 512, dtype=torch.bfloat16, device=cuda), packed, 32, sz)
+        assert tuple(y.shape) == (3, 40)
+    odd = GroupedInts(torch.zeros(8, 48, dtype=torch.uint8), torch.ones(8, 1), torch.zeros(8, 1), bits=4, group=48)
+    assert "groups of 48" in int4_unsupported(odd, cuda, torch.bfloat16)
+    assert isinstance(stored_linear(odd, None, torch.device("meta"), torch.float32), torch.nn.Linear)
+
+
+def test_int8_codes_take_our_kernel_in_bf16_with_the_same_maths() -> None:
+    """Per-row int8 (Q6_K's fallback, `weights: int8`) as two 4-bit planes with the row's scale in each group."""
+    torch.manual_seed(1)
+    w, b = torch.randn(40, 256), torch.randn(40)
+    fast = int8_linear(w, b.bfloat16(), CPU, torch.bfloat16)
+    assert isinstance(fast, Int4Linear if cpu_kernels.kernel() is not None else Int8Linear)
+    exact = Int8Linear.rtn(w, b, CPU, torch.float32)  # the same codes and scales, in fp32
+    x = torch.randn(5, 256).bfloat16()
+    want = exact(x.float()).double()
+    torch.testing.assert_close(fast(x).double(), want, rtol=2**-7, atol=1e-5 * float(want.abs().max()))
+
+
+def test_without_our_kernels_bf16_runs_on_torchs_ops(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The fallback where our CPU kernels cannot run (no AVX512-BF16, no compiler or no ninja; forced here with
+    SPECFLEET_CPU_KERNELS=torch): shapes our kernels would take run on torch's int4 kernel and ops instead, with
+    the logits of the usual path (ours where it runs) to bf16 rounding."""
+    path = build_tiny_model("qwen2", tmp_path / "q", hidden_size=128, head_dim=32, intermediate_size=256)
+
+    def logits() -> tuple[ModelRunner, torch.Tensor]:
+        model = load_model(str(path), "bf16", weights="int4")  # the projections' kernels are chosen at load
+        prompt = text_prompts(model, 1)[0]
+        runner = ModelRunner(model, range(model.num_layers), CacheConfig(block_size=4, num_blocks=64))
+        return runner, runner.forward([SeqChunk("r", tuple(prompt), len(prompt))]).float()  # (T, V)
+
+    usual = logits()[1]
+    monkeypatch.setenv("SPECFLEET_CPU_KERNELS", "torch")
+    cpu_kernels.ops.cache_clear()
+    try:
+        assert cpu_kernels.unavailable() == "SPECFLEET_CPU_KERNELS=torch" and cpu_kernels.kernel() is None
+        runner, got = logits()
+    finally:
+        cpu_kernels.ops.cache_clear()  # later tests find (or build) our kernels again
+    layer = runner.layers[0]
+    assert layer.fused is None and layer.attn.fused is None and layer.ffn.fused is None
+    assert isinstance(layer.ffn.gate_up_proj, Int4Linear) and layer.ffn.gate_up_proj.own is None
+    assert float((got - usual).abs().max()) <= 0.1 * float(usual.std())
+    assert float((got.argmax(-1) == usual.argmax(-1)).float().mean()) >= 0.9
