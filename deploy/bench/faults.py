@@ -67,15 +67,17 @@ async def router_killed(app: App, hit: asyncio.Event, streams: list[Streamed]) -
 
 
 async def instance_killed(app: App, hit: asyncio.Event, streams: list[Streamed]) -> Landed:
-    """SIGKILL on the instance process that runs the most streams (with one instance: the only one)."""
+    """SIGKILL on the instance process that runs the most streams (with one instance: the only one); it aims at the
+    streams that instance runs."""
     running = await app.router().requests.remote("running")
     ids = [r["instance_id"] for r in running] or ["inst-0"]
     victim = max(set(ids), key=ids.count)
     was = app.incarnation(victim)
     pid = await app.instance_actor(victim).pid.remote()
+    hits = await _held(app, victim)
     os.kill(pid, signal.SIGKILL)
     hit.set()
-    return Landed(f"SIGKILL {victim}", _until_back(app, victim, was))
+    return Landed(f"SIGKILL {victim}", _until_back(app, victim, was), hits)
 
 
 async def shard_killed(app: App, hit: asyncio.Event, streams: list[Streamed]) -> Landed:
@@ -104,11 +106,12 @@ async def link_cut(app: App, hit: asyncio.Event, streams: list[Streamed]) -> Lan
     """The link of instance 0's worker cut until Ray has given the node up and the router has taken the instance
     out, then restored. The raylet Ray gave up exits; it is started again at a
     new address (a KubeRay pod that replaces another), and the instance's replacement, which has no other room,
-    lands on it."""
+    lands on it. It aims at the streams instance 0 runs."""
     victim = "inst-0"  # one stage on one worker; instance 1 holds the other two (its stage and its draft's)
     was = app.incarnation(victim)
     worker = app.worker_of(victim)
     address = node_address(worker)
+    hits = await _held(app, victim)
     app.hosts.cut(worker)
     hit.set()
     deadline = time.monotonic() + 120
@@ -122,18 +125,21 @@ async def link_cut(app: App, hit: asyncio.Event, streams: list[Streamed]) -> Lan
     async def back() -> None:
         app.hosts.restart_node(worker, True)  # on this thread: the node is this thread's child (it dies with it)
         await _until_back(app, victim, was)()
-    return Landed(f"cut w{worker} at {address} ({victim}) until Ray and the router gave it up, then restored", back)
+    return Landed(f"cut w{worker} at {address} ({victim}) until Ray and the router gave it up, then restored", back,
+                  hits)
 
 
 async def link_degraded(app: App, hit: asyncio.Event, streams: list[Streamed]) -> Landed:
-    """The link of instance 1's worker slow and lossy for as long as the streams run."""
+    """The link of instance 1's worker slow and lossy for as long as the streams run; it aims at the streams
+    instance 1 runs."""
     worker = app.worker_of("inst-1")
+    hits = await _held(app, "inst-1")
     what = app.hosts.degrade(worker)
     hit.set()
 
     async def heal() -> None:
         app.hosts.heal(worker)
-    return Landed(f"w{worker}: {what}", heal)
+    return Landed(f"w{worker}: {what}", heal, hits)
 
 
 async def migration_destination_killed(app: App, hit: asyncio.Event, streams: list[Streamed]) -> Landed:
@@ -178,6 +184,16 @@ async def migration_destination_killed(app: App, hit: asyncio.Event, streams: li
     result = await moving
     return Landed(f"migration {result.status.value} ({result.reason[:80]})", _until_back(app, dst, was),
                   frozenset({rid}))
+
+
+async def _held(app: App, instance_id: str) -> frozenset[str]:
+    """The requests the router lists running on an instance that the instance still holds (the table may list one
+    that just ended there): those a fault on that instance must catch mid-stream. The streams elsewhere run at
+    their own instance's pace and may end before it lands; they must only end unharmed."""
+    running = await app.router().requests.remote("running")
+    actor = app.instance_actor(instance_id)
+    return frozenset([r["request_id"] for r in running if r["instance_id"] == instance_id
+                      and await actor.migrate_length.remote(r["request_id"]) is not None])
 
 
 def _until_back(app: App, victim: str, was: str) -> After:
