@@ -130,10 +130,11 @@ async def link_cut(app: App, hit: asyncio.Event, streams: list[Streamed]) -> Lan
 
 
 async def link_degraded(app: App, hit: asyncio.Event, streams: list[Streamed]) -> Landed:
-    """The link of instance 1's worker slow and lossy for as long as the streams run; it aims at the streams
-    instance 1 runs."""
-    worker = app.worker_of("inst-1")
-    hits = await _held(app, "inst-1")
+    """The link of the worker of the instance that holds the most streams slow and lossy for as long as the
+    streams run; it aims at the streams that instance holds."""
+    held = {i: await _held(app, i) for i in ("inst-0", "inst-1")}
+    victim = max(held, key=lambda i: len(held[i]))
+    worker, hits = app.worker_of(victim), held[victim]
     what = app.hosts.degrade(worker)
     hit.set()
 
