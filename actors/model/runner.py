@@ -166,7 +166,8 @@ class ModelRunner:
             if isinstance(layer.ffn, MoE):
                 raise ValueError("deterministic mode does not cover mixture-of-experts layers (docs/determinism.md)")
             layer.attn.deterministic = True
-            layer.attn.qkv_proj, layer.attn.o_proj = row_invariant(layer.attn.qkv_proj), row_invariant(layer.attn.o_proj)
+            layer.attn.qkv_proj = row_invariant(layer.attn.qkv_proj)
+            layer.attn.o_proj = row_invariant(layer.attn.o_proj)
             layer.ffn.gate_up_proj, layer.ffn.down_proj = (row_invariant(layer.ffn.gate_up_proj),
                                                            row_invariant(layer.ffn.down_proj))
         if self.lm_head is not None:
