@@ -153,3 +153,19 @@ def test_bf16_speculation_equals_plain_decoding_in_deterministic_mode(tmp_path: 
             assert run(ngram, None, batch) == plain, (policy, batch, "ngram")
             draft = ModelRunner(drafts, range(drafts.num_layers), cache)
             assert run(SpeculationConfig(policy=policy, k=4), draft, batch) == plain, (policy, batch, "model")
+
+
+def test_the_config_key_reaches_the_targets_runners_and_refuses_moe(tmp_path: Path, tiny_models) -> None:
+    from actors.loading import load_runners
+    from cluster.config import EngineConfig
+
+    path = build_tiny_model("qwen2", tmp_path / "q", hidden_size=128, head_dim=32, intermediate_size=256)
+    cfg = EngineConfig.model_validate({"model": {"target": str(path), "dtype": "bf16"}, "deterministic": True,
+                                       "speculation": {"policy": "off"}})
+    (target,), _ = load_runners(cfg)
+    assert target.deterministic and all(layer.attn.deterministic for layer in target.layers)
+    assert isinstance(target.lm_head, Tiled) and isinstance(target.layers[0].ffn.down_proj, Tiled)  # dense here
+    assert not load_runners(cfg.model_copy(update={"deterministic": False}))[0][0].layers[0].attn.deterministic
+    moe = load_model(str(tiny_models["mixtral"]), "fp32")
+    with pytest.raises(ValueError, match="mixture-of-experts"):
+        ModelRunner(moe, range(moe.num_layers), CacheConfig(block_size=4, num_blocks=16), deterministic=True)
