@@ -162,7 +162,9 @@ class HttpRoutes:
     async def _completions(self, request: Request) -> Response:
         tenant = self._auth(request)
         self.edge.precheck(tenant)
-        self.frontend.check_completion_body(request.headers.get("content-length", ""))
+        declared = request.headers.get("content-length", "")
+        if not (declared.isdigit() and int(declared) > self.cfg.serve.max_request_bytes):  # that is a 413 (_read)
+            self.frontend.check_completion_body(declared)
         body: CompletionRequest = await _body(request, CompletionRequest, self.cfg.serve)
         f = self.frontend
         f.check_model(body.model)

@@ -187,7 +187,7 @@ def test_the_registry_routes_by_prefix_counts_decisions_and_drops_a_removed_inst
     other = reg.route("r3", 0, now=0.2, model="m", blocks=block_hashes(list(range(1, 65)), 16, root_hash("m")))
     assert other != first  # no prefix in common: least load, and `first` has two in flight
     reg.finish("r1", RequestStatus.FINISHED, now=1.0)
-    reg.remove(first)
+    reg.remove(first, now=1.0)
     assert reg.prefix.match(chain) == {}
     assert reg.route("r4", 0, now=2.0, model="m", blocks=chain) != first
     with pytest.raises(NoInstanceAvailable, match="no instance serves model"):
@@ -209,7 +209,7 @@ def test_routes_follow_load_changes_in_every_order() -> None:
         elif op < 0.4:
             reg.set_draining(rng.choice(sorted(reg.instances)), rng.random() < 0.5)
         elif op < 0.45 and len(reg.instances) > 1:
-            reg.remove(rng.choice(sorted(reg.instances)))
+            reg.remove(rng.choice(sorted(reg.instances)), now=1.0)
         elif op < 0.7 and running:
             reg.finish(running.pop(rng.randrange(len(running))), RequestStatus.FINISHED, now=n)
         else:
