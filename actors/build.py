@@ -74,7 +74,8 @@ def shard_specs(cfg: EngineConfig, layout: ShardLayout) -> tuple[list[ShardSpec]
         stages = expert_rank_specs(cfg, num_layers)
     else:
         stages = [ShardSpec(m.target, m.dtype, s.layer_ids, first=i == 0, last=i == last, cache=cfg.cache,
-                            device=m.device, weights=m.weights) for i, s in enumerate(layout.stages)]
+                            device=m.device, weights=m.weights, deterministic=cfg.deterministic)
+                  for i, s in enumerate(layout.stages)]
     draft = draft_spec(cfg)
     if draft is not None and layout.draft_node is None:
         raise PlacementError("the engine config names a draft, but the layout places none (draft_node)")

@@ -30,7 +30,8 @@ def load_runners(cfg: EngineConfig, stages: Sequence[tuple[int, int]] | None = N
     n = target_model.num_layers
     bounds = list(stages) if stages is not None else [(0, n)]
     last = len(bounds) - 1
-    target = [ModelRunner(target_model, range(a, b), cfg.cache, first=i == 0, last=i == last)
+    target = [ModelRunner(target_model, range(a, b), cfg.cache, first=i == 0, last=i == last,
+                          deterministic=cfg.deterministic)
               for i, (a, b) in enumerate(bounds)]
     if cfg.speculation.policy == "off" or cfg.speculation.method != "model":
         return target, None  # no draft model: plain decoding, or a model-free (lookup) drafter

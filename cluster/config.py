@@ -192,6 +192,9 @@ class EngineConfig(_Frozen):
     scheduler: SchedulerConfig = SchedulerConfig()
     cache: CacheConfig = CacheConfig()
     experts: ExpertParallelConfig = ExpertParallelConfig()
+    # batch-invariant target forward (actors/model/deterministic.py, docs/determinism.md): a token's logits do not
+    # depend on its batch, so speculation in bf16 equals plain decoding token for token and runs repeat exactly
+    deterministic: bool = False
 
 
 class KeyLimits(_Frozen):

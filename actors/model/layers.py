@@ -71,6 +71,7 @@ class Attention:
     # (nh,); None: grouped-query attention's own grouping, nh / kvh query heads per KV head
     kv_map: torch.Tensor | None = None
     fused: object | None = None  # our CPU kernels (torch.ops.specfleet) where they run this layer (fused_ops)
+    deterministic: bool = False  # batch-invariant attention (actors/model/deterministic.py)
 
     def qkv(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
@@ -95,6 +96,10 @@ class Attention:
     ) -> torch.Tensor:
         """x: (N, H) -> (N, H). Writes this layer's K, V for the new tokens into the cache."""
         q, k, v = self.qkv(x, cos, sin)
+        if self.deterministic:
+            from actors.model.deterministic import attend
+
+            return self.o_proj(attend(self, q, k, v, meta, cache, layer))
         if meta.span is not None and self.kv_map is None and self.fused is not None:  # write and attend, one call
             kpool, vpool = cache.pools(layer)
             out = self.fused.span_attention(q, k, v, kpool, vpool, meta.slots, *meta.span, self.sliding_window or 0)

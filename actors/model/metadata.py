@@ -44,6 +44,8 @@ class AttentionMetadata:
     # attention then reads its K, V in place (KVCache.span)
     span: tuple[int, int] | None = None
     max_position: int = 0  # the largest of `positions`, as a plain int (no device sync to read it)
+    # per sequence, in chunk order: (its new tokens, its length after this forward), plain ints
+    seqs: tuple[tuple[int, int], ...] = ()
     _layout: tuple = ()  # (pad_index, q_positions, valid, block_tables) as plain ints, for the padded layout
     _tensors: dict[str, torch.Tensor] = field(default_factory=dict)
     _masks: dict[object, torch.Tensor] = field(default_factory=dict)
@@ -119,6 +121,7 @@ class AttentionMetadata:
             packed_is_padded=all(len(c.token_ids) == t for c in chunks),
             span=span,
             max_position=max(positions, default=0),
+            seqs=tuple((len(c.token_ids), cache.length(c.request_id) + len(c.token_ids)) for c in chunks),
             _layout=(pad_index, q_positions, valid, block_tables),
         )
 

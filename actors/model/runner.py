@@ -13,6 +13,7 @@ import torch
 from transformers.activations import ACT2FN
 
 from actors.kv_cache import KVCache, KVExport, reshard
+from actors.model.deterministic import row_invariant
 from actors.model.layers import Attention, DecoderLayer, DenseMLP, MoE, RopeTable, fused_ops, rms_norm
 from actors.model.loader import SUPPORTED_ARCHITECTURES, LoadedModel
 from actors.model.metadata import AttentionMetadata, SeqChunk
@@ -97,7 +98,8 @@ def _dense_part(layer: torch.nn.Module, weights: WeightMode) -> torch.nn.Module:
 class ModelRunner:
     """Runs `layer_ids` of a loaded model in order; embeds tokens if `first`, returns logits if `last`.
 
-    `weights` (default: the model's) is how its linear maps compute (actors/model/weights.py).
+    `weights` (default: the model's) is how its linear maps compute (actors/model/weights.py). `deterministic`:
+    the batch-invariant forward (actors/model/deterministic.py): a token's logits do not depend on its batch.
     """
 
     exports_kv = True  # the PipelineRunner interface: its KV can be exported and imported
@@ -112,6 +114,7 @@ class ModelRunner:
         last: bool = True,
         device: torch.device | str | None = None,
         weights: WeightMode | None = None,
+        deterministic: bool = False,
     ) -> None:
         cfg = model.config
         assert cfg.model_type in SUPPORTED_ARCHITECTURES, cfg.model_type
@@ -132,6 +135,8 @@ class ModelRunner:
         self.embed = hf.model.embed_tokens if first else None
         self.norm = hf.model.norm.weight if last else None
         self.lm_head = head_projection(model, self.device, self.weights) if last else None
+        self.deterministic = deterministic
+        self._invariant()
         self.rope = RopeTable(hf.model.rotary_emb, model.dtype, self.device)
         attn = self.layers[0].attn
         self.layer_parallel: LayerParallel | None = None  # EasySpec groups of a draft (actors/spec/easyspec.py)
@@ -150,6 +155,23 @@ class ModelRunner:
                 layer.ffn.gate_up_proj, layer.ffn.down_proj = proj.gate_up, proj.down
         if self.last:
             self.lm_head = head_projection(self.model, self.device, weights)
+        self._invariant()
+
+    def _invariant(self) -> None:
+        """In deterministic mode, make this runner's linear maps and attention batch-invariant (wrappers: the
+        shared projections themselves are not changed)."""
+        if not self.deterministic:
+            return
+        for layer in self.layers:
+            if isinstance(layer.ffn, MoE):
+                raise ValueError("deterministic mode does not cover mixture-of-experts layers (docs/determinism.md)")
+            layer.attn.deterministic = True
+            layer.attn.qkv_proj = row_invariant(layer.attn.qkv_proj)
+            layer.attn.o_proj = row_invariant(layer.attn.o_proj)
+            layer.ffn.gate_up_proj, layer.ffn.down_proj = (row_invariant(layer.ffn.gate_up_proj),
+                                                           row_invariant(layer.ffn.down_proj))
+        if self.lm_head is not None:
+            self.lm_head = row_invariant(self.lm_head)
 
     @property
     def layer_ids(self) -> list[int]:

@@ -61,6 +61,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kinds", nargs="+", choices=["model", "ngram", "suffix"], default=["model", "ngram", "suffix"])
     p.add_argument("--start", action="store_true",
                    help="also time to first token from a cold and a warm start per setup (deploy/bench/start.py)")
+    p.add_argument("--weights", choices=["dequantized", "stored", "int8", "int4"], default="dequantized",
+                   help="engine.model.weights of the target and its draft (actors/model/weights.py)")
+    p.add_argument("--deterministic", choices=["off", "on", "both"], default="off",
+                   help="engine.deterministic (the batch-invariant forward); both: every mode also as '<mode> det', "
+                        "its agreement against 'off det', its speed against 'off'")
     p.add_argument("--json", type=Path, help="write the results here")
 
 
@@ -118,10 +123,22 @@ def setups(args: argparse.Namespace) -> list[Setup]:
 
 
 def _build(setup: Setup, args: argparse.Namespace, batch: int, costs: dict[str, StepCostModel]) -> dict[str, Engine]:
-    draft_name, int8 = setup.draft, setup.int8
     cache = CacheConfig(block_size=16, num_blocks=(setup.num_prompts * (setup.max_tokens + 1024)) // 16 + 64)
-    target, draft = _models(setup, args.dtype, args.device)
-    target_runner = ModelRunner(target, range(target.num_layers), cache)
+    target, draft = _models(setup, args.dtype, args.device, args.weights)
+    engines = {}
+    for det in {"off": [False], "on": [True], "both": [False, True]}[args.deterministic]:
+        target_runner = ModelRunner(target, range(target.num_layers), cache, deterministic=det)
+        suffix = " det" if det and args.deterministic == "both" else ""
+        engines.update({name + suffix: e for name, e in _engines(setup, args, batch, costs, cache, target_runner,
+                                                                draft, suffix).items()})
+    return engines
+
+
+def _engines(setup: Setup, args: argparse.Namespace, batch: int, costs: dict[str, StepCostModel],
+             cache: CacheConfig, target_runner: ModelRunner, draft, suffix: str) -> dict[str, Engine]:
+    """`off` and each draft kind with each policy on one target runner (goodput's cost model calibrated once per
+    draft kind and `suffix`)."""
+    draft_name, int8 = setup.draft, setup.int8
     sched = SchedulerConfig(max_batch_size=batch, max_num_batched_tokens=max(256, batch))
     engines = {"off": Engine(target_runner, None, SpeculationConfig(policy="off"), sched)}
     for kind in args.kinds:
@@ -134,10 +151,10 @@ def _build(setup: Setup, args: argparse.Namespace, batch: int, costs: dict[str, 
             ("draft model" if kind == "model" else kind)
         for policy in ("fixed", "goodput"):
             spec = SpeculationConfig(method=kind, policy=policy, k=args.k)
-            cost = costs.get(kind) if policy == "goodput" else None  # calibrated once per draft kind
+            cost = costs.get(kind + suffix) if policy == "goodput" else None  # calibrated once per draft kind
             e = Engine(target_runner, runner, spec, sched, cost_model=cost, draft_quantized=int8 and kind == "model")
             if policy == "goodput":
-                costs[kind] = e.cost_model
+                costs[kind + suffix] = e.cost_model
             engines[f"{label} {policy}"] = e
     return engines
 
@@ -145,17 +162,17 @@ def _build(setup: Setup, args: argparse.Namespace, batch: int, costs: dict[str, 
 _MODELS: dict = {}
 
 
-def _models(setup: Setup, dtype: str, device: str) -> tuple:
-    """The setup's (target, draft) LoadedModels on `device`, loaded once per run."""
-    if (setup, dtype) not in _MODELS:
+def _models(setup: Setup, dtype: str, device: str, weights: str = "dequantized") -> tuple:
+    """The setup's (target, draft) LoadedModels on `device` with `weights`, loaded once per run."""
+    if (setup, dtype, weights) not in _MODELS:
         target_name, draft_name = setup.target, setup.draft
         t0 = time.perf_counter()
         where = resolve_device(device)
-        target = load_model(resolve_model(target_name, dtype), dtype, where)
-        draft = load_model(resolve_model(draft_name, dtype), dtype, where) if draft_name else target
-        _MODELS[(setup, dtype)] = (target, draft)
+        target = load_model(resolve_model(target_name, dtype), dtype, where, weights)
+        draft = load_model(resolve_model(draft_name, dtype), dtype, where, weights) if draft_name else target
+        _MODELS[(setup, dtype, weights)] = (target, draft)
         print(f"{setup.name}: loaded in {time.perf_counter() - t0:.0f}s", flush=True)
-    return _MODELS[(setup, dtype)]
+    return _MODELS[(setup, dtype, weights)]
 
 
 def _measure(setup: Setup, args: argparse.Namespace, prompts: list[list[int]], batch: int,
@@ -186,12 +203,14 @@ def _measure(setup: Setup, args: argparse.Namespace, prompts: list[list[int]], b
 
 def run(args: argparse.Namespace) -> int:
     torch.manual_seed(0)
-    report = {"command": "specfleet bench default", "dtype": args.dtype, "k": args.k, "cpu": cpu_model(),
+    report = {"command": "specfleet bench default", "dtype": args.dtype, "weights": args.weights, "k": args.k,
+              "cpu": cpu_model(),
+              "deterministic": args.deterministic,
               "device": device_name(resolve_device(args.device)),
               "threads": torch.get_num_threads(), "setups": {}}
     for setup in setups(args):
         n = setup.num_prompts
-        target = _models(setup, args.dtype, args.device)[0]
+        target = _models(setup, args.dtype, args.device, args.weights)[0]
         prompts = [target.encode(p, chat=True) for p in load_prompts(args.prompts, n)]
         costs: dict[str, StepCostModel] = {}
         rows = {}
@@ -199,8 +218,9 @@ def run(args: argparse.Namespace) -> int:
             modes = _measure(setup, args, prompts, batch, costs)
             off = modes["off"]
             rows[batch] = {}
-            for name, m in modes.items():
-                same, prefix = _agreement(off.outputs, m.outputs)
+            for name, m in modes.items():  # a deterministic mode's agreement: against deterministic plain decoding
+                same, prefix = _agreement(modes["off det"].outputs if name.endswith(" det") else off.outputs,
+                                          m.outputs)
                 rows[batch][name] = {
                     "tok_s": round(m.tok_s, 2), "vs_off": round(m.tok_s / off.tok_s, 3) if off.tok_s else None,
                     "acceptance": round(m.stats.acceptance_rate, 3) if m.stats.proposed else None,

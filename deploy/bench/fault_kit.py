@@ -187,6 +187,8 @@ class Hosts:
 class Streamed:
     """One client's stream: its text, finish, error (an error event or a non-200 answer), and chunk arrival times."""
 
+    prompt_tokens: int = 0
+    request_id: str | None = None  # the router's id for it (its chunks' "id")
     text: str = ""
     chunks: int = 0
     finish: str | None = None
@@ -299,6 +301,7 @@ class App:
                     if not line.startswith("data: ") or line == "data: [DONE]":
                         continue
                     event = json.loads(line[len("data: "):])
+                    out.request_id = event.get("id", out.request_id)
                     if "error" in event:
                         out.error = event["error"]["message"]
                         continue
@@ -317,19 +320,20 @@ class App:
             out.started.set()  # a stream that ended early must not hold the fault back
 
     async def load(self, prompts: list[list[int]], tokens: int,
-                   fault: Callable[[asyncio.Event], Awaitable[None]] | None = None, min_chunks: int = 8) -> LoadRun:
-        """Stream every prompt at once; once every stream has `min_chunks` chunks, run `fault(hit)` (it sets `hit`
-        when the fault lands, then may heal it), and from `hit` on probe with small new requests until one is
+                   fault: Callable[[asyncio.Event, list[Streamed]], Awaitable[None]] | None = None,
+                   min_chunks: int = 8) -> LoadRun:
+        """Stream every prompt at once; once every stream has `min_chunks` chunks, run `fault(hit, streams)` (it sets
+        `hit` when the fault lands, then may heal it), and from `hit` on probe with small new requests until one is
         answered in full. Returns when every stream and the fault are done."""
         async with self.client() as client:
-            streams = [Streamed() for _ in prompts]
+            streams = [Streamed(len(p)) for p in prompts]
             tasks = [asyncio.create_task(self.stream(client, p, tokens, s, min_chunks))
                      for p, s in zip(prompts, streams)]
             fault_at = served_again = None
             if fault is not None:
                 await asyncio.gather(*(s.started.wait() for s in streams))
                 hit = asyncio.Event()
-                faulting = asyncio.create_task(fault(hit))
+                faulting = asyncio.create_task(fault(hit, streams))
                 await asyncio.wait([faulting, asyncio.create_task(hit.wait())], return_when=asyncio.FIRST_COMPLETED)
                 if faulting.done():
                     faulting.result()  # a fault that failed before landing

@@ -30,54 +30,66 @@ from pathlib import Path
 import ray
 
 from cluster.config import MigrationConfig, SpecfleetConfig
-from deploy.bench.fault_kit import App, Hosts, LoadRun, app_config
+from deploy.bench.fault_kit import App, Hosts, LoadRun, Streamed, app_config
 from deploy.bench.output import pct
 
 After = Callable[[], Awaitable[None]] | None  # what heals a fault once the streams are done (None: nothing)
 
 
 @dataclass(frozen=True)
+class Landed:
+    """What a fault did: a note, what heals it after the streams, and the streams it must catch mid-stream (request
+    ids; None: every stream, as a fault on the router or on every instance's path does)."""
+
+    note: str
+    after: After = None
+    hits: frozenset[str] | None = None
+
+
+@dataclass(frozen=True)
 class Fault:
-    """One fault: which app it needs ("one" or "two"), and `inject(app, hit)`, which sets `hit` when the fault
-    lands and returns a note and what heals it after the streams."""
+    """One fault: which app it needs ("one" or "two"), and `inject(app, hit, streams)`, which sets `hit` when the
+    fault lands and returns what it did (`streams`: the load's, as they stand)."""
 
     name: str
     app: str
     what: str
-    inject: Callable[[App, asyncio.Event], Awaitable[tuple[str, After]]]
+    inject: Callable[[App, asyncio.Event, list[Streamed]], Awaitable[Landed]]
     netns_only: bool = False
 
 
-async def router_killed(app: App, hit: asyncio.Event) -> tuple[str, After]:
+async def router_killed(app: App, hit: asyncio.Event, streams: list[Streamed]) -> Landed:
     """The router killed for good (`ray.kill`): a new one is started by whoever finds it dead, and it rebuilds its
     registry and request table from the instances."""
     ray.kill(app.router(), no_restart=True)
     hit.set()
-    return "ray.kill, no restart", None
+    return Landed("ray.kill, no restart")
 
 
-async def instance_killed(app: App, hit: asyncio.Event) -> tuple[str, After]:
-    """SIGKILL on the instance process that runs the most streams (with one instance: the only one)."""
+async def instance_killed(app: App, hit: asyncio.Event, streams: list[Streamed]) -> Landed:
+    """SIGKILL on the instance process that runs the most streams (with one instance: the only one); it aims at the
+    streams that instance runs."""
     running = await app.router().requests.remote("running")
     ids = [r["instance_id"] for r in running] or ["inst-0"]
     victim = max(set(ids), key=ids.count)
     was = app.incarnation(victim)
     pid = await app.instance_actor(victim).pid.remote()
+    hits = await _held(app, victim)
     os.kill(pid, signal.SIGKILL)
     hit.set()
-    return f"SIGKILL {victim}", _until_back(app, victim, was)
+    return Landed(f"SIGKILL {victim}", _until_back(app, victim, was), hits)
 
 
-async def shard_killed(app: App, hit: asyncio.Event) -> tuple[str, After]:
+async def shard_killed(app: App, hit: asyncio.Event, streams: list[Streamed]) -> Landed:
     """One pipeline stage's shard actor of instance 0 killed (`ray.kill`): the instance turns unhealthy, Serve
     replaces it."""
     was = app.incarnation("inst-0")
     ray.kill(app.actor("inst-0/", "/stage-1"), no_restart=True)
     hit.set()
-    return "ray.kill inst-0 stage 1", _until_back(app, "inst-0", was)
+    return Landed("ray.kill inst-0 stage 1", _until_back(app, "inst-0", was))
 
 
-async def node_killed(app: App, hit: asyncio.Event) -> tuple[str, After]:
+async def node_killed(app: App, hit: asyncio.Event, streams: list[Streamed]) -> Landed:
     """The worker that runs instance 0's second stage killed whole (raylet and every process on it); the instance
     is planned again on the workers left. Afterwards the node comes back."""
     worker = app.worker_of("inst-0", stage=1)
@@ -87,18 +99,19 @@ async def node_killed(app: App, hit: asyncio.Event) -> tuple[str, After]:
     async def back() -> None:
         await asyncio.to_thread(app.wait_placed, "inst-0", worker)
         app.hosts.restart_node(worker)  # on this thread: the node is this thread's child (it dies with it)
-    return f"killed worker w{worker}", back
+    return Landed(f"killed worker w{worker}", back)
 
 
-async def link_cut(app: App, hit: asyncio.Event) -> tuple[str, After]:
+async def link_cut(app: App, hit: asyncio.Event, streams: list[Streamed]) -> Landed:
     """The link of instance 0's worker cut until Ray has given the node up and the router has taken the instance
     out, then restored. The raylet Ray gave up exits; it is started again at a
     new address (a KubeRay pod that replaces another), and the instance's replacement, which has no other room,
-    lands on it."""
+    lands on it. It aims at the streams instance 0 runs."""
     victim = "inst-0"  # one stage on one worker; instance 1 holds the other two (its stage and its draft's)
     was = app.incarnation(victim)
     worker = app.worker_of(victim)
     address = node_address(worker)
+    hits = await _held(app, victim)
     app.hosts.cut(worker)
     hit.set()
     deadline = time.monotonic() + 120
@@ -112,40 +125,47 @@ async def link_cut(app: App, hit: asyncio.Event) -> tuple[str, After]:
     async def back() -> None:
         app.hosts.restart_node(worker, True)  # on this thread: the node is this thread's child (it dies with it)
         await _until_back(app, victim, was)()
-    return f"cut w{worker} at {address} ({victim}) until Ray and the router gave it up, then restored", back
+    return Landed(f"cut w{worker} at {address} ({victim}) until Ray and the router gave it up, then restored", back,
+                  hits)
 
 
-async def link_degraded(app: App, hit: asyncio.Event) -> tuple[str, After]:
-    """The link of instance 1's worker slow and lossy for as long as the streams run."""
-    worker = app.worker_of("inst-1")
+async def link_degraded(app: App, hit: asyncio.Event, streams: list[Streamed]) -> Landed:
+    """The link of the worker of the instance that holds the most streams slow and lossy for as long as the
+    streams run; it aims at the streams that instance holds."""
+    held = {i: await _held(app, i) for i in ("inst-0", "inst-1")}
+    victim = max(held, key=lambda i: len(held[i]))
+    worker, hits = app.worker_of(victim), held[victim]
     what = app.hosts.degrade(worker)
     hit.set()
 
     async def heal() -> None:
         app.hosts.heal(worker)
-    return f"w{worker}: {what}", heal
+    return Landed(f"w{worker}: {what}", heal, hits)
 
 
-async def migration_destination_killed(app: App, hit: asyncio.Event) -> tuple[str, After]:
-    """A running request migrates from the instance that runs the most streams to the other (a long staged copy: up
-    to 64 stages of 16-token chunks, stopping only when nothing is left), and the destination's process is killed
-    once a chunk has landed there: mid-copy. The request carries on at its source; the destination's own streams
-    fail over."""
+async def migration_destination_killed(app: App, hit: asyncio.Event, streams: list[Streamed]) -> Landed:
+    """The running request furthest from its end migrates to the other instance (a long staged copy: up to 64
+    stages of 16-token chunks, stopping only when nothing is left), and the destination's process is killed once a
+    chunk has landed there: mid-copy. The request carries on at its source; whatever the destination still runs
+    fails over. The fault must catch the migrated request mid-stream; the other streams run at their instance's
+    pace (the channel's setup takes a while) and must only end unharmed."""
     router = app.router()
     running = await router.requests.remote("running")
-    ids = [r["instance_id"] for r in running]
-    if not ids:
+    if not running:
         raise AssertionError("no stream runs to migrate")
-    src = max(set(ids), key=ids.count)
+    prompt = {s.request_id: s.prompt_tokens for s in streams}
+    # tokens generated so far, as each request's instance holds it now (the router's table may still list one that
+    # just ended there)
+    generated = {}
+    for r in running:
+        length = await app.instance_actor(r["instance_id"]).migrate_length.remote(r["request_id"])
+        if length is not None and r["request_id"] in prompt:
+            generated[r["request_id"]] = (length - prompt[r["request_id"]], r["instance_id"])
+    if not generated:
+        raise AssertionError(f"no instance holds a request the router lists running: {running}")
+    rid = min(generated, key=lambda k: generated[k][0])
+    src = generated[rid][1]
     dst = next(r["instance_id"] for r in app.instances() if r["instance_id"] != src)
-    # the request furthest from its end, as the source holds it now (the router's table may still list one that
-    # just ended there, and streams run at their instance's pace: one may be near its end already)
-    lengths = {r["request_id"]: await app.instance_actor(src).migrate_length.remote(r["request_id"])
-               for r in running if r["instance_id"] == src}
-    held = sorted((n, rid) for rid, n in lengths.items() if n is not None)
-    if not held:
-        raise AssertionError(f"{src} holds none of the requests the router lists there: {lengths}")
-    rid = held[0][1]
     was = app.incarnation(dst)
     pid = await app.instance_actor(dst).pid.remote()
     cfg = MigrationConfig(max_stages=64, stop_copy_tokens=0, chunk_tokens=16, transfer="torch", step_timeout_s=30)
@@ -157,13 +177,24 @@ async def migration_destination_killed(app: App, hit: asyncio.Event) -> tuple[st
             break
         done, _ = ray.wait([moving], timeout=0)
         if done or time.monotonic() > deadline:
-            raise AssertionError(f"the migration of {rid} (held at {lengths}) never was mid-copy when looked at: "
+            raise AssertionError(f"the migration of {rid} (generated {generated}) never was mid-copy when looked at: "
                                  f"{ray.get(done) if done else flights}")
         await asyncio.sleep(0.01)
     os.kill(pid, signal.SIGKILL)
     hit.set()
     result = await moving
-    return f"migration {result.status.value} ({result.reason[:80]})", _until_back(app, dst, was)
+    return Landed(f"migration {result.status.value} ({result.reason[:80]})", _until_back(app, dst, was),
+                  frozenset({rid}))
+
+
+async def _held(app: App, instance_id: str) -> frozenset[str]:
+    """The requests the router lists running on an instance that the instance still holds (the table may list one
+    that just ended there): those a fault on that instance must catch mid-stream. The streams elsewhere run at
+    their own instance's pace and may end before it lands; they must only end unharmed."""
+    running = await app.router().requests.remote("running")
+    actor = app.instance_actor(instance_id)
+    return frozenset([r["request_id"] for r in running if r["instance_id"] == instance_id
+                      and await actor.migrate_length.remote(r["request_id"]) is not None])
 
 
 def _until_back(app: App, victim: str, was: str) -> After:
@@ -205,7 +236,8 @@ class Outcome:
 
     fault: str
     streams: int
-    in_flight: int  # streams still running when the fault landed (the fault must hit them mid-stream)
+    hits: int  # streams the fault must catch mid-stream (every one, or those it aims at: a migrated request)
+    in_flight: int  # of those, the ones still running when the fault landed
     lost: int  # ended in an error or cut short
     changed: int  # surviving streams whose output differs from the unfaulted run
     served_again_s: float | None
@@ -231,23 +263,25 @@ def apps(target: Path, draft: Path | None, engine: dict | None = None, wait_s: f
 
 async def run_fault(fault: Fault, app: App, prompts: list[list[int]], tokens: int, baseline: LoadRun) -> Outcome:
     """The fault under the load of `prompts`; its row, against `baseline` (the same load unfaulted)."""
-    note, after = "", None
+    landed = Landed("")
 
-    async def inject(hit: asyncio.Event) -> None:
-        nonlocal note, after
-        note, after = await fault.inject(app, hit)
+    async def inject(hit: asyncio.Event, streams: list[Streamed]) -> None:
+        nonlocal landed
+        landed = await fault.inject(app, hit, streams)
 
     run = await app.load(prompts, tokens, fault=inject)
-    if after is not None:
-        await after()
+    if landed.after is not None:
+        await landed.after()
     running, pending, blocks = await asyncio.to_thread(app.leaks)
     survived = [(s, b) for s, b in zip(run.streams, baseline.streams) if s.error is None and s.finish == "length"]
     gaps = [g for s, _ in survived for g in s.gaps()]
     base = [g for s in baseline.streams for g in s.gaps()]
     p99 = pct(gaps, 99) - pct(base, 99) if gaps and base else None
-    in_flight = sum(bool(s.arrivals) and s.arrivals[-1] > run.fault_at for s in run.streams)
-    return Outcome(fault.name, len(prompts), in_flight, len(prompts) - len(survived),
-                   sum(s.text != b.text for s, b in survived), run.served_again_s, p99, running, pending, blocks, note)
+    hit = [s for s in run.streams if landed.hits is None or s.request_id in landed.hits]
+    in_flight = sum(bool(s.arrivals) and s.arrivals[-1] > run.fault_at for s in hit)
+    return Outcome(fault.name, len(prompts), len(prompts) if landed.hits is None else len(landed.hits), in_flight,
+                   len(prompts) - len(survived), sum(s.text != b.text for s, b in survived), run.served_again_s, p99,
+                   running, pending, blocks, landed.note)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

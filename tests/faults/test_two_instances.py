@@ -52,6 +52,9 @@ def test_a_slow_lossy_link_slows_streams_and_changes_nothing(two) -> None:
 
 
 def test_a_migration_whose_destination_dies_mid_copy_leaves_the_request_running_at_its_source(two) -> None:
+    """The fault aims at the migrated request, which must be mid-stream when its destination dies; the other streams
+    (the destination's fail over, if it still runs any) must end unharmed all the same."""
     outcome = fault(two, "migration_destination_killed")
+    assert outcome.hits == 1, outcome
     assert_survived(outcome)
     assert outcome.note.startswith("migration aborted_dst"), outcome.note

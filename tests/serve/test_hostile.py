@@ -6,8 +6,12 @@ process of its own, on seven threads at once and over and over: ~1 MB prompts, c
 max_tokens and `ignore_eos` (16 full-context sequences), the top priority, prompts of thousands of tokens,
 back-to-back generations, and full-context streams it never reads; a refused request is sent again after
 RETRY_S. The ordinary key sends one streamed completion at a time. Unloaded and flooded phases alternate over
-ROUNDS rounds. Figures: docs/benchmarks.md ("Hostile tenant"), from `pytest -s tests/serve/test_hostile.py` (the
-printed line; SPECFLEET_HOSTILE_REPORT=FILE also writes it as JSON).
+ROUNDS rounds. Figures: docs/benchmarks.md ("Hostile tenant"), from `pytest -m slow -s tests/serve/test_hostile.py`
+(the printed line; SPECFLEET_HOSTILE_REPORT=FILE also writes it as JSON).
+
+Marked slow (three minutes, and a timed ratio): it is a measurement, run on a machine with nothing else on it; the
+default suite checks the mechanisms it relies on (admission, per-key limits, the tokenizer pool's bound and fairness:
+tests/serve/test_edge.py and tests/unit).
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from collections import Counter
 from collections.abc import Callable
 
 import httpx
+import pytest
 
 from tests.serve.conftest import API_KEY, LIMITED_KEYS, MODEL, ServedApp
 from tests.unit.helpers import load, text_prompts
@@ -155,6 +160,7 @@ def _flood(url: str, key: str, stop, ready, results, kinds: tuple[str, ...]) -> 
     results.put((dict(statuses), errors))
 
 
+@pytest.mark.slow
 def test_a_hostile_key_cannot_slow_another_keys_first_token_beyond_twice(served_app: ServedApp) -> None:
     prompts = text_prompts(load(served_app.target), ORDINARY_REQUESTS, offset=40)
     ordinary_ttfts(served_app, prompts[:5])  # warm-up

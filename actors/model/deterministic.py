@@ -1,0 +1,87 @@
+"""Batch-invariant forward (`engine.deterministic`): every op gives a row the same bits whatever else is in the
+forward (the k+1 positions of a verification, other requests, prefill chunks), so speculative output equals plain
+decoding token for token in bf16 too (the approach of Thinking Machines' "Defeating Nondeterminism in LLM
+Inference", 2025: fix each kernel's reduction order independently of the batch; docs/determinism.md).
+
+Measured on this CPU (tests/unit/test_batch_invariance.py): torch's dense matmul (oneDNN) picks its blocking from
+the number of rows, so a row's sums change with M (fp32 at every shape, bf16 at K = 1536); attention changes kernel
+with the batch (our fused kernel for one sequence, SDPA over a padded gather for several). Elementwise ops, the
+norms and our int4 kernel are row-invariant. Here:
+- a linear map that is not our int4 kernel runs on fixed tiles of `TILE` rows (padded with zero rows), so every
+  call has the same shape and a row's bits do not depend on M or on its place in the tile;
+- attention runs per sequence and per query row over exactly the keys that row sees: our fused kernel (which
+  computes each row alone) on the sequence's keys, else SDPA of one query row over its own keys.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from actors.kv_cache import KVCache
+from actors.model.metadata import AttentionMetadata
+
+TILE = 16  # rows per matmul call: one shape for every call (a decode pays 16 rows of compute, not of weight reads)
+
+
+class Tiled(nn.Module):
+    """`inner` (M, K) -> (M, N) computed on fixed tiles of `TILE` rows: row-invariant whatever inner's kernel does
+    with M."""
+
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+        self.in_features, self.out_features = inner.in_features, inner.out_features
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x2 = x.reshape(-1, shape[-1])  # (M, K)
+        m = x2.shape[0]
+        x2 = F.pad(x2, (0, 0, 0, -m % TILE))  # (M padded to tiles, K)
+        y = torch.cat([self.inner(tile) for tile in x2.split(TILE)])[:m]  # (M, N)
+        return y.view(*shape[:-1], y.shape[-1])
+
+
+def row_invariant(linear: nn.Module) -> nn.Module:
+    """`linear` as it is where its kernel is row-invariant by construction (our int4 kernel sums each row alone in
+    one order), else on fixed tiles."""
+    if isinstance(linear, Tiled) or getattr(linear, "own", None) is not None:
+        return linear
+    return Tiled(linear)
+
+
+def attend(attn, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata, cache: KVCache,
+           layer: int) -> torch.Tensor:
+    """Attention of each query row over exactly the keys it sees, the same computation whatever the batch.
+    q (N, nh, hd), k, v (N, kvh, hd) -> (N, nh*hd); writes the new K, V into the cache. `attn`: layers.Attention."""
+    fused, window = attn.fused if attn.kv_map is None else None, attn.sliding_window or 0
+    if fused is not None and meta.span is not None:  # one sequence on consecutive blocks: in place, no copy
+        kpool, vpool = cache.pools(layer)
+        return fused.span_attention(q, k, v, kpool, vpool, meta.slots, *meta.span, window)
+    cache.write(layer, meta.slots, k, v)
+    keys, values = cache.gather(layer, meta.block_tables)  # (B, S, kvh, hd) each
+    if attn.kv_map is not None:
+        keys, values = keys[:, :, attn.kv_map], values[:, :, attn.kv_map]  # (B, S, nh, hd) each
+    outs, offset = [], 0
+    for b, (n, length) in enumerate(meta.seqs):
+        qb, kb, vb = q[offset:offset + n], keys[b, :length].contiguous(), values[b, :length].contiguous()
+        if fused is not None:  # the kernel computes each row alone; it rewrites the new K, V (same values)
+            slots = torch.arange(length - n, length, device=q.device)
+            outs.append(fused.span_attention(qb, k[offset:offset + n], v[offset:offset + n], kb, vb, slots, 0,
+                                             length, window))
+        else:
+            outs.extend(_row(attn, qb[i], kb, vb, length - n + i, window) for i in range(n))
+        offset += n
+    return torch.cat(outs)  # (N, nh*hd)
+
+
+def _row(attn, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, pos: int, window: int) -> torch.Tensor:
+    """One query row q (nh, hd) at position `pos` over keys, values (S, h, hd) [first, pos] -> (1, nh*hd)."""
+    first = max(0, pos - window + 1) if window else 0
+    out = F.scaled_dot_product_attention(
+        q[None, :, None],  # (1, nh, 1, hd)
+        keys[None, first:pos + 1].transpose(1, 2), values[None, first:pos + 1].transpose(1, 2),  # (1, h, s, hd)
+        enable_gqa=attn.kv_map is None and attn.num_heads != attn.num_kv_heads,
+    )  # (1, nh, 1, hd)
+    return out.reshape(1, -1)
