@@ -70,11 +70,12 @@ async def instance_killed(app: App, hit: asyncio.Event, streams: list[Streamed])
     """SIGKILL on the instance process that runs the most streams (with one instance: the only one); it aims at the
     streams that instance runs."""
     running = await app.router().requests.remote("running")
-    ids = [r["instance_id"] for r in running] or ["inst-0"]
-    victim = max(set(ids), key=ids.count)
+    # what each instance still holds, not the router's table alone (it may list a request that just ended there)
+    held = {i: await _held(app, i) for i in sorted({r["instance_id"] for r in running} | {"inst-0"})}
+    victim = max(held, key=lambda i: (len(held[i]), i == "inst-0"))
+    hits = held[victim]
     was = app.incarnation(victim)
     pid = await app.instance_actor(victim).pid.remote()
-    hits = await _held(app, victim)
     os.kill(pid, signal.SIGKILL)
     hit.set()
     return Landed(f"SIGKILL {victim}", _until_back(app, victim, was), hits)
