@@ -52,7 +52,7 @@ def test_a_slow_lossy_link_slows_streams_and_changes_nothing(two) -> None:
 
 
 # slow (outside `make test`): the request to migrate must outlast the migration channel's setup, and nothing in the
-# product can hold a request while it opens; on a loaded 2-core machine it ended first in 1 of 8 runs
+# product can hold a request while it opens; on a loaded 2-core machine it ended first in 2 of about 12 runs
 # ("aborted_src: the request ended at the source first", a clear failure, never a pass). Run with `-m slow`.
 @pytest.mark.slow
 def test_a_migration_whose_destination_dies_mid_copy_leaves_the_request_running_at_its_source(two) -> None:
