@@ -23,6 +23,10 @@ def fault(two: Served, name: str):
     return asyncio.run(run_fault(BY_NAME[name], two.app, two.prompts, TOKENS, two.baseline))
 
 
+# slow (outside `make test`), for the same reason as the mid-copy kill below: the instance's streams must still run
+# when the kill lands, and on this machine the struck instance's streams had all been delivered by then in 2 of
+# its last 4 runs (a clear "landed after every stream it aims at ended", never a pass). Run with `-m slow`.
+@pytest.mark.slow
 def test_one_of_two_instances_killed_its_streams_fail_over_to_the_other(two) -> None:
     assert_survived(fault(two, "instance_killed_of_two"))
 
