@@ -24,7 +24,8 @@ from actors.loading import load_runners
 from actors.local_stages import LocalStages
 from actors.model.loader import load_metadata, load_model_config
 from actors.pipeline import PipelineRunner
-from actors.ray_stages import GroupStages, RayStages, gather
+from actors.rank_group import gather
+from actors.ray_stages import GroupStages, RayStages
 from actors.shard import ShardSpec
 from actors.shard_actor import ShardActor
 from actors.spec import draft_group

@@ -526,8 +526,7 @@ class Engine:
         c, tc = self._stats, self.target.cache
         calibration = self.drafter.calibration if isinstance(self.drafter, ModelDrafter) else None
         dc = self.draft.cache if self.draft is not None else None
-        expert_stats = getattr(self.target, "expert_stats", None)  # an expert-parallel target (PipelineRunner)
-        ep = expert_stats() if expert_stats is not None else None
+        ep = self.target.expert_stats()  # an expert-parallel target's figures since the start (else None)
         return EngineStats(
             running=len(self.running), waiting=len(self.waiting),
             kv_blocks_used=tc.num_used_blocks, kv_blocks_free=tc.num_free_blocks,

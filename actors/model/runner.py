@@ -192,6 +192,10 @@ class ModelRunner:
         """Append exported KV (of any split of this model's layers) after the request's KV; False if no room."""
         return self.cache.import_(reshard(exports, [self.layer_ids])[0])
 
+    def expert_stats(self) -> None:
+        """The PipelineRunner interface: a runner in this process has no expert-parallel ranks to count."""
+        return None
+
     def begin(self, chunks: list[SeqChunk]) -> tuple[AttentionMetadata, torch.Tensor, torch.Tensor]:
         """Open a forward over `chunks` (`forward`'s, or an EasySpec member's part of one: actors/spec/draft_group.py):
         room in the cache for their new tokens, the batch's attention metadata and rotary cos, sin (N, 1, hd)."""
