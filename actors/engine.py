@@ -55,7 +55,7 @@ from cluster.migration import Link
 from cluster.migration_policy import InstanceLoad, RequestLoad
 from cluster.prefix import ChainNames, root_hash
 from cluster.request import (FinishReason, InvalidRequest, Request, Resume, SamplingParams, SpecStats, TokenDelta,
-                             check_prompt)
+                             check_prompt, context_length)
 from cluster.stats import EngineStats
 
 
@@ -112,7 +112,7 @@ class Engine:
         self.acceptance = Acceptance.prior(speculation.prior_acceptance, decay=speculation.acceptance_decay)
         self.scheduler = Scheduler(scheduler, target.cache, self.k, self._free)
         self.planner = SpeculationPlanner(policy, self.drafter, target, self.k, self.acceptance)
-        self.max_model_len = min(max_model_len or target.model.max_model_len, target.model.max_model_len)
+        self.max_model_len = context_length(target.model.max_model_len, max_model_len)
         self.tokenizer: PreTrainedTokenizerBase = target.model.tokenizer
         self.eos_token_ids = target.model.eos_token_ids
         self._ids = itertools.count()
