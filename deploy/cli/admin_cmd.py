@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import threading
 import time
@@ -27,6 +26,7 @@ from deploy.cli.admin_client import AdminClient, Instances, ServerError
 from deploy.cli.flags import UsageError
 from deploy.infra import local_cluster
 from deploy.infra.local_cluster import ClusterError
+from deploy.serve.auth import KeyFileError, listed_keys
 
 REQUEST_STATUSES = ("running", "finished", "aborted", "failed")
 
@@ -50,16 +50,14 @@ def add_endpoint_flags(p: argparse.ArgumentParser) -> None:
 
 
 def first_key(auth: AuthConfig, admin: bool) -> str | None:
-    """The first key the app would accept, as the app finds them (auth.py): env, then config, then key file."""
-    env = os.environ.get(auth.admin_keys_env if admin else auth.api_keys_env, "")
-    if keys := [k.strip() for k in env.split(",") if k.strip()]:
-        return keys[0]
-    if literal := (auth.admin_keys if admin else auth.api_keys):
-        return literal[0].get_secret_value()
-    file = auth.admin_keys_file if admin else auth.api_keys_file
-    if file and (path := Path(file).expanduser()).is_file():
-        return next((line.strip() for line in path.read_text().splitlines() if line.strip()), None)
-    return None
+    """The first key the app would accept, looked up as the app does (deploy/serve/auth.py listed_keys): env, then
+    config, then key file; None without any, or when it would come from a key file that is not readable here
+    (the app's files may be on another machine: the request then goes without a key)."""
+    keys = listed_keys(auth, admin)
+    try:
+        return next(keys, None)
+    except KeyFileError:
+        return None
 
 
 def endpoint(args: argparse.Namespace) -> Endpoint:
