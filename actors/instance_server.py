@@ -39,9 +39,9 @@ from actors.p2p import use_node_interface
 from actors.pipeline import PipelineRunner
 from actors.sequence import Sequence
 from actors.build import local_instance
-from actors.serving import ServingLoop, StreamItem
+from actors.serving import ServingLoop
 from cluster.instances import InstancePlace
-from cluster.request import FinishReason, Request, RequestStatus, TokenDelta
+from cluster.request import FinishReason, Request, RequestStatus, StreamItem, TokenDelta
 from cluster.migration import Link
 from cluster.router import INSTANCE_ACTOR_PREFIX
 from cluster.migration_policy import InstanceLoad

@@ -285,3 +285,17 @@ class TokenDelta:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+
+@dataclass(frozen=True)
+class StreamItem:
+    """One message of a request's stream from its instance: a delta, and on the last one the request's stats and
+    timings (actors/serving.py sends them, the API replicas read them)."""
+
+    delta: TokenDelta
+    stats: SpecStats | None = None  # set on the final item
+    queue_s: float | None = None  # from submission to first being scheduled; set on the first item that has it
+    rejected: bool = False  # the engine refused the request (delta.error says why); nothing was generated
+    # the request moved to another instance (live migration): (instance id, its actor handle) to follow; the
+    # stream ends here without a finish, and the destination's `resume_stream` carries on from the next token
+    migrated_to: tuple[str, object] | None = None
