@@ -19,16 +19,20 @@ from ray.actor import ActorHandle
 from ray.util.placement_group import PlacementGroup
 
 from actors.ep_stages import ep_stages
+from actors.executor import StageExecutor
+from actors.expert_shard import ExpertSpec
+from actors.group_shard import MemberSpec
 from actors.instance import Instance
 from actors.loading import load_runners
 from actors.local_stages import LocalStages
-from actors.model.loader import load_metadata, load_model_config
+from actors.model.loader import LoadedModel, load_metadata, load_model_config
 from actors.pipeline import PipelineRunner
-from actors.ray_stages import GroupStages, RayStages, gather
+from actors.rank_group import gather
+from actors.ray_stages import GroupStages, RayStages
 from actors.shard import ShardSpec
-from actors.shard_actor import ShardActor
+from actors.shard_actor import ExpertActor, LeaderActor, MemberActor, StageActor
 from actors.spec import draft_group
-from cluster.config import EngineConfig
+from cluster.config import DraftParallelConfig, EngineConfig, ExpertParallelConfig
 from placement import realize
 from placement.layout import ShardLayout
 from placement.planner import PlacementError
@@ -36,13 +40,33 @@ from placement.planner import PlacementError
 
 @dataclass(frozen=True)
 class StageGroup:
-    """Shard actors of one model in pipeline order, their names for messages, and each one's layers."""
+    """Stage actors of one model in pipeline order, their names for messages, and each one's layers."""
 
     actors: tuple[ActorHandle, ...]
     names: tuple[str, ...]
     layer_ids: tuple[tuple[int, ...], ...]
-    group: bool = False  # an EasySpec draft group: the actors are its ranks, the first holds the whole draft
-    experts: bool = False  # expert-parallel ranks (actors/ep_stages.py), each with every layer
+
+    def executor(self, model: LoadedModel, timeout_s: float) -> StageExecutor:
+        """The executor that drives them, each call bounded by `timeout_s`."""
+        return RayStages(self.actors, self.names, self.layer_ids, timeout_s)
+
+
+@dataclass(frozen=True)
+class DraftGroup(StageGroup):
+    """An EasySpec draft group: its leader first (it holds the whole draft's layers, `layer_ids[0]`), then members."""
+
+    def executor(self, model: LoadedModel, timeout_s: float) -> StageExecutor:
+        return GroupStages(self.actors, self.names, self.layer_ids[0], timeout_s)
+
+
+@dataclass(frozen=True)
+class ExpertGroup(StageGroup):
+    """Expert-parallel ranks of the target in rank order, each with every layer."""
+
+    experts: ExpertParallelConfig
+
+    def executor(self, model: LoadedModel, timeout_s: float) -> StageExecutor:
+        return ep_stages(self.actors, self.names, model, timeout_s, self.experts)
 
 
 @dataclass(frozen=True)
@@ -62,12 +86,14 @@ class Shards:
         realize.release(self.placement_group)
 
 
-def shard_specs(cfg: EngineConfig, layout: ShardLayout) -> tuple[list[ShardSpec], ShardSpec | None]:
-    """What each target stage and the draft load; PlacementError if the layout does not fit the config."""
+def shard_specs(cfg: EngineConfig, layout: ShardLayout) -> tuple[list[ShardSpec] | list[ExpertSpec], ShardSpec | None]:
+    """What each target stage (or expert rank) and the draft load; PlacementError if the layout does not fit the
+    config."""
     m, ep = cfg.model, cfg.experts
     num_layers = load_model_config(m.target).num_hidden_layers
     layout.check(num_layers)
     last = len(layout.stages) - 1
+    stages: list[ShardSpec] | list[ExpertSpec]
     if ep.enabled:  # expert parallelism: each slot of the layout is one rank, holding every layer
         if len(layout.stages) != ep.ranks:
             raise PlacementError(f"experts.ranks is {ep.ranks}, the layout has {len(layout.stages)} slots for them")
@@ -82,17 +108,18 @@ def shard_specs(cfg: EngineConfig, layout: ShardLayout) -> tuple[list[ShardSpec]
     return stages, draft
 
 
-def expert_rank_specs(cfg: EngineConfig, num_layers: int) -> list[ShardSpec]:
+def expert_rank_specs(cfg: EngineConfig, num_layers: int) -> list[ExpertSpec]:
     """What each expert-parallel rank of the target loads: every layer, its slice of the (planned) experts."""
     m, ep = cfg.model, cfg.experts
-    return [ShardSpec(m.target, m.dtype, tuple(range(num_layers)), first=True, last=True, cache=cfg.cache,
-                      device=m.device, weights=m.weights, ep_rank=i, ep_size=ep.ranks, ep_plan=ep.plan, ep_attention=ep.attention,
-                      ep_stats=ep.stats if ep.attention == "tensor" else None, ep_confidence=ep.confidence)
+    shard = ShardSpec(m.target, m.dtype, tuple(range(num_layers)), first=True, last=True, cache=cfg.cache,
+                      device=m.device, weights=m.weights)
+    return [ExpertSpec(shard, rank=i, size=ep.ranks, plan=ep.plan, attention=ep.attention,
+                       stats=ep.stats if ep.attention == "tensor" else None, confidence=ep.confidence)
             for i in range(ep.ranks)]
 
 
 def draft_spec(cfg: EngineConfig) -> ShardSpec | None:
-    """What the draft shard loads (rank 0 of an EasySpec group); None when the config drafts with no model."""
+    """What the draft shard loads (the leader of an EasySpec group); None when the config drafts with no model."""
     m = cfg.model
     if cfg.speculation.policy == "off" or (m.draft is None and m.draft_layers is None):
         return None
@@ -105,14 +132,15 @@ def draft_spec(cfg: EngineConfig) -> ShardSpec | None:
                      draft_parallel=cfg.speculation.draft_parallel)
 
 
-def member_specs(draft: ShardSpec) -> list[ShardSpec]:
+def member_specs(draft: ShardSpec) -> list[MemberSpec]:
     """The EasySpec group members beyond the draft shard, ranks 1.. in order, each with the layers it runs."""
     cfg = draft.draft_parallel
     if not cfg.enabled:
         return []
     owner = draft_group.group_owners(cfg, draft.layer_ids)
-    return [replace(draft, layer_ids=tuple(i for i in draft.layer_ids if owner[i] == rank), first=False, last=False,
-                    group_rank=rank, group_layers=draft.layer_ids)
+    return [MemberSpec(replace(draft, layer_ids=tuple(i for i in draft.layer_ids if owner[i] == rank), first=False,
+                               last=False, draft_parallel=DraftParallelConfig()),
+                       rank=rank, draft_layers=draft.layer_ids, groups=cfg)
             for rank in range(1, draft_group.world_size(cfg, len(draft.layer_ids)))]
 
 
@@ -128,33 +156,35 @@ def build_shards(cfg: EngineConfig, layout: ShardLayout, *, num_cpus: float = 1.
     pg = realize.reserve(layout.bundles(num_cpus), name=name, timeout_s=ready_timeout_s)
     actors: list[ActorHandle] = []
     try:
-        # stages that host a draft member (_spawn_members)
-        shared = {(s.group_rank - 1) % len(layout.stages) for s in (member_specs(draft_shard) if draft_shard else [])}
+        member = member_specs(draft_shard) if draft_shard else []
+        shared = {(s.rank - 1) % len(layout.stages) for s in member}  # stages that host a draft member
         names = [f"expert rank {i} on {s.node}:{s.device}" if cfg.experts.enabled else
                  f"stage {i} on {s.node}:{s.device} (layers {s.layers[0]}-{s.layers[1] - 1})"
                  for i, s in enumerate(layout.stages)]
+        role = ExpertActor if cfg.experts.enabled else StageActor
         for i, spec in enumerate(stage_specs):
             gpus = layout.stages[i].gpus / (2 if i in shared else 1)  # a draft member shares its GPU (_spawn_members)
-            actors.append(ShardActor.spawn(spec, pg, i, num_cpus=num_cpus, num_gpus=gpus,
-                                           name=f"{name}/stage-{i}" if name else None))
+            actors.append(role.spawn(spec, pg, i, num_cpus=num_cpus, num_gpus=gpus,
+                                     name=f"{name}/stage-{i}" if name else None))
         draft = None
         if draft_shard is not None:
-            actors.append(ShardActor.spawn(draft_shard, pg, layout.draft_bundle, num_cpus=num_cpus,
-                                           num_gpus=layout.draft_gpus,
-                                           name=f"{name}/draft" if name else None))
+            leader = LeaderActor if member else StageActor
+            actors.append(leader.spawn(draft_shard, pg, layout.draft_bundle, num_cpus=num_cpus,
+                                       num_gpus=layout.draft_gpus, name=f"{name}/draft" if name else None))
             members = [(actors[-1], f"draft on {layout.draft_node}:{layout.draft_device}")]
-            members += _spawn_members(draft_shard, layout, pg, name)  # EasySpec ranks 1.., if any
+            members += _spawn_members(member, layout, pg, name)  # EasySpec ranks 1.., if any
             actors += [a for a, _ in members[1:]]
-            draft = StageGroup(tuple(a for a, _ in members), tuple(n for _, n in members), (draft_shard.layer_ids,),
-                               group=len(members) > 1)
+            draft = (DraftGroup if member else StageGroup)(tuple(a for a, _ in members), tuple(n for _, n in members),
+                                                           (draft_shard.layer_ids,))
         all_names = names + (list(draft.names) if draft else [])
         gather([a.ready.remote() for a in actors], all_names, "load", ready_timeout_s)
-        if draft is not None and draft.group:
+        if isinstance(draft, DraftGroup):
             _join(list(draft.actors), list(draft.names), ready_timeout_s, group_timeout_s)
         stages = actors[:len(stage_specs)]
         backend = _join(stages, names, ready_timeout_s, group_timeout_s) if len(stages) > 1 else None
-        target = StageGroup(tuple(stages), tuple(names), tuple(s.layer_ids for s in stage_specs),
-                            experts=cfg.experts.enabled)
+        target_ids = tuple(s.shard.layer_ids if isinstance(s, ExpertSpec) else s.layer_ids for s in stage_specs)
+        target = (ExpertGroup(tuple(stages), tuple(names), target_ids, experts=cfg.experts) if cfg.experts.enabled
+                  else StageGroup(tuple(stages), tuple(names), target_ids))
         return Shards(target, draft, layout, pg, backend)
     except BaseException:
         for actor in actors:
@@ -172,9 +202,10 @@ def draft_group_runner(cfg: EngineConfig, *, num_cpus: float = 1.0, timeout_s: f
     spec = draft_spec(cfg)
     if spec is None:
         raise ValueError("the config has no draft model to run")
-    specs = [spec] + member_specs(spec)
-    actors = [ShardActor.spawn(s, None, 0, num_cpus=num_cpus) for s in specs]
-    names = ["draft"] + [f"draft member {rank}" for rank in range(1, len(specs))]
+    member = member_specs(spec)
+    actors = [(LeaderActor if member else StageActor).spawn(spec, None, 0, num_cpus=num_cpus)]
+    actors += [MemberActor.spawn(s, None, 0, num_cpus=num_cpus) for s in member]
+    names = ["draft"] + [f"draft member {s.rank}" for s in member]
 
     def stop() -> None:
         for actor in actors:
@@ -183,9 +214,9 @@ def draft_group_runner(cfg: EngineConfig, *, num_cpus: float = 1.0, timeout_s: f
         gather([a.ready.remote() for a in actors], names, "load", timeout_s)
         if len(actors) > 1:
             _join(actors, names, timeout_s, timeout_s)
-        group = StageGroup(tuple(actors), tuple(names), (spec.layer_ids,), group=len(actors) > 1)
+        group = (DraftGroup if member else StageGroup)(tuple(actors), tuple(names), (spec.layer_ids,))
         model = load_metadata(m.draft, m.dtype) if m.draft is not None else load_metadata(m.target, m.dtype)
-        return PipelineRunner(model, cfg.cache, _stages(group, step_timeout_s)), stop
+        return PipelineRunner(model, cfg.cache, group.executor(model, step_timeout_s)), stop
     except BaseException:
         stop()
         raise
@@ -200,7 +231,7 @@ def expert_parallel_runner(cfg: EngineConfig, *, num_cpus: float = 1.0, timeout_
         raise ValueError("the config asks for no expert parallelism (experts.ranks is 1)")
     model = load_metadata(cfg.model.target, cfg.model.dtype)
     specs = expert_rank_specs(cfg, model.num_layers)
-    actors = [ShardActor.spawn(s, None, 0, num_cpus=num_cpus) for s in specs]
+    actors = [ExpertActor.spawn(s, None, 0, num_cpus=num_cpus) for s in specs]
     names = [f"expert rank {i}" for i in range(len(specs))]
 
     def stop() -> None:
@@ -225,18 +256,18 @@ def _join(actors: list[ActorHandle], names: list[str], ready_timeout_s: float, g
     return gather(joins, names, "process group", group_timeout_s + 30)[0]
 
 
-def _spawn_members(draft: ShardSpec, layout: ShardLayout, pg: PlacementGroup,
+def _spawn_members(members: list[MemberSpec], layout: ShardLayout, pg: PlacementGroup,
                    name: str) -> list[tuple[ActorHandle, str]]:
     """The EasySpec group members beyond the draft shard (rank 0), each with the layers it runs, on the devices of
     the instance's target stages (idle while the draft runs): member r beside stage (r - 1) mod stages, taking no
     CPU of its own (on a GPU it shares the stage's device)."""
     out = []
-    for spec in member_specs(draft):
-        rank = spec.group_rank
+    for spec in members:
+        rank = spec.rank
         stage = (rank - 1) % len(layout.stages)
         slot = layout.stages[stage]
-        actor = ShardActor.spawn(spec, pg, stage, num_cpus=0, num_gpus=slot.gpus / 2 if slot.gpus else 0.0,
-                                 name=f"{name}/draft-{rank}" if name else None)
+        actor = MemberActor.spawn(spec, pg, stage, num_cpus=0, num_gpus=slot.gpus / 2 if slot.gpus else 0.0,
+                                  name=f"{name}/draft-{rank}" if name else None)
         out.append((actor, f"draft member {rank} on {slot.node}:{slot.device}"))
     return out
 
@@ -255,24 +286,15 @@ def ray_instance(cfg: EngineConfig, layout: ShardLayout, *, num_cpus: float = 1.
     try:
         m = cfg.model
         target_model = load_metadata(m.target, m.dtype)
-        target_stages = (ep_stages(shards.target.actors, shards.target.names, target_model, step_timeout_s,
-                                   cfg.experts) if shards.target.experts else
-                         _stages(shards.target, step_timeout_s))
-        target = PipelineRunner(target_model, cfg.cache, target_stages)
+        target = PipelineRunner(target_model, cfg.cache, shards.target.executor(target_model, step_timeout_s))
         draft = None
         if shards.draft is not None:
             draft_model = load_metadata(m.draft, m.dtype) if m.draft is not None else target_model
-            draft = PipelineRunner(draft_model, cfg.cache, _stages(shards.draft, step_timeout_s))
+            draft = PipelineRunner(draft_model, cfg.cache, shards.draft.executor(draft_model, step_timeout_s))
         return Instance(cfg, target, draft, release=shards.kill)
     except BaseException:
         shards.kill()
         raise
-
-
-def _stages(group: StageGroup, timeout_s: float) -> RayStages:
-    if group.group:
-        return GroupStages(group.actors, group.names, group.layer_ids[0], timeout_s)
-    return RayStages(group.actors, group.names, group.layer_ids, timeout_s)
 
 
 def local_instance(cfg: EngineConfig, stages: Sequence[tuple[int, int]] | None = None,

@@ -55,7 +55,7 @@ from cluster.migration import Link
 from cluster.migration_policy import InstanceLoad, RequestLoad
 from cluster.prefix import ChainNames, root_hash
 from cluster.request import (FinishReason, InvalidRequest, Request, Resume, SamplingParams, SpecStats, TokenDelta,
-                             check_prompt)
+                             check_prompt, context_length)
 from cluster.stats import EngineStats
 
 
@@ -112,7 +112,7 @@ class Engine:
         self.acceptance = Acceptance.prior(speculation.prior_acceptance, decay=speculation.acceptance_decay)
         self.scheduler = Scheduler(scheduler, target.cache, self.k, self._free)
         self.planner = SpeculationPlanner(policy, self.drafter, target, self.k, self.acceptance)
-        self.max_model_len = min(max_model_len or target.model.max_model_len, target.model.max_model_len)
+        self.max_model_len = context_length(target.model.max_model_len, max_model_len)
         self.tokenizer: PreTrainedTokenizerBase = target.model.tokenizer
         self.eos_token_ids = target.model.eos_token_ids
         self._ids = itertools.count()
@@ -526,8 +526,7 @@ class Engine:
         c, tc = self._stats, self.target.cache
         calibration = self.drafter.calibration if isinstance(self.drafter, ModelDrafter) else None
         dc = self.draft.cache if self.draft is not None else None
-        expert_stats = getattr(self.target, "expert_stats", None)  # an expert-parallel target (PipelineRunner)
-        ep = expert_stats() if expert_stats is not None else None
+        ep = self.target.expert_stats()  # an expert-parallel target's figures since the start (else None)
         return EngineStats(
             running=len(self.running), waiting=len(self.waiting),
             kv_blocks_used=tc.num_used_blocks, kv_blocks_free=tc.num_free_blocks,

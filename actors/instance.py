@@ -17,7 +17,8 @@ from dataclasses import dataclass
 
 from actors.engine import Completion, Engine
 from actors.kv_cache import KVExport
-from actors.pipeline import PipelineRunner, ShardFailure
+from actors.executor import ShardFailure
+from actors.pipeline import PipelineRunner
 from actors.sequence import Sequence
 from cluster.config import EngineConfig
 from cluster.request import FinishReason, Request, SamplingParams, TokenDelta

@@ -32,16 +32,16 @@ from actors.build import ray_instance
 from actors.engine import RequestError
 from actors.instance import Instance, InstanceUnhealthy
 from actors.kv_cache import KVExport
-from actors.ep_stages import EPStages
+from actors.executor import ExpertRanks, KVLinks
 from actors.kv_links import LinkedKV, kv_span
 from actors.leases import Leases
 from actors.p2p import use_node_interface
 from actors.pipeline import PipelineRunner
 from actors.sequence import Sequence
 from actors.build import local_instance
-from actors.serving import ServingLoop, StreamItem
+from actors.serving import ServingLoop
 from cluster.instances import InstancePlace
-from cluster.request import FinishReason, Request, RequestStatus, TokenDelta
+from cluster.request import FinishReason, Request, RequestStatus, StreamItem, TokenDelta
 from cluster.migration import Link
 from cluster.router import INSTANCE_ACTOR_PREFIX
 from cluster.migration_policy import InstanceLoad
@@ -228,7 +228,7 @@ class InstanceServer:
     async def kv_stages(self, pipeline: str) -> list[tuple[int, ...]] | None:
         """The layers of each stage of `pipeline`; None without it, or if its stages cannot take links."""
         runner = self._pipeline(pipeline)
-        if runner is None or not runner.executor.kv_links:
+        if runner is None or not isinstance(runner.executor, KVLinks):
             return None
         return list(runner.executor.layer_ids)
 
@@ -331,7 +331,7 @@ class InstanceServer:
         """The routing statistics of the tokens its expert-parallel ranks ran since the last call, as a statistics
         file's bytes (actors/moe/profile.py); None if the target is not expert parallel."""
         executor = getattr(self.instance.target, "executor", None)
-        if not isinstance(executor, EPStages):
+        if not isinstance(executor, ExpertRanks):
             return None
         stats = await self._on_loop(executor.routing)  # between two steps: the ranks answer in order
         return stats.to_bytes(model=self.spec.engine.model.target)

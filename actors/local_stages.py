@@ -1,33 +1,29 @@
 """The in-process stage executor: a model's stages as ModelRunners in this process, activations handed straight on.
 
-It is the StageExecutor (actors/pipeline.py) an instance drives when all its shards sit in the instance's own
-process (one device, or a test); actors/ray_stages.py is the one for shards in Ray actors. Both replay the
-driver's cache ops on every stage before they run, and both turn a stage that fails or was stopped into a
-ShardFailure naming it, so the instance (actors/instance.py) treats a failure the same way in either shape.
+It is the executor (actors/executor.py: the core protocol, ExportsKV and KVLinks) an instance drives when all its
+shards sit in the instance's own process (one device, or a test); actors/ray_stages.py is the one for shards in
+Ray actors. Both replay the driver's cache ops on every stage before they run, and both turn a stage that fails
+or was stopped into a ShardFailure naming it, so the instance (actors/instance.py) treats a failure the same way in either shape.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
-import torch
-
+from actors.executor import ShardFailure, StageRun
 from actors.kv_cache import KVExport
 from actors.kv_ledger import CacheOp, replay
 from actors.kv_links import KVPorts, LinkedKV, LinkPart, import_stage, send_stage
 from actors.model.metadata import SeqChunk
 from actors.model.runner import ModelRunner
 from actors.p2p import free_address
-from actors.pipeline import ShardFailure
 from cluster.migration import Link
 
 
 class LocalStages:
-    """StageExecutor over ModelRunners of one process, in pipeline order; `names` label them in errors. A
-    migration's links to or from its stages end in this process (`ports`)."""
+    """Executor over ModelRunners of one process, in pipeline order; `names` label them in errors. A migration's
+    links to or from its stages end in this process (`ports`)."""
 
-    exports_kv = True
-    kv_links = True
     replicated_cache = True  # every stage replays every cache op: block tables agree (prefix caching needs it)
 
     def __init__(self, runners: Sequence[ModelRunner], names: Sequence[str] | None = None) -> None:
@@ -41,19 +37,19 @@ class LocalStages:
         self.calls = 0
         self.ports = KVPorts()
 
-    def run(self, ops: list[CacheOp], chunks: list[SeqChunk], parallel: bool = False) -> torch.Tensor | None:
+    def run(self, ops: list[CacheOp], chunks: list[SeqChunk], parallel: bool = False) -> StageRun:
         """Replay `ops` on every stage, then run `chunks` through them in order: logits (sum num_logits, V)."""
         self.calls += 1
         runners = self._replay(ops, "step")
         if not chunks:
-            return None
+            return StageRun(None)
         x = None
         for name, r in zip(self.names, runners):
             try:
                 x = r.forward(chunks, x, parallel)  # hidden (N, H), then logits (sum num_logits, V) from the last
             except Exception as e:  # noqa: BLE001 - any failure of a stage ends the instance, named
                 raise ShardFailure(f"step: {name} failed: {type(e).__name__}: {e}") from e
-        return x
+        return StageRun(x)
 
     def export(self, ops: list[CacheOp], request_id: str, start: int, end: int) -> list[KVExport]:
         return [r.cache.export(request_id, start, end) for r in self._replay(ops, "KV export")]

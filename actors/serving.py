@@ -1,9 +1,11 @@
 """The serving loop: an engine's step() on its own thread, with requests coming in and deltas going out between steps.
 
-This is continuous batching as a server needs it: `submit` and `abort` may be called from any thread (the Ray
-actor's event loop, in actors/instance_server.py); the loop applies them before the next step, runs the step,
-and hands each request's delta to that request's sink. The engine is only ever touched by the loop thread,
-so it needs no locks. The loop sleeps while there is no work and wakes when a request arrives.
+This is continuous batching as a server needs it: `submit`, `abort`, `call` and `hand_over` may be called from any
+thread (the Ray actor's event loop, in actors/instance_server.py); each posts a typed command (Add, Abort, Call,
+HandOver) that the loop applies before the next step; it runs the step, and hands each request's delta to that
+request's sink (StreamItems, cluster/request.py). The engine is only ever touched by the loop thread, so it needs
+no locks. The loop sleeps while there is no work and wakes when a request arrives. A `between_steps` hook
+(StepBarrier) lets a test hold the loop between two chosen steps.
 """
 
 from __future__ import annotations
@@ -19,23 +21,44 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from actors.sequence import Sequence, SeqStatus
-from cluster.request import FinishReason, Request, RequestStatus, SpecStats, TokenDelta
-
-
-@dataclass(frozen=True)
-class StreamItem:
-    """One message of a request's stream: a delta, and on the last one the request's stats and timings."""
-
-    delta: TokenDelta
-    stats: SpecStats | None = None  # set on the final item
-    queue_s: float | None = None  # from submission to first being scheduled; set on the first item that has it
-    rejected: bool = False  # the engine refused the request (delta.error says why); nothing was generated
-    # the request moved to another instance (live migration): (instance id, its actor handle) to follow; the
-    # stream ends here without a finish, and the destination's `resume_stream` carries on from the next token
-    migrated_to: tuple[str, object] | None = None
+from cluster.request import FinishReason, Request, RequestStatus, SpecStats, StreamItem, TokenDelta
 
 
 Sink = Callable[[StreamItem], None]
+
+
+# ---- what other threads post to the loop, applied between two steps (by type, in `ServingLoop._apply`)
+@dataclass(frozen=True)
+class Add:
+    """Queue `request`, its stream going to `sink`."""
+
+    request: Request
+    sink: Sink
+
+
+@dataclass(frozen=True)
+class Abort:
+    """Cancel a request; its sink gets a final ABORT item."""
+
+    request_id: str
+
+
+@dataclass(frozen=True)
+class Call:
+    """Run `fn` on the loop thread (it may use the engine)."""
+
+    fn: Callable[[], object]
+
+
+@dataclass(frozen=True)
+class HandOver:
+    """A request left for `destination` (instance id, actor handle): its stream ends with a `migrated_to` item."""
+
+    request_id: str
+    destination: tuple[str, object]
+
+
+Command = Add | Abort | Call | HandOver
 
 
 class Steppable(Protocol):
@@ -62,13 +85,17 @@ class _Tracked:
 
 
 class ServingLoop:
-    """Runs `step` (the engine's own by default) repeatedly on a daemon thread while the engine has work."""
+    """Runs `step` (the engine's own by default) repeatedly on a daemon thread while the engine has work; commands
+    posted from other threads are applied between two steps."""
 
     def __init__(self, engine: Steppable, step: Callable[[], list[TokenDelta]] | None = None,
-                 name: str = "engine-loop") -> None:
+                 name: str = "engine-loop", between_steps: Callable[[], None] | None = None) -> None:
         self.engine = engine
         self._step = step or engine.step
-        self._inbox: queue.SimpleQueue[tuple[str, object, Future]] = queue.SimpleQueue()
+        # called on the loop thread after each step's deltas went out, before anything posted is applied: a test's
+        # step barrier (StepBarrier) places an event exactly between two steps
+        self._between_steps = between_steps or (lambda: None)
+        self._inbox: queue.SimpleQueue[tuple[Command, Future]] = queue.SimpleQueue()
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._tracked: dict[str, _Tracked] = {}
@@ -80,20 +107,20 @@ class ServingLoop:
     # ---- called from other threads --------------------------------------------------------------
     def submit(self, request: Request, sink: Sink) -> Future:
         """Queue `request`; the future resolves once the engine took it (or carries its RequestError)."""
-        return self._post("add", (request, sink))
+        return self._post(Add(request, sink))
 
     def abort(self, request_id: str) -> Future:
         """Cancel a request; the future resolves to whether it was in flight. Its sink gets a final ABORT item."""
-        return self._post("abort", request_id)
+        return self._post(Abort(request_id))
 
     def call(self, fn: Callable[[], object]) -> Future:
         """Run `fn` on the loop thread between two steps (it may use the engine); the future has its result."""
-        return self._post("call", fn)
+        return self._post(Call(fn))
 
     def hand_over(self, request_id: str, destination: tuple[str, object]) -> Future:
         """A request left for another instance (migration): its stream ends with a `migrated_to` item, and the loop
         forgets it (it is neither running nor ended here)."""
-        return self._post("hand_over", (request_id, destination))
+        return self._post(HandOver(request_id, destination))
 
     def close(self, timeout_s: float = 10.0) -> None:
         """Stop the loop; requests in flight end with an ABORT item."""
@@ -125,12 +152,12 @@ class ServingLoop:
     def alive(self) -> bool:
         return self._thread.is_alive() and self.error is None
 
-    def _post(self, op: str, arg: object) -> Future:
+    def _post(self, command: Command) -> Future:
         fut: Future = Future()
         if self._stop.is_set() or self.error is not None:
             fut.set_exception(RuntimeError("the engine loop has stopped"))
             return fut
-        self._inbox.put((op, arg, fut))
+        self._inbox.put((command, fut))
         self._wake.set()
         return fut
 
@@ -145,6 +172,7 @@ class ServingLoop:
                     continue
                 deltas = self._step()
                 self._deliver(deltas)
+                self._between_steps()
         except Exception as e:  # noqa: BLE001 - ends every request in flight, then kept for health()
             log.exception("the engine loop failed")
             self.error = e
@@ -154,50 +182,57 @@ class ServingLoop:
         self._fail_inbox()
         self._end_all(FinishReason.ABORT, "the instance is shutting down")
 
-    def _take_inbox(self) -> Iterator[tuple[str, object, Future]]:
+    def _take_inbox(self) -> Iterator[tuple[Command, Future]]:
         """Everything posted so far whose caller still waits (a cancelled future is dropped)."""
         while True:
             try:
-                op, arg, fut = self._inbox.get_nowait()
+                command, fut = self._inbox.get_nowait()
             except queue.Empty:
                 return
             if fut.set_running_or_notify_cancel():
-                yield op, arg, fut
+                yield command, fut
 
     def _apply_inbox(self) -> None:
-        for op, arg, fut in self._take_inbox():
+        for command, fut in self._take_inbox():
             try:
-                fut.set_result(self._apply(op, arg))
+                fut.set_result(self._apply(command))
             except Exception as e:  # noqa: BLE001 - handed to the caller through its future
                 fut.set_exception(e)
 
-    def _apply(self, op: str, arg: object) -> object:
-        if op == "add":
-            request, sink = arg
-            try:
-                self.engine.add_request(request)  # raises RequestError (or InstanceUnhealthy) to the caller
-            except Exception:
-                self._record_end(request.request_id, RequestStatus.FAILED)
-                raise
-            self._tracked[request.request_id] = _Tracked(sink, time.monotonic(), stats=self._stats_of(request))
-            return None
-        if op == "call":
-            return arg()
-        if op == "hand_over":
-            rid, destination = arg
-            t = self._tracked.pop(rid, None)
-            if t is not None:
-                t.sink(StreamItem(TokenDelta(rid, (), ""), migrated_to=destination))
-            return t is not None
-        if op == "abort":
-            tracked = self._tracked.get(arg)
-            final = self.engine.abort(arg)
-            if tracked is not None:
-                self._end(arg, RequestStatus.ABORTED)
-                delta = final or TokenDelta(arg, (), "", FinishReason.ABORT)
-                tracked.sink(StreamItem(delta, stats=tracked.stats))
-            return tracked is not None
-        raise ValueError(op)
+    def _apply(self, command: Command) -> object:
+        match command:
+            case Add(request, sink):
+                return self._add(request, sink)
+            case Call(fn):
+                return fn()
+            case HandOver(rid, destination):
+                return self._hand_over(rid, destination)
+            case Abort(rid):
+                return self._abort(rid)
+        raise TypeError(f"not a serving loop command: {command!r}")
+
+    def _add(self, request: Request, sink: Sink) -> None:
+        try:
+            self.engine.add_request(request)  # raises RequestError (or InstanceUnhealthy) to the caller
+        except Exception:
+            self._record_end(request.request_id, RequestStatus.FAILED)
+            raise
+        self._tracked[request.request_id] = _Tracked(sink, time.monotonic(), stats=self._stats_of(request))
+
+    def _hand_over(self, rid: str, destination: tuple[str, object]) -> bool:
+        t = self._tracked.pop(rid, None)
+        if t is not None:
+            t.sink(StreamItem(TokenDelta(rid, (), ""), migrated_to=destination))
+        return t is not None
+
+    def _abort(self, rid: str) -> bool:
+        tracked = self._tracked.get(rid)
+        final = self.engine.abort(rid)
+        if tracked is not None:
+            self._end(rid, RequestStatus.ABORTED)
+            delta = final or TokenDelta(rid, (), "", FinishReason.ABORT)
+            tracked.sink(StreamItem(delta, stats=tracked.stats))
+        return tracked is not None
 
     def _stats_of(self, request: Request) -> SpecStats:
         """The engine's live stats object of a just-queued request (filled in as it runs)."""
@@ -241,5 +276,27 @@ class ServingLoop:
             self._ended.popitem(last=False)
 
     def _fail_inbox(self) -> None:
-        for _, _, fut in self._take_inbox():
+        for _, fut in self._take_inbox():
             fut.set_exception(RuntimeError("the engine loop has stopped"))
+
+
+class StepBarrier:
+    """A `between_steps` hook that holds the loop after its `after`-th step until `release`: a test then places an
+    event exactly between two steps (an abort, a migration's stop, a client leaving) instead of racing a long stream.
+    Held longer than `timeout_s`, it raises on the loop thread (the loop fails loudly, ending every request)."""
+
+    def __init__(self, after: int = 1, timeout_s: float = 60.0) -> None:
+        self.steps = 0  # steps seen so far
+        self.after, self.timeout_s = after, timeout_s
+        self.reached = threading.Event()  # set once the loop is held
+        self._go = threading.Event()
+
+    def __call__(self) -> None:
+        self.steps += 1
+        if self.steps == self.after:
+            self.reached.set()
+            if not self._go.wait(self.timeout_s):
+                raise TimeoutError(f"the step barrier after step {self.after} was not released in {self.timeout_s} s")
+
+    def release(self) -> None:
+        self._go.set()

@@ -21,6 +21,9 @@ MAX_STOPS = 16
 MAX_STOP_CHARS = 256
 MAX_LOGPROBS = 20  # top logprobs per token (OpenAI's limit)
 MAX_LOGIT_BIAS = 300  # tokens a logit_bias may list (OpenAI's limit)
+# what a request that does not say samples with (OpenAI's defaults; the HTTP and gRPC surfaces take them from here)
+DEFAULT_TEMPERATURE = 1.0
+DEFAULT_MAX_TOKENS = 16  # a completion's (a chat's default is the room left in the context)
 
 
 class InvalidRequest(ValueError):
@@ -59,11 +62,11 @@ class SamplingParams(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid", strict=True)
 
-    temperature: float = Field(default=1.0, ge=0.0, le=2.0)  # OpenAI's range
+    temperature: float = Field(default=DEFAULT_TEMPERATURE, ge=0.0, le=2.0)  # OpenAI's range
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     top_k: int = Field(default=0, ge=-1)
     seed: int | None = Field(default=None, ge=0, le=MAX_SEED)
-    max_tokens: int = Field(default=16, ge=0)  # 0 only to score a prompt (with prompt_logprobs)
+    max_tokens: int = Field(default=DEFAULT_MAX_TOKENS, ge=0)  # 0 only to score a prompt (with prompt_logprobs)
     stop: tuple[str, ...] = Field(default=(), max_length=MAX_STOPS)
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
@@ -122,6 +125,12 @@ class SamplingParams(BaseModel):
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+
+def context_length(model_max: int, configured: int | None) -> int:
+    """The context a served model gets: the config's `model.max_model_len` where it sets one, never more than the
+    model's own (`model_max`). The engine and the API surfaces check prompts against the same number."""
+    return min(configured or model_max, model_max)
 
 
 def check_prompt(prompt_ids: Sequence[int], max_tokens: int | None, max_model_len: int, vocab_size: int) -> int:
@@ -276,3 +285,17 @@ class TokenDelta:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+
+@dataclass(frozen=True)
+class StreamItem:
+    """One message of a request's stream from its instance: a delta, and on the last one the request's stats and
+    timings (actors/serving.py sends them, the API replicas read them)."""
+
+    delta: TokenDelta
+    stats: SpecStats | None = None  # set on the final item
+    queue_s: float | None = None  # from submission to first being scheduled; set on the first item that has it
+    rejected: bool = False  # the engine refused the request (delta.error says why); nothing was generated
+    # the request moved to another instance (live migration): (instance id, its actor handle) to follow; the
+    # stream ends here without a finish, and the destination's `resume_stream` carries on from the next token
+    migrated_to: tuple[str, object] | None = None

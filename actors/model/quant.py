@@ -11,12 +11,14 @@ quantized at load computes a different model than its checkpoint (`engine.model.
 
 from __future__ import annotations
 
+from typing import Literal
+
 import torch
 
 from actors.model.gguf_blocks import GroupedInts
-from actors.model.weights import WeightMode
 
 INT4_GROUP = 32
+QuantMode = Literal["int8", "int4"]  # the weight modes (actors/model/weights.py WeightMode) quantized at load
 
 def rtn_int4(w: torch.Tensor, group: int = INT4_GROUP) -> GroupedInts:
     """Round-to-nearest 4-bit codes of w (N, K) per group of `group` weights (a group of K where K is not a
@@ -37,7 +39,7 @@ def _half(t: torch.Tensor) -> torch.Tensor:
     return t.to(torch.float16).float()
 
 
-def quantize_runner(runner, mode: WeightMode) -> None:
+def quantize_runner(runner, mode: QuantMode) -> None:
     """Compute `runner`'s dense linear maps (attention, MLP, LM head) quantized at load in `mode` ("int8" /
     "int4") from now on. The target's own modules are never modified (a self-speculative draft shares them): the
     runner gets new ones. MoE experts keep their dense weights; routing is unchanged."""

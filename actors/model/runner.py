@@ -192,6 +192,25 @@ class ModelRunner:
         """Append exported KV (of any split of this model's layers) after the request's KV; False if no room."""
         return self.cache.import_(reshard(exports, [self.layer_ids])[0])
 
+    def expert_stats(self) -> None:
+        """The PipelineRunner interface: a runner in this process has no expert-parallel ranks to count."""
+        return None
+
+    def begin(self, chunks: list[SeqChunk]) -> tuple[AttentionMetadata, torch.Tensor, torch.Tensor]:
+        """Open a forward over `chunks` (`forward`'s, or an EasySpec member's part of one: actors/spec/draft_group.py):
+        room in the cache for their new tokens, the batch's attention metadata and rotary cos, sin (N, 1, hd)."""
+        for c in chunks:
+            if not self.cache.reserve(c.request_id, self.cache.length(c.request_id) + len(c.token_ids)):
+                raise CacheFull(f"no KV blocks for {c.request_id}")
+        meta = AttentionMetadata.build(chunks, self.cache)
+        cos, sin = self.rope(meta)  # (N, 1, hd) each
+        return meta, cos, sin
+
+    def end(self, chunks: list[SeqChunk]) -> None:
+        """Close a forward: the chunks' new tokens, whose KV the layers wrote, now count in the cache's lengths."""
+        for c in chunks:
+            self.cache.set_length(c.request_id, self.cache.length(c.request_id) + len(c.token_ids))
+
     @torch.inference_mode()
     def forward(self, chunks: list[SeqChunk], hidden: torch.Tensor | None = None,
                 parallel: bool = False) -> torch.Tensor:
@@ -204,19 +223,14 @@ class ModelRunner:
         stage, tokens packed in chunk order, on this runner's device. Returns logits (sum num_logits, V) in fp32
         if last, else hidden (N, H), on this runner's device.
         """
-        for c in chunks:
-            if not self.cache.reserve(c.request_id, self.cache.length(c.request_id) + len(c.token_ids)):
-                raise CacheFull(f"no KV blocks for {c.request_id}")
-        meta = AttentionMetadata.build(chunks, self.cache)
+        meta, cos, sin = self.begin(chunks)
         x = self.embed(meta.token_ids) if self.first else hidden  # (N, H)
-        cos, sin = self.rope(meta)  # (N, 1, hd) each
         if self.layer_parallel is not None:
             x = self.layer_parallel.run(self.layers, x, parallel, cos, sin, meta, self.cache)
         else:
             for layer in self.layers:
                 x = layer(x, cos, sin, meta, self.cache)
-        for c in chunks:
-            self.cache.set_length(c.request_id, self.cache.length(c.request_id) + len(c.token_ids))
+        self.end(chunks)
         if not self.last:
             return x
         h = x[meta.logits_index]  # (sum num_logits, H)

@@ -23,6 +23,7 @@ from torch import nn
 
 from actors.model.gguf_blocks import GroupedInts, concat_rows
 from actors.model.qlinear import Int4Linear, dense_linear, int4_unsupported, int8_linear, stored_linear
+from actors.model.quant import rtn_int4
 
 WeightMode = Literal["stored", "dequantized", "int8", "int4"]
 WEIGHT_MODES: tuple[WeightMode, ...] = ("stored", "dequantized", "int8", "int4")
@@ -62,8 +63,6 @@ def fuse(parts: Sequence[Part], device: torch.device, dtype: torch.dtype, mode: 
     """One module computing every part's outputs side by side (N = sum of the parts' N)."""
     bias = _bias(parts, device, dtype)
     if mode in ("int8", "int4"):  # quantized at load: int4 where its kernel takes the shape, else int8
-        from actors.model.quant import rtn_int4
-
         dense = torch.cat([p.module.weight for p in parts])  # (N, K)
         codes = rtn_int4(dense) if mode == "int4" else None
         if codes is not None and int4_unsupported(codes, device, dtype) is None:

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from actors.kv_cache import KVCache
 from actors.model.layers import DecoderLayer
 from actors.model.metadata import AttentionMetadata, SeqChunk
-from actors.model.runner import CacheFull, ModelRunner
+from actors.model.runner import ModelRunner
 from actors.p2p import P2P
 from actors.spec.easyspec import LayerParallel, Mode, contribution, layer_groups
 from cluster.config import DraftParallelConfig
@@ -86,12 +86,8 @@ def follow(runner: ModelRunner, schedule: LayerParallel, layer_ids: Sequence[int
 
     `runner` holds only this rank's layers (and their KV); `layer_ids` are the whole draft's, in order.
     """
-    for c in chunks:
-        if not runner.cache.reserve(c.request_id, runner.cache.length(c.request_id) + len(c.token_ids)):
-            raise CacheFull(f"no KV blocks for {c.request_id}")
-    meta = AttentionMetadata.build(chunks, runner.cache)
+    meta, cos, sin = runner.begin(chunks)  # cos, sin (N, 1, hd) each
     n, hidden = meta.num_tokens, runner.model.config.hidden_size
-    cos, sin = runner.rope(meta)  # (N, 1, hd) each
     mine = {layer.index: layer for layer in runner.layers}
     for step in schedule.steps_for(parallel):
         ranks = [owner[layer_ids[p]] for p in step]
@@ -101,5 +97,4 @@ def follow(runner: ModelRunner, schedule: LayerParallel, layer_ids: Sequence[int
         layer = mine[layer_ids[step[ranks.index(p2p.rank)]]] if p2p.rank in ranks else None
         x = torch.empty(n, hidden, dtype=runner.model.dtype, device=runner.device)  # (N, H), filled by the broadcast
         exchange(p2p, x, lambda h: contribution(layer, h, what, cos, sin, meta, runner.cache) if layer else None)
-    for c in chunks:
-        runner.cache.set_length(c.request_id, runner.cache.length(c.request_id) + len(c.token_ids))
+    runner.end(chunks)

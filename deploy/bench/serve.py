@@ -201,9 +201,9 @@ def in_process(config: Path, prompts: list[list[int]], n: int, max_tokens: int, 
     import threading
 
     from actors.build import local_instance
-    from actors.serving import ServingLoop, StreamItem
+    from actors.serving import ServingLoop
     from cluster.config import load_config
-    from cluster.request import Request, SamplingParams
+    from cluster.request import Request, SamplingParams, StreamItem
     from deploy.serve.fleet import resolved
 
     instance = local_instance(resolved(load_config(config).engine))  # what a one-stage instance actor builds

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import threading
 import time
@@ -25,8 +24,10 @@ from cluster.instances import InstancePlace, InstanceRow
 from deploy import DEFAULT_CONFIG, model_store
 from deploy.cli.admin_client import AdminClient, Instances, ServerError
 from deploy.cli.flags import UsageError
+from deploy.cli.tables import show, table
 from deploy.infra import local_cluster
 from deploy.infra.local_cluster import ClusterError
+from deploy.serve.auth import KeyFileError, listed_keys
 
 REQUEST_STATUSES = ("running", "finished", "aborted", "failed")
 
@@ -50,16 +51,14 @@ def add_endpoint_flags(p: argparse.ArgumentParser) -> None:
 
 
 def first_key(auth: AuthConfig, admin: bool) -> str | None:
-    """The first key the app would accept, as the app finds them (auth.py): env, then config, then key file."""
-    env = os.environ.get(auth.admin_keys_env if admin else auth.api_keys_env, "")
-    if keys := [k.strip() for k in env.split(",") if k.strip()]:
-        return keys[0]
-    if literal := (auth.admin_keys if admin else auth.api_keys):
-        return literal[0].get_secret_value()
-    file = auth.admin_keys_file if admin else auth.api_keys_file
-    if file and (path := Path(file).expanduser()).is_file():
-        return next((line.strip() for line in path.read_text().splitlines() if line.strip()), None)
-    return None
+    """The first key the app would accept, looked up as the app does (deploy/serve/auth.py listed_keys): env, then
+    config, then key file; None without any, or when it would come from a key file that is not readable here
+    (the app's files may be on another machine: the request then goes without a key)."""
+    keys = listed_keys(auth, admin)
+    try:
+        return next(keys, None)
+    except KeyFileError:
+        return None
 
 
 def endpoint(args: argparse.Namespace) -> Endpoint:
@@ -174,8 +173,10 @@ def run_status(args: argparse.Namespace) -> int:
     print(f"app {c.url}: {health.status}, {health.healthy_instances} healthy instance(s)")
     if nodes is not None:
         print(f"nodes ({args.state}): {sum(n['alive'] for n in nodes)} of {len(nodes)} alive")
+        t = table("NODE", "STATE", "ID")
         for n in nodes:
-            print(f"  {n['name'] or '?':<14} {'alive' if n['alive'] else 'DEAD':<6} {n['node_id'][:12]}")
+            t.add_row(n["name"] or "?", "alive" if n["alive"] else "DEAD", n["node_id"][:12])
+        show(t)
     print("instances:")
     _print_instances(inst, names)
     load = report["load"]
@@ -219,12 +220,14 @@ def run_requests(args: argparse.Namespace) -> int:
         print(json.dumps({"requests": [r.model_dump() for r in rows]}))
         return 0
     now = time.time()
-    print(f"{'REQUEST':<46} {'STATUS':<9} {'INSTANCE':<14} {'PRIO':>4} {'TIME s':>8}")
-    for r in sorted(rows, key=lambda r: r.created_at):
-        took = (r.finished_at or now) - r.created_at
-        print(f"{r.request_id:<46} {r.status:<9} {r.instance_id:<14} {r.priority:>4} {took:>8.2f}")
     if not rows:
         print(f"(no {args.status + ' ' if args.status else ''}requests)")
+        return 0
+    t = table("REQUEST", "STATUS", "INSTANCE", "PRIO", "TIME s", right=("PRIO", "TIME s"))
+    for r in sorted(rows, key=lambda r: r.created_at):
+        took = (r.finished_at or now) - r.created_at
+        t.add_row(r.request_id, r.status, r.instance_id, str(r.priority), f"{took:.2f}")
+    show(t)
     return 0
 
 
@@ -353,24 +356,26 @@ def _expert_load(ep: list) -> dict:
 
 
 def _print_instances(inst: Instances, names: dict[str, str]) -> None:
-    print(f"{'INSTANCE':<14} {'MODEL':<24} {'NODE':<14} {'STATE':<9} {'FLIGHT':>6} {'RUN':>4} {'WAIT':>4} "
-          f"{'KV USED':>11} {'ACCEPT':>6} {'K':>5} {'STEP ms':>7} {'PREFIX HIT':>10}")
+    """A table of the instances, then each one's place and error, then those removed."""
+    numbers = ("FLIGHT", "RUN", "WAIT", "KV USED", "ACCEPT", "K", "STEP ms", "PREFIX HIT")
+    t = table("INSTANCE", "MODEL", "NODE", "STATE", *numbers, right=numbers)
+    notes = []
     for i in inst.instances:
         state = "unhealthy" if not i.healthy else "draining" if i.draining else "ok"
         s = i.stats
         kv = f"{s.kv_blocks_used}/{s.kv_blocks_used + s.kv_blocks_free}" if s else "-"
         hit = f"{s.prefix_cache_hits / s.prefix_cache_queries:.2f}" if s and s.prefix_cache_queries else "-"
-        cols = (f"{s.running:>4} {s.waiting:>4} {kv:>11} {s.acceptance:>6.2f} {s.mean_k:>5.2f} "
-                f"{s.step_time_ema_s * 1e3:>7.1f} {hit:>10}") if s else \
-            f"{'-':>4} {'-':>4} {kv:>11} {'-':>6} {'-':>5} {'-':>7} {'-':>10}"
-        node = names.get(i.node, i.node[:12])
-        print(f"{i.instance_id:<14} {i.model[:24]:<24} {node:<14} {state:<9} {i.in_flight:>6} {cols}")
-        if i.place.stages:
-            print(f"    place: {_place(i.place)}")
-        if i.error:
-            print(f"    error: {i.error}")
-    if not inst.instances:
+        cols = (str(s.running), str(s.waiting), kv, f"{s.acceptance:.2f}", f"{s.mean_k:.2f}",
+                f"{s.step_time_ema_s * 1e3:.1f}", hit) if s else ("-", "-", kv, "-", "-", "-", "-")
+        t.add_row(i.instance_id, i.model[:24], names.get(i.node, i.node[:12]), state, str(i.in_flight), *cols)
+        notes += [f"{i.instance_id} place: {_place(i.place)}"] if i.place.stages else []
+        notes += [f"{i.instance_id} error: {i.error}"] if i.error else []
+    if inst.instances:
+        show(t)
+    else:
         print("(no instances registered)")
+    for note in notes:
+        print(note)
     for r in inst.removed:
         print(f"removed {r.instance_id} (node {names.get(r.node, r.node[:12])}): {r.error}")
 

@@ -21,6 +21,7 @@ import yaml
 from deploy.bench.prompts import DATASETS
 from deploy.cli.admin_cmd import _guard, add_endpoint_flags, client
 from deploy.cli.flags import UsageError, parse_balance
+from deploy.cli.tables import show, table
 from placement.experts import ExpertPlan, contiguous_plan, group_experts, objective
 
 
@@ -170,20 +171,16 @@ def _stats_path(path: Path) -> Path:
 
 
 def run_status(args: argparse.Namespace) -> int:
-    from rich.console import Console
-    from rich.table import Table
-
     stats = _stats(args.stats)
     load = stats.load.double()
     usage = load / load.sum(-1, keepdim=True).clamp_min(1)
     entropy = stats.usage_entropy()
-    table = Table(title=f"{args.stats}: {stats.tokens} tokens, {stats.num_experts} experts, top-{stats.top_k}")
-    for col in ("MoE layer", "usage entropy (1 = uniform)", "busiest expert share", "co-activated pairs"):
-        table.add_column(col)
+    t = table("MoE layer", "usage entropy (1 = uniform)", "busiest expert share", "co-activated pairs",
+              title=f"{args.stats}: {stats.tokens} tokens, {stats.num_experts} experts, top-{stats.top_k}")
     for pos, layer in enumerate(stats.layers):
-        table.add_row(str(layer), f"{float(entropy[pos]):.3f}", f"{float(usage[pos].max()):.3f}",
-                      str(int(stats.coact[pos].sum()) // 2))
-    Console().print(table)
+        t.add_row(str(layer), f"{float(entropy[pos]):.3f}", f"{float(usage[pos].max()):.3f}",
+                  str(int(stats.coact[pos].sum()) // 2))
+    show(t)
     if args.plan is not None:
         _print_plan(stats, _plan(args.plan))
     return 0
@@ -191,19 +188,13 @@ def run_status(args: argparse.Namespace) -> int:
 
 def _print_plan(stats, plan: ExpertPlan) -> None:
     """Each rank's experts per layer, and the co-activation and affinity mass kept on one rank vs contiguous."""
-    from rich.console import Console
-    from rich.table import Table
-
     coact, affinity = stats.coact.numpy(), stats.affinity.numpy()
     plain = contiguous_plan(plan.layers, plan.num_experts, plan.num_ranks)
     kept = objective(np.asarray(plan.ranks), coact, affinity)
     base = objective(np.asarray(plain.ranks), coact, affinity)
-    table = Table(title=f"expert plan: {plan.num_ranks} ranks")
-    table.add_column("MoE layer")
-    for r in range(plan.num_ranks):
-        table.add_column(f"rank {r}")
+    t = table("MoE layer", *(f"rank {r}" for r in range(plan.num_ranks)), title=f"expert plan: {plan.num_ranks} ranks")
     for pos, layer in enumerate(plan.layers):
-        table.add_row(str(layer), *(" ".join(map(str, plan.experts_of(pos, r))) for r in range(plan.num_ranks)))
-    Console().print(table)
+        t.add_row(str(layer), *(" ".join(map(str, plan.experts_of(pos, r))) for r in range(plan.num_ranks)))
+    show(t)
     print(f"co-activation and affinity pair mass kept on one rank: {kept:.0f} vs {base:.0f} with contiguous experts "
           f"({kept / max(base, 1):.2f}x)")

@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -39,13 +40,9 @@ class KeySet:
 
     @classmethod
     def load(cls, cfg: AuthConfig, admin: bool = False) -> "KeySet":
-        literal = cfg.admin_keys if admin else cfg.api_keys
         env = cfg.admin_keys_env if admin else cfg.api_keys_env
         file = cfg.admin_keys_file if admin else cfg.api_keys_file
-        keys = {k.get_secret_value() for k in literal}
-        keys |= {k.strip() for k in os.environ.get(env, "").split(",") if k.strip()}
-        if file:
-            keys |= set(_read_keys(file, "admin" if admin else "API"))
+        keys = set(listed_keys(cfg, admin))
         tenants = {k: Tenant(_anonymous_name(k), cfg.limits) for k in keys}
         sources = [f"${env}"] + ([file] if file else [])
         if not admin:
@@ -80,11 +77,27 @@ class KeySet:
         return self.match(authorization) is not None
 
 
+class KeyFileError(ValueError):
+    """A key file the config names cannot be read."""
+
+
+def listed_keys(cfg: AuthConfig, admin: bool = False) -> Iterator[str]:
+    """The keys of the API set (or the admin set) that `cfg` lists without a name, in lookup order: the environment
+    variable's (comma-separated), the config's own, then the key file's (one a line, or commas; read only when
+    reached, KeyFileError if it cannot be). The app accepts them all (KeySet.load); the CLI sends the first."""
+    env = cfg.admin_keys_env if admin else cfg.api_keys_env
+    yield from (k.strip() for k in os.environ.get(env, "").split(",") if k.strip())
+    yield from (k.get_secret_value() for k in (cfg.admin_keys if admin else cfg.api_keys))
+    file = cfg.admin_keys_file if admin else cfg.api_keys_file
+    if file:
+        yield from _read_keys(file, "admin" if admin else "API")
+
+
 def _read_keys(file: str, what: str) -> list[str]:
     try:
         text = Path(file).expanduser().read_text()
     except OSError as e:
-        raise ValueError(f"cannot read the {what} key file {file}: {e.strerror}") from None
+        raise KeyFileError(f"cannot read the {what} key file {file}: {e.strerror}") from None
     return [k.strip() for k in text.replace(",", "\n").splitlines() if k.strip()]  # one per line, or commas
 
 

@@ -43,12 +43,11 @@ from ray.actor import ActorHandle
 from ray.exceptions import RayError
 
 from actors.model.loader import load_metadata
-from actors.serving import StreamItem
 from actors.spec.structured import check as check_structured
 from cluster.config import SpecfleetConfig
 from cluster.registry import NoInstanceAvailable
 from cluster.request import (FinishReason, InvalidRequest, Request, RequestStatus, Resume, SamplingParams,
-                             SpecStats, StructuredOutput, TokenDelta, TokenLogprob, check_prompt)
+                             SpecStats, StreamItem, StructuredOutput, TokenDelta, TokenLogprob, check_prompt)
 from cluster.router import Overloaded
 from cluster.router_client import RouterClient
 from deploy.serve.logprobs import TokenStrings

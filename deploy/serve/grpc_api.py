@@ -15,7 +15,8 @@ import grpc
 from pydantic import ValidationError
 
 from actors.spec.structured import parse_schema
-from cluster.request import FinishReason, InvalidRequest, SpecStats, StructuredOutput
+from cluster.request import (DEFAULT_MAX_TOKENS, DEFAULT_TEMPERATURE, FinishReason, InvalidRequest, SpecStats,
+                             StructuredOutput)
 from deploy.serve.auth import Tenant
 from deploy.serve.frontend import Call
 from deploy.serve.openai_api import APIError
@@ -92,7 +93,8 @@ class GrpcMethods:
         f.check_model(request.model)
         which = request.WhichOneof("input")
         if which == "prompt":
-            encode, param, default_max = (lambda: f.encode_prompt(request.prompt, tenant.name)), "prompt", 16
+            encode, param = (lambda: f.encode_prompt(request.prompt, tenant.name)), "prompt"
+            default_max: int | None = DEFAULT_MAX_TOKENS
         elif which == "chat":
             if not request.chat.messages:
                 raise APIError(400, "chat.messages is empty", param="chat")
@@ -101,10 +103,10 @@ class GrpcMethods:
             encode, param, default_max = (lambda: f.encode_chat(messages, tenant.name)), "chat", None
         elif which == "prompt_token_ids":
             ids = list(request.prompt_token_ids.ids)
-            encode, param, default_max = (lambda: f.encode_prompt(ids)), "prompt_token_ids", 16
+            encode, param, default_max = (lambda: f.encode_prompt(ids)), "prompt_token_ids", DEFAULT_MAX_TOKENS
         else:
             raise APIError(400, "give one of prompt, chat or prompt_token_ids", param="input")
-        temperature = request.temperature if request.HasField("temperature") else 1.0
+        temperature = request.temperature if request.HasField("temperature") else DEFAULT_TEMPERATURE
         top_p = request.top_p if request.HasField("top_p") else 1.0
         max_tokens = request.max_tokens if request.HasField("max_tokens") else default_max
         spec = _structured(request)

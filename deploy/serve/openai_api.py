@@ -21,8 +21,8 @@ from pydantic import (BaseModel, ConfigDict, Field, ValidationError, ValidationI
                       model_validator)
 from pydantic.json_schema import SkipJsonSchema
 
-from cluster.request import (MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_SEED, MAX_STOP_CHARS, MAX_STOPS, SpecStats,
-                             StructuredOutput)
+from cluster.request import (DEFAULT_MAX_TOKENS, DEFAULT_TEMPERATURE, MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_SEED,
+                             MAX_STOP_CHARS, MAX_STOPS, SpecStats, StructuredOutput)
 
 INT32_MAX = 2**31 - 1
 # OpenAI / vLLM fields this server does not implement, each with the values that ask for nothing (accepted)
@@ -119,7 +119,7 @@ class _Sampling(_Body):
 
     model: str = Field(max_length=256)
     max_tokens: int | None = Field(default=None, ge=1, le=INT32_MAX)
-    temperature: float = 1.0
+    temperature: float = DEFAULT_TEMPERATURE
     top_p: float = 1.0
     top_k: int = Field(default=0, ge=-1, le=INT32_MAX)
     seed: int | None = Field(default=None, ge=0, le=MAX_SEED)
@@ -229,7 +229,7 @@ def _schema(v: dict | str) -> dict:
 class CompletionRequest(_Sampling):
     prompt: str | list[Annotated[int, Field(ge=0, le=INT32_MAX)]] = Field(min_length=1)
     # OpenAI's default for completions; 0 only scores the prompt (echo with logprobs)
-    max_tokens: int | None = Field(default=16, ge=0, le=INT32_MAX)
+    max_tokens: int | None = Field(default=DEFAULT_MAX_TOKENS, ge=0, le=INT32_MAX)
     echo: bool = False
     logprobs: TopLogprobs | None = None  # the top alternatives per token (0: the chosen token's own only)
     suffix: Unsupported = None

@@ -14,9 +14,9 @@ import pytest
 from actors.build import ray_instance
 from actors.instance import Instance, InstanceUnhealthy
 from actors.build import local_instance
-from actors.serving import ServingLoop, StreamItem
+from actors.serving import ServingLoop
 from cluster.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, SpeculationConfig
-from cluster.request import FinishReason, Request, SamplingParams
+from cluster.request import FinishReason, Request, SamplingParams, StreamItem
 from placement.layout import ShardLayout, StageSlot
 from tests.unit.helpers import load, reference_greedy, text_prompts
 

@@ -74,6 +74,7 @@ def ops(dtype: torch.dtype) -> dict[str, object]:
     return found
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_each_op_of_the_deterministic_forward_gives_a_row_its_own_bits(dtype: str) -> None:
     g = torch.Generator().manual_seed(1)
@@ -127,6 +128,7 @@ def test_a_verification_among_other_requests_gives_the_logits_of_one_token_steps
         assert torch.equal(together, alone), f"k = {k}: {float((together - alone).abs().max())}"
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("dtype,weights", [
     pytest.param("bf16", "int4", marks=needs_ours), ("bf16", "dequantized")])
 def test_bf16_speculation_equals_plain_decoding_in_deterministic_mode(tmp_path: Path, dtype: str, weights: str) -> None:

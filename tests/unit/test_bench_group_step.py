@@ -6,7 +6,11 @@ import argparse
 import json
 from pathlib import Path
 
+import pytest
+
 from deploy.bench import group_step
+
+pytestmark = pytest.mark.heavy  # the fast tier leaves it out: it starts a process group of ranks
 
 
 def test_group_step_reports_every_rank(tmp_path: Path) -> None:

@@ -4,8 +4,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from cluster.config import CacheConfig, EngineConfig, ModelConfig, SpeculationConfig
 from deploy.bench.start import measure_start
+
+pytestmark = pytest.mark.heavy  # the fast tier leaves it out: it starts fresh processes, cold and warm
 
 
 def test_cold_start_converts_and_warm_start_reuses(tiny_gguf: Path) -> None:

@@ -10,6 +10,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+pytestmark = pytest.mark.heavy  # the fast tier leaves it out: every test runs the CLI in a subprocess (a model load each)
+
 
 def specfleet(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "deploy.cli", *args], capture_output=True, text=True, timeout=300)

@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import yaml
 
 from actors.moe.profile import RoutingStats
 from cluster.config import load_config
 from placement.experts import ExpertPlan
 from tests.unit.test_cli import specfleet
+
+pytestmark = pytest.mark.heavy  # the fast tier leaves it out: every test runs the CLI in a subprocess (a model load each)
 
 
 def test_profile_plan_apply_status_end_to_end(tiny_models, tmp_path) -> None:

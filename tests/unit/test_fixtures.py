@@ -91,6 +91,7 @@ def test_builds_are_deterministic(tmp_path: Path) -> None:
     assert build_tokenizer(tmp_path / "tok").get_vocab() == AutoTokenizer.from_pretrained(first).get_vocab()
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("family", FAMILIES)
 def test_greedy_generation_does_not_collapse(tiny_models, family: str) -> None:
     model = load(tiny_models[family])

@@ -66,6 +66,7 @@ def assert_matches_reference(engine: Engine, path, prompt: list[int], result, ma
 CASES = [(d, k) for d in ("pair", "layers", "ngram", "suffix") for k in (1, 3, 5)] + [("none", 0)]
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("batch_size", [1, 4, 8])
 @pytest.mark.parametrize(("draft", "k"), CASES, ids=[f"{d}-k{k}" for d, k in CASES])
 @pytest.mark.parametrize("family", FAMILIES)
@@ -184,6 +185,7 @@ def _stop_strings(text: str) -> list[str]:
     return picks
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("family", FAMILIES)
 def test_stop_strings_end_the_output_right_before_them(tiny_models, tiny_draft_models, family: str) -> None:
     engine = make_engine(tiny_models, tiny_draft_models, family, "pair", k=3)
@@ -253,6 +255,7 @@ def test_ignore_eos_runs_past_eos(tiny_models, tiny_draft_models) -> None:
 
 
 # ---- scheduling -----------------------------------------------------------------------------------
+@pytest.mark.heavy
 @pytest.mark.parametrize(("family", "draft", "urgent"), [
     ("llama", "pair", False), ("mistral", "none", False), ("qwen2_moe", "layers", False), ("qwen2", "pair", True),
 ])

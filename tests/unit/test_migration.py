@@ -9,12 +9,15 @@ import pytest
 import torch
 
 from actors.engine import Engine
+from actors.local_stages import LocalStages
+from actors.model.runner import ModelRunner
+from actors.pipeline import PipelineRunner
 from cluster.config import MigrationConfig
 from cluster.migration import MigrationStatus, migrate
 from cluster.config import SchedulerConfig, SpeculationConfig
 from cluster.request import Request, Resume, SamplingParams
 from tests.unit.helpers import Result, drain, load, reference_greedy, runner, text_prompts
-from tests.unit.test_pipeline import pipeline
+from tests.unit.test_pipeline import CACHE, pipeline
 
 TOKENS = 24
 GREEDY = SamplingParams(temperature=0.0, max_tokens=TOKENS, ignore_eos=True)
@@ -396,12 +399,36 @@ def test_the_draft_kv_moves_in_chunks_between_the_sources_steps(tiny_models, tin
     finish_and_check(src, dst, results, prompts, tiny_models["llama"], 96)
 
 
+class KeptKV:
+    """An executor whose KV cannot move, as an EasySpec draft group's (actors/ray_stages.py GroupStages): the core
+    executor protocol of in-process stages (actors/executor.py), and no ExportsKV."""
+
+    replicated_cache = True
+
+    def __init__(self, stage: ModelRunner) -> None:
+        self.stages = LocalStages([stage])
+        self.layer_ids = self.stages.layer_ids
+
+    def run(self, ops, chunks, parallel=False):
+        return self.stages.run(ops, chunks, parallel)
+
+    def cache_usage(self, ops):
+        return self.stages.cache_usage(ops)
+
+    def kill(self, stages=None):
+        self.stages.kill(stages)
+
+
 @pytest.mark.parametrize("side", ["source", "destination"])
 def test_a_draft_whose_kv_cannot_move_is_rebuilt(tiny_models, tiny_draft_models, side) -> None:
-    """An EasySpec group's draft KV is spread over its members (exports_kv False): the migration still finishes,
-    the destination's draft catching up, where it used to fail on the draft's export or import."""
-    src, dst = engine(tiny_models, tiny_draft_models), engine(tiny_models, tiny_draft_models)
-    (src if side == "source" else dst).draft.exports_kv = False
+    """An EasySpec group's draft KV is spread over its members (its executor exports none): the migration still
+    finishes, the destination's draft catching up, where it used to fail on the draft's export or import."""
+    draft = runner(load(tiny_draft_models["llama"]))
+    kept = Engine(runner(load(tiny_models["llama"])), PipelineRunner(draft.model, CACHE, KeptKV(draft)),
+                  SpeculationConfig(policy="fixed", k=3), SchedulerConfig(max_batch_size=4))
+    assert not kept.draft.exports_kv
+    other = engine(tiny_models, tiny_draft_models)
+    src, dst = (kept, other) if side == "source" else (other, kept)
     prompts = text_prompts(src.target.model, 1, offset=3)
 
     outcome, results = run_migration(src, dst, GREEDY, prompts)

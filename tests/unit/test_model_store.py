@@ -190,6 +190,7 @@ def test_catalog_matches_fetch_sh() -> None:
         model_store.CATALOG["fake"] = fake_entry()  # type: ignore[index]
 
 
+@pytest.mark.heavy
 def test_a_corrupted_catalog_file_of_the_right_size_is_refused_and_fetched_again(models: Path,
                                                                                   wheelhouse: Path) -> None:
     models.mkdir()

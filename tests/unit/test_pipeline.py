@@ -162,10 +162,12 @@ def _run_pair(mode: str, timeout_s: float):
     return result
 
 
+@pytest.mark.heavy
 def test_p2p_moves_an_8_by_1536_fp32_tensor_over_gloo() -> None:
     assert _run_pair("send", timeout_s=60) == ("ok", True, 8 * 1536 * 4)
 
 
+@pytest.mark.heavy
 def test_p2p_receive_without_a_sender_fails_within_the_timeout() -> None:
     kind, message, _ = _run_pair("silent", timeout_s=2)
     assert kind == "error" and "from rank 0" in message

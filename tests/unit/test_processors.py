@@ -62,6 +62,7 @@ def engine(tiny_models, tiny_draft_models, draft: str) -> Engine:
     return Engine(runner(target), d, spec, SchedulerConfig())
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("name", PENALTIES)
 @pytest.mark.parametrize("draft", ["pair", "ngram"])
 def test_greedy_output_with_a_processor_equals_plain_decoding_with_it(tiny_models, tiny_draft_models, draft,
@@ -97,6 +98,7 @@ def test_min_tokens_holds_eos_back(tiny_models, tiny_draft_models) -> None:
         assert not set(c.token_ids[:16]) & set(model.eos_token_ids)
 
 
+@pytest.mark.heavy
 def test_sampling_with_a_processor_keeps_the_targets_processed_distribution(tiny_models, tiny_draft_models) -> None:
     """The first token of n seeded requests, drafted by the perturbed copy: its histogram against the target's
     processed distribution (bias and presence penalty, temperature 1)."""

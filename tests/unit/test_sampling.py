@@ -75,6 +75,7 @@ def fit(tokens: torch.Tensor, probs: torch.Tensor) -> float:
 
 
 # ---- rejection sampling ------------------------------------------------------------------------
+@pytest.mark.heavy
 @pytest.mark.parametrize("k", [1, 2, 3])
 def test_first_emitted_token_is_distributed_as_the_target(k: int) -> None:
     p, q = distributions(k, 0)
@@ -102,6 +103,7 @@ def test_second_token_after_an_accepted_first_is_distributed_as_the_target(k: in
     ("resample_from_p", 0, 2),  # on rejection draws from p instead of norm(max(0, p - q))
     ("bonus_off_by_one", 1, 1),  # the bonus token drawn from the last draft position's p
 ])
+@pytest.mark.heavy
 def test_the_statistic_rejects_wrong_procedures(bug: str, position: int, k: int) -> None:
     """Negative controls: the same check, run on the output of subtly wrong verifiers, rejects them."""
     p, _ = distributions(k, 0)
@@ -113,6 +115,7 @@ def test_the_statistic_rejects_wrong_procedures(bug: str, position: int, k: int)
     assert chi_square(counts[target > 0], target[target > 0])[1] < ALPHA
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("k", [1, 2])
 def test_a_deterministic_draft_with_one_hot_q_emits_the_target(k: int) -> None:
     """Lookup drafters (n-gram, suffix) propose fixed tokens; with q one-hot on them the output is still p."""
@@ -265,6 +268,7 @@ def bucket(tokens: torch.Tensor, probs: torch.Tensor, n: int, min_expected: floa
     return observed, expected, len(top)
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize(("draft", "params"), [
     ("layers", SamplingParams(temperature=1.0, max_tokens=2)),
     ("pair", SamplingParams(temperature=0.7, top_k=6, max_tokens=2)),
@@ -292,6 +296,7 @@ def test_engine_first_token_follows_the_targets_distribution(tiny_models, tiny_d
     assert chi_square(observed_q, expected_q)[1] < ALPHA
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("draft", ["ngram", "suffix"])
 def test_engine_with_a_lookup_draft_samples_the_targets_distribution(tiny_models, tiny_draft_models, draft) -> None:
     """A prompt `half c half` makes the lookup propose c first, so every first token goes through verification;
@@ -316,6 +321,7 @@ def test_engine_with_a_lookup_draft_samples_the_targets_distribution(tiny_models
     assert chi_square(observed, expected)[1] > ALPHA
 
 
+@pytest.mark.heavy
 def test_engine_first_two_tokens_follow_the_targets_joint_distribution(tiny_models, tiny_draft_models) -> None:
     """(x0, x1) ~ p(x0) p(x1 | x0), whether x1 came as the bonus of an accepted round or from the next round."""
     n = 1500

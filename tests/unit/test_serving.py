@@ -8,8 +8,8 @@ import time
 import pytest
 
 from actors.engine import RequestError
-from actors.serving import ServingLoop, StreamItem
-from cluster.request import FinishReason, Request, RequestStatus, SamplingParams
+from actors.serving import ServingLoop, StepBarrier
+from cluster.request import FinishReason, Request, RequestStatus, SamplingParams, StreamItem
 from tests.unit.helpers import load, reference_greedy, text_prompts
 from tests.unit.test_scheduler import engine_for
 
@@ -120,3 +120,24 @@ def test_states_report_held_requests_as_running_and_ended_ones_with_their_status
             "bad": RequestStatus.FAILED, "short": RequestStatus.FINISHED, "long": RequestStatus.ABORTED}
     finally:
         loop.close()
+
+
+def test_a_step_barrier_places_an_abort_between_two_chosen_steps(tiny_models) -> None:
+    """Held after its second step, the loop applies an abort posted meanwhile before its third: the stream has the
+    two steps' tokens (no speculation, a prompt that fits one step: one token each), then the abort, nothing else."""
+    engine = engine_for(tiny_models["llama"], None, policy="off")
+    barrier = StepBarrier(after=2, timeout_s=30)
+    loop, got = ServingLoop(engine, between_steps=barrier), Collector()
+    prompt = tuple(text_prompts(load(tiny_models["llama"]), 1)[0])
+    try:
+        loop.submit(Request("r", prompt, greedy(50, ignore_eos=True)), got.sink("r")).result(30)
+        assert barrier.reached.wait(30)
+        aborted = loop.abort("r")  # posted while the loop is held between steps 2 and 3
+        barrier.release()
+        assert aborted.result(30) is True
+        items = got.wait("r")
+    finally:
+        loop.close()
+    assert [t for it in items for t in it.delta.token_ids] == reference_greedy(tiny_models["llama"], prompt, 2)
+    assert [it.delta.finish_reason for it in items] == [None, None, FinishReason.ABORT]
+    assert barrier.steps == 2 and engine.target.cache.num_used_blocks == 0

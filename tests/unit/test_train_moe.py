@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 
+import pytest
 import torch
 
 from actors.model.loader import load_model
@@ -14,6 +15,7 @@ from deploy.bench.train_moe import MoEShape, train
 from tests.unit.helpers import load, runner, text_prompts
 
 
+@pytest.mark.heavy
 def test_a_short_training_learns_and_saves_a_loadable_mixtral(tiny_models, tmp_path):
     tokenizer = load(tiny_models["llama"]).tokenizer  # the fixtures' real (tiny) byte-level BPE tokenizer
     shape = MoEShape(hidden_size=32, num_layers=2, num_experts=4, intermediate_size=64, num_heads=2, num_kv_heads=1)
