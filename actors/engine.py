@@ -96,6 +96,7 @@ class Engine:
         draft_quantized: bool = False,
         calibration: CalibrationFile | None = None,
         prefix_caching: bool = False,
+        deterministic: bool = False,
     ) -> None:
         if draft is not None and draft.model.config.vocab_size != target.model.config.vocab_size:
             raise ValueError(
@@ -104,7 +105,10 @@ class Engine:
             )
         self.target, self.draft = target, draft
         self.device = target.device  # where the target's logits arrive: sampling and verification run here
-        self.drafter: Drafter | None = make_drafter(speculation, draft, draft_quantized, self.device)
+        # deterministic mode: the target's forward is batch-invariant (its runners'), and sampled tokens are drawn
+        # by position-keyed noise, so output does not depend on k or the batch (docs/determinism.md)
+        self.deterministic = deterministic
+        self.drafter: Drafter | None = make_drafter(speculation, draft, draft_quantized, self.device, deterministic)
         self.cost_model = cost_model or StepCostModel()
         policy = make_policy(speculation, self.drafter is not None, self.cost_model,
                              draft_forwards=self.drafter is not None and self.drafter.runs_forwards)
@@ -138,7 +142,7 @@ class Engine:
             calibration = CalibrationFile(calibration_dir, setup_of(cfg, target[0].device))
         return cls(target[0], draft, cfg.speculation, cfg.scheduler, cfg.model.max_model_len,
                    draft_quantized=cfg.model.draft_quantization != "none", calibration=calibration,
-                   prefix_caching=cfg.cache.prefix_caching)
+                   prefix_caching=cfg.cache.prefix_caching, deterministic=cfg.deterministic)
 
     @property
     def policy(self) -> SpecPolicy:
@@ -262,7 +266,7 @@ class Engine:
         drafts = self._propose(plan)
         scores = self._score(plan, drafts)
         t2 = time.perf_counter()
-        verdicts = verify(plan, drafts, scores)
+        verdicts = verify(plan, drafts, scores, coupled=self.deterministic)
         deltas += self._apply(plan, scores, verdicts)
         self._observe(plan, drafts, scores, deltas, plan_s=t1 - t0, apply_s=time.perf_counter() - t2,
                       step_s=time.perf_counter() - t0)

@@ -49,7 +49,8 @@ class Instance:
     def __init__(self, cfg: EngineConfig, target: PipelineRunner, draft: PipelineRunner | None,
                  release: Callable[[], None] = lambda: None) -> None:
         self.target, self.draft = target, draft
-        self.engine = Engine(target, draft, cfg.speculation, cfg.scheduler, cfg.model.max_model_len)
+        self.engine = Engine(target, draft, cfg.speculation, cfg.scheduler, cfg.model.max_model_len,
+                             deterministic=cfg.deterministic)
         self._release: Callable[[], None] | None = release
         self._error: str | None = None
 

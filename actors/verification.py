@@ -5,7 +5,9 @@ penalties, bias, min_tokens, and its grammar's masks; position j of a round seei
 Greedy requests are then decided together (actors/spec/verify.py `verify_greedy_batch`): one argmax over the
 step's rows, the drafts padded into a (B, K) tensor, one comparison and one transfer of the answers, so a batch of
 greedy requests costs a handful of tensor operations and a single device-to-host copy however large it is.
-Sampled requests go one by one: each has its own parameters (temperature, top-k, top-p) and its own generator.
+Sampled requests go one by one: each has its own parameters (temperature, top-k, top-p) and its own generator;
+in deterministic mode each position's token is drawn by noise keyed to it (actors/spec/coupled.py) and the drafts
+are matched against those tokens, so sampled output is the same at any k, in any batch.
 
 Log-probabilities, for requests that ask, are the target's processed ones at the positions the round emits
 (vLLM's "processed" logprobs): after the processors and, for sampled requests, temperature, top-k and top-p; a
@@ -19,6 +21,7 @@ from collections.abc import Sequence
 
 import torch
 
+from actors.spec.coupled import coupled_tokens
 from actors.spec.processors import process_request, processes
 from actors.spec.sampling import probs_from_logits
 from actors.spec.verify import verify_greedy_batch, verify_sampled
@@ -26,8 +29,9 @@ from actors.step import Drafts, Scores, SpecPlan, Verdict
 from cluster.request import TokenLogprob
 
 
-def verify(plan: SpecPlan, drafts: Drafts, scores: Scores) -> dict[str, Verdict]:
-    """Each emitting request's verdict, by request id."""
+def verify(plan: SpecPlan, drafts: Drafts, scores: Scores, coupled: bool = False) -> dict[str, Verdict]:
+    """Each emitting request's verdict, by request id. `coupled` (deterministic mode): sampled requests' tokens
+    are drawn by position-keyed noise (actors/spec/coupled.py), not by rejection sampling."""
     emitting = plan.emitting
     logits = _processed(emitting, drafts, scores)
     greedy = [d for d in emitting if d.work.seq.greedy]
@@ -36,7 +40,7 @@ def verify(plan: SpecPlan, drafts: Drafts, scores: Scores) -> dict[str, Verdict]
         if not d.work.seq.greedy:
             first, n = scores.rows[d.request_id]
             out[d.request_id] = _verify_one_sampled(d.work.seq, drafts.of(d.request_id).tokens,
-                                                    drafts.of(d.request_id), logits[first:first + n])
+                                                    drafts.of(d.request_id), logits[first:first + n], coupled)
     return out
 
 
@@ -77,11 +81,15 @@ def _verify_greedy(works, drafts: Drafts, scores: Scores, logits: torch.Tensor) 
     return out
 
 
-def _verify_one_sampled(seq, tokens: list[int], proposal, logits: torch.Tensor) -> Verdict:
+def _verify_one_sampled(seq, tokens: list[int], proposal, logits: torch.Tensor, coupled: bool) -> Verdict:
     p = probs_from_logits(logits, seq.request.params)  # (k+1, V)
-    q = proposal.q(p.shape[-1], p.device)  # (k, V)
     d = torch.tensor(tokens, dtype=torch.long, device=p.device)  # (k,)
-    accepted, token = verify_sampled(d, q, p, seq.generator)
+    if coupled:  # the token each row's position draws, whatever the round; the drafts must match it
+        chosen = coupled_tokens(p, seq.generator.initial_seed(), len(seq.token_ids))  # (k+1,)
+        a, t = verify_greedy_batch(d[None], torch.tensor([len(tokens)], device=p.device), chosen[None])
+        accepted, token = int(a[0]), int(t[0])
+    else:
+        accepted, token = verify_sampled(d, proposal.q(p.shape[-1], p.device), p, seq.generator)  # q: (k, V)
     emitted = tuple(tokens[:accepted]) + (token,)
     n = seq.request.params.logprobs
     lp = logprobs_of(p[: len(emitted)].log(), emitted, n) if n is not None else None

@@ -23,6 +23,7 @@ from actors.model.runner import ModelRunner
 from actors.scheduler import Work
 from actors.sequence import Sequence
 from actors.spec.cost_model import ATTENTION_UNIT, ForwardShape
+from actors.spec.coupled import coupled_tokens
 from actors.spec.lookup import NgramIndex, OutputCache, SuffixIndex, suffix_propose
 from actors.spec.processors import process_request, processes
 from actors.spec.sampling import probs_from_logits, sample
@@ -69,9 +70,10 @@ class ModelDrafter:
     runs_forwards = True
 
     def __init__(self, runner: ModelRunner, quantized: bool = False, device: torch.device | None = None,
-                 parallel: DraftParallelConfig = DraftParallelConfig()) -> None:
+                 parallel: DraftParallelConfig = DraftParallelConfig(), coupled: bool = False) -> None:
         self.runner = runner
         self.device = device  # where the target's logits arrive: q must sit beside p
+        self.coupled = coupled  # sampled proposals by position-keyed noise, as the target's (actors/spec/coupled.py)
         self.kind: DraftKind = "model_int8" if quantized else "model"
         # EasySpec (actors/spec/easyspec.py): forwards after a round's first run the layer groups in parallel; with
         # bonus calibration the first runs in true order and the KV of the parallel ones is dropped after verifying
@@ -147,7 +149,10 @@ class ModelDrafter:
                 seq = d.work.seq
                 if not seq.greedy:
                     q = probs_from_logits(row[None].to(self.device or row.device), seq.request.params)  # (1, V)
-                    out[d.request_id].tokens.append(int(sample(q, seq.generator)))
+                    drafted = out[d.request_id].tokens
+                    token = (coupled_tokens(q, seq.generator.initial_seed(), len(seq.token_ids) + len(drafted))
+                             if self.coupled else sample(q, seq.generator))  # (1,)
+                    drafted.append(int(token))
                     probs[d.request_id].append(q[0])
             for d in rows:  # a grammar follows the proposal, so the next position is masked after it
                 seq, p = d.work.seq, out[d.request_id]
@@ -270,8 +275,9 @@ class LookupDrafter:
 
 
 def make_drafter(cfg: SpeculationConfig, draft: ModelRunner | None, quantized: bool = False,
-                 device: torch.device | None = None) -> Drafter | None:
-    """The drafter `cfg.method` names; None when there is nothing to draft with (method model, no draft runner)."""
+                 device: torch.device | None = None, coupled: bool = False) -> Drafter | None:
+    """The drafter `cfg.method` names; None when there is nothing to draft with (method model, no draft runner).
+    `coupled`: sampled requests draw by position-keyed noise (deterministic mode, actors/spec/coupled.py)."""
     if cfg.method in ("ngram", "suffix"):
         return LookupDrafter(cfg.method, cfg)
-    return ModelDrafter(draft, quantized, device, cfg.draft_parallel) if draft is not None else None
+    return ModelDrafter(draft, quantized, device, cfg.draft_parallel, coupled) if draft is not None else None

@@ -140,7 +140,8 @@ def _engines(setup: Setup, args: argparse.Namespace, batch: int, costs: dict[str
     draft kind and `suffix`)."""
     draft_name, int8 = setup.draft, setup.int8
     sched = SchedulerConfig(max_batch_size=batch, max_num_batched_tokens=max(256, batch))
-    engines = {"off": Engine(target_runner, None, SpeculationConfig(policy="off"), sched)}
+    engines = {"off": Engine(target_runner, None, SpeculationConfig(policy="off"), sched,
+                             deterministic=target_runner.deterministic)}
     for kind in args.kinds:
         runner = None
         if kind == "model":
@@ -152,7 +153,8 @@ def _engines(setup: Setup, args: argparse.Namespace, batch: int, costs: dict[str
         for policy in ("fixed", "goodput"):
             spec = SpeculationConfig(method=kind, policy=policy, k=args.k)
             cost = costs.get(kind + suffix) if policy == "goodput" else None  # calibrated once per draft kind
-            e = Engine(target_runner, runner, spec, sched, cost_model=cost, draft_quantized=int8 and kind == "model")
+            e = Engine(target_runner, runner, spec, sched, cost_model=cost, draft_quantized=int8 and kind == "model",
+                       deterministic=target_runner.deterministic)
             if policy == "goodput":
                 costs[kind + suffix] = e.cost_model
             engines[f"{label} {policy}"] = e
@@ -226,6 +228,7 @@ def run(args: argparse.Namespace) -> int:
                     "acceptance": round(m.stats.acceptance_rate, 3) if m.stats.proposed else None,
                     "mean_k": round(sum(m.stats.k_history) / len(m.stats.k_history), 2) if m.stats.k_history else 0.0,
                     "identical_to_off": same, "token_agreement": round(prefix, 4),
+                    "repeatable": _repeatable(m.outputs, args.repeats),
                 }
             rows[batch]["_goodput_vs_best"] = _goodput_vs_best(rows[batch])
         report["setups"][setup.name] = {"target": setup.target, "num_prompts": n, "max_tokens": setup.max_tokens,
@@ -239,6 +242,15 @@ def run(args: argparse.Namespace) -> int:
     _print(report)
     save(report, args.json, None, lambda *_: None)
     return 0
+
+
+def _repeatable(outputs: list[list[int]], passes: int) -> float | None:
+    """The share of prompts whose output was the same in every pass (None with one pass)."""
+    if passes < 2:
+        return None
+    n = len(outputs) // passes
+    runs = [outputs[p * n:(p + 1) * n] for p in range(passes)]
+    return round(sum(all(r[i] == runs[0][i] for r in runs) for i in range(n)) / n, 3)
 
 
 def _start_figures(setup: Setup, dtype: str, prompt: str) -> dict[str, float]:
@@ -275,14 +287,15 @@ def _print(report: dict) -> None:
         for batch, rows in s["batches"].items():
             t = Table(title=f"{setup} ({s['target']}), batch {batch}, {s['num_prompts']} prompts x "
                             f"{s['max_tokens']} tokens")
-            for col in ("mode", "tok/s", "vs off", "accept", "mean k", "identical", "agreement"):
+            for col in ("mode", "tok/s", "vs off", "accept", "mean k", "identical", "agreement", "repeatable"):
                 t.add_column(col, justify="left" if col == "mode" else "right")
             for name, r in rows.items():
                 if name.startswith("_"):
                     continue
                 acc = "-" if r["acceptance"] is None else f"{r['acceptance']:.2f}"
                 t.add_row(name, f"{r['tok_s']:.1f}", f"{r['vs_off']:.2f}x", acc, f"{r['mean_k']:.2f}",
-                          f"{r['identical_to_off']:.2f}", f"{r['token_agreement']:.3f}")
+                          f"{r['identical_to_off']:.2f}", f"{r['token_agreement']:.3f}",
+                          "-" if r["repeatable"] is None else f"{r['repeatable']:.2f}")
             console.print(t)
             console.print("goodput / best of (off, fixed): " +
                           ", ".join(f"{k} {v:.2f}" for k, v in rows["_goodput_vs_best"].items()))

@@ -223,12 +223,15 @@ def test_sample_draws_from_the_distribution() -> None:
 
 
 # ---- the engine ----------------------------------------------------------------------------------
-def sampling_engine(tiny_models, tiny_draft_models, family: str = "llama", draft: str = "pair", k: int = 3) -> Engine:
+def sampling_engine(tiny_models, tiny_draft_models, family: str = "llama", draft: str = "pair", k: int = 3,
+                    coupled: bool = False) -> Engine:
+    """`coupled`: deterministic mode's draw, by position-keyed noise (actors/spec/coupled.py)."""
     target = load(tiny_models[family])
     if draft in ("ngram", "suffix"):
-        return Engine(runner(target), None, SpeculationConfig(k=k, method=draft, ngram={"min_n": 1, "max_n": 3}))
+        return Engine(runner(target), None, SpeculationConfig(k=k, method=draft, ngram={"min_n": 1, "max_n": 3}),
+                      deterministic=coupled)
     d = runner(load(tiny_draft_models[family])) if draft == "pair" else runner(target, [0, 3])
-    return Engine(runner(target), d, SpeculationConfig(k=k))
+    return Engine(runner(target), d, SpeculationConfig(k=k), deterministic=coupled)
 
 
 def test_same_seed_same_output_across_engines_and_batches(tiny_models, tiny_draft_models) -> None:
@@ -297,8 +300,10 @@ def test_engine_first_token_follows_the_targets_distribution(tiny_models, tiny_d
 
 
 @pytest.mark.heavy
-@pytest.mark.parametrize("draft", ["ngram", "suffix"])
-def test_engine_with_a_lookup_draft_samples_the_targets_distribution(tiny_models, tiny_draft_models, draft) -> None:
+@pytest.mark.parametrize("draft,coupled", [("ngram", False), ("suffix", False), ("ngram", True)],
+                         ids=["ngram", "suffix", "ngram, deterministic mode's draw"])
+def test_engine_with_a_lookup_draft_samples_the_targets_distribution(tiny_models, tiny_draft_models, draft,
+                                                                     coupled) -> None:
     """A prompt `half c half` makes the lookup propose c first, so every first token goes through verification;
     c is picked so that the target accepts it about half the time (both paths of rejection sampling taken)."""
     n = 1000
@@ -308,7 +313,7 @@ def test_engine_with_a_lookup_draft_samples_the_targets_distribution(tiny_models
     c = min(likely, key=lambda c: abs(float(target_next_token_probs(model, [*half, c, *half])[c]) - 0.5))
     prompt = [*half, c, *half]
     params = SamplingParams(temperature=1.0, max_tokens=2)
-    engine = sampling_engine(tiny_models, tiny_draft_models, "llama", draft, k=1)
+    engine = sampling_engine(tiny_models, tiny_draft_models, "llama", draft, k=1, coupled=coupled)
 
     completions = engine.generate([prompt] * n, [params.model_copy(update={"seed": s}) for s in range(n)])
 
@@ -322,12 +327,14 @@ def test_engine_with_a_lookup_draft_samples_the_targets_distribution(tiny_models
 
 
 @pytest.mark.heavy
-def test_engine_first_two_tokens_follow_the_targets_joint_distribution(tiny_models, tiny_draft_models) -> None:
+@pytest.mark.parametrize("coupled", [False, True], ids=["rejection sampling", "deterministic mode's draw"])
+def test_engine_first_two_tokens_follow_the_targets_joint_distribution(tiny_models, tiny_draft_models,
+                                                                       coupled: bool) -> None:
     """(x0, x1) ~ p(x0) p(x1 | x0), whether x1 came as the bonus of an accepted round or from the next round."""
     n = 1500
     model = load(tiny_models["qwen2"])
     prompt = text_prompts(model, 2)[1]
-    engine = sampling_engine(tiny_models, tiny_draft_models, "qwen2", "pair", k=1)
+    engine = sampling_engine(tiny_models, tiny_draft_models, "qwen2", "pair", k=1, coupled=coupled)
     params = [SamplingParams(temperature=1.0, max_tokens=2, ignore_eos=True, seed=10_000 + seed) for seed in range(n)]
 
     completions = engine.generate([prompt] * n, params)
