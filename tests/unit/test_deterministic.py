@@ -111,6 +111,7 @@ def shaped(shape: str, models, pair, policy: str) -> Engine:
     return engine(runner(target), runner(draft), prefix_caching=True, policy=policy, k=4)
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("params", ["greedy", "sampled"])
 @pytest.mark.parametrize("shape", SHAPES)
 def test_every_shape_equals_plain_decoding_in_bf16(shape: str, params: str, models, pair, prompts, plain) -> None:
@@ -131,6 +132,7 @@ def test_every_shape_equals_plain_decoding_in_bf16(shape: str, params: str, mode
                 assert e.stats().prefix_cache_hits > 0, "no prompt started from cached blocks"
 
 
+@pytest.mark.heavy
 def test_a_migrated_request_equals_plain_decoding_greedy_and_sampled(models, prompts, plain) -> None:
     target, draft = models
     for name, params in (("greedy", GREEDY), ("sampled", SAMPLED)):
@@ -145,6 +147,7 @@ def test_a_migrated_request_equals_plain_decoding_greedy_and_sampled(models, pro
         assert [results[f"r{i}"].token_ids for i in range(3)] == plain[name][:3], name
 
 
+@pytest.mark.heavy
 def test_a_failed_over_request_resumes_to_plain_decodings_output_greedy_and_sampled(models, prompts, plain) -> None:
     """Resumed from its tokens alone on another engine (KV recomputed, a fresh generator from the same seed)."""
     target, draft = models
@@ -159,6 +162,7 @@ def test_a_failed_over_request_resumes_to_plain_decodings_output_greedy_and_samp
         assert before.token_ids + drain(dst)["r"].token_ids == plain[name][0], name
 
 
+@pytest.mark.heavy
 def test_the_same_seed_gives_the_same_output_run_to_run_and_other_seeds_differ(models, prompts) -> None:
     target, draft = models
     runs = [outputs(engine(runner(target), runner(draft), policy="goodput", k=4), prompts[:2], SAMPLED, 2)
@@ -177,6 +181,7 @@ def test_position_keyed_noise_depends_on_the_seed_and_the_position_alone() -> No
     assert not torch.equal(a[0], a[1]) and not torch.equal(a, gumbel_noise(6, [3, 4, 5], 50, cpu))
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("procedure", ["gumbel-max", "negative control: argmax(p + g)"])
 def test_coupled_tokens_are_distributed_as_p_and_independent_across_positions(procedure: str) -> None:
     """Over 20,000 seeds the tokens at two positions follow p0 x p1; a wrong draw is caught (the test has power)."""
