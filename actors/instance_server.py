@@ -363,6 +363,14 @@ class InstanceServer:
             return tuple((rid, priority.get(rid, 0)) for rid in self.loop.tracked_ids())
         return Registration(await self.info(), self.spec.place, await self._on_loop(held))
 
+    async def pause(self, seconds: float) -> None:
+        """Take no step for at most `seconds` (or until `resume`): returns once the loop is between two steps.
+        Streams stay open and keep their place; migrations, aborts and reads go on (actors/serving.py, Pause)."""
+        await asyncio.wrap_future(self.loop.pause(seconds))
+
+    async def resume(self) -> None:
+        await asyncio.wrap_future(self.loop.resume())
+
     async def pid(self) -> int:
         """This actor's process id (operators, fault tests that kill it)."""
         return os.getpid()

@@ -2,7 +2,7 @@
 
 This is continuous batching as a server needs it: `submit`, `abort`, `call` and `hand_over` may be called from any
 thread (the Ray actor's event loop, in actors/instance_server.py); each posts a typed command (Add, Abort, Call,
-HandOver) that the loop applies before the next step; it runs the step, and hands each request's delta to that
+HandOver, Pause, Resume) that the loop applies before the next step; it runs the step, and hands each request's delta to that
 request's sink (StreamItems, cluster/request.py). The engine is only ever touched by the loop thread, so it needs
 no locks. The loop sleeps while there is no work and wakes when a request arrives. A `between_steps` hook
 (StepBarrier) lets a test hold the loop between two chosen steps.
@@ -58,7 +58,21 @@ class HandOver:
     destination: tuple[str, object]
 
 
-Command = Add | Abort | Call | HandOver
+@dataclass(frozen=True)
+class Pause:
+    """Take no step until `until` (time.monotonic) or a Resume; commands are still applied meanwhile (a migration's
+    copies go on, aborts end streams), and requests keep their place. As vLLM's pause_generation, with a deadline
+    so that a pause nobody ends cannot hold an instance for good."""
+
+    until: float
+
+
+@dataclass(frozen=True)
+class Resume:
+    """End a pause."""
+
+
+Command = Add | Abort | Call | HandOver | Pause | Resume
 
 
 class Steppable(Protocol):
@@ -100,6 +114,7 @@ class ServingLoop:
         self._stop = threading.Event()
         self._tracked: dict[str, _Tracked] = {}
         self._ended: OrderedDict[str, RequestStatus] = OrderedDict()  # newest last, at most KEEP_ENDED
+        self._paused_until = 0.0  # time.monotonic() before which no step is taken (Pause)
         self.error: BaseException | None = None  # an unexpected exception that stopped the loop
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
@@ -121,6 +136,19 @@ class ServingLoop:
         """A request left for another instance (migration): its stream ends with a `migrated_to` item, and the loop
         forgets it (it is neither running nor ended here)."""
         return self._post(HandOver(request_id, destination))
+
+    def pause(self, seconds: float) -> Future:
+        """Stop stepping for at most `seconds`; the future resolves once the loop is between two steps and takes no
+        more (fault tests hold streams mid-stream with it, operators inspect an instance at rest)."""
+        return self._post(Pause(time.monotonic() + seconds))
+
+    def resume(self) -> Future:
+        """Step again (a loop that is not paused is unchanged)."""
+        return self._post(Resume())
+
+    @property
+    def paused(self) -> bool:
+        return time.monotonic() < self._paused_until
 
     def close(self, timeout_s: float = 10.0) -> None:
         """Stop the loop; requests in flight end with an ABORT item."""
@@ -166,8 +194,8 @@ class ServingLoop:
         try:
             while not self._stop.is_set():
                 self._apply_inbox()
-                if not self.engine.has_unfinished():
-                    self._wake.wait(0.5)
+                if (held := self._paused_until - time.monotonic()) > 0 or not self.engine.has_unfinished():
+                    self._wake.wait(min(held, 0.5) if held > 0 else 0.5)
                     self._wake.clear()
                     continue
                 deltas = self._step()
@@ -209,6 +237,12 @@ class ServingLoop:
                 return self._hand_over(rid, destination)
             case Abort(rid):
                 return self._abort(rid)
+            case Pause(until):
+                self._paused_until = until
+                return None
+            case Resume():
+                self._paused_until = 0.0
+                return None
         raise TypeError(f"not a serving loop command: {command!r}")
 
     def _add(self, request: Request, sink: Sink) -> None:

@@ -141,3 +141,35 @@ def test_a_step_barrier_places_an_abort_between_two_chosen_steps(tiny_models) ->
     assert [t for it in items for t in it.delta.token_ids] == reference_greedy(tiny_models["llama"], prompt, 2)
     assert [it.delta.finish_reason for it in items] == [None, None, FinishReason.ABORT]
     assert barrier.steps == 2 and engine.target.cache.num_used_blocks == 0
+
+
+def test_a_paused_loop_takes_no_step_but_applies_commands_until_resumed_or_its_deadline(tiny_models) -> None:
+    """Paused between steps 2 and 3, the stream holds its two tokens while calls still run; resumed, it finishes with
+    the target's output. A pause nobody ends lasts only its deadline."""
+    engine = engine_for(tiny_models["llama"], None, policy="off")
+    barrier = StepBarrier(after=2, timeout_s=30)
+    loop, got = ServingLoop(engine, between_steps=barrier), Collector()
+    prompt = tuple(text_prompts(load(tiny_models["llama"]), 1)[0])
+    try:
+        loop.submit(Request("r", prompt, greedy(12, ignore_eos=True)), got.sink("r")).result(30)
+        assert barrier.reached.wait(30)
+        paused = loop.pause(60.0)  # applied before step 3
+        barrier.release()
+        paused.result(30)
+        assert loop.paused
+        steps = engine.stats().num_steps
+        assert loop.call(lambda: engine.kv_length("r")).result(30) == len(prompt) + 1  # commands still run
+        time.sleep(0.5)
+        assert engine.stats().num_steps == steps == 2 and not got.done["r"].is_set()
+        loop.resume().result(30)
+        items = got.wait("r")
+        assert [t for it in items for t in it.delta.token_ids] == reference_greedy(tiny_models["llama"], prompt, 12)
+
+        t0 = time.monotonic()
+        loop.pause(0.5).result(30)  # its deadline ends it
+        loop.submit(Request("s", prompt, greedy(4, ignore_eos=True)), got.sink("s")).result(30)
+        assert [t for it in got.wait("s", timeout=30) for t in it.delta.token_ids] == \
+            reference_greedy(tiny_models["llama"], prompt, 4)
+        assert time.monotonic() - t0 >= 0.5 and not loop.paused
+    finally:
+        loop.close()
