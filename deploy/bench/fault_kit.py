@@ -39,6 +39,8 @@ WORKERS = Inventory(nodes=[NodeSpec(name=f"w{i}", accelerator="l4-24g", count=1,
                            for i in range(3)])
 API_KEY, ADMIN_KEY = "sk-faults-api", "sk-faults-admin"
 MODEL = "tiny-llama"
+HOLD_S = 120.0  # the longest a held load keeps its instances paused (App.load), should nothing resume them
+RESUME_TIMEOUT_S = 10.0
 HEAD_ONLY = {"node:__internal_head__": 0.001}
 
 
@@ -224,16 +226,30 @@ class App:
 
     def wait_instances(self, n: int, timeout_s: float = 120.0) -> list[dict]:
         """Until `n` instances accept requests (a replaced one is back); their rows."""
+        rows = self._wait_rows(lambda rows: sum(r["accepting"] for r in rows) >= n,
+                               f"{n} instances were not up", timeout_s)
+        return [r for r in rows if r["accepting"]]
+
+    def wait_idle(self, timeout_s: float = 60.0) -> None:
+        """Until the router sees every instance idle: nothing in flight, and its last stats poll found no request
+        and no KV block in use (a load started earlier, the router's least-load dispatch reads figures of the last
+        one and sends the new streams away from an instance that only looks busy)."""
+        self._wait_rows(lambda rows: all(r["in_flight"] == 0 and r["stats"] is not None
+                                         and r["stats"]["running"] == r["stats"]["waiting"] == 0
+                                         and r["stats"]["kv_blocks_used"] == 0 for r in rows),
+                        "the fleet was not idle", timeout_s)
+
+    def _wait_rows(self, ok: Callable[[list[dict]], bool], what: str, timeout_s: float) -> list[dict]:
         deadline = time.monotonic() + timeout_s
         while True:
             try:
-                rows = [r for r in self.instances() if r["accepting"]]
-                if len(rows) >= n:
+                rows = self.instances()
+                if ok(rows):
                     return rows
             except httpx.HTTPError:
                 pass
             if time.monotonic() > deadline:
-                raise AssertionError(f"{n} instances were not up within {timeout_s:.0f} s")
+                raise AssertionError(f"{what} within {timeout_s:.0f} s")
             time.sleep(0.3)
 
     def incarnation(self, instance_id: str) -> str:
@@ -245,17 +261,8 @@ class App:
                               f"{instance_id} was not replaced", timeout_s)
 
     def _wait_row(self, ok: Callable[[dict], bool], what: str, timeout_s: float) -> dict:
-        deadline = time.monotonic() + timeout_s
-        while True:
-            try:
-                for r in self.instances():
-                    if ok(r):
-                        return r
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                raise AssertionError(f"{what} within {timeout_s:.0f} s")
-            time.sleep(0.3)
+        rows = self._wait_rows(lambda rows: any(ok(r) for r in rows), what, timeout_s)
+        return next(r for r in rows if ok(r))
 
     def wait_placed(self, instance_id: str, away_from: int, timeout_s: float = 300.0) -> dict:
         """Until the instance serves again with none of its stages on worker `away_from` (it was planned again
@@ -321,10 +328,15 @@ class App:
 
     async def load(self, prompts: list[list[int]], tokens: int,
                    fault: Callable[[asyncio.Event, list[Streamed]], Awaitable[None]] | None = None,
-                   min_chunks: int = 8) -> LoadRun:
+                   min_chunks: int = 8, hold: bool = False) -> LoadRun:
         """Stream every prompt at once; once every stream has `min_chunks` chunks, run `fault(hit, streams)` (it sets
         `hit` when the fault lands, then may heal it), and from `hit` on probe with small new requests until one is
-        answered in full. Returns when every stream and the fault are done."""
+        answered in full. Returns when every stream and the fault are done.
+
+        `hold`: every instance pauses between two steps before the fault and resumes once it landed, so that no
+        stream can end in between (tests: a fault then always strikes streams mid-stream); the pause shows in the
+        streams' gaps, so a benchmark of latencies leaves it off."""
+        await asyncio.to_thread(self.wait_idle)  # or stale figures of the last load may send every stream one way
         async with self.client() as client:
             streams = [Streamed(len(p)) for p in prompts]
             tasks = [asyncio.create_task(self.stream(client, p, tokens, s, min_chunks))
@@ -332,16 +344,34 @@ class App:
             fault_at = served_again = None
             if fault is not None:
                 await asyncio.gather(*(s.started.wait() for s in streams))
+                held = await self.pause_all() if hold else []
                 hit = asyncio.Event()
                 faulting = asyncio.create_task(fault(hit, streams))
                 await asyncio.wait([faulting, asyncio.create_task(hit.wait())], return_when=asyncio.FIRST_COMPLETED)
                 if faulting.done():
                     faulting.result()  # a fault that failed before landing
                 fault_at = time.monotonic()
+                await self.resume_all(held)
                 served_again = await self.served_again(client, prompts[0], fault_at)
                 await faulting
             await asyncio.gather(*tasks)
         return LoadRun(streams, fault_at, served_again)
+
+    async def pause_all(self, seconds: float = HOLD_S) -> list[str]:
+        """Pause every instance between two steps (for at most `seconds`); the ids paused."""
+        ids = [r["instance_id"] for r in await asyncio.to_thread(self.instances)]
+        await asyncio.gather(*(self.instance_actor(i).pause.remote(seconds) for i in ids))
+        return ids
+
+    async def resume_all(self, ids: list[str]) -> None:
+        """Resume the paused instances the fault left reachable. One the fault killed or cut off answers with an
+        error or not at all (its own pause deadline ends it if it comes back); that is reported, not raised."""
+        async def resume(instance_id: str) -> None:
+            try:
+                await asyncio.wait_for(self.instance_actor(instance_id).resume.remote(), RESUME_TIMEOUT_S)
+            except (ray.exceptions.RayError, LookupError, TimeoutError) as e:
+                print(f"{instance_id} not resumed (the fault's victim): {type(e).__name__}")
+        await asyncio.gather(*(resume(i) for i in ids))
 
     async def served_again(self, client: httpx.AsyncClient, prompt: list[int], since: float,
                            timeout_s: float = 180.0) -> float | None:

@@ -262,15 +262,17 @@ def apps(target: Path, draft: Path | None, engine: dict | None = None, wait_s: f
             "two": app_config(target, draft, instances=2, stages=1, engine=engine, wait_s=wait_s)}
 
 
-async def run_fault(fault: Fault, app: App, prompts: list[list[int]], tokens: int, baseline: LoadRun) -> Outcome:
-    """The fault under the load of `prompts`; its row, against `baseline` (the same load unfaulted)."""
+async def run_fault(fault: Fault, app: App, prompts: list[list[int]], tokens: int, baseline: LoadRun,
+                    hold: bool = False) -> Outcome:
+    """The fault under the load of `prompts`; its row, against `baseline` (the same load unfaulted). `hold`: the
+    instances pause while it is injected, so it strikes every stream mid-stream (App.load)."""
     landed = Landed("")
 
     async def inject(hit: asyncio.Event, streams: list[Streamed]) -> None:
         nonlocal landed
         landed = await fault.inject(app, hit, streams)
 
-    run = await app.load(prompts, tokens, fault=inject)
+    run = await app.load(prompts, tokens, fault=inject, hold=hold)
     if landed.after is not None:
         await landed.after()
     running, pending, blocks = await asyncio.to_thread(app.leaks)

@@ -21,7 +21,7 @@ def one(hosts, fault_models) -> Iterator[Served]:
 
 
 def fault(one: Served, name: str):
-    return asyncio.run(run_fault(BY_NAME[name], one.app, one.prompts, TOKENS, one.baseline))
+    return asyncio.run(run_fault(BY_NAME[name], one.app, one.prompts, TOKENS, one.baseline, hold=True))
 
 
 def test_the_router_killed_for_good_is_replaced_and_rebuilt_while_every_stream_flows(one) -> None:
