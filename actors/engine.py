@@ -96,6 +96,7 @@ class Engine:
         draft_quantized: bool = False,
         calibration: CalibrationFile | None = None,
         prefix_caching: bool = False,
+        prefix_identity: str | None = None,
     ) -> None:
         if draft is not None and draft.model.config.vocab_size != target.model.config.vocab_size:
             raise ValueError(
@@ -119,6 +120,8 @@ class Engine:
         self._stats = StepCounters()
         # automatic prefix caching: where every shard's cache replays every op (not data-parallel expert ranks)
         self.prefix_caching = prefix_caching and target.replicated_cache
+        # the root of the target's block names (EngineConfig.prefix_identity: the same in every instance of an app)
+        self.prefix_identity = prefix_identity or model_identity(target)
         if prefix_caching and not self.prefix_caching:
             log.warning("prefix caching is off: the target's expert-parallel ranks each hold their own requests' "
                         "KV (engine.experts.attention: data), so a cached block is not where another request runs")
@@ -138,7 +141,7 @@ class Engine:
             calibration = CalibrationFile(calibration_dir, setup_of(cfg, target[0].device))
         return cls(target[0], draft, cfg.speculation, cfg.scheduler, cfg.model.max_model_len,
                    draft_quantized=cfg.model.draft_quantization != "none", calibration=calibration,
-                   prefix_caching=cfg.cache.prefix_caching)
+                   prefix_caching=cfg.cache.prefix_caching, prefix_identity=cfg.prefix_identity)
 
     @property
     def policy(self) -> SpecPolicy:
@@ -184,7 +187,7 @@ class Engine:
             seq.grammar = self.grammars.matcher(params.structured)
             seq.grammar.consume(out.token_ids)  # a resumed request's tokens so far
         if self.prefix_caching and params.prompt_logprobs is None:  # scoring a prompt runs every position of it
-            seq.target_names = ChainNames(root_hash(model_identity(self.target), request.cache_salt),
+            seq.target_names = ChainNames(root_hash(self.prefix_identity, request.cache_salt),
                                           self.target.cache.block_size)
             if isinstance(self.drafter, ModelDrafter) and self.draft.replicated_cache:
                 seq.draft_names = ChainNames(root_hash(model_identity(self.draft), request.cache_salt),

@@ -45,6 +45,7 @@ from cluster.request import FinishReason, Request, RequestStatus, TokenDelta
 from cluster.migration import Link
 from cluster.router import INSTANCE_ACTOR_PREFIX
 from cluster.migration_policy import InstanceLoad
+from cluster.prefix_index import CacheEvents
 from cluster.stats import EngineStats
 from placement.fleet import InstanceSpec
 from placement.layout import PIN_UNITS
@@ -322,6 +323,11 @@ class InstanceServer:
     async def stats(self) -> EngineStats:
         """Read between two steps, like everything of the engine (the loop thread owns it)."""
         return await self._on_loop(self.instance.stats)
+
+    async def cache_events(self, snapshot: bool = False) -> CacheEvents:
+        """The router's prefix index feed (cluster/prefix_index.py): the next numbered batch of blocks cached and
+        evicted, or a snapshot of all it holds; read between two steps, with the stats."""
+        return await self._on_loop(lambda: self.instance.cache_events(snapshot))
 
     async def load(self) -> InstanceLoad:
         """Per-request KV blocks and queued demand, read between two steps (the router's migration policies)."""

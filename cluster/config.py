@@ -196,6 +196,14 @@ class EngineConfig(_Frozen):
     # depend on its batch, so speculation in bf16 equals plain decoding token for token and runs repeat exactly
     deterministic: bool = False
 
+    @property
+    def prefix_identity(self) -> str:
+        """What names the target's KV content in the prefix cache (the root of cluster/prefix.py's chains): the
+        checkpoint as configured, its dtype, how its linear maps compute and deterministic mode. Every instance and
+        API replica of one app computes the same names from it, wherever the checkpoint resolves on its node."""
+        m = self.model
+        return f"{m.target}|{m.dtype}|{m.weights}|{'deterministic' if self.deterministic else 'batched'}"
+
 
 class KeyLimits(_Frozen):
     """What one API key may use (deploy/serve/admission.py), checked before any work is done for a request.
@@ -333,11 +341,29 @@ class FailoverConfig(_Frozen):
     max_attempts: int = Field(default=3, ge=0)
 
 
+class CacheAwareConfig(_Frozen):
+    """`cache_aware` dispatch (cluster/dispatch.py) and the router's prefix index (cluster/prefix_index.py).
+
+    A request goes to the instance holding most of its prompt's leading KV blocks unless that instance's virtual
+    usage is more than `max_load_gap` (a fraction of its KV) above the least loaded instance's, or it queues more
+    than `max_queue_gap` requests more; then least load decides. The router counts a routed request's blocks at
+    its instance for `provisional_s` until that instance's cache events confirm them, and keeps at most
+    `max_entries` (instance, block) pairs (about 260 bytes each), forgetting the least recently used."""
+
+    max_load_gap: float = Field(default=0.25, ge=0.0)
+    max_queue_gap: int = Field(default=2, ge=0)
+    provisional_s: float = Field(default=10.0, gt=0.0)
+    max_entries: int = Field(default=1_000_000, ge=1)
+
+
 class RouterConfig(_Frozen):
     """The router actor (cluster/router.py) and the instances it dispatches to."""
 
     instances: int = Field(default=1, ge=1)  # engine instances to start
-    dispatch: Literal["least_load", "round_robin"] = "least_load"
+    # least_load: Llumnix's virtual usage; round_robin; cache_aware: where the prompt's prefix is cached (with
+    # engine.cache.prefix_caching on), within `cache_aware`'s margins of the least loaded (docs/prefix_caching.md)
+    dispatch: Literal["least_load", "round_robin", "cache_aware"] = "least_load"
+    cache_aware: CacheAwareConfig = CacheAwareConfig()
     stats_interval_s: float = Field(default=0.5, gt=0.0)  # how often the router polls each instance
     # a request routed this long ago that its instance has never received is closed as aborted (its caller went
     # away between routing and sending it); younger ones may still be on their way (Registry.reconcile)

@@ -14,7 +14,8 @@ import pytest
 from cluster.dispatch import CacheAware, InstanceView, ListFleet, make_dispatch
 from cluster.load_order import LoadOrder
 from cluster.prefix import block_hashes, root_hash
-from cluster.prefix_index import CacheEvents, PrefixIndex
+from actors.kv_cache import BlockPool
+from cluster.prefix_index import CacheEvents, EventLog, PrefixIndex
 from cluster.registry import NoInstanceAvailable, Registry
 from cluster.request import RequestStatus
 from cluster.stats import EngineStats
@@ -143,6 +144,62 @@ def test_the_index_is_bounded_and_forgets_least_recently_used_tails_first() -> N
     for instance, hashes in held.items():  # what is left of each chain is a prefix of it
         chain = chains[int(instance[1:])]
         assert hashes == frozenset(chain[: len(hashes)])
+
+
+def test_an_instances_pool_and_the_index_agree_through_lost_batches_and_a_restarted_router() -> None:
+    """The instance side (BlockPool events numbered by EventLog) against the router side (PrefixIndex), pulled in
+    order as the router's poll does: a lost batch, a router that starts over, and a pool that dropped its changes
+    all end in a snapshot, and the index then holds exactly what the pool holds."""
+    rng = random.Random(2)
+    pool, log = BlockPool(12, 4), EventLog()
+    index = PrefixIndex()
+    prompts = [[rng.randrange(5) for _ in range(rng.randint(4, 16))] for _ in range(8)]
+    live: list[str] = []
+    snapshots = 0
+    for n in range(600):
+        if rng.random() < 0.5 or not live:  # a request prefills a prompt and names its blocks
+            rid, prompt = f"r{n}", rng.choice(prompts)
+            pool.match(rid, block_hashes(prompt[:-1], 4, root_hash("m")))
+            if pool.reserve(rid, len(prompt)):
+                pool.set_length(rid, len(prompt))
+                pool.commit(rid, block_hashes(prompt, 4, root_hash("m")))
+                live.append(rid)
+            else:
+                pool.free(rid)
+        else:
+            pool.free(live.pop(rng.randrange(len(live))))
+        if n % 5 == 0:  # the router's poll
+            asked = index.wants_snapshot("i")
+            events = pool.take_events()
+            batch = log.batch(events.stored, events.removed, events.lost, asked, pool.cached_names)
+            snapshots += batch.snapshot
+            fate = rng.random()
+            if fate < 0.05:
+                continue  # the answer was lost (the poll timed out)
+            if fate < 0.08:
+                index = PrefixIndex()  # the router restarted: it knows nothing
+            index.apply("i", batch)
+            if not index.wants_snapshot("i"):
+                assert index.holds("i") == frozenset(pool.cached_names())
+        if n == 300:
+            pool.max_events = 1  # a pool nobody drained in time drops its changes and says so
+    assert snapshots > 3
+
+
+def test_a_failed_over_request_goes_where_its_tokens_are_cached_never_back_to_the_failed_instance() -> None:
+    reg = Registry(make_dispatch("cache_aware"))
+    for i in ("a", "b", "c"):
+        reg.register(i, "m", "n", now=0.0)
+        reg.update(i, stats(used=10, free=90), True, None, now=0.0)
+    chain = block_hashes(list(range(64)), 16, root_hash("m"))
+    reg.prefix.apply("a", CacheEvents(1, tuple(chain), snapshot=True))
+    reg.prefix.apply("c", CacheEvents(1, tuple(chain[:3]), snapshot=True))
+    assert reg.route("r1", 0, now=0.0, model="m", blocks=chain) == "a"
+    assert reg.reroute("r1", {"a"}, now=1.0, model="m", blocks=chain) == "c"  # a failed: c holds 3 of its blocks
+    assert reg.decisions == {"prefix": 2}
+    assert reg.reroute("r1", {"c"}, now=2.0, model="m") in ("a", "b")  # no names: load alone decides
+    reg.register("c", "m", "n", now=3.0)  # a replacement under c's id: what c held is forgotten until it reports
+    assert "c" not in reg.prefix.match(chain) and reg.prefix.wants_snapshot("c")
 
 
 # ---- the load order and the policy --------------------------------------------------------------------------
