@@ -42,7 +42,7 @@ from actors.build import local_instance
 from actors.serving import ServingLoop, StreamItem
 from cluster.instances import InstancePlace
 from cluster.request import FinishReason, Request, RequestStatus, TokenDelta
-from cluster.migration import Link
+from cluster.migration import BlockNames, Link, Reservation
 from cluster.router import INSTANCE_ACTOR_PREFIX
 from cluster.migration_policy import InstanceLoad
 from cluster.prefix_index import CacheEvents
@@ -165,8 +165,12 @@ class InstanceServer:
         engine = self.instance.engine
         return await self._on_loop(lambda: engine.kv_length(request_id) if engine.holds(request_id) else None)
 
-    async def migrate_reserve(self, request_id: str, tokens: int, lease_s: float) -> bool:
-        reserved = await self._on_loop(lambda: self.instance.engine.reserve_incoming(request_id, tokens))
+    async def migrate_names(self, request_id: str) -> BlockNames:
+        return await self._on_loop(lambda: self.instance.engine.block_names(request_id))
+
+    async def migrate_reserve(self, request_id: str, tokens: int, lease_s: float,
+                              names: BlockNames = BlockNames()) -> Reservation | None:
+        reserved = await self._on_loop(lambda: self.instance.engine.reserve_incoming(request_id, tokens, names))
         if reserved:  # each import renews it; the commit ends it (and a "follow" lease of the same length begins)
             self._leases.grant(("incoming", request_id), lease_s, lambda: self.migrate_drop(request_id))
         return reserved
