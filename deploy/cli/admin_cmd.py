@@ -196,9 +196,9 @@ def run_status(args: argparse.Namespace) -> int:
               f"{load['moe_bytes_per_token']:.0f} all-to-all bytes and {load['moe_ms_per_token']:.2f} MoE-layer ms "
               "per token (mean over expert-parallel instances)")
     d = dispatch.decisions
-    print(f"dispatch: {dispatch.policy}; {d.get('prefix', 0)} routed to a cached prefix, {d.get('load_over_prefix', 0)} "
-          f"away from one (too loaded), {d.get('load', 0)} by load alone; prefix index: {dispatch.index_entries} "
-          f"blocks of {dispatch.index_instances} instance(s)")
+    print(f"dispatch: {dispatch.policy}; {d.get('prefix', 0)} routed to a cached prefix, "
+          f"{d.get('load_over_prefix', 0)} away from one (too loaded), {d.get('load', 0)} by load alone; "
+          f"prefix index: {dispatch.index_entries} blocks of {dispatch.index_instances} instance(s)")
     by = moves.by_status
     print(f"migrations: {by.get('finished', 0)} finished, {by.get('aborted_src', 0)} aborted at the source, "
           f"{by.get('aborted_dst', 0)} at the destination; downtime mean {moves.downtime_mean_s * 1e3:.1f} ms, "

@@ -133,15 +133,19 @@ class Metrics:
         return generate_latest(self.registry)
 
 
-class _MigrationCollector:
-    """specfleet:migrations_total{status}, specfleet:failovers_total and specfleet:migration_downtime_seconds,
-    from the router's MigrationStats (cumulative at the router, so they are counters for every replica)."""
+class _ScrapeCollector:
+    """A collector of figures the last scrape read from the router (nothing to describe ahead)."""
 
     def __init__(self, metrics: Metrics) -> None:
         self.metrics = metrics
 
     def describe(self):
         return []  # collected at scrape time only
+
+
+class _MigrationCollector(_ScrapeCollector):
+    """specfleet:migrations_total{status}, specfleet:failovers_total and specfleet:migration_downtime_seconds,
+    from the router's MigrationStats (cumulative at the router, so they are counters for every replica)."""
 
     def collect(self):
         s = self.metrics.migration_figures
@@ -159,16 +163,10 @@ class _MigrationCollector:
                                     "commit at the destination", buckets=buckets, sum_value=s.downtime_sum_s)
 
 
-class _RoutingCollector:
+class _RoutingCollector(_ScrapeCollector):
     """specfleet:router_dispatch_decisions{reason} (the router's own count since it started: `prefix`, sent where
     part of its prompt was cached; `load_over_prefix`, a holder was too loaded; `load`, none held any) and the
     size of its prefix index."""
-
-    def __init__(self, metrics: Metrics) -> None:
-        self.metrics = metrics
-
-    def describe(self):
-        return []  # collected at scrape time only
 
     def collect(self):
         s = self.metrics.routing_figures
@@ -184,15 +182,9 @@ class _RoutingCollector:
                                 "(instance, KV block) pairs the router's prefix index holds", value=s.index_entries)
 
 
-class _PrefixCacheCollector:
+class _PrefixCacheCollector(_ScrapeCollector):
     """specfleet:prefix_cache_queries and specfleet:prefix_cache_hits per instance, in tokens (vLLM's names): each
     instance's own cumulative counts, as its latest stats report them."""
-
-    def __init__(self, metrics: Metrics) -> None:
-        self.metrics = metrics
-
-    def describe(self):
-        return []  # collected at scrape time only
 
     def collect(self):
         labels = ["model_name", "instance"]

@@ -187,10 +187,7 @@ def test_an_instances_pool_and_the_index_agree_through_lost_batches_and_a_restar
 
 
 def test_a_failed_over_request_goes_where_its_tokens_are_cached_never_back_to_the_failed_instance() -> None:
-    reg = Registry(make_dispatch("cache_aware"))
-    for i in ("a", "b", "c"):
-        reg.register(i, "m", "n", now=0.0)
-        reg.update(i, stats(used=10, free=90), True, None, now=0.0)
+    reg = three_idle_instances()
     chain = block_hashes(list(range(64)), 16, root_hash("m"))
     reg.prefix.apply("a", CacheEvents(1, tuple(chain), snapshot=True))
     reg.prefix.apply("c", CacheEvents(1, tuple(chain[:3]), snapshot=True))
@@ -231,11 +228,17 @@ def test_cache_aware_prefers_the_longest_prefix_unless_its_holder_is_overloaded(
     assert policy.choose(ListFleet([light, InstanceView("cold", None, 0)], policy.load_key)) == "cold"
 
 
-def test_the_registry_routes_by_prefix_counts_decisions_and_drops_a_removed_instances_blocks() -> None:
+def three_idle_instances() -> Registry:
+    """A cache-aware registry of instances a, b and c of model m, each with 10 of 100 blocks used."""
     reg = Registry(make_dispatch("cache_aware"))
     for i in ("a", "b", "c"):
         reg.register(i, "m", "n", now=0.0)
         reg.update(i, stats(used=10, free=90), True, None, now=0.0)
+    return reg
+
+
+def test_the_registry_routes_by_prefix_counts_decisions_and_drops_a_removed_instances_blocks() -> None:
+    reg = three_idle_instances()
     chain = block_hashes(list(range(64)), 16, root_hash("m"))
     first = reg.route("r1", 0, now=0.0, model="m", blocks=chain)
     assert reg.decisions == {"load": 1}
