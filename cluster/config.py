@@ -344,14 +344,16 @@ class FailoverConfig(_Frozen):
 class CacheAwareConfig(_Frozen):
     """`cache_aware` dispatch (cluster/dispatch.py) and the router's prefix index (cluster/prefix_index.py).
 
-    A request goes to the instance holding most of its prompt's leading KV blocks unless that instance's virtual
-    usage is more than `max_load_gap` (a fraction of its KV) above the least loaded instance's, or it queues more
-    than `max_queue_gap` requests more; then least load decides. The router counts a routed request's blocks at
+    A request goes to the instance holding most of its prompt's leading KV blocks, if they are at least
+    `min_match` of the prompt's blocks (SGLang's cache_threshold), unless that instance's virtual usage is more
+    than `max_load_gap` (a fraction of its KV) above the least loaded instance's, or it has more than
+    `max_request_gap` requests more in flight; then least load decides. The router counts a routed request's blocks at
     its instance for `provisional_s` until that instance's cache events confirm them, and keeps at most
     `max_entries` (instance, block) pairs (about 260 bytes each), forgetting the least recently used."""
 
     max_load_gap: float = Field(default=0.25, ge=0.0)
-    max_queue_gap: int = Field(default=2, ge=0)
+    max_request_gap: int = Field(default=2, ge=0)
+    min_match: float = Field(default=0.5, ge=0.0, le=1.0)
     provisional_s: float = Field(default=10.0, gt=0.0)
     max_entries: int = Field(default=1_000_000, ge=1)
 

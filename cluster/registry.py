@@ -93,6 +93,7 @@ class _IndexedFleet:
 
     def __init__(self, registry: "Registry", order: LoadOrder, model: str | None, blocks: Sequence[BlockHash]) -> None:
         self.registry, self.order, self.model, self.blocks = registry, order, model, blocks
+        self.request_blocks = len(blocks)
         self.cached: dict[str, int] = {}  # what `holders` offered: instance -> leading blocks held
 
     def least_loaded(self) -> InstanceView:
@@ -303,16 +304,18 @@ class Registry:
             closed.append(Reconciled(rid, instance_id, status, seen_by_instance=state is not None))
         return closed
 
-    def choose(self, exclude: set[str], model: str | None = None, cached: dict[str, int] | None = None) -> str:
+    def choose(self, exclude: set[str], model: str | None = None, cached: dict[str, int] | None = None,
+               request_blocks: int = 0) -> str:
         """Where dispatch would send a request now, leaving out `exclude`; NoInstanceAvailable if nowhere. `cached`:
-        how many leading blocks of the request each instance holds (PrefixIndex.match), for a cache-aware policy."""
+        how many of the request's `request_blocks` leading blocks each instance holds (PrefixIndex.match), for a
+        cache-aware policy."""
         cached = cached or {}
         views = [e.view(cached.get(e.instance_id, 0)) for e in self.instances.values()
                  if e.accepting and e.instance_id not in exclude and (model is None or e.model == model)]
         if not views:
             raise NoInstanceAvailable(self._why_none(model) if len(exclude) < len(self.instances)
                                       else "no other instance is left")
-        return self._policy.choose(ListFleet(views, self._policy.load_key))
+        return self._policy.choose(ListFleet(views, self._policy.load_key, request_blocks))
 
     def rehome(self, request_id: str, instance_id: str) -> None:
         """A request now runs at `instance_id` (it migrated there, or resumed there after a failure)."""
@@ -332,7 +335,7 @@ class Registry:
         restarted after the instance died). `blocks` names the full blocks of its tokens so far (prompt and
         output), as for `route`: where they are cached it re-prefills less. NoInstanceAvailable if none is left."""
         cached = {i: n for i, n in self.prefix.match(blocks).items() if i not in exclude} if blocks else {}
-        instance_id = self.choose(exclude, model, cached)
+        instance_id = self.choose(exclude, model, cached, len(blocks))
         self._decided(instance_id, cached, blocks, now)
         entry = self.requests.get(request_id)
         if entry is None:

@@ -461,7 +461,8 @@ class Router:
 
 def _dispatch(cfg: RouterConfig):
     """The dispatch policy `cfg` names, with cache_aware's margins."""
-    return make_dispatch(cfg.dispatch, cfg.cache_aware.max_load_gap, cfg.cache_aware.max_queue_gap)
+    ca = cfg.cache_aware
+    return make_dispatch(cfg.dispatch, ca.max_load_gap, ca.max_request_gap, ca.min_match)
 
 
 def get_or_create_router(cfg: RouterConfig) -> ActorHandle:

@@ -215,17 +215,25 @@ def test_the_load_order_always_gives_the_smallest_current_key() -> None:
         assert len(order) == len(keys)
 
 
-def test_cache_aware_prefers_the_longest_prefix_unless_its_holder_is_overloaded() -> None:
-    policy = CacheAware(max_load_gap=0.25, max_queue_gap=2, blocks_per_request=10)
+def test_cache_aware_prefers_the_longest_prefix_unless_it_is_short_or_its_holder_is_overloaded() -> None:
+    policy = CacheAware(max_load_gap=0.25, max_request_gap=2, min_match=0.5, blocks_per_request=10)
+
+    def choose(*views: InstanceView, blocks: int = 8) -> str:  # a request of `blocks` full blocks
+        return policy.choose(ListFleet(list(views), policy.load_key, blocks))
+
     light = InstanceView("light", stats(used=10, free=90, running=1), in_flight=1)
     holder = InstanceView("holder", stats(used=30, free=70, running=2), in_flight=2, cached_blocks=6)
     partial = InstanceView("partial", stats(used=20, free=80, running=2), in_flight=2, cached_blocks=2)
-    assert policy.choose(ListFleet([light, holder, partial], policy.load_key)) == "holder"
+    assert choose(light, holder, partial) == "holder"
     hot = InstanceView("holder", stats(used=40, free=60, running=2), in_flight=2, cached_blocks=6)  # 0.4 > 0.1 + 0.25
-    assert policy.choose(ListFleet([light, hot, partial], policy.load_key)) == "partial"
-    queued = InstanceView("holder", stats(used=30, free=70, running=2), in_flight=5, cached_blocks=6)  # 3 queued
-    assert policy.choose(ListFleet([light, queued], policy.load_key)) == "light"
-    assert policy.choose(ListFleet([light, InstanceView("cold", None, 0)], policy.load_key)) == "cold"
+    assert choose(light, hot, partial, blocks=4) == "partial"  # 2 of 4 blocks: half the prompt
+    assert choose(light, hot, partial) == "light"  # 2 of 8: too little to be worth a busier instance
+    assert choose(light, holder, blocks=16) == "light"  # 6 of 16 blocks
+    edge = InstanceView("holder", stats(used=30, free=70, running=3), in_flight=3, cached_blocks=6)  # 3 = 1 + 2
+    assert choose(light, edge) == "holder"
+    busy = InstanceView("holder", stats(used=30, free=70, running=4), in_flight=4, cached_blocks=6)  # 4 > 1 + 2
+    assert choose(light, busy) == "light"
+    assert choose(light, InstanceView("cold", None, 0)) == "cold"
 
 
 def three_idle_instances() -> Registry:
