@@ -289,11 +289,16 @@ class KVCache(BlockPool):
                 self.v[i].view(-1, *self.v.shape[-2:])[start:start + length])
 
     def gather(self, layer: int, block_tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """K, V of every slot of the given block tables (B, nb): each (B, nb * block_size, kvh, hd)."""
+        """K, V of every slot of the given block tables (B, nb): each (B, nb * block_size, kvh, hd).
+
+        index_select, not advanced indexing: on this CPU `k[tables]` over a written pool cost 0.5-7 ms per call (a
+        decode step calls it once per layer), index_select 0.01-0.02 ms (the prefix cache's shared blocks make a
+        block table non-consecutive, so a single sequence takes this path too)."""
         i = self._index[layer]
         b, nb = block_tables.shape
-        k = self.k[i][block_tables].view(b, nb * self.block_size, *self.k.shape[-2:])
-        v = self.v[i][block_tables].view(b, nb * self.block_size, *self.v.shape[-2:])
+        flat = block_tables.reshape(-1)  # (B * nb,)
+        k = self.k[i].index_select(0, flat).view(b, nb * self.block_size, *self.k.shape[-2:])
+        v = self.v[i].index_select(0, flat).view(b, nb * self.block_size, *self.v.shape[-2:])
         return k, v
 
     def export(self, request_id: str, start: int = 0, end: int | None = None) -> KVExport:

@@ -261,33 +261,34 @@ def _migration(fleet: Fleet, chats: Chats, args) -> dict:
 def run(args: argparse.Namespace) -> int:
     variants = [v for v in args.variants.split(",") if v]
     modes = [m for m in args.modes.split(",") if m]
-    if not set(variants) <= {"mtbench", "system"} or not variants:
-        raise UsageError(f"--variants: choose from mtbench, system; got {args.variants!r}")
+    if not set(variants) <= {"mtbench", "system"} or not variants and not args.single:
+        raise UsageError(f"--variants: choose from mtbench, system (none only with --single); got {args.variants!r}")
     if not set(modes) <= set(MODES) or not modes:
         raise UsageError(f"--modes: choose from {', '.join(MODES)}; got {args.modes!r}")
-    state = local_cluster.read_state(args.state)
-    nodes = [n.spec.name for n in state.nodes]
-    local_cluster.connect(state, logging_level="ERROR", log_to_driver=False)
-    target = resolve_model(args.model, args.dtype)
-    tok = load_metadata(target, args.dtype)
     rows = [json.loads(line) for line in (DATASETS / "mt_bench_questions.jsonl").read_text().splitlines() if line]
     if args.conversations > len(rows):
         raise UsageError(f"--conversations: MT-Bench has {len(rows)} two-turn questions")
-    questions = [r["turns"][:2] for r in rows[:args.conversations]]
-    rng = random.Random(args.seed)
-    gaps = [0.0] + [rng.expovariate(args.rate) for _ in questions[1:]]  # the same arrivals in every mode
-    report: dict = {"model": target, "dtype": args.dtype, "instances": args.instances, "rate": args.rate,
+    report: dict = {"model": args.model, "dtype": args.dtype, "instances": args.instances, "rate": args.rate,
                     "conversations": args.conversations, "max_tokens": args.max_tokens, "variants": {}}
     if args.single:
         report["single"] = single_request(args)
-    try:
-        for variant in variants:
-            system = long_text(tok.tokenizer, args.system_prompt_tokens) if variant == "system" else None
-            chats = Chats(tok.tokenizer, system)
-            runs = {m: run_mode(m, args, target, tok, nodes, chats, questions, gaps) for m in modes}
-            report["variants"][variant] = _compare(variant, runs)
-    finally:
-        ray.shutdown()
+    if variants:
+        questions = [r["turns"][:2] for r in rows[:args.conversations]]
+        rng = random.Random(args.seed)
+        gaps = [0.0] + [rng.expovariate(args.rate) for _ in questions[1:]]  # the same arrivals in every mode
+        state = local_cluster.read_state(args.state)
+        local_cluster.connect(state, logging_level="ERROR", log_to_driver=False)
+        try:
+            target = resolve_model(args.model, args.dtype)
+            tok = load_metadata(target, args.dtype)
+            for variant in variants:
+                system = long_text(tok.tokenizer, args.system_prompt_tokens) if variant == "system" else None
+                chats = Chats(tok.tokenizer, system)
+                runs = {m: run_mode(m, args, target, tok, [n.spec.name for n in state.nodes], chats, questions, gaps)
+                        for m in modes}
+                report["variants"][variant] = _compare(variant, runs)
+        finally:
+            ray.shutdown()
     save(report, args.json, None, lambda *_: None)
     return 0 if all(v["identical"] for v in report["variants"].values()) else 1
 
@@ -300,7 +301,7 @@ def single_request(args) -> dict:
     from cluster.request import Request, SamplingParams
     from deploy.serve.fleet import resolved
 
-    cfg = resolved(load_config(args.config)).engine
+    cfg = resolved(load_config(args.config).engine)
     engines = {on: Engine.from_config(cfg.model_copy(update={"cache": cfg.cache.model_copy(
         update={"prefix_caching": on})}), calibration_dir=model_store.calibration_dir()) for on in (False, True)}
     prompts = [engines[False].encode(t, chat=True) for t in load_prompts([DATASETS / "mt_bench_questions.jsonl"],
