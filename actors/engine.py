@@ -123,8 +123,8 @@ class Engine:
         # the root of the target's block names (EngineConfig.prefix_identity: the same in every instance of an app)
         self.prefix_identity = prefix_identity or model_identity(target)
         if prefix_caching and not self.prefix_caching:
-            log.warning("prefix caching is off: the target's expert-parallel ranks each hold their own requests' "
-                        "KV (engine.experts.attention: data), so a cached block is not where another request runs")
+            log.info("prefix caching is off: the target's expert-parallel ranks each hold their own requests' "
+                     "KV (engine.experts.attention: data), so a cached block is not where another request runs")
         self.calibration = calibration  # where this setup's calibration is saved (None: time it at every start)
         if self.policy.name == "goodput" and not self.cost_model.fitted:
             self.calibrate()

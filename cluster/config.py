@@ -137,8 +137,10 @@ class CacheConfig(_Frozen):
     block_size: int = Field(default=16, ge=1, le=1024)
     num_blocks: int = Field(default=2048, ge=2)
     # automatic prefix caching (actors/kv_cache.py BlockPool): full blocks named by their tokens are shared between
-    # requests and kept after they end, so a prompt that starts like an earlier one skips that part of its prefill
-    prefix_caching: bool = False
+    # requests and kept after they end, so a prompt that starts like an earlier one skips that part of its prefill.
+    # On by default, as measured to pay (`specfleet bench prefix`, docs/benchmarks.md): a single request of the
+    # default app is no slower with it, and a chat's prompts share at least the chat template's header
+    prefix_caching: bool = True
 
 
 class SchedulerConfig(_Frozen):
