@@ -51,7 +51,7 @@ from actors.spec.structured import GrammarCompiler
 from actors.step import Drafts, Scores, SpecPlan, Verdict
 from actors.verification import logprobs_of, verify
 from cluster.config import EngineConfig, SchedulerConfig, SpeculationConfig
-from cluster.migration import Link
+from cluster.migration import BlockNames, Link, Reservation
 from cluster.migration_policy import InstanceLoad, RequestLoad
 from cluster.prefix import ChainNames, root_hash
 from cluster.request import (FinishReason, InvalidRequest, Request, Resume, SamplingParams, SpecStats, TokenDelta,
@@ -96,6 +96,7 @@ class Engine:
         draft_quantized: bool = False,
         calibration: CalibrationFile | None = None,
         prefix_caching: bool = False,
+        prefix_identity: str | None = None,
         deterministic: bool = False,
     ) -> None:
         if draft is not None and draft.model.config.vocab_size != target.model.config.vocab_size:
@@ -123,9 +124,11 @@ class Engine:
         self._stats = StepCounters()
         # automatic prefix caching: where every shard's cache replays every op (not data-parallel expert ranks)
         self.prefix_caching = prefix_caching and target.replicated_cache
+        # the root of the target's block names (EngineConfig.prefix_identity: the same in every instance of an app)
+        self.prefix_identity = prefix_identity or model_identity(target)
         if prefix_caching and not self.prefix_caching:
-            log.warning("prefix caching is off: the target's expert-parallel ranks each hold their own requests' "
-                        "KV (engine.experts.attention: data), so a cached block is not where another request runs")
+            log.info("prefix caching is off: the target's expert-parallel ranks each hold their own requests' "
+                     "KV (engine.experts.attention: data), so a cached block is not where another request runs")
         self.calibration = calibration  # where this setup's calibration is saved (None: time it at every start)
         if self.policy.name == "goodput" and not self.cost_model.fitted:
             self.calibrate()
@@ -142,7 +145,8 @@ class Engine:
             calibration = CalibrationFile(calibration_dir, setup_of(cfg, target[0].device))
         return cls(target[0], draft, cfg.speculation, cfg.scheduler, cfg.model.max_model_len,
                    draft_quantized=cfg.model.draft_quantization != "none", calibration=calibration,
-                   prefix_caching=cfg.cache.prefix_caching, deterministic=cfg.deterministic)
+                   prefix_caching=cfg.cache.prefix_caching, prefix_identity=cfg.prefix_identity,
+                   deterministic=cfg.deterministic)
 
     @property
     def policy(self) -> SpecPolicy:
@@ -188,7 +192,7 @@ class Engine:
             seq.grammar = self.grammars.matcher(params.structured)
             seq.grammar.consume(out.token_ids)  # a resumed request's tokens so far
         if self.prefix_caching and params.prompt_logprobs is None:  # scoring a prompt runs every position of it
-            seq.target_names = ChainNames(root_hash(model_identity(self.target), request.cache_salt),
+            seq.target_names = ChainNames(root_hash(self.prefix_identity, request.cache_salt),
                                           self.target.cache.block_size)
             if isinstance(self.drafter, ModelDrafter) and self.draft.replicated_cache:
                 seq.draft_names = ChainNames(root_hash(model_identity(self.draft), request.cache_salt),
@@ -392,11 +396,38 @@ class Engine:
         have = self.target.cache.length(request_id)
         return self.target.export_kv(request_id, start, have if end is None else min(end, have), links)
 
-    def reserve_incoming(self, request_id: str, tokens: int) -> bool:
-        """The migration handshake: hold KV blocks for `tokens` tokens of a request about to arrive, or refuse."""
+    def block_names(self, request_id: str) -> BlockNames:
+        """A migration's source: the names of the full blocks of the request's target and draft KV (none without
+        prefix caching), for the destination to reuse those it caches."""
+        seq = next((s for s in self.waiting + self.running if s.request_id == request_id), None)
+        if seq is None or seq.target_names is None:
+            return BlockNames()
+        draft = self.draft.cache.length(request_id) if seq.draft_names is not None else 0
+        return BlockNames(tuple(seq.target_names.upto(seq.token_ids, self.kv_length(request_id))),
+                          tuple(seq.draft_names.upto(seq.token_ids, draft)) if draft else ())
+
+    def reserve_incoming(self, request_id: str, tokens: int, names: BlockNames = BlockNames()) -> Reservation | None:
+        """The migration handshake: hold KV blocks for `tokens` tokens of a request about to arrive, starting it with
+        the cached blocks its leading `names` find (the copy then starts after them), or refuse (None)."""
         if any(s.request_id == request_id for s in self.waiting + self.running):
-            return False
-        return self.target.reserve(request_id, tokens)
+            return None
+        cached = self.target.cache.match(request_id, names.target) if self.prefix_caching and names.target else 0
+        if not self.target.reserve(request_id, tokens):
+            self.target.cache.free(request_id)
+            return None
+        draft = 0
+        if self.prefix_caching and names.draft and isinstance(self.drafter, ModelDrafter) and self.draft.exports_kv:
+            draft = self.draft.cache.match(request_id, names.draft)
+            self.drafter.imported(request_id, draft)
+        return Reservation(cached, draft, self.kv_bytes_per_token)
+
+    @functools.cached_property
+    def kv_bytes_per_token(self) -> int:
+        """Bytes of one token's target KV over every layer, K and V (what a migration moves per token)."""
+        c = self.target.model.config
+        heads = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
+        head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+        return 2 * c.num_hidden_layers * heads * head_dim * self.target.model.dtype.itemsize
 
     def import_kv(self, exports: list[KVExport] | LinkedKV) -> bool:
         """Append an arriving request's KV (exported by any split of the same model, or received over a migration's

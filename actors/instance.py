@@ -21,6 +21,7 @@ from actors.executor import ShardFailure
 from actors.pipeline import PipelineRunner
 from actors.sequence import Sequence
 from cluster.config import EngineConfig
+from cluster.prefix_index import CacheEvents, EventLog
 from cluster.request import FinishReason, Request, SamplingParams, TokenDelta
 from cluster.stats import EngineStats
 
@@ -50,7 +51,9 @@ class Instance:
                  release: Callable[[], None] = lambda: None) -> None:
         self.target, self.draft = target, draft
         self.engine = Engine(target, draft, cfg.speculation, cfg.scheduler, cfg.model.max_model_len,
+                             prefix_caching=cfg.cache.prefix_caching, prefix_identity=cfg.prefix_identity,
                              deterministic=cfg.deterministic)
+        self._cache_events = EventLog()  # what the router's prefix index learns (cluster/prefix_index.py)
         self._release: Callable[[], None] | None = release
         self._error: str | None = None
 
@@ -98,6 +101,12 @@ class Instance:
 
     def stats(self) -> EngineStats:
         return self.engine.stats()
+
+    def cache_events(self, snapshot: bool = False) -> CacheEvents:
+        """The target's prefix-cache changes since the last call, numbered, or all it holds (`snapshot`)."""
+        cache = self.target.cache
+        events = cache.take_events()
+        return self._cache_events.batch(events.stored, events.removed, events.lost, snapshot, cache.cached_names)
 
     def kv_blocks_used(self) -> tuple[int, int]:
         """(target, draft) KV blocks in use as the instance accounts them."""

@@ -42,9 +42,10 @@ from actors.build import local_instance
 from actors.serving import ServingLoop
 from cluster.instances import InstancePlace
 from cluster.request import FinishReason, Request, RequestStatus, StreamItem, TokenDelta
-from cluster.migration import Link
+from cluster.migration import BlockNames, Link, Reservation
 from cluster.router import INSTANCE_ACTOR_PREFIX
 from cluster.migration_policy import InstanceLoad
+from cluster.prefix_index import CacheEvents
 from cluster.stats import EngineStats
 from placement.fleet import InstanceSpec
 from placement.layout import PIN_UNITS
@@ -164,8 +165,12 @@ class InstanceServer:
         engine = self.instance.engine
         return await self._on_loop(lambda: engine.kv_length(request_id) if engine.holds(request_id) else None)
 
-    async def migrate_reserve(self, request_id: str, tokens: int, lease_s: float) -> bool:
-        reserved = await self._on_loop(lambda: self.instance.engine.reserve_incoming(request_id, tokens))
+    async def migrate_names(self, request_id: str) -> BlockNames:
+        return await self._on_loop(lambda: self.instance.engine.block_names(request_id))
+
+    async def migrate_reserve(self, request_id: str, tokens: int, lease_s: float,
+                              names: BlockNames = BlockNames()) -> Reservation | None:
+        reserved = await self._on_loop(lambda: self.instance.engine.reserve_incoming(request_id, tokens, names))
         if reserved:  # each import renews it; the commit ends it (and a "follow" lease of the same length begins)
             self._leases.grant(("incoming", request_id), lease_s, lambda: self.migrate_drop(request_id))
         return reserved
@@ -322,6 +327,11 @@ class InstanceServer:
     async def stats(self) -> EngineStats:
         """Read between two steps, like everything of the engine (the loop thread owns it)."""
         return await self._on_loop(self.instance.stats)
+
+    async def cache_events(self, snapshot: bool = False) -> CacheEvents:
+        """The router's prefix index feed (cluster/prefix_index.py): the next numbered batch of blocks cached and
+        evicted, or a snapshot of all it holds; read between two steps, with the stats."""
+        return await self._on_loop(lambda: self.instance.cache_events(snapshot))
 
     async def load(self) -> InstanceLoad:
         """Per-request KV blocks and queued demand, read between two steps (the router's migration policies)."""

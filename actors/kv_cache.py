@@ -40,10 +40,17 @@ class _Seq:
 
 @dataclass
 class PrefixEvents:
-    """Names of the blocks cached and evicted since the last `take_events` (what the router's index is fed)."""
+    """Names of the blocks cached and evicted since the last `take_events` (what the router's index is fed), each
+    under its latest change only (a name evicted and cached again is stored), so the two are applied in any order.
+    `lost`: more changed than the pool keeps (nobody took them for long): only a snapshot tells what it holds."""
 
-    stored: list[int] = field(default_factory=list)
-    removed: list[int] = field(default_factory=list)
+    stored: dict[int, None] = field(default_factory=dict)  # ordered sets
+    removed: dict[int, None] = field(default_factory=dict)
+    lost: bool = False
+
+    def record(self, name: int, stored: bool) -> None:
+        (self.removed if stored else self.stored).pop(name, None)
+        (self.stored if stored else self.removed)[name] = None
 
 
 class BlockPool:
@@ -75,6 +82,7 @@ class BlockPool:
         self._block: dict[int, int] = {}  # name -> the block that holds it
         self._cached: OrderedDict[int, None] = OrderedDict()  # named blocks no request holds, least recent first
         self.prefix = PrefixEvents()
+        self.max_events = 4 * num_blocks  # changes kept for `take_events`; past it they are dropped (`lost`)
 
     # ---- accounting -------------------------------------------------------------------------
     @property
@@ -190,14 +198,20 @@ class BlockPool:
             block, name = seq.blocks[i], names[i]
             if name not in self._block and block not in self._name:
                 self._name[block], self._block[name] = name, block
-                self.prefix.stored.append(name)
+                self._event(name, stored=True)
         seq.named = max(seq.named, len(names))
 
-    def take_events(self) -> tuple[list[int], list[int]]:
-        """Names cached and evicted since the last call (stored, removed)."""
-        out = (self.prefix.stored, self.prefix.removed)
-        self.prefix.stored, self.prefix.removed = [], []
+    def take_events(self) -> PrefixEvents:
+        """Names cached and evicted since the last call (and whether some were lost)."""
+        out, self.prefix = self.prefix, PrefixEvents()
         return out
+
+    def _event(self, name: int, stored: bool) -> None:
+        """Record a change for `take_events`, within `max_events` (an engine nobody polls keeps no growing record)."""
+        if len(self.prefix.stored) + len(self.prefix.removed) >= self.max_events:
+            self.prefix = PrefixEvents(lost=True)
+        if not self.prefix.lost:
+            self.prefix.record(name, stored)
 
     def cached_names(self) -> list[int]:
         """Every name this pool holds (held or cached): a snapshot for the router's index."""
@@ -210,7 +224,7 @@ class BlockPool:
         block, _ = self._cached.popitem(last=False)
         name = self._name.pop(block)
         del self._block[name]
-        self.prefix.removed.append(name)
+        self._event(name, stored=False)
         return block
 
     def _release(self, block: int) -> None:
@@ -275,11 +289,16 @@ class KVCache(BlockPool):
                 self.v[i].view(-1, *self.v.shape[-2:])[start:start + length])
 
     def gather(self, layer: int, block_tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """K, V of every slot of the given block tables (B, nb): each (B, nb * block_size, kvh, hd)."""
+        """K, V of every slot of the given block tables (B, nb): each (B, nb * block_size, kvh, hd).
+
+        index_select, not advanced indexing: on this CPU `k[tables]` over a written pool cost 0.5-7 ms per call (a
+        decode step calls it once per layer), index_select 0.01-0.02 ms (the prefix cache's shared blocks make a
+        block table non-consecutive, so a single sequence takes this path too)."""
         i = self._index[layer]
         b, nb = block_tables.shape
-        k = self.k[i][block_tables].view(b, nb * self.block_size, *self.k.shape[-2:])
-        v = self.v[i][block_tables].view(b, nb * self.block_size, *self.v.shape[-2:])
+        flat = block_tables.reshape(-1)  # (B * nb,)
+        k = self.k[i].index_select(0, flat).view(b, nb * self.block_size, *self.k.shape[-2:])
+        v = self.v[i].index_select(0, flat).view(b, nb * self.block_size, *self.v.shape[-2:])
         return k, v
 
     def export(self, request_id: str, start: int = 0, end: int | None = None) -> KVExport:

@@ -137,8 +137,10 @@ class CacheConfig(_Frozen):
     block_size: int = Field(default=16, ge=1, le=1024)
     num_blocks: int = Field(default=2048, ge=2)
     # automatic prefix caching (actors/kv_cache.py BlockPool): full blocks named by their tokens are shared between
-    # requests and kept after they end, so a prompt that starts like an earlier one skips that part of its prefill
-    prefix_caching: bool = False
+    # requests and kept after they end, so a prompt that starts like an earlier one skips that part of its prefill.
+    # On by default, as measured to pay (`specfleet bench prefix`, docs/benchmarks.md): a single request of the
+    # default app is no slower with it, and a chat's prompts share at least the chat template's header
+    prefix_caching: bool = True
 
 
 class SchedulerConfig(_Frozen):
@@ -195,6 +197,14 @@ class EngineConfig(_Frozen):
     # batch-invariant target forward (actors/model/deterministic.py, docs/determinism.md): a token's logits do not
     # depend on its batch, so speculation in bf16 equals plain decoding token for token and runs repeat exactly
     deterministic: bool = False
+
+    @property
+    def prefix_identity(self) -> str:
+        """What names the target's KV content in the prefix cache (the root of cluster/prefix.py's chains): the
+        checkpoint as configured, its dtype, how its linear maps compute and deterministic mode. Every instance and
+        API replica of one app computes the same names from it, wherever the checkpoint resolves on its node."""
+        m = self.model
+        return f"{m.target}|{m.dtype}|{m.weights}|{'deterministic' if self.deterministic else 'batched'}"
 
 
 class KeyLimits(_Frozen):
@@ -333,11 +343,31 @@ class FailoverConfig(_Frozen):
     max_attempts: int = Field(default=3, ge=0)
 
 
+class CacheAwareConfig(_Frozen):
+    """`cache_aware` dispatch (cluster/dispatch.py) and the router's prefix index (cluster/prefix_index.py).
+
+    A request goes to the instance holding most of its prompt's leading KV blocks, if they are at least
+    `min_match` of the prompt's blocks (SGLang's cache_threshold), unless that instance's virtual usage is more
+    than `max_load_gap` (a fraction of its KV) above the least loaded instance's, or it has more than
+    `max_request_gap` requests more in flight; then least load decides. The router counts a routed request's blocks at
+    its instance for `provisional_s` until that instance's cache events confirm them, and keeps at most
+    `max_entries` (instance, block) pairs (about 260 bytes each), forgetting the least recently used."""
+
+    max_load_gap: float = Field(default=0.25, ge=0.0)
+    max_request_gap: int = Field(default=2, ge=0)
+    min_match: float = Field(default=0.5, ge=0.0, le=1.0)
+    provisional_s: float = Field(default=10.0, gt=0.0)
+    max_entries: int = Field(default=1_000_000, ge=1)
+
+
 class RouterConfig(_Frozen):
     """The router actor (cluster/router.py) and the instances it dispatches to."""
 
     instances: int = Field(default=1, ge=1)  # engine instances to start
-    dispatch: Literal["least_load", "round_robin"] = "least_load"
+    # least_load: Llumnix's virtual usage; round_robin; cache_aware: where the prompt's prefix is cached (with
+    # engine.cache.prefix_caching on), within `cache_aware`'s margins of the least loaded (docs/prefix_caching.md)
+    dispatch: Literal["least_load", "round_robin", "cache_aware"] = "least_load"
+    cache_aware: CacheAwareConfig = CacheAwareConfig()
     stats_interval_s: float = Field(default=0.5, gt=0.0)  # how often the router polls each instance
     # a request routed this long ago that its instance has never received is closed as aborted (its caller went
     # away between routing and sending it); younger ones may still be on their way (Registry.reconcile)

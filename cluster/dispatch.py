@@ -4,14 +4,17 @@
 an instance holds plus the blocks its waiting queue will need, over its total, with a draining instance
 counted as full. `round_robin` ignores load and cycles through instances in registration order.
 `cache_aware` sends a request where the longest prefix of its prompt is already cached (the router's
-prefix index, cluster/prefix_index.py, says how many leading blocks each instance holds), unless that
-instance's virtual usage is more than `max_load_gap` above the least loaded one's: then least load decides,
-as llm-d's prefix-cache and load scorers and SGLang's cache-aware router trade the two.
+prefix index, cluster/prefix_index.py, says how many leading blocks each instance holds) when that prefix is at
+least `min_match` of the prompt (SGLang's cache-aware router's `cache_threshold`), unless that instance is
+overloaded next to the least loaded one (more than `max_load_gap` of virtual usage above, or more than
+`max_request_gap` more requests in flight): then least load decides, as llm-d's prefix-cache and load scorers and
+SGLang's router trade the two.
 """
 
 from __future__ import annotations
 
 import itertools
+import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Protocol
@@ -69,12 +72,18 @@ class Fleet(Protocol):
         router's offers at most 64, in no particular order)."""
         ...
 
+    @property
+    def request_blocks(self) -> int:
+        """Full KV blocks of the request's prompt (its names' count; 0 when it came without names)."""
+        ...
+
 
 class ListFleet:
     """A Fleet over a plain list of views (small fleets and tests); the router keeps an indexed one."""
 
-    def __init__(self, views: list[InstanceView], key: Callable[[InstanceView], LoadKey]) -> None:
-        self._views, self._key = views, key
+    def __init__(self, views: list[InstanceView], key: Callable[[InstanceView], LoadKey],
+                 request_blocks: int = 0) -> None:
+        self._views, self._key, self.request_blocks = views, key, request_blocks
 
     def least_loaded(self) -> InstanceView:
         return min(self._views, key=self._key)
@@ -131,31 +140,36 @@ class RoundRobin(LeastLoad):
 
 
 class CacheAware(LeastLoad):
-    """The instance holding most of the request's prefix among those not overloaded next to the least loaded one
-    (virtual usage at most `max_load_gap` above its, and at most `max_queue_gap` more requests queued); with no
-    such holder, least load. Ties go to the lower usage, then the fewest in flight, then by id.
+    """The instance holding most of the request's prefix, at least `min_match` of its prompt's blocks, among those
+    not overloaded next to the least loaded one (virtual usage at most `max_load_gap` above its, and at most
+    `max_request_gap` more requests in flight); with no such holder, least load. Ties go to the lower usage, then
+    the fewest in flight, then by id.
 
-    The queue bound is what keeps a popular prefix from piling requests on its holders: KV usage alone lets one
-    instance take dozens of queued requests before it looks loaded, and each waits for a batch slot."""
+    Both bounds keep a popular prefix from piling requests on its holders. The match threshold: a prefix every
+    request shares (a chat template's header, a block of the system prompt) would otherwise send everything to
+    whoever served first. The request bound: KV usage alone lets one instance take a full batch and a queue before
+    it looks loaded (measured: `specfleet bench prefix`, docs/benchmarks.md; and the router simulation)."""
 
     name = "cache_aware"
 
-    def __init__(self, max_load_gap: float = 0.25, max_queue_gap: int = 2, blocks_per_request: float = 8.0) -> None:
+    def __init__(self, max_load_gap: float = 0.25, max_request_gap: int = 2, min_match: float = 0.5,
+                 blocks_per_request: float = 8.0) -> None:
         super().__init__(blocks_per_request)
-        self.max_load_gap, self.max_queue_gap = max_load_gap, max_queue_gap
+        self.max_load_gap, self.max_request_gap, self.min_match = max_load_gap, max_request_gap, min_match
 
     def choose(self, fleet: Fleet) -> str:
         least = fleet.least_loaded()
         ceiling = least.virtual_usage(self.blocks_per_request) + self.max_load_gap
-        max_queued = least.queued + self.max_queue_gap
+        max_in_flight = least.in_flight + self.max_request_gap
+        enough = max(1, math.ceil(self.min_match * fleet.request_blocks))
         best: InstanceView | None = None
         for v in fleet.holders():  # most cached blocks first: the first depth with a holder under the ceiling wins
-            if best is not None and v.cached_blocks < best.cached_blocks:
+            if v.cached_blocks < enough or best is not None and v.cached_blocks < best.cached_blocks:
                 break
             if v.instance_id == least.instance_id:
                 return v.instance_id  # no holder of this depth is less loaded
             key = self.load_key(v)
-            if key[0] <= ceiling and v.queued <= max_queued and (best is None or key < self.load_key(best)):
+            if key[0] <= ceiling and v.in_flight <= max_in_flight and (best is None or key < self.load_key(best)):
                 best = v
         return (best or least).instance_id
 
@@ -163,13 +177,14 @@ class CacheAware(LeastLoad):
 DISPATCH_POLICIES = ("least_load", "round_robin", "cache_aware")
 
 
-def make_dispatch(name: str, max_load_gap: float = 0.25, max_queue_gap: int = 2) -> DispatchPolicy:
-    """The named policy; `max_load_gap` (a fraction of an instance's KV blocks) and `max_queue_gap` (queued
-    requests) are cache_aware's margins."""
+def make_dispatch(name: str, max_load_gap: float = 0.25, max_request_gap: int = 2,
+                  min_match: float = 0.5) -> DispatchPolicy:
+    """The named policy; `max_load_gap` (a fraction of an instance's KV blocks), `max_request_gap` (requests in
+    flight) and `min_match` (a fraction of the prompt's blocks) are cache_aware's margins."""
     if name == "least_load":
         return LeastLoad()
     if name == "round_robin":
         return RoundRobin()
     if name == "cache_aware":
-        return CacheAware(max_load_gap, max_queue_gap)
+        return CacheAware(max_load_gap, max_request_gap, min_match)
     raise ValueError(f"unknown dispatch policy {name!r}; choose one of {', '.join(DISPATCH_POLICIES)}")

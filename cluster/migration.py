@@ -2,7 +2,9 @@
 
     result = await migrate(request_id, source, destination, MigrationConfig())
 
-Handshake: the destination reserves KV blocks for what the request holds now, or refuses. Stages: copy the
+Handshake: the destination reserves KV blocks for what the request holds now, or refuses; with prefix caching it
+starts the request with the full blocks its cache already holds under the same names (the source sends the names
+of the request's blocks), and the copy starts after them (docs/prefix_caching.md). Stages: copy the
 request's target KV produced so far while the source keeps decoding (in chunks of at most `chunk_tokens`, each
 between two of the source's steps, so that no copy stalls its decoding for long); copy again what it produced
 meanwhile;
@@ -36,10 +38,11 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from cluster.config import MigrationConfig
-from cluster.migration_endpoint import Deadlined, Endpoint, Link, RayEndpoint, StepTimeout
+from cluster.migration_endpoint import (BlockNames, Deadlined, Endpoint, Link, RayEndpoint, Reservation,
+                                        StepTimeout)
 
-__all__ = ["Deadlined", "Endpoint", "Link", "MigrationProgress", "MigrationResult", "MigrationStatus", "RayEndpoint", "StepTimeout",
-           "channel_backend", "migrate", "plan_links"]
+__all__ = ["BlockNames", "Deadlined", "Endpoint", "Link", "MigrationProgress", "MigrationResult", "MigrationStatus",
+           "RayEndpoint", "Reservation", "StepTimeout", "channel_backend", "migrate", "plan_links"]
 
 log = logging.getLogger(__name__)
 
@@ -66,11 +69,15 @@ class MigrationResult:
     status: MigrationStatus
     reason: str = ""
     stages: int = 0  # copies made while the source kept decoding
-    tokens_copied: int = 0  # KV tokens moved, all stages
+    tokens_copied: int = 0  # target KV tokens moved, all stages
+    tokens_skipped: int = 0  # target KV tokens not moved: the destination's prefix cache held them
+    bytes_copied: int = 0  # of target KV moved (every layer, K and V)
+    bytes_skipped: int = 0
     downtime_s: float = 0.0  # from the request's stop at the source (its last step there done) to its commit
     total_s: float = 0.0
     transfer: str = "object_store"  # how the KV went: "object_store" or "torch" (a torch.distributed channel)
     draft_tokens: int = 0  # tokens of draft KV moved (draft_kv: move); the destination's draft catches up on the rest
+    draft_tokens_skipped: int = 0  # draft KV tokens its prefix cache held
     links: int = 0  # stage-to-stage links the KV went over (transfer "torch"; target and draft)
 
 
@@ -172,18 +179,29 @@ async def _migrate(request_id: str, length: int, src: Endpoint, dst: Endpoint, c
     t0 = time.perf_counter()
     stages = copied = 0
     draft = _DraftCopy(request_id, src, dst, cfg, via)
+    held = Reservation()
 
     def reached(phase: str) -> None:
-        progress(MigrationProgress(request_id, phase, stages, copied))
+        progress(MigrationProgress(request_id, phase, stages, copied - held.cached_tokens))
 
     def result(status: MigrationStatus, reason: str = "", downtime: float = 0.0) -> MigrationResult:
-        return MigrationResult(request_id, status, reason, stages, copied, downtime, time.perf_counter() - t0,
-                               draft_tokens=draft.tokens)
+        moved, bpt = max(0, copied - held.cached_tokens), held.kv_bytes_per_token
+        return MigrationResult(request_id, status, reason, stages, moved, held.cached_tokens, moved * bpt,
+                               held.cached_tokens * bpt, downtime, time.perf_counter() - t0,
+                               draft_tokens=draft.tokens - held.draft_cached_tokens,
+                               draft_tokens_skipped=held.draft_cached_tokens)
 
     lease_s = 2 * cfg.step_timeout_s  # what either end holds for this migration, it lets go of on its own after
     try:
-        if not await dst.migrate_reserve(request_id, length + cfg.stop_copy_tokens, lease_s):
+        names = await src.migrate_names(request_id)
+    except Exception as e:  # noqa: BLE001 - the source failed: nothing was reserved anywhere
+        return result(MigrationStatus.ABORTED_SRC, f"source: {type(e).__name__}: {e}")
+    try:
+        reservation = await dst.migrate_reserve(request_id, length + cfg.stop_copy_tokens, lease_s, names)
+        if reservation is None:
             return result(MigrationStatus.ABORTED_DST, "the destination has no room")
+        held = reservation
+        copied, draft.tokens = held.cached_tokens, held.draft_cached_tokens  # the copies start after what it holds
         reached("reserved")
     except Exception as e:  # noqa: BLE001 - a reservation that timed out is dropped, there or by its lease
         await _drop(dst, request_id)

@@ -31,6 +31,25 @@ class Link:
     address: str = ""
 
 
+@dataclass(frozen=True)
+class BlockNames:
+    """The names of a request's full KV blocks at its source (cluster/prefix.py), the target's and the draft's: the
+    destination starts the request with those its prefix cache holds, and they are not copied."""
+
+    target: tuple[int, ...] = ()
+    draft: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class Reservation:
+    """The destination's yes to a migration's handshake: room is held for the request, and the KV of its first
+    `cached_tokens` tokens (`draft_cached_tokens` of the draft's) is already here, in its prefix cache."""
+
+    cached_tokens: int = 0
+    draft_cached_tokens: int = 0
+    kv_bytes_per_token: int = 0  # of the target's KV, every layer, K and V: what a token copied moves
+
+
 class Endpoint(Protocol):
     """One instance's side of a migration (every method is awaited; each runs between two engine steps)."""
 
@@ -38,9 +57,15 @@ class Endpoint(Protocol):
         """Source: tokens of the request's KV now; None if it does not run here."""
         ...
 
-    async def migrate_reserve(self, request_id: str, tokens: int, lease_s: float) -> bool:
-        """Destination: hold blocks for `tokens` tokens of the request, or refuse. If no call of this migration
-        comes for `lease_s` while it is not committed, the destination drops what it holds for it on its own."""
+    async def migrate_names(self, request_id: str) -> BlockNames:
+        """Source: the names of the full blocks of the request's KV now (none without prefix caching)."""
+        ...
+
+    async def migrate_reserve(self, request_id: str, tokens: int, lease_s: float,
+                              names: BlockNames = BlockNames()) -> Reservation | None:
+        """Destination: hold blocks for `tokens` tokens of the request, starting it with the cached blocks of the
+        leading `names`; None: it refuses. If no call of this migration comes for `lease_s` while it is not
+        committed, the destination drops what it holds for it on its own."""
         ...
 
     async def migrate_export(self, request_id: str, start: int, end: int, via: str | None = None
@@ -149,8 +174,12 @@ class Deadlined:
     async def migrate_length(self, request_id):
         return await self._bounded(self.endpoint.migrate_length(request_id), "migrate_length")
 
-    async def migrate_reserve(self, request_id, tokens, lease_s):
-        return await self._bounded(self.endpoint.migrate_reserve(request_id, tokens, lease_s), "migrate_reserve")
+    async def migrate_names(self, request_id):
+        return await self._bounded(self.endpoint.migrate_names(request_id), "migrate_names")
+
+    async def migrate_reserve(self, request_id, tokens, lease_s, names=BlockNames()):
+        return await self._bounded(self.endpoint.migrate_reserve(request_id, tokens, lease_s, names),
+                                   "migrate_reserve")
 
     async def migrate_export(self, request_id, start, end, via=None):
         return await self._bounded(self.endpoint.migrate_export(request_id, start, end, via), "migrate_export")

@@ -18,7 +18,7 @@ forgotten fleet-wide (routing then under-estimates a hit, it never invents one).
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 from cluster.prefix import BlockHash
@@ -33,6 +33,23 @@ class CacheEvents:
     removed: tuple[BlockHash, ...] = ()
     snapshot: bool = False  # `stored` is everything the instance holds now (replace, do not add); a restarted
     # instance's first batch is a snapshot, which also resets the numbering to this batch's seq
+
+
+class EventLog:
+    """An instance's side of the protocol: numbers its batches 1, 2, ... and sends a snapshot (every block it holds)
+    first, when the router asks (it restarted, or lost a batch), or when the instance itself lost changes."""
+
+    def __init__(self) -> None:
+        self.seq = 0
+
+    def batch(self, stored: Sequence[BlockHash], removed: Sequence[BlockHash], lost: bool, snapshot: bool,
+              held: Callable[[], Iterable[BlockHash]]) -> CacheEvents:
+        """The next batch: the changes since the last (`stored`, `removed`), or with `snapshot` (or `lost`, or as the
+        first batch) everything `held()` gives."""
+        self.seq += 1
+        if snapshot or lost or self.seq == 1:
+            return CacheEvents(self.seq, tuple(held()), snapshot=True)
+        return CacheEvents(self.seq, tuple(stored), tuple(removed))
 
 
 class PrefixIndex:
@@ -100,6 +117,12 @@ class PrefixIndex:
         self._next_seq.pop(instance_id, None)
         self._pending.pop(instance_id, None)
         self.needs_snapshot.discard(instance_id)
+
+    def wants_snapshot(self, instance_id: str) -> bool:
+        """Whether the next batch asked of `instance_id` should be a snapshot: it was never synchronised, a batch was
+        lost, or one is missing before those that came (a router that pulls batches in order has lost it)."""
+        return (instance_id in self.needs_snapshot or instance_id not in self._next_seq
+                or bool(self._pending.get(instance_id)))
 
     # ---- queries ------------------------------------------------------------------------------------
     def deepest(self, hashes: Sequence[BlockHash]) -> Iterator[tuple[int, set[str]]]:

@@ -93,6 +93,7 @@ class _IndexedFleet:
 
     def __init__(self, registry: "Registry", order: LoadOrder, model: str | None, blocks: Sequence[BlockHash]) -> None:
         self.registry, self.order, self.model, self.blocks = registry, order, model, blocks
+        self.request_blocks = len(blocks)
         self.cached: dict[str, int] = {}  # what `holders` offered: instance -> leading blocks held
 
     def least_loaded(self) -> InstanceView:
@@ -165,6 +166,7 @@ class Registry:
         requests routed to the one it replaces stay counted until they fail over or are reconciled)."""
         entry = InstanceEntry(instance_id, model, node, registered_at=now, last_seen=now, place=place,
                               incarnation=incarnation)
+        self.prefix.drop_instance(instance_id)  # what it holds comes again with its first batch: a snapshot
         old = self.instances.get(instance_id)
         if old is not None:
             entry.in_flight = old.in_flight
@@ -241,15 +243,18 @@ class Registry:
             raise NoInstanceAvailable(self._why_none(model))
         fleet = _IndexedFleet(self, order, model, blocks)
         instance_id = self._policy.choose(fleet)
-        self.decisions["prefix" if fleet.cached.get(instance_id) else "load_over_prefix" if fleet.cached
-                       else "load"] += 1
-        if blocks:
-            self.prefix.routed(instance_id, blocks, now)
+        self._decided(instance_id, fleet.cached, blocks, now)
         entry = self.instances[instance_id]
         entry.in_flight.add(request_id)
         self._touch(entry)
         self.requests[request_id] = RequestEntry(request_id, instance_id, priority, RequestStatus.RUNNING, now)
         return instance_id
+
+    def _decided(self, instance_id: str, cached: dict[str, int], blocks: Sequence[BlockHash], now: float) -> None:
+        """Count a routing decision by reason; the request's blocks count at its instance from now (provisionally)."""
+        self.decisions["prefix" if cached.get(instance_id) else "load_over_prefix" if cached else "load"] += 1
+        if blocks:
+            self.prefix.routed(instance_id, blocks, now)
 
     def finish(self, request_id: str, status: RequestStatus, now: float) -> RequestEntry | None:
         entry = self.requests.get(request_id)
@@ -299,14 +304,18 @@ class Registry:
             closed.append(Reconciled(rid, instance_id, status, seen_by_instance=state is not None))
         return closed
 
-    def choose(self, exclude: set[str], model: str | None = None) -> str:
-        """Where dispatch would send a request now, leaving out `exclude`; NoInstanceAvailable if nowhere."""
-        views = [e.view() for e in self.instances.values()
+    def choose(self, exclude: set[str], model: str | None = None, cached: dict[str, int] | None = None,
+               request_blocks: int = 0) -> str:
+        """Where dispatch would send a request now, leaving out `exclude`; NoInstanceAvailable if nowhere. `cached`:
+        how many of the request's `request_blocks` leading blocks each instance holds (PrefixIndex.match), for a
+        cache-aware policy."""
+        cached = cached or {}
+        views = [e.view(cached.get(e.instance_id, 0)) for e in self.instances.values()
                  if e.accepting and e.instance_id not in exclude and (model is None or e.model == model)]
         if not views:
             raise NoInstanceAvailable(self._why_none(model) if len(exclude) < len(self.instances)
                                       else "no other instance is left")
-        return self._policy.choose(ListFleet(views, self._policy.load_key))
+        return self._policy.choose(ListFleet(views, self._policy.load_key, request_blocks))
 
     def rehome(self, request_id: str, instance_id: str) -> None:
         """A request now runs at `instance_id` (it migrated there, or resumed there after a failure)."""
@@ -320,11 +329,14 @@ class Registry:
         entry.instance_id, entry.ended_at_instance = instance_id, None
 
     def reroute(self, request_id: str, exclude: set[str], now: float, model: str | None = None,
-                priority: int = 0) -> str:
+                priority: int = 0, blocks: Sequence[BlockHash] = ()) -> str:
         """Failover: choose another instance for a request whose instance failed, and move it there (running
         again if the failure had already closed it; recorded afresh if this router never knew it, e.g. it
-        restarted after the instance died). NoInstanceAvailable if none is left."""
-        instance_id = self.choose(exclude, model)
+        restarted after the instance died). `blocks` names the full blocks of its tokens so far (prompt and
+        output), as for `route`: where they are cached it re-prefills less. NoInstanceAvailable if none is left."""
+        cached = {i: n for i, n in self.prefix.match(blocks).items() if i not in exclude} if blocks else {}
+        instance_id = self.choose(exclude, model, cached, len(blocks))
+        self._decided(instance_id, cached, blocks, now)
         entry = self.requests.get(request_id)
         if entry is None:
             self.adopt(request_id, instance_id, priority, now)

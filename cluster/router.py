@@ -34,7 +34,8 @@ from cluster.migration_policy import InstanceLoad, make_planner
 from cluster.dispatch import make_dispatch
 from cluster.instances import InstancePlace, InstanceRow
 from cluster.registry import NoInstanceAvailable, Registry, RequestStatus
-from cluster.stats import MigrationStats
+from cluster.prefix_index import PrefixIndex
+from cluster.stats import MigrationStats, RoutingStats
 
 ROUTER_NAME = "specfleet-router"
 NAMESPACE = "specfleet"
@@ -59,7 +60,9 @@ class Overloaded(RuntimeError):
 class Router:
     def __init__(self, cfg: RouterConfig, health_timeout_s: float = 10.0, discover: bool = False) -> None:
         self.cfg = cfg
-        self.registry = Registry(make_dispatch(cfg.dispatch))
+        ca = cfg.cache_aware
+        self.registry = Registry(_dispatch(cfg), prefix=PrefixIndex(max_entries=ca.max_entries,
+                                                                   provisional_s=ca.provisional_s))
         self.handles: dict[str, ActorHandle] = {}
         self.max_model_len: dict[str, int] = {}
         self.health_timeout_s = health_timeout_s
@@ -108,8 +111,10 @@ class Router:
     @_after_start
     async def configure(self, cfg: RouterConfig) -> None:
         """Take a redeployed app's router config (the actor outlives app redeploys; the registry stays)."""
-        if cfg.dispatch != self.cfg.dispatch:
-            self.registry.policy = make_dispatch(cfg.dispatch)
+        if (cfg.dispatch, cfg.cache_aware) != (self.cfg.dispatch, self.cfg.cache_aware):
+            self.registry.policy = _dispatch(cfg)
+        self.registry.prefix.provisional_s = cfg.cache_aware.provisional_s
+        self.registry.prefix.max_entries = cfg.cache_aware.max_entries
         self.cfg = cfg
 
     # ---- instances ----------------------------------------------------------------------------------
@@ -179,15 +184,18 @@ class Router:
     # ---- requests -----------------------------------------------------------------------------------
     @_after_start
     async def route(self, request_id: str, priority: int = 0, model: str | None = None,
-                    max_pending: int | None = None) -> tuple[str, ActorHandle]:
+                    max_pending: int | None = None, blocks: tuple[int, ...] = ()) -> tuple[str, ActorHandle]:
         """Choose the instance for a new request: (instance id, its handle). Raises Overloaded or NoInstanceAvailable.
-        Idempotent: a request already running (a caller's retry) gets where it runs."""
+        `blocks` names the full KV blocks of its prompt (cluster/prefix.py, computed where it was tokenized): a
+        cache-aware policy sends it where they are cached. Idempotent: a request already running (a caller's retry)
+        gets where it runs."""
         entry = self.registry.requests.get(request_id)
         if entry is not None and entry.status == RequestStatus.RUNNING and entry.instance_id in self.handles:
             return entry.instance_id, self.handles[entry.instance_id]
         if max_pending is not None and self.registry.pending() >= max_pending:
             raise Overloaded(f"{self.registry.pending()} requests are pending (limit {max_pending})")
-        instance_id = await self._placed(lambda: self.registry.route(request_id, priority, time.time(), model), model)
+        instance_id = await self._placed(lambda: self.registry.route(request_id, priority, time.time(), model, blocks),
+                                         model)
         return instance_id, self.handles[instance_id]
 
     async def _placed(self, place, model: str | None) -> str:
@@ -278,9 +286,10 @@ class Router:
 
     @_after_start
     async def failover(self, request_id: str, failed_instance: str, failed_handle: ActorHandle | None = None,
-                       priority: int = 0, model: str | None = None) -> tuple[str, ActorHandle]:
-        """A request's instance failed under it: the instance where it resumes (from its tokens), recorded as
-        running there. With no other instance, it waits up to `failover.wait_s` for one to register (the
+                       priority: int = 0, model: str | None = None,
+                       blocks: tuple[int, ...] = ()) -> tuple[str, ActorHandle]:
+        """A request's instance failed under it: the instance where it resumes (from its tokens: `blocks` names their
+        full KV blocks, so a cache-aware policy prefers where they are cached), recorded as running there. With no other instance, it waits up to `failover.wait_s` for one to register (the
         replacement of the failed one counts: another incarnation under the same id). NoInstanceAvailable when
         the wait runs out."""
         migrating = self._migrating.get(request_id)
@@ -296,7 +305,7 @@ class Router:
             same = entry is not None and (self.handles.get(failed_instance) == failed_handle
                                           if failed_handle is not None else entry.incarnation == gone)
             return self.registry.reroute(request_id, {failed_instance} if same else set(), time.time(), model,
-                                         priority)
+                                         priority, blocks)
         instance_id = await self._placed(reroute, model)
         self.migration_figures.failovers += 1
         log.warning("request %s resumes on %s after %s failed", request_id, instance_id, failed_instance)
@@ -366,6 +375,13 @@ class Router:
         return list(self._progress.values())
 
     @_after_start
+    async def routing_stats(self) -> RoutingStats:
+        """The dispatch policy, its decisions by reason since the router started, and the prefix index's size."""
+        index = self.registry.prefix
+        return RoutingStats(self.registry.policy.name, dict(self.registry.decisions), len(index),
+                            sum(not index.wants_snapshot(i) for i in self.registry.instances))
+
+    @_after_start
     async def migration_stats(self) -> MigrationStats:
         """Migrations by outcome, their downtime, and failovers, since the router started."""
         return self.migration_figures
@@ -393,30 +409,37 @@ class Router:
 
     # ---- polling ------------------------------------------------------------------------------------
     async def poll(self) -> None:
-        """Refresh every instance's stats and health once; remove the ones that fail."""
-        ids = list(self.handles)
+        """Refresh every instance's stats, health and prefix-cache events once; remove the ones that fail."""
+        probed = dict(self.handles)
+        ids = list(probed)
         asked = {i: sorted(self.registry.instances[i].in_flight) if i in self.registry.instances else [] for i in ids}
-        results = await asyncio.gather(*(self._probe(i, asked[i]) for i in ids), return_exceptions=True)
+        index = self.registry.prefix
+        results = await asyncio.gather(*(self._probe(i, asked[i], index.wants_snapshot(i)) for i in ids),
+                                       return_exceptions=True)
+        index.expire(time.time())
         for instance_id, result in zip(ids, results):
             if isinstance(result, BaseException):
                 self._remove_failed(instance_id, f"{type(result).__name__}: {result}")
                 continue
-            stats, health, states = result
+            stats, health, states, events = result
             now = time.time()
             self.registry.update(instance_id, stats, health.healthy, health.error, now)
             if not health.healthy:
                 self._remove_failed(instance_id, health.error or "unhealthy")
                 continue
+            if self.handles.get(instance_id) == probed[instance_id]:  # not replaced meanwhile (its own numbering)
+                index.apply(instance_id, events)
             for r in self.registry.reconcile(instance_id, asked[instance_id], states, now, self.cfg.orphan_grace_s,
                                              moving=self._migrating):
                 log.warning("request %s was still running at the router, but its instance %s %s; closed as %s",
                             r.request_id, r.instance_id, "ended it" if r.seen_by_instance else "never received it",
                             r.status.value)
 
-    async def _probe(self, instance_id: str, asked: list[str]):
+    async def _probe(self, instance_id: str, asked: list[str], snapshot: bool):
         handle = self.handles[instance_id]
         return await asyncio.wait_for(asyncio.gather(handle.stats.remote(), handle.health.remote(),
-                                                     handle.request_states.remote(asked)), self.health_timeout_s)
+                                                     handle.request_states.remote(asked),
+                                                     handle.cache_events.remote(snapshot)), self.health_timeout_s)
 
     def _remove_failed(self, instance_id: str, error: str) -> None:
         if instance_id not in self.registry.instances:
@@ -434,6 +457,12 @@ class Router:
             except Exception:  # noqa: BLE001 - a bad poll must not stop polling; the next one retries
                 log.exception("polling the instances failed")
             await asyncio.sleep(self.cfg.stats_interval_s)
+
+
+def _dispatch(cfg: RouterConfig):
+    """The dispatch policy `cfg` names, with cache_aware's margins."""
+    ca = cfg.cache_aware
+    return make_dispatch(cfg.dispatch, ca.max_load_gap, ca.max_request_gap, ca.min_match)
 
 
 def get_or_create_router(cfg: RouterConfig) -> ActorHandle:

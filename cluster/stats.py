@@ -47,6 +47,21 @@ class EngineStats:
         return asdict(self)
 
 
+@dataclass(frozen=True)
+class RoutingStats:
+    """The router's dispatch figures since it started: its policy, its decisions by reason (cluster/registry.py:
+    `prefix`, `load_over_prefix`, `load`), and its prefix index: (instance, block) pairs held, and instances whose
+    cache events it follows (synchronised by a snapshot, no batch missing)."""
+
+    policy: str
+    decisions: dict[str, int]
+    index_entries: int
+    index_instances: int
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
 DOWNTIME_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)  # seconds
 
 

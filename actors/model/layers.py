@@ -108,6 +108,13 @@ class Attention:
         if meta.span is not None and self.kv_map is None:  # one sequence on consecutive blocks: read in place
             return self.o_proj(self._attend_span(q, cache, layer, meta))
         keys, values = cache.gather(layer, meta.block_tables)  # (B, S, kvh, hd) each
+        if len(meta.seqs) == 1 and self.kv_map is None and self.fused is not None:
+            # one sequence on blocks that are not consecutive (the prefix cache shares its leading ones): the same
+            # kernel as in place, over a copy of its S slots, so its output is the same as on consecutive blocks
+            n, length = meta.seqs[0]
+            slots = torch.arange(length - n, length, device=q.device)  # (T,)
+            return self.o_proj(self.fused.span_attention(q, k, v, keys[0, :length], values[0, :length], slots, 0,
+                                                         length, self.sliding_window or 0))
         if self.kv_map is not None:
             keys, values = keys[:, :, self.kv_map], values[:, :, self.kv_map]  # (B, S, nh, hd) each
         b, t = meta.padded_shape

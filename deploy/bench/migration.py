@@ -22,7 +22,9 @@ request and fail over a dead instance's; deploy/serve/frontend.py) and a router 
    for the whole load (3 x 6 places for 16 requests) and only the skew makes requests wait; `--skew-fits 3`
    overloads the fleet as well.
 
-Run `specfleet cluster up` first (`make serve` does). Figures: docs/migration.md.
+Prefix caching is off here: a destination that caches the prompt copies less (`specfleet bench prefix` measures
+that), and these parts measure the whole copy. Run `specfleet cluster up` first (`make serve` does). Figures:
+docs/migration.md.
 """
 
 from __future__ import annotations
@@ -337,7 +339,7 @@ def _downtime_and_failover(args, parts: set[str], contexts: list[int], target: s
     longest = max(contexts) + args.max_tokens + 64
     cfg = EngineConfig(model=ModelConfig(target=target, dtype=args.dtype), speculation=SpeculationConfig(policy="off"),
                        scheduler=SchedulerConfig(max_batch_size=8, max_num_batched_tokens=512),
-                       cache=CacheConfig(block_size=16, num_blocks=2 * longest // 16 + 16))
+                       cache=CacheConfig(block_size=16, num_blocks=2 * longest // 16 + 16, prefix_caching=False))
     b = Bench(cfg, tok.num_layers, args.num_cpus, RouterConfig(stats_interval_s=0.5), nodes, args.stages)
     try:
         b.start("bench-a", nodes[0])
@@ -374,7 +376,7 @@ def _draft(args, contexts: list[int], target: str, tok, nodes: list[str], layers
     cfg = EngineConfig(model=ModelConfig(target=target, dtype=args.dtype, draft_layers=layers),
                        speculation=SpeculationConfig(policy="fixed", k=args.draft_k),
                        scheduler=SchedulerConfig(max_batch_size=8, max_num_batched_tokens=512),
-                       cache=CacheConfig(block_size=16, num_blocks=2 * longest // 16 + 16))
+                       cache=CacheConfig(block_size=16, num_blocks=2 * longest // 16 + 16, prefix_caching=False))
     b = Bench(cfg, tok.num_layers, args.num_cpus, RouterConfig(stats_interval_s=0.5))
     out = []
     try:
@@ -400,7 +402,8 @@ def _skew(args, target: str, tok, nodes: list[str]) -> dict:
     per_request = args.skew_prompt_tokens + args.skew_max_tokens + 16
     cfg = EngineConfig(model=ModelConfig(target=target, dtype=args.dtype), speculation=SpeculationConfig(policy="off"),
                        scheduler=SchedulerConfig(max_batch_size=8, max_num_batched_tokens=512),
-                       cache=CacheConfig(block_size=16, num_blocks=args.skew_fits * per_request // 16 + 1))
+                       cache=CacheConfig(block_size=16, num_blocks=args.skew_fits * per_request // 16 + 1,
+                                         prefix_caching=False))
     texts = load_prompts([DATASETS / "mt_bench_questions.jsonl", DATASETS / "HumanEval.jsonl.gz"], args.skew_requests)
     prompts = [(tok.encode(t) * 64)[:args.skew_prompt_tokens] for t in texts]
     rng = random.Random(args.seed)

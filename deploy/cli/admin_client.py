@@ -85,6 +85,8 @@ class MigrateResult(_Row):
     reason: str = ""
     stages: int = 0
     tokens_copied: int = 0
+    tokens_skipped: int = 0  # the destination's prefix cache held them: not copied
+    bytes_copied: int = 0
     downtime_s: float = 0.0
     total_s: float = 0.0
 
@@ -97,6 +99,15 @@ class Migrations(_Row):
     downtime_count: int
     downtime_mean_s: float
     downtime_max_s: float
+
+
+class Dispatch(_Row):
+    """The router's dispatch figures since it started (GET /admin/dispatch)."""
+
+    policy: str
+    decisions: dict[str, int]  # prefix | load_over_prefix | load (cluster/registry.py)
+    index_entries: int
+    index_instances: int
 
 
 class AdminClient:
@@ -129,6 +140,9 @@ class AdminClient:
 
     def migrations(self) -> Migrations:
         return Migrations.model_validate(self._call("GET", "/admin/migrations"))
+
+    def dispatch(self) -> Dispatch:
+        return Dispatch.model_validate(self._call("GET", "/admin/dispatch"))
 
     def requests(self, status: str | None = None) -> list[RequestRow]:
         params = {"status": status} if status else None

@@ -158,6 +158,7 @@ def run_status(args: argparse.Namespace) -> int:
         health = c.health()
         inst = c.instances()
         moves = c.migrations()
+        dispatch = c.dispatch()
     nodes, node_problem = _nodes(args.state)
     names = {n["node_id"]: n["name"] for n in nodes or [] if n.get("name")}
     problems = [f"/health: {health.status}"] if not health.ok else []
@@ -166,7 +167,8 @@ def run_status(args: argparse.Namespace) -> int:
     problems += [f"node {n['name']}: not alive" for n in nodes or [] if not n["alive"]]
     report = {"url": c.url, "healthy": not problems, "problems": problems, "health": health.model_dump(),
               "nodes": nodes, "load": _load(inst), "instances": [_row(i, names) for i in inst.instances],
-              "removed": [_row(i, names) for i in inst.removed], "migrations": moves.model_dump()}
+              "removed": [_row(i, names) for i in inst.removed], "migrations": moves.model_dump(),
+              "dispatch": dispatch.model_dump()}
     if args.json:
         print(json.dumps(report))
         return 0 if not problems else 1
@@ -194,6 +196,10 @@ def run_status(args: argparse.Namespace) -> int:
         print(f"expert parallelism: {load['moe_local_rate']:.1%} of expert activations local, "
               f"{load['moe_bytes_per_token']:.0f} all-to-all bytes and {load['moe_ms_per_token']:.2f} MoE-layer ms "
               "per token (mean over expert-parallel instances)")
+    d = dispatch.decisions
+    print(f"dispatch: {dispatch.policy}; {d.get('prefix', 0)} routed to a cached prefix, "
+          f"{d.get('load_over_prefix', 0)} away from one (too loaded), {d.get('load', 0)} by load alone; "
+          f"prefix index: {dispatch.index_entries} blocks of {dispatch.index_instances} instance(s)")
     by = moves.by_status
     print(f"migrations: {by.get('finished', 0)} finished, {by.get('aborted_src', 0)} aborted at the source, "
           f"{by.get('aborted_dst', 0)} at the destination; downtime mean {moves.downtime_mean_s * 1e3:.1f} ms, "
@@ -259,8 +265,9 @@ def run_migrate(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(r.model_dump()))
     elif r.status == "finished":
-        print(f"migrated {r.request_id}: {r.tokens_copied} KV tokens in {r.stages} stage(s) while it decoded, "
-              f"downtime {r.downtime_s * 1e3:.1f} ms, {r.total_s * 1e3:.1f} ms in all")
+        cached = f" ({r.tokens_skipped} more found in its prefix cache)" if r.tokens_skipped else ""
+        print(f"migrated {r.request_id}: {r.tokens_copied} KV tokens{cached} in {r.stages} stage(s) while it "
+              f"decoded, downtime {r.downtime_s * 1e3:.1f} ms, {r.total_s * 1e3:.1f} ms in all")
     else:
         print(f"{r.request_id} stays where it runs: {r.status} ({r.reason})")
     return 0 if r.status == "finished" else 1

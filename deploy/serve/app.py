@@ -218,6 +218,10 @@ class SpecfleetAPI(HttpRoutes, GrpcMethods):
     async def admin_migrations(self, request: Request) -> Response:
         return await self._admin_migrations(request)
 
+    @http_app.get("/admin/dispatch")
+    async def admin_dispatch(self, request: Request) -> Response:
+        return await self._admin_dispatch(request)
+
     @http_app.get("/admin/requests")
     async def admin_requests(self, request: Request) -> Response:
         return await self._admin_requests(request)

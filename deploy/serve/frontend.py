@@ -35,7 +35,7 @@ import dataclasses
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 
 from pydantic import ValidationError
@@ -45,6 +45,7 @@ from ray.exceptions import RayError
 from actors.model.loader import load_metadata
 from actors.spec.structured import check as check_structured
 from cluster.config import SpecfleetConfig
+from cluster.prefix import block_hashes, root_hash
 from cluster.registry import NoInstanceAvailable
 from cluster.request import (FinishReason, InvalidRequest, Request, RequestStatus, Resume, SamplingParams,
                              SpecStats, StreamItem, StructuredOutput, TokenDelta, TokenLogprob, check_prompt)
@@ -75,6 +76,7 @@ class Prepared:
     priority: int
     arrival: float
     tenant: str = ""  # the API key's tenant (Request.tenant)
+    cache_salt: str | None = None  # its own prefix cache (Request.cache_salt): shares blocks only with the same salt
 
 
 @dataclass
@@ -130,6 +132,11 @@ class Frontend:
         # most, escaped) or as token ids (11 bytes each at most), besides its other fields (a few KB, bounded)
         self.max_completion_body = (None if chars is None
                                     else max(6 * self.max_prompt_chars, 11 * self.max_model_len) + (16 << 10))
+        # cache-aware dispatch: the router is told the names of a prompt's full KV blocks (cluster/prefix.py), the
+        # same names the instances give the blocks they cache
+        caching = cfg.engine.cache.prefix_caching and cfg.router.dispatch == "cache_aware"
+        self.block_size = cfg.engine.cache.block_size if caching else None
+        self.prefix_identity = cfg.engine.prefix_identity
 
     # ---- validation ---------------------------------------------------------------------------------
     def check_model(self, model: str) -> None:
@@ -178,7 +185,8 @@ class Frontend:
                 raise APIError(400, str(e), param=e.param, code="invalid_value") from None
 
     def prepare(self, prompt_ids: list[int], *, max_tokens: int | None, seed: int | None, n: int, priority: int,
-                prompt_param: str = "prompt", prefix: str = "cmpl", tenant: str = "", **sampling) -> Prepared:
+                prompt_param: str = "prompt", prefix: str = "cmpl", tenant: str = "", cache_salt: str | None = None,
+                **sampling) -> Prepared:
         """Check the prompt and build each choice's sampling parameters (`sampling`: SamplingParams' other fields),
         with the checks of cluster/request.py (the engine's own), so that what the engine would refuse is a 400
         naming the field here; token ids (logit_bias, stop_token_ids) are checked against the vocabulary."""
@@ -202,16 +210,26 @@ class Frontend:
                            code=e.code or "invalid_value") from None
         except ValidationError as e:
             raise from_validation_error(e) from None
-        return Prepared(f"{prefix}-{uuid.uuid4().hex}", tuple(prompt_ids), params, priority, arrival, tenant)
+        return Prepared(f"{prefix}-{uuid.uuid4().hex}", tuple(prompt_ids), params, priority, arrival, tenant,
+                        cache_salt)
+
+    def block_names(self, prep: Prepared, tokens: Sequence[int] = ()) -> tuple[int, ...]:
+        """The names of the full KV blocks of the request's prompt (and `tokens` generated after it), for a
+        cache-aware router; none when the router does not route by them."""
+        if self.block_size is None:
+            return ()
+        root = root_hash(self.prefix_identity, prep.cache_salt)
+        return tuple(block_hashes(prep.prompt_ids + tuple(tokens), self.block_size, root))
 
     # ---- dispatch -----------------------------------------------------------------------------------
     async def start(self, prep: Prepared) -> "Call":
         """Route every choice (raising APIError 429/503 before any output) and start their streams."""
         ids = [prep.request_id if len(prep.params) == 1 else f"{prep.request_id}-{i}" for i in range(len(prep.params))]
         routed: list[tuple[str, ActorHandle]] = []
+        blocks = self.block_names(prep)
         try:
             for rid in ids:
-                routed.append(await self._route(rid, prep.priority))
+                routed.append(await self._route(rid, prep.priority, blocks))
         except Overloaded as e:
             self.release(ids[:len(routed)], routed, RequestStatus.ABORTED)
             retry = str(self.cfg.serve.retry_after_s)
@@ -226,12 +244,12 @@ class Frontend:
             raise
         return Call(self, prep, ids, routed)
 
-    async def _route(self, rid: str, priority: int) -> tuple[str, ActorHandle]:
+    async def _route(self, rid: str, priority: int, blocks: tuple[int, ...] = ()) -> tuple[str, ActorHandle]:
         """One `router.route`; if the caller is cancelled while it is under way, its result is released later."""
         limit = self.cfg.serve.max_pending_requests
         wait_s = self.cfg.router.failover.wait_s  # the router may wait that long for an instance to come up
         routing = asyncio.get_running_loop().create_task(
-            self.router.call(lambda r: r.route.remote(rid, priority, self.model_name, limit),
+            self.router.call(lambda r: r.route.remote(rid, priority, self.model_name, limit, blocks),
                              timeout_s=wait_s + RELEASE_TIMEOUT_S),
             context=contextvars.Context())  # no child of the request: see above
         try:
@@ -266,12 +284,15 @@ class Frontend:
             log.error("telling the router that request %s ended (%s) failed (%s: %s); its next poll closes it",
                       rid, status.value, type(e).__name__, e)
 
-    async def failover(self, rid: str, failed: tuple[str, ActorHandle], priority: int) -> tuple[str, ActorHandle]:
-        """Where a request whose instance failed resumes (the router records it there); the router may wait for an
-        instance to join (`router.failover.wait_s`), so the deadline leaves it that long."""
+    async def failover(self, rid: str, failed: tuple[str, ActorHandle], priority: int,
+                       blocks: tuple[int, ...] = ()) -> tuple[str, ActorHandle]:
+        """Where a request whose instance failed resumes (the router records it there; `blocks`: the names of its
+        tokens' full KV blocks, for a cache-aware router); the router may wait for an instance to join
+        (`router.failover.wait_s`), so the deadline leaves it that long."""
         instance_id, handle = failed
         wait_s = self.cfg.router.failover.wait_s
-        return await self.router.call(lambda r: r.failover.remote(rid, instance_id, handle, priority, self.model_name),
+        return await self.router.call(lambda r: r.failover.remote(rid, instance_id, handle, priority, self.model_name,
+                                                                  blocks),
                                       timeout_s=wait_s + RELEASE_TIMEOUT_S)
 
     def _supervise(self, coro, rid: str) -> None:
@@ -343,7 +364,7 @@ class Call:
         replacement when none is left)."""
         rid = self.ids[index]
         request = Request(rid, self.prep.prompt_ids, self.prep.params[index], self.prep.priority, time.time(),
-                          tenant=self.prep.tenant)
+                          tenant=self.prep.tenant, cache_salt=self.prep.cache_salt)
         tokens: list[int] = []
         chars = failovers = 0
         max_failovers = self.f.cfg.router.failover.max_attempts
@@ -380,7 +401,8 @@ class Call:
                 return
             failovers += 1
             try:
-                self.routed[index] = await self.f.failover(rid, (instance_id, handle), self.prep.priority)
+                self.routed[index] = await self.f.failover(rid, (instance_id, handle), self.prep.priority,
+                                                           self.f.block_names(self.prep, tokens))
             except (NoInstanceAvailable, RayError, KeyError, asyncio.TimeoutError) as e:
                 await self._put(out, index, TokenDelta(rid, (), "", FinishReason.ERROR,
                                                        error=f"{error}; no instance to resume on: {e}"))

@@ -110,6 +110,9 @@ class GrpcMethods:
         top_p = request.top_p if request.HasField("top_p") else 1.0
         max_tokens = request.max_tokens if request.HasField("max_tokens") else default_max
         spec = _structured(request)
+        salt = request.cache_salt if request.HasField("cache_salt") else None
+        if salt is not None and not 1 <= len(salt) <= 256:
+            raise APIError(400, "cache_salt must have 1 to 256 characters", param="cache_salt", code="invalid_value")
         sampling = {
             "temperature": temperature, "top_p": top_p, "top_k": request.top_k, "stop": tuple(request.stop),
             "ignore_eos": request.ignore_eos, "min_tokens": request.min_tokens,
@@ -128,7 +131,7 @@ class GrpcMethods:
             tenant, n=1, priority=request.priority, max_tokens=max_tokens, encode=checked_encode,
             prepare=lambda ids: f.prepare(ids, max_tokens=max_tokens, seed=request.seed if request.HasField("seed")
                                           else None, n=1, priority=request.priority, prompt_param=param,
-                                          tenant=tenant.name, **sampling))
+                                          tenant=tenant.name, cache_salt=salt, **sampling))
 
     def _grpc_logprobs(self, entries, token_ids) -> list[pb.TokenLogprob]:
         """TokenLogprob messages of these tokens (an entry None: the prompt's first token, no logprob)."""

@@ -290,10 +290,12 @@ class HttpRoutes:
                             status_code=200 if healthy else 503)
 
     async def _metrics(self) -> Response:
-        instances, migrations = await asyncio.gather(self.router.call(lambda r: r.instances.remote()),
-                                                     self.router.call(lambda r: r.migration_stats.remote()))
+        instances, migrations, routing = await asyncio.gather(
+            self.router.call(lambda r: r.instances.remote()), self.router.call(lambda r: r.migration_stats.remote()),
+            self.router.call(lambda r: r.routing_stats.remote()))
         self.frontend.metrics.set_instances(instances)
         self.frontend.metrics.migration_figures = migrations
+        self.frontend.metrics.routing_figures = routing
         return Response(self.frontend.metrics.render(), media_type=CONTENT_TYPE)
 
     # ---- admin ----------------------------------------------------------------------------------------
@@ -309,6 +311,12 @@ class HttpRoutes:
         self._auth(request, admin=True)
         figures = await self.router.call(lambda r: r.migration_stats.remote())
         return JSONResponse({**figures.as_dict(), "downtime_mean_s": figures.downtime_mean_s})
+
+    async def _admin_dispatch(self, request: Request) -> JSONResponse:
+        """The router's dispatch policy, its decisions by reason and its prefix index (cluster/stats.py,
+        RoutingStats)."""
+        self._auth(request, admin=True)
+        return JSONResponse((await self.router.call(lambda r: r.routing_stats.remote())).as_dict())
 
     async def _admin_requests(self, request: Request) -> JSONResponse:
         self._auth(request, admin=True)

@@ -13,12 +13,12 @@ hits (in tokens) are each instance's own counts since it started.
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from cluster.instances import InstanceRow
 from cluster.request import SpecStats
-from cluster.stats import DOWNTIME_BUCKETS, MigrationStats
+from cluster.stats import DOWNTIME_BUCKETS, MigrationStats, RoutingStats
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0)
 CONTENT_TYPE = CONTENT_TYPE_LATEST
@@ -80,9 +80,11 @@ class Metrics:
         self.cached_blocks = Gauge("specfleet:kv_cache_cached_blocks",
                                    "Free target KV blocks that still hold a cached prefix (reusable)", inst, registry=r)
         self.migration_figures: MigrationStats | None = None  # the router's, as of the last scrape
+        self.routing_figures: RoutingStats | None = None  # the router's, as of the last scrape
         self.instance_rows: list[InstanceRow] = []  # the router's rows, as of the last scrape
         r.register(_MigrationCollector(self))
         r.register(_PrefixCacheCollector(self))
+        r.register(_RoutingCollector(self))
 
     def finished(self, reason: str, prompt_tokens: int, stats: SpecStats | None) -> None:
         """A choice ended (its generated tokens were counted as they streamed, in the frontend's _Timer)."""
@@ -131,15 +133,19 @@ class Metrics:
         return generate_latest(self.registry)
 
 
-class _MigrationCollector:
-    """specfleet:migrations_total{status}, specfleet:failovers_total and specfleet:migration_downtime_seconds,
-    from the router's MigrationStats (cumulative at the router, so they are counters for every replica)."""
+class _ScrapeCollector:
+    """A collector of figures the last scrape read from the router (nothing to describe ahead)."""
 
     def __init__(self, metrics: Metrics) -> None:
         self.metrics = metrics
 
     def describe(self):
         return []  # collected at scrape time only
+
+
+class _MigrationCollector(_ScrapeCollector):
+    """specfleet:migrations_total{status}, specfleet:failovers_total and specfleet:migration_downtime_seconds,
+    from the router's MigrationStats (cumulative at the router, so they are counters for every replica)."""
 
     def collect(self):
         s = self.metrics.migration_figures
@@ -157,15 +163,28 @@ class _MigrationCollector:
                                     "commit at the destination", buckets=buckets, sum_value=s.downtime_sum_s)
 
 
-class _PrefixCacheCollector:
+class _RoutingCollector(_ScrapeCollector):
+    """specfleet:router_dispatch_decisions{reason} (the router's own count since it started: `prefix`, sent where
+    part of its prompt was cached; `load_over_prefix`, a holder was too loaded; `load`, none held any) and the
+    size of its prefix index."""
+
+    def collect(self):
+        s = self.metrics.routing_figures
+        if s is None:
+            return
+        decisions = CounterMetricFamily("specfleet:router_dispatch_decisions",
+                                        "Requests routed (and failed over) by the reason of the choice",
+                                        labels=["policy", "reason"])
+        for reason in ("prefix", "load_over_prefix", "load"):
+            decisions.add_metric([s.policy, reason], s.decisions.get(reason, 0))
+        yield decisions
+        yield GaugeMetricFamily("specfleet:router_prefix_index_entries",
+                                "(instance, KV block) pairs the router's prefix index holds", value=s.index_entries)
+
+
+class _PrefixCacheCollector(_ScrapeCollector):
     """specfleet:prefix_cache_queries and specfleet:prefix_cache_hits per instance, in tokens (vLLM's names): each
     instance's own cumulative counts, as its latest stats report them."""
-
-    def __init__(self, metrics: Metrics) -> None:
-        self.metrics = metrics
-
-    def describe(self):
-        return []  # collected at scrape time only
 
     def collect(self):
         labels = ["model_name", "instance"]

@@ -130,6 +130,9 @@ class _Sampling(_Body):
     priority: Int32 = 0  # higher is served first (vLLM's field; vLLM sorts the other way, see docs/serving.md)
     ignore_eos: bool = False
     user: str | None = Field(default=None, max_length=256)  # OpenAI's end-user label: accepted, not used
+    # prefix caching (docs/prefix_caching.md): requests share cached KV blocks only with requests of the same salt
+    # (vLLM's field); a tenant that must not share its prompts' cache with others sets its own
+    cache_salt: str | None = Field(default=None, min_length=1, max_length=256)
     # logits processors (ranges: SamplingParams'); logit_bias maps token ids, as JSON strings, to a bias
     presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
@@ -176,7 +179,8 @@ class _Sampling(_Body):
                 "stop": self.stop_list, "n": self.n, "priority": self.priority, "ignore_eos": self.ignore_eos,
                 "presence_penalty": self.presence_penalty, "frequency_penalty": self.frequency_penalty,
                 "repetition_penalty": self.repetition_penalty, "logit_bias": self.bias(),
-                "min_tokens": self.min_tokens, "stop_token_ids": tuple(self.stop_token_ids or ())}
+                "min_tokens": self.min_tokens, "stop_token_ids": tuple(self.stop_token_ids or ()),
+                "cache_salt": self.cache_salt}
 
     def bias(self) -> dict[int, float]:
         """logit_bias with its keys as token ids (their range is checked against the vocabulary in `prepare`)."""

@@ -25,7 +25,7 @@ from actors.model.loader import load_model
 from actors.model.metadata import SeqChunk
 from actors.moe.ep import EPStats
 from actors.moe.profile import RoutingStats, profile
-from cluster.config import ExpertParallelConfig
+from cluster.config import CacheConfig, ExpertParallelConfig
 from cluster.request import Request, SamplingParams
 from placement.experts import group_experts
 from placement.fleet import InstanceSpec
@@ -96,6 +96,28 @@ def test_expert_parallel_instance_is_lossless(ray_driver, tiny_models, tiny_draf
         assert engine.moe_alltoall_bytes_per_token == pytest.approx(total.bytes_per_token) and total.bytes_per_token > 0
         # every finished request's KV was freed on its rank (only data-parallel ranks give requests a home)
         assert not isinstance(executor, EPStages) or executor.home == {}
+    finally:
+        inst.shutdown()
+
+
+def test_tensor_parallel_ranks_share_cached_prefixes_losslessly(ray_driver, tiny_models, tiny_draft_models) -> None:
+    """Prefix caching over expert-parallel ranks with tensor-parallel attention: every rank replays every cache op, so
+    a block named on the driver is the same block on every rank; prompts that share 40 tokens then differ, one after
+    another, give the target's greedy output and find the shared blocks cached (docs/prefix_caching.md)."""
+    cfg = engine_config(tiny_models["mixtral"], tiny_draft_models["mixtral"]).model_copy(update={
+        "experts": ExpertParallelConfig(ranks=2, attention="tensor"),
+        "cache": CacheConfig(block_size=4, num_blocks=256, prefix_caching=True)})
+    inst = ray_instance(cfg, layout(2), num_cpus=CPUS, ready_timeout_s=180)
+    try:
+        assert isinstance(inst.target.executor, ShuffledStages) and inst.engine.prefix_caching
+        base, other = text_prompts(load(tiny_models["mixtral"]), 2, offset=0)  # 40 and 9 tokens
+        # hits: none at first; the 40 shared tokens; all but the last block of a prompt cached whole (its last token
+        # must run)
+        for prompt, hits in zip([base + other[:1], base + other[:5], list(base)], (0, 40, 76)):
+            c = inst.generate([prompt], SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS))[0]
+            assert c.error is None and c.token_ids == reference_greedy(tiny_models["mixtral"], prompt, NEW_TOKENS)
+            assert inst.engine.stats().prefix_cache_hits == hits
+        assert inst.target.cache.num_used_blocks == 0 and inst.target.cache.num_cached_blocks > 0
     finally:
         inst.shutdown()
 

@@ -77,7 +77,7 @@ def served_app(ray_cluster, tmp_path_factory) -> Iterator[ServedApp]:
         "engine": {"model": {"target": str(target), "draft": str(draft), "name": MODEL},
                    "speculation": {"policy": "fixed", "k": 3},
                    "scheduler": {"max_batch_size": 8},
-                   "cache": {"block_size": 4, "num_blocks": 512}},
+                   "cache": {"block_size": 4, "num_blocks": 512, "prefix_caching": True}},
         "router": {"instances": 2, "instance_num_cpus": 0.5, "stats_interval_s": 0.2},
         "serve": {"http_port": http_port, "grpc_port": grpc_port, "max_pending_requests": MAX_PENDING,
                   "edge": {"body_timeout_s": BODY_TIMEOUT_S},

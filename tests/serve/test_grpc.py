@@ -39,6 +39,9 @@ def test_generate_and_stream_give_the_targets_greedy_output(stub, served_app: Se
     assert "".join(c.text for c in chunks) == reply.text
     assert chunks[-1].finish_reason == reply.finish_reason and all(not c.finish_reason for c in chunks[:-1])
     assert chunks[-1].usage.completion_tokens == len(expected)
+    salted = pb.GenerateRequest(model=MODEL, prompt_token_ids=pb.TokenIds(ids=prompt), max_tokens=20, temperature=0,
+                                cache_salt="tenant-a")  # its own prefix cache: the same output
+    assert list(stub.Generate(salted, metadata=AUTH, timeout=120).token_ids) == expected
 
 
 def test_list_models_and_health(stub) -> None:
@@ -77,6 +80,8 @@ def test_list_models_and_health(stub) -> None:
                  id="empty stop"),
     pytest.param(AUTH, pb.GenerateRequest(model=MODEL, prompt_token_ids=pb.TokenIds(ids=[10**6])),
                  grpc.StatusCode.INVALID_ARGUMENT, id="token id out of range"),
+    pytest.param(AUTH, pb.GenerateRequest(model=MODEL, prompt="hi", cache_salt=""), grpc.StatusCode.INVALID_ARGUMENT,
+                 id="empty cache_salt"),
     pytest.param(AUTH, pb.GenerateRequest(model=MODEL, prompt="x" * (1 << 20)), grpc.StatusCode.RESOURCE_EXHAUSTED,
                  id="message over the size limit"),
 ])

@@ -137,3 +137,25 @@ def test_on_our_kernels_a_tokens_logits_do_not_depend_on_its_batch(tmp_path: Pat
     together = runner.forward([SeqChunk("a", (7, 8, 9, 10, 11), 5)])  # a verification of 4 drafts
     one_by_one = torch.cat([runner.forward([SeqChunk("b", (t,), 1)]) for t in (7, 8, 9, 10, 11)])
     assert torch.equal(together, one_by_one)
+
+
+def test_on_our_kernels_a_sequence_on_scattered_blocks_gets_the_logits_of_consecutive_ones(tmp_path: Path) -> None:
+    """The prefix cache shares a request's leading blocks, so its block table is not consecutive: attention then
+    runs the same kernel over a copy of its slots, and the logits are bit for bit those of consecutive blocks (a
+    prompt found cached gives the output it would have computed, in bf16 too)."""
+    path = build_tiny_model("qwen2", tmp_path / "q", hidden_size=128, head_dim=32, intermediate_size=256)
+    model = load_model(str(path), "bf16", weights="int4")
+    prompt = text_prompts(model, 1)[0]  # 40 tokens: 10 blocks
+    logits = []
+    for scattered in (False, True):
+        runner = ModelRunner(model, range(4), CacheConfig(block_size=4, num_blocks=64))
+        if scattered:  # another request takes every other block while this one grows
+            for i in range(12):
+                assert runner.reserve("r", 4 * (i + 1)) and runner.reserve(f"gap{i}", 4)
+        assert runner.reserve("r", len(prompt) + 3)
+        table = runner.cache.block_table("r")
+        assert (table != list(range(table[0], table[0] + len(table)))) == scattered
+        parts = [runner.forward([SeqChunk("r", tuple(prompt[:30]), 1)]), runner.forward([SeqChunk("r", tuple(
+            prompt[30:]), 1)]), runner.forward([SeqChunk("r", (5, 6), 2)]), runner.forward([SeqChunk("r", (7,), 1)])]
+        logits.append(torch.cat(parts))
+    assert torch.equal(logits[0], logits[1])

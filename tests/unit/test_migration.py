@@ -13,7 +13,7 @@ from actors.local_stages import LocalStages
 from actors.model.runner import ModelRunner
 from actors.pipeline import PipelineRunner
 from cluster.config import MigrationConfig
-from cluster.migration import MigrationStatus, migrate
+from cluster.migration import BlockNames, MigrationStatus, migrate
 from cluster.config import SchedulerConfig, SpeculationConfig
 from cluster.request import Request, Resume, SamplingParams
 from tests.unit.helpers import Result, drain, load, reference_greedy, runner, text_prompts
@@ -53,8 +53,11 @@ class EngineEndpoint:
         self._maybe_fail("length")
         return self.engine.kv_length(rid) if self.engine.holds(rid) else None
 
-    async def migrate_reserve(self, rid, tokens, lease_s=None):
-        return self.engine.reserve_incoming(rid, tokens)
+    async def migrate_names(self, rid):
+        return self.engine.block_names(rid)
+
+    async def migrate_reserve(self, rid, tokens, lease_s=None, names=BlockNames()):
+        return self.engine.reserve_incoming(rid, tokens, names)
 
     async def migrate_export(self, rid, start, end, via=None):
         self._maybe_fail("export")

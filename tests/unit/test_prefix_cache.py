@@ -52,8 +52,10 @@ def test_freed_blocks_stay_cached_until_space_is_needed_tail_first() -> None:
     pool.free("a")
     assert pool.num_free_blocks == 6 and pool.num_cached_blocks == 3
     assert pool.reserve("x", 4 * BS)  # 3 unnamed free blocks, then the least recently released cached one
-    stored, removed = pool.take_events()
-    assert stored == names(list(range(12))) and removed == [names(list(range(12)))[2]]  # a's tail went first
+    events = pool.take_events()
+    a = names(list(range(12)))  # named, then a's tail evicted first: each name under its latest change
+    assert list(events.stored) == a[:2] and list(events.removed) == [a[2]]
+    assert not events.lost and not pool.take_events().stored
     pool.free("x")
     assert run(pool, "b", list(range(12)) + [9]) == 8  # its head is still there
     with pytest.raises(ValueError, match="already holds KV"):
@@ -82,57 +84,93 @@ def test_one_block_per_name_the_second_copy_stays_private() -> None:
     assert pool.num_cached_blocks == 2 and pool.num_free_blocks == 31
 
 
-def test_random_lives_keep_every_block_free_cached_or_held_by_exactly_its_holders() -> None:
-    """1,000 rounds of starts, growth, drafts and crops, commits, finishes, aborts and preemptions on a small pool."""
-    rng = random.Random(5)
-    pool = BlockPool(24, BS)
-    ledger, shard = KVLedger(24, BS), BlockPool(24, BS)
-    prompts = [[rng.randrange(6) for _ in range(rng.randint(1, 14))] for _ in range(6)]  # shared prefixes likely
-    tokens: dict[str, list[int]] = {}
-    hits = 0
+class _Instance:
+    """One instance's cache as the engine drives it: the driver's pool and ledger (the same calls), and a shard that
+    replays the ledger's ops with each forward."""
 
-    def forward(rid: str, length: int) -> None:
+    def __init__(self, num_blocks: int) -> None:
+        self.pool, self.shard = BlockPool(num_blocks, BS), BlockPool(num_blocks, BS)
+        self.ledger = KVLedger(num_blocks, BS)
+        self.tokens: dict[str, list[int]] = {}
+
+    def each(self, fn) -> list:
+        return [fn(p) for p in (self.pool, self.ledger)]
+
+    def forward(self, rid: str, length: int) -> None:
         """The shard gets the ops so far with the step, and writes the KV; the driver learns the length after."""
-        replay(ledger.drain(), shard)
-        for p in (pool, ledger, shard):
+        replay(self.ledger.drain(), self.shard)
+        for p in (self.pool, self.ledger, self.shard):
             p.set_length(rid, length)
+
+    def start(self, rid: str, tokens: list[int], names_: list[int]) -> int | None:
+        """Start a request holding `tokens` from the cached blocks `names_` find, computing the rest; the tokens
+        it found cached, or None (and nothing held) if there is no room."""
+        got = self.each(lambda p: p.match(rid, names_))
+        assert got[0] == got[1] and got[0] % BS == 0 and got[0] <= len(tokens)
+        if not all(self.each(lambda p: p.reserve(rid, len(tokens)))):
+            self.each(lambda p: p.free(rid))
+            return None
+        self.forward(rid, len(tokens))
+        self.each(lambda p: p.commit(rid, names(tokens)))
+        self.tokens[rid] = tokens
+        return got[0]
+
+    def free(self, rid: str) -> None:
+        self.each(lambda p: p.free(rid))
+        del self.tokens[rid]
+
+    def check(self) -> None:
+        replay(self.ledger.drain(), self.shard)
+        _check(self.pool, self.tokens)
+        pool, ledger, shard = self.pool, self.ledger, self.shard
+        assert all(pool.block_table(r) == ledger.block_table(r) == shard.block_table(r) for r in self.tokens)
+        assert (pool.num_free_blocks, pool.num_cached_blocks) == (shard.num_free_blocks, shard.num_cached_blocks)
+
+
+def test_random_lives_keep_every_block_free_cached_or_held_by_exactly_its_holders() -> None:
+    """1,000 rounds on two small instances: starts, growth, drafts and crops, commits, finishes, aborts and
+    preemptions; migrations (the destination starts the request from the blocks it caches under the request's names,
+    the rest is copied, the source lets go); and failovers (an instance dies, its requests restart on the other from
+    their tokens, and it comes back empty)."""
+    rng = random.Random(5)
+    fleet = [_Instance(24), _Instance(24)]
+    prompts = [[rng.randrange(6) for _ in range(rng.randint(1, 14))] for _ in range(6)]  # shared prefixes likely
+    hits = moved = skipped = failed_over = 0
 
     for n in range(1000):
         op = rng.random()
-        live = sorted(tokens)
-        if op < 0.25 or not live:  # start (or resume after preemption) from a prompt
-            rid, prompt = f"r{n}", list(rng.choice(prompts))
-            got = [p.match(rid, names(prompt[:-1])) for p in (pool, ledger)]
-            assert got[0] == got[1]
-            hits += got[0]
-            if all(p.reserve(rid, len(prompt)) for p in (pool, ledger)):
-                forward(rid, len(prompt))
-                for p in (pool, ledger):
-                    p.commit(rid, names(prompt))
-                tokens[rid] = prompt
-            else:
-                for p in (pool, ledger):
-                    p.free(rid)
-        elif op < 0.55:  # a round: k drafts written, some accepted, the rest cropped, full blocks named
+        here = rng.choice(fleet)
+        there = fleet[1 - fleet.index(here)]
+        live = sorted(here.tokens)
+        if op < 0.22 or not live:  # start (or resume after preemption) from a prompt
+            prompt = list(rng.choice(prompts))
+            hits += here.start(f"r{n}", prompt, names(prompt[:-1])) or 0
+        elif op < 0.5:  # a round: k drafts written, some accepted, the rest cropped, full blocks named
             rid = rng.choice(live)
-            k, have = rng.randint(0, 3), len(tokens[rid])
-            if all(p.reserve(rid, have + k + 1) for p in (pool, ledger)):
-                forward(rid, have + k + 1)
+            k, have = rng.randint(0, 3), len(here.tokens[rid])
+            if all(here.each(lambda p: p.reserve(rid, have + k + 1))):
+                here.forward(rid, have + k + 1)
                 accepted = rng.randint(0, k)
-                tokens[rid] += [rng.randrange(6) for _ in range(accepted + 1)]
-                for p in (pool, ledger):
-                    p.crop(rid, len(tokens[rid]))
-                    p.commit(rid, names(tokens[rid]))
-        else:  # finish, abort or preempt: every block released
+                here.tokens[rid] += [rng.randrange(6) for _ in range(accepted + 1)]
+                here.each(lambda p: p.crop(rid, len(here.tokens[rid])))
+                here.each(lambda p: p.commit(rid, names(here.tokens[rid])))
+        elif op < 0.62:  # migrate: the handshake matches every full block's name; only the rest is copied
             rid = rng.choice(live)
-            for p in (pool, ledger):
-                p.free(rid)
-            del tokens[rid]
-        replay(ledger.drain(), shard)
-        _check(pool, tokens)
-        assert all(pool.block_table(r) == ledger.block_table(r) == shard.block_table(r) for r in tokens)
-        assert (pool.num_free_blocks, pool.num_cached_blocks) == (shard.num_free_blocks, shard.num_cached_blocks)
-    assert hits > 0
+            cached = there.start(rid, list(here.tokens[rid]), names(here.tokens[rid]))
+            if cached is not None:  # else the destination had no room: the request carries on here
+                here.free(rid)
+                moved += 1
+                skipped += cached
+        elif op < 0.64:  # failover: `here` dies; its requests restart on `there` from their tokens
+            for rid, seq_tokens in sorted(here.tokens.items()):
+                failed_over += 1
+                hits += there.start(rid, seq_tokens, names(seq_tokens[:-1])) or 0
+            fleet[fleet.index(here)] = _Instance(24)
+        else:  # finish, abort or preempt: every block released
+            here.free(rng.choice(live))
+        for inst in fleet:
+            inst.check()
+    assert hits > 0 and moved > 50 and skipped > 0 and failed_over > 10
 
 
 def _check(pool: BlockPool, tokens: dict[str, list[int]]) -> None:

@@ -14,7 +14,8 @@ import pytest
 from cluster.dispatch import CacheAware, InstanceView, ListFleet, make_dispatch
 from cluster.load_order import LoadOrder
 from cluster.prefix import block_hashes, root_hash
-from cluster.prefix_index import CacheEvents, PrefixIndex
+from actors.kv_cache import BlockPool
+from cluster.prefix_index import CacheEvents, EventLog, PrefixIndex
 from cluster.registry import NoInstanceAvailable, Registry
 from cluster.request import RequestStatus
 from cluster.stats import EngineStats
@@ -145,6 +146,59 @@ def test_the_index_is_bounded_and_forgets_least_recently_used_tails_first() -> N
         assert hashes == frozenset(chain[: len(hashes)])
 
 
+def test_an_instances_pool_and_the_index_agree_through_lost_batches_and_a_restarted_router() -> None:
+    """The instance side (BlockPool events numbered by EventLog) against the router side (PrefixIndex), pulled in
+    order as the router's poll does: a lost batch, a router that starts over, and a pool that dropped its changes
+    all end in a snapshot, and the index then holds exactly what the pool holds."""
+    rng = random.Random(2)
+    pool, log = BlockPool(12, 4), EventLog()
+    index = PrefixIndex()
+    prompts = [[rng.randrange(5) for _ in range(rng.randint(4, 16))] for _ in range(8)]
+    live: list[str] = []
+    snapshots = 0
+    for n in range(600):
+        if rng.random() < 0.5 or not live:  # a request prefills a prompt and names its blocks
+            rid, prompt = f"r{n}", rng.choice(prompts)
+            pool.match(rid, block_hashes(prompt[:-1], 4, root_hash("m")))
+            if pool.reserve(rid, len(prompt)):
+                pool.set_length(rid, len(prompt))
+                pool.commit(rid, block_hashes(prompt, 4, root_hash("m")))
+                live.append(rid)
+            else:
+                pool.free(rid)
+        else:
+            pool.free(live.pop(rng.randrange(len(live))))
+        if n % 5 == 0:  # the router's poll
+            asked = index.wants_snapshot("i")
+            events = pool.take_events()
+            batch = log.batch(events.stored, events.removed, events.lost, asked, pool.cached_names)
+            snapshots += batch.snapshot
+            fate = rng.random()
+            if fate < 0.05:
+                continue  # the answer was lost (the poll timed out)
+            if fate < 0.08:
+                index = PrefixIndex()  # the router restarted: it knows nothing
+            index.apply("i", batch)
+            if not index.wants_snapshot("i"):
+                assert index.holds("i") == frozenset(pool.cached_names())
+        if n == 300:
+            pool.max_events = 1  # a pool nobody drained in time drops its changes and says so
+    assert snapshots > 3
+
+
+def test_a_failed_over_request_goes_where_its_tokens_are_cached_never_back_to_the_failed_instance() -> None:
+    reg = three_idle_instances()
+    chain = block_hashes(list(range(64)), 16, root_hash("m"))
+    reg.prefix.apply("a", CacheEvents(1, tuple(chain), snapshot=True))
+    reg.prefix.apply("c", CacheEvents(1, tuple(chain[:3]), snapshot=True))
+    assert reg.route("r1", 0, now=0.0, model="m", blocks=chain) == "a"
+    assert reg.reroute("r1", {"a"}, now=1.0, model="m", blocks=chain) == "c"  # a failed: c holds 3 of its blocks
+    assert reg.decisions == {"prefix": 2}
+    assert reg.reroute("r1", {"c"}, now=2.0, model="m") in ("a", "b")  # no names: load alone decides
+    reg.register("c", "m", "n", now=3.0)  # a replacement under c's id: what c held is forgotten until it reports
+    assert "c" not in reg.prefix.match(chain) and reg.prefix.wants_snapshot("c")
+
+
 # ---- the load order and the policy --------------------------------------------------------------------------
 def test_the_load_order_always_gives_the_smallest_current_key() -> None:
     rng = random.Random(3)
@@ -161,24 +215,38 @@ def test_the_load_order_always_gives_the_smallest_current_key() -> None:
         assert len(order) == len(keys)
 
 
-def test_cache_aware_prefers_the_longest_prefix_unless_its_holder_is_overloaded() -> None:
-    policy = CacheAware(max_load_gap=0.25, max_queue_gap=2, blocks_per_request=10)
+def test_cache_aware_prefers_the_longest_prefix_unless_it_is_short_or_its_holder_is_overloaded() -> None:
+    policy = CacheAware(max_load_gap=0.25, max_request_gap=2, min_match=0.5, blocks_per_request=10)
+
+    def choose(*views: InstanceView, blocks: int = 8) -> str:  # a request of `blocks` full blocks
+        return policy.choose(ListFleet(list(views), policy.load_key, blocks))
+
     light = InstanceView("light", stats(used=10, free=90, running=1), in_flight=1)
     holder = InstanceView("holder", stats(used=30, free=70, running=2), in_flight=2, cached_blocks=6)
     partial = InstanceView("partial", stats(used=20, free=80, running=2), in_flight=2, cached_blocks=2)
-    assert policy.choose(ListFleet([light, holder, partial], policy.load_key)) == "holder"
+    assert choose(light, holder, partial) == "holder"
     hot = InstanceView("holder", stats(used=40, free=60, running=2), in_flight=2, cached_blocks=6)  # 0.4 > 0.1 + 0.25
-    assert policy.choose(ListFleet([light, hot, partial], policy.load_key)) == "partial"
-    queued = InstanceView("holder", stats(used=30, free=70, running=2), in_flight=5, cached_blocks=6)  # 3 queued
-    assert policy.choose(ListFleet([light, queued], policy.load_key)) == "light"
-    assert policy.choose(ListFleet([light, InstanceView("cold", None, 0)], policy.load_key)) == "cold"
+    assert choose(light, hot, partial, blocks=4) == "partial"  # 2 of 4 blocks: half the prompt
+    assert choose(light, hot, partial) == "light"  # 2 of 8: too little to be worth a busier instance
+    assert choose(light, holder, blocks=16) == "light"  # 6 of 16 blocks
+    edge = InstanceView("holder", stats(used=30, free=70, running=3), in_flight=3, cached_blocks=6)  # 3 = 1 + 2
+    assert choose(light, edge) == "holder"
+    busy = InstanceView("holder", stats(used=30, free=70, running=4), in_flight=4, cached_blocks=6)  # 4 > 1 + 2
+    assert choose(light, busy) == "light"
+    assert choose(light, InstanceView("cold", None, 0)) == "cold"
 
 
-def test_the_registry_routes_by_prefix_counts_decisions_and_drops_a_removed_instances_blocks() -> None:
+def three_idle_instances() -> Registry:
+    """A cache-aware registry of instances a, b and c of model m, each with 10 of 100 blocks used."""
     reg = Registry(make_dispatch("cache_aware"))
     for i in ("a", "b", "c"):
         reg.register(i, "m", "n", now=0.0)
         reg.update(i, stats(used=10, free=90), True, None, now=0.0)
+    return reg
+
+
+def test_the_registry_routes_by_prefix_counts_decisions_and_drops_a_removed_instances_blocks() -> None:
+    reg = three_idle_instances()
     chain = block_hashes(list(range(64)), 16, root_hash("m"))
     first = reg.route("r1", 0, now=0.0, model="m", blocks=chain)
     assert reg.decisions == {"load": 1}
