@@ -23,7 +23,7 @@ log = logging.getLogger(__name__)
 
 SOURCES = [Path(__file__).with_name(name) for name in ("int4_cpu.cpp", "fused_cpu.cpp")]
 ROWS, GROUP = 16, 32  # the matmul's row block and scale group (int4_cpu.cpp kRows, kGroup)
-FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma"]
+FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma", "-fopenmp"]
 
 
 @functools.cache
@@ -79,14 +79,16 @@ def pack(codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor,
     """The matmul's layout of 4-bit codes (N, K) uint8 (planes side by side; N a multiple of 16, K of 32) and their
     per-group scale and offset (N, K / 32) fp32: (codes, scale, offset, scale_mult, offset_mult) for int4_mm.
 
-    Codes: (N / 16, K / 4, 32) uint8, byte j = 2i + e of chunk c holding row i's code at 4c + e (low nibble) and
-    4c + 2 + e (high nibble). Scales, the fewest bytes that hold them exactly: a K-quant's two levels (`levels`:
+    Codes: (N / 16, K / 8, 64) uint8, the 32 16-bit words of chunk c, word j = 2i + e holding row i's code at
+    8c + 2t + e in its nibble t (bits 4t .. 4t + 3). Scales, the fewest bytes that hold them exactly: a K-quant's two levels (`levels`:
     fp16 per 8 groups, uint8 multipliers per group), else fp16 per group where every value is an fp16, else fp32;
     each as (N / 16, groups, 16), rows innermost. The multipliers are None but for two levels.
     """
     n, k = codes.shape
-    c = codes.view(n // ROWS, ROWS, k // 4, 2, 2)  # block, row i, chunk, k + 0/1 or k + 2/3, e
-    packed = (c[:, :, :, 0] | c[:, :, :, 1] << 4).permute(0, 2, 1, 3).reshape(n // ROWS, k // 4, 32).contiguous()
+    c = codes.to(torch.int32).view(n // ROWS, ROWS, k // 8, 4, 2)  # block, row i, chunk, nibble t, e
+    words = c[:, :, :, 0] | c[:, :, :, 1] << 4 | c[:, :, :, 2] << 8 | c[:, :, :, 3] << 12  # (blocks, 16, K / 8, 2)
+    words = words.permute(0, 2, 1, 3).reshape(n // ROWS, k // 8, 32).to(torch.int16)  # word j = 2i + e (wraps: bits)
+    packed = words.contiguous().view(torch.uint8)  # (blocks, K / 8, 64), little-endian words
 
     def blocked(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:  # (N, G) -> (N / 16, G, 16)
         return t.to(dtype).view(n // ROWS, ROWS, -1).transpose(1, 2).contiguous()

@@ -1,17 +1,21 @@
 // Int4 weight-only matmul for small batches on AVX512-BF16 CPUs: y = x @ W.T (+ bias), W as 4-bit codes with an
-// fp32 scale and offset per group of 32 weights of a row (w = scale * code + offset), exact in fp32 arithmetic.
+// fp32 scale and offset per group of 32 weights of a row (w = scale * code + offset), in fp32 arithmetic.
 //
 // Why: torch's `_weight_int4pack_mm_for_cpu` dequantizes every weight with fp32 FMAs and re-does that work for
-// each block of 4 input rows, so it is compute-bound at one token and costs about 3x as much for the 5 rows of a
-// k = 4 verification. Here codes become bf16 integers with one table lookup (exact: 0..15), and VDPBF16PS takes
-// 32 multiply-adds per instruction for every input row, so the weights are unpacked once per 8 rows and the scale
-// is applied once per group; products of bf16 values are exact in fp32 and sums are fp32.
+// each block of 4 input rows, so it costs about 3x as much for the 5 rows of a k = 4 verification as for one.
+// Here a code c becomes the bf16 number 1 + c / 16 with a shift and one bitwise operation (0x3F80 | c << 3: c in
+// the top 4 of the 7 mantissa bits, exact), and VDPBF16PS takes 32 multiply-adds per instruction for every input
+// row, so the weights are unpacked once per 8 input rows and the scale is applied once per group:
+// y = 16 scale * sum x (1 + c / 16) + (offset - 16 scale) * sum x. Products of bf16 values are exact in fp32, sums
+// are fp32 (the added 1 costs a bit or two of fp32's 24 in a group's sum, far below the bf16 output's rounding).
 //
 // Layout (made by actors/model/cpu_kernels.py): rows in blocks of 16; per block, the K codes (all planes side by
-// side) in chunks of 4: 32 bytes where byte j = 2i + e holds row i's code at k + e in its low nibble and at
-// k + 2 + e in its high nibble. Scales and offsets per block, in one of three encodings (Encoding below). Planes:
-// codes of 5-8 bits are split into 4-bit planes laid side by side along K; plane p reads the same input x
-// (k mod K).
+// side) in chunks of 8: 32 16-bit words, word j = 2i + e holding row i's codes at k + 2t + e in its nibble t
+// (t = 0..3), so that nibble t of every word is one VDPBF16PS operand (16 rows x the input pair k + 2t, k + 2t + 1).
+// Scales and offsets per block, in one of three encodings (Encoding below). Planes: codes of 5-8 bits are split
+// into 4-bit planes laid side by side along K; plane p reads the same input x (k mod K). The blocks are shared
+// among torch's threads (at::parallel_for: the extension is built with OpenMP; each output row is computed by one
+// thread, in one order, whatever the thread count or the number of input rows).
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -25,17 +29,6 @@ namespace {
 constexpr int kRows = 16;   // rows per block (one fp32 vector of outputs)
 constexpr int kGroup = 32;  // weights per scale group
 constexpr int kTile = 8;    // input rows per pass over a block's codes
-
-inline __m512i bf16_table() {
-  alignas(64) uint16_t t[32];
-  for (int c = 0; c < 32; ++c) {
-    float f = static_cast<float>(c & 15);
-    uint32_t bits;
-    std::memcpy(&bits, &f, 4);
-    t[c] = static_cast<uint16_t>(bits >> 16);  // exact: small integers have no bits below bf16's
-  }
-  return _mm512_load_si512(t);
-}
 
 // Where a block's group scales and offsets are: fp32 per group (kFloat), fp16 per group (kHalf), or fp16 per 8
 // groups times a small integer per group (kTwoLevel: the K-quants' super-block scales, scale = d * sc, offset =
@@ -68,40 +61,51 @@ inline void load_scales(const Scales& sc, int64_t g, __m512& s, __m512& o) {
   }
 }
 
-// One block of 16 rows against MT input rows: y[m, rows] over every group of every plane.
+// One block of 16 rows against MT input rows: y[m, rows] over every group of every plane. With few input rows the
+// group's products go to several accumulators (VDPBF16PS's latency would otherwise bound one chain).
 template <int MT, int E>
 void block(const uint16_t* x, const float* xsum, const uint8_t* codes, const Scales& scales,
-           const at::BFloat16* bias, at::BFloat16* y, int64_t K, int64_t groups, int64_t lda_y, int64_t rows,
-           __m512i table) {
+           const at::BFloat16* bias, at::BFloat16* y, int64_t K, int64_t groups, int64_t lda_y, int64_t rows) {
+  constexpr int kAcc = MT == 1 ? 4 : MT == 2 ? 2 : 1;  // accumulators per input row
   const int64_t G = K / kGroup;  // groups per plane
-  const __m512i low = _mm512_set1_epi16(0x0F);
+  // bf16(1 + c / 16) = 0x3F80 | c << 3: c in the top 4 of the 7 mantissa bits
+  const __m512i field = _mm512_set1_epi16(0x0078), one = _mm512_set1_epi16(0x3F80);
+  const __m512 sixteen = _mm512_set1_ps(16.f);
   __m512 acc[MT];
   for (int m = 0; m < MT; ++m) acc[m] = _mm512_setzero_ps();
   for (int64_t g = 0; g < groups; ++g) {
     const int64_t xk = (g % G) * kGroup;  // the input columns of this group (planes share them)
-    __m512 lo_sum[MT], hi_sum[MT];
-    for (int m = 0; m < MT; ++m) lo_sum[m] = hi_sum[m] = _mm512_setzero_ps();
-#pragma GCC unroll 8
-    for (int c = 0; c < kGroup / 4; ++c) {
-      const __m512i v = _mm512_cvtepu8_epi16(_mm256_loadu_si256(
-          reinterpret_cast<const __m256i*>(codes + (g * (kGroup / 4) + c) * 32)));
-      const __m512bh lo = (__m512bh)_mm512_permutexvar_epi16(_mm512_and_si512(v, low), table);
-      const __m512bh hi = (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(v, 4), table);
+    __m512 sum[MT][kAcc];
+    for (int m = 0; m < MT; ++m)
+      for (int a = 0; a < kAcc; ++a) sum[m][a] = _mm512_setzero_ps();
+#pragma GCC unroll 4
+    for (int c = 0; c < kGroup / 8; ++c) {
+      const __m512i v = _mm512_loadu_si512(codes + (g * (kGroup / 8) + c) * 64);
+      __m512bh w[4];
+      w[0] = (__m512bh)_mm512_ternarylogic_epi32(_mm512_slli_epi16(v, 3), field, one, 0xEA);  // (a & field) | one
+      w[1] = (__m512bh)_mm512_ternarylogic_epi32(_mm512_srli_epi16(v, 1), field, one, 0xEA);
+      w[2] = (__m512bh)_mm512_ternarylogic_epi32(_mm512_srli_epi16(v, 5), field, one, 0xEA);
+      w[3] = (__m512bh)_mm512_ternarylogic_epi32(_mm512_srli_epi16(v, 9), field, one, 0xEA);
 #pragma GCC unroll 8
       for (int m = 0; m < MT; ++m) {
-        const uint16_t* xm = x + m * K + xk + c * 4;
-        int32_t x01, x23;
-        std::memcpy(&x01, xm, 4);
-        std::memcpy(&x23, xm + 2, 4);
-        lo_sum[m] = _mm512_dpbf16_ps(lo_sum[m], lo, (__m512bh)_mm512_set1_epi32(x01));
-        hi_sum[m] = _mm512_dpbf16_ps(hi_sum[m], hi, (__m512bh)_mm512_set1_epi32(x23));
+        const uint16_t* xm = x + m * K + xk + c * 8;
+#pragma GCC unroll 4
+        for (int t = 0; t < 4; ++t) {
+          int32_t pair;  // the inputs k + 2t, k + 2t + 1
+          std::memcpy(&pair, xm + 2 * t, 4);
+          sum[m][t % kAcc] = _mm512_dpbf16_ps(sum[m][t % kAcc], w[t], (__m512bh)_mm512_set1_epi32(pair));
+        }
       }
     }
     __m512 s, o;
     load_scales<E>(scales, g, s, o);
+    s = _mm512_mul_ps(s, sixteen);  // the codes were read as 1 + c / 16: scale * c = 16 scale (1 + c / 16) - 16 scale
+    o = _mm512_sub_ps(o, s);
 #pragma GCC unroll 8
     for (int m = 0; m < MT; ++m) {
-      acc[m] = _mm512_fmadd_ps(_mm512_add_ps(lo_sum[m], hi_sum[m]), s, acc[m]);
+      __m512 total = sum[m][0];
+      for (int a = 1; a < kAcc; ++a) total = _mm512_add_ps(total, sum[m][a]);
+      acc[m] = _mm512_fmadd_ps(total, s, acc[m]);
       acc[m] = _mm512_fmadd_ps(o, _mm512_set1_ps(xsum[m * G + g % G]), acc[m]);
     }
   }
@@ -117,7 +121,7 @@ void block(const uint16_t* x, const float* xsum, const uint8_t* codes, const Sca
 }
 
 using BlockFn = void (*)(const uint16_t*, const float*, const uint8_t*, const Scales&, const at::BFloat16*,
-                         at::BFloat16*, int64_t, int64_t, int64_t, int64_t, __m512i);
+                         at::BFloat16*, int64_t, int64_t, int64_t, int64_t);
 
 template <int E>
 constexpr BlockFn kBlocks[kTile + 1] = {nullptr, block<1, E>, block<2, E>, block<3, E>, block<4, E>,
@@ -127,10 +131,10 @@ at::Tensor int4_mm(const at::Tensor& x, const at::Tensor& codes, const at::Tenso
                    const std::optional<at::Tensor>& scale_mult, const std::optional<at::Tensor>& offset_mult,
                    const std::optional<at::Tensor>& bias, int64_t n) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.is_contiguous(), "x: contiguous (M, K) bf16");
-  const int64_t M = x.size(0), K = x.size(1), blocks = codes.size(0), groups = codes.size(1) / 8;
+  const int64_t M = x.size(0), K = x.size(1), blocks = codes.size(0), groups = codes.size(1) / 4;
   TORCH_CHECK(K % kGroup == 0 && groups % (K / kGroup) == 0, "K must be a whole number of groups of 32");
-  TORCH_CHECK(codes.scalar_type() == at::kByte && codes.is_contiguous() && codes.size(2) == 32,
-              "codes: (blocks, groups * 8, 32) uint8");
+  TORCH_CHECK(codes.scalar_type() == at::kByte && codes.is_contiguous() && codes.size(2) == 64,
+              "codes: (blocks, groups * 4, 64) uint8");
   const bool two_level = scale_mult.has_value();
   const int enc = two_level ? kTwoLevel : scale.scalar_type() == at::kHalf ? kHalf : kFloat;
   TORCH_CHECK(scale.scalar_type() == offset.scalar_type() && scale.is_contiguous() && offset.is_contiguous() &&
@@ -172,7 +176,6 @@ at::Tensor int4_mm(const at::Tensor& x, const at::Tensor& codes, const at::Tenso
   const uint8_t* smp = two_level ? scale_mult->data_ptr<uint8_t>() : nullptr;
   const uint8_t* omp = two_level ? offset_mult->data_ptr<uint8_t>() : nullptr;
   at::BFloat16* yp = y.data_ptr<at::BFloat16>();
-  const __m512i table = bf16_table();
   const BlockFn* fns = enc == kFloat ? kBlocks<kFloat> : enc == kHalf ? kBlocks<kHalf> : kBlocks<kTwoLevel>;
   at::parallel_for(0, blocks, 1, [&](int64_t lo, int64_t hi) {
     for (int64_t nb = lo; nb < hi; ++nb) {
@@ -181,8 +184,8 @@ at::Tensor int4_mm(const at::Tensor& x, const at::Tensor& codes, const at::Tenso
                       two_level ? smp + nb * groups * kRows : nullptr, two_level ? omp + nb * groups * kRows : nullptr};
       for (int64_t m0 = 0; m0 < M; m0 += kTile) {
         const int mt = static_cast<int>(std::min<int64_t>(kTile, M - m0));
-        fns[mt](xp + m0 * K, xs + m0 * G, cp + nb * groups * 8 * 32, sc, b == nullptr ? nullptr : b + nb * kRows,
-                yp + m0 * n + nb * kRows, K, groups, n, rows, table);
+        fns[mt](xp + m0 * K, xs + m0 * G, cp + nb * groups * 4 * 64, sc, b == nullptr ? nullptr : b + nb * kRows,
+                yp + m0 * n + nb * kRows, K, groups, n, rows);
       }
     }
   });
