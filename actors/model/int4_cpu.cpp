@@ -61,12 +61,13 @@ inline void load_scales(const Scales& sc, int64_t g, __m512& s, __m512& o) {
   }
 }
 
-// One block of 16 rows against MT input rows: y[m, rows] over every group of every plane. With few input rows the
-// group's products go to several accumulators (VDPBF16PS's latency would otherwise bound one chain).
+// One block of 16 rows against MT input rows: y[m, rows] over every group of every plane. A group's products go to
+// two accumulators per row (one chain would be bound by VDPBF16PS's latency at one row), added in the same order
+// whatever MT: a row's result does not depend on the rows beside it (deterministic mode relies on it).
 template <int MT, int E>
 void block(const uint16_t* x, const float* xsum, const uint8_t* codes, const Scales& scales,
            const at::BFloat16* bias, at::BFloat16* y, int64_t K, int64_t groups, int64_t lda_y, int64_t rows) {
-  constexpr int kAcc = MT == 1 ? 4 : MT == 2 ? 2 : 1;  // accumulators per input row
+  constexpr int kAcc = 2;  // accumulators per input row: the same for every MT, so a row's sums do not depend on M
   const int64_t G = K / kGroup;  // groups per plane
   // bf16(1 + c / 16) = 0x3F80 | c << 3: c in the top 4 of the 7 mantissa bits
   const __m512i field = _mm512_set1_epi16(0x0078), one = _mm512_set1_epi16(0x3F80);
