@@ -28,8 +28,8 @@ FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma"
 
 @functools.cache
 def ops():
-    """`torch.ops.specfleet` (int4_mm, rms_norm, add_rms_norm, rope_, silu_mul, span_attention), built on first
-    use; None where this CPU or machine cannot run them."""
+    """`torch.ops.specfleet` (int4_mm, int4_dequant, rms_norm, add_rms_norm, rope_, silu_mul, span_attention),
+    built on first use; None where this CPU or machine cannot run them."""
     reason = unavailable()
     if reason is not None:
         log.info("our CPU kernels do not run here (%s); using torch's ops", reason)
@@ -72,6 +72,10 @@ def _register_fake() -> None:
     @torch.library.register_fake("specfleet::int4_mm")
     def _(x, codes, scale, offset, scale_mult, offset_mult, bias, n):  # noqa: ANN001, ANN202 - the op's schema
         return x.new_empty(x.shape[0], n)
+
+    @torch.library.register_fake("specfleet::int4_dequant")
+    def _(codes, scale, offset, scale_mult, offset_mult, n, k):  # noqa: ANN001, ANN202 - the op's schema
+        return codes.new_empty(n, k, dtype=torch.bfloat16)
 
 
 def pack(codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor,

@@ -46,7 +46,10 @@ class Tiled(nn.Module):
 def row_invariant(linear: nn.Module) -> nn.Module:
     """`linear` as it is where its kernel is row-invariant by construction (our int4 kernel sums each row alone in
     one order), else on fixed tiles."""
-    if isinstance(linear, Tiled) or getattr(linear, "own", None) is not None:
+    if isinstance(linear, Tiled):
+        return linear
+    if getattr(linear, "own", None) is not None:
+        linear.invariant = True  # every row on our kernel, never the dense path of a prefill
         return linear
     return Tiled(linear)
 

@@ -128,29 +128,60 @@ template <int E>
 constexpr BlockFn kBlocks[kTile + 1] = {nullptr, block<1, E>, block<2, E>, block<3, E>, block<4, E>,
                                         block<5, E>, block<6, E>, block<7, E>, block<8, E>};
 
+// A packed weight's tensors, checked: codes, scales and offsets in one of the encodings, n real rows.
+struct Packed {
+  int64_t blocks, groups;  // blocks of 16 rows; groups of 32 codes per row (every plane's)
+  int enc;
+  const uint8_t* codes;
+  const char *scale, *offset;
+  int64_t per_block;  // bytes of one block's scales
+  const uint8_t *scale_mult, *offset_mult;
+
+  Packed(const at::Tensor& codes_, const at::Tensor& scale_, const at::Tensor& offset_,
+         const std::optional<at::Tensor>& scale_mult_, const std::optional<at::Tensor>& offset_mult_, int64_t n) {
+    TORCH_CHECK(codes_.scalar_type() == at::kByte && codes_.is_contiguous() && codes_.dim() == 3 &&
+                    codes_.size(1) % 4 == 0 && codes_.size(2) == 64,
+                "codes: (blocks, groups * 4, 64) uint8");
+    blocks = codes_.size(0);
+    groups = codes_.size(1) / 4;
+    const bool two_level = scale_mult_.has_value();
+    enc = two_level ? kTwoLevel : scale_.scalar_type() == at::kHalf ? kHalf : kFloat;
+    TORCH_CHECK(scale_.scalar_type() == offset_.scalar_type() && scale_.is_contiguous() && offset_.is_contiguous() &&
+                    (enc == kFloat ? scale_.scalar_type() == at::kFloat : scale_.scalar_type() == at::kHalf) &&
+                    scale_.size(0) == blocks && scale_.size(1) == (two_level ? groups / 8 : groups) &&
+                    scale_.size(2) == kRows && offset_.sizes() == scale_.sizes(),
+                "scale, offset: (blocks, groups, 16) fp32 or fp16, or (blocks, groups / 8, 16) fp16 with multipliers");
+    if (two_level) {
+      TORCH_CHECK(offset_mult_.has_value() && groups % 8 == 0 && scale_mult_->scalar_type() == at::kByte &&
+                      offset_mult_->scalar_type() == at::kByte && scale_mult_->is_contiguous() &&
+                      offset_mult_->is_contiguous() && scale_mult_->numel() == blocks * groups * kRows &&
+                      offset_mult_->numel() == blocks * groups * kRows,
+                  "scale_mult, offset_mult: (blocks, groups, 16) uint8");
+    }
+    TORCH_CHECK(n > (blocks - 1) * kRows && n <= blocks * kRows, "n must fall in the last block");
+    codes = codes_.data_ptr<uint8_t>();
+    scale = static_cast<const char*>(scale_.data_ptr());
+    offset = static_cast<const char*>(offset_.data_ptr());
+    per_block = scale_.size(1) * kRows * scale_.element_size();
+    scale_mult = two_level ? scale_mult_->data_ptr<uint8_t>() : nullptr;
+    offset_mult = two_level ? offset_mult_->data_ptr<uint8_t>() : nullptr;
+  }
+
+  Scales of(int64_t nb) const {
+    return Scales{scale + nb * per_block, offset + nb * per_block,
+                  scale_mult != nullptr ? scale_mult + nb * groups * kRows : nullptr,
+                  offset_mult != nullptr ? offset_mult + nb * groups * kRows : nullptr};
+  }
+  const uint8_t* codes_of(int64_t nb) const { return codes + nb * groups * 4 * 64; }
+};
+
 at::Tensor int4_mm(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale, const at::Tensor& offset,
                    const std::optional<at::Tensor>& scale_mult, const std::optional<at::Tensor>& offset_mult,
                    const std::optional<at::Tensor>& bias, int64_t n) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.is_contiguous(), "x: contiguous (M, K) bf16");
-  const int64_t M = x.size(0), K = x.size(1), blocks = codes.size(0), groups = codes.size(1) / 4;
+  const Packed w(codes, scale, offset, scale_mult, offset_mult, n);
+  const int64_t M = x.size(0), K = x.size(1), blocks = w.blocks, groups = w.groups;
   TORCH_CHECK(K % kGroup == 0 && groups % (K / kGroup) == 0, "K must be a whole number of groups of 32");
-  TORCH_CHECK(codes.scalar_type() == at::kByte && codes.is_contiguous() && codes.size(2) == 64,
-              "codes: (blocks, groups * 4, 64) uint8");
-  const bool two_level = scale_mult.has_value();
-  const int enc = two_level ? kTwoLevel : scale.scalar_type() == at::kHalf ? kHalf : kFloat;
-  TORCH_CHECK(scale.scalar_type() == offset.scalar_type() && scale.is_contiguous() && offset.is_contiguous() &&
-                  (enc == kFloat ? scale.scalar_type() == at::kFloat : scale.scalar_type() == at::kHalf) &&
-                  scale.size(0) == blocks && scale.size(1) == (two_level ? groups / 8 : groups) &&
-                  scale.size(2) == kRows && offset.sizes() == scale.sizes(),
-              "scale, offset: (blocks, groups, 16) fp32 or fp16, or (blocks, groups / 8, 16) fp16 with multipliers");
-  if (two_level) {
-    TORCH_CHECK(offset_mult.has_value() && groups % 8 == 0 && scale_mult->scalar_type() == at::kByte &&
-                    offset_mult->scalar_type() == at::kByte && scale_mult->is_contiguous() &&
-                    offset_mult->is_contiguous() && scale_mult->numel() == blocks * groups * kRows &&
-                    offset_mult->numel() == blocks * groups * kRows,
-                "scale_mult, offset_mult: (blocks, groups, 16) uint8");
-  }
-  TORCH_CHECK(n > (blocks - 1) * kRows && n <= blocks * kRows, "n must fall in the last block");
   const at::BFloat16* b = nullptr;
   if (bias.has_value()) {
     TORCH_CHECK(bias->scalar_type() == at::kBFloat16 && bias->is_contiguous() && bias->numel() == n, "bias: (n,) bf16");
@@ -171,21 +202,15 @@ at::Tensor int4_mm(const at::Tensor& x, const at::Tensor& codes, const at::Tenso
     }
     xs[i] = s;
   }
-  const uint8_t* cp = codes.data_ptr<uint8_t>();
-  const char *sp = static_cast<const char*>(scale.data_ptr()), *op = static_cast<const char*>(offset.data_ptr());
-  const int64_t per_block = scale.size(1) * kRows * scale.element_size();  // bytes of one block's scales
-  const uint8_t* smp = two_level ? scale_mult->data_ptr<uint8_t>() : nullptr;
-  const uint8_t* omp = two_level ? offset_mult->data_ptr<uint8_t>() : nullptr;
   at::BFloat16* yp = y.data_ptr<at::BFloat16>();
-  const BlockFn* fns = enc == kFloat ? kBlocks<kFloat> : enc == kHalf ? kBlocks<kHalf> : kBlocks<kTwoLevel>;
+  const BlockFn* fns = w.enc == kFloat ? kBlocks<kFloat> : w.enc == kHalf ? kBlocks<kHalf> : kBlocks<kTwoLevel>;
   at::parallel_for(0, blocks, 1, [&](int64_t lo, int64_t hi) {
     for (int64_t nb = lo; nb < hi; ++nb) {
       const int64_t rows = std::min<int64_t>(kRows, n - nb * kRows);
-      const Scales sc{sp + nb * per_block, op + nb * per_block,
-                      two_level ? smp + nb * groups * kRows : nullptr, two_level ? omp + nb * groups * kRows : nullptr};
+      const Scales sc = w.of(nb);
       for (int64_t m0 = 0; m0 < M; m0 += kTile) {
         const int mt = static_cast<int>(std::min<int64_t>(kTile, M - m0));
-        fns[mt](xp + m0 * K, xs + m0 * G, cp + nb * groups * 4 * 64, sc, b == nullptr ? nullptr : b + nb * kRows,
+        fns[mt](xp + m0 * K, xs + m0 * G, w.codes_of(nb), sc, b == nullptr ? nullptr : b + nb * kRows,
                 yp + m0 * n + nb * kRows, K, groups, n, rows);
       }
     }
@@ -193,11 +218,86 @@ at::Tensor int4_mm(const at::Tensor& x, const at::Tensor& codes, const at::Tenso
   return y;
 }
 
+// The weights of one block of 16 rows as bf16, w = sum over planes of (scale * code + offset), in fp32 and rounded
+// once: out (rows, K) row-major, K = the codes of one plane.
+template <int E>
+void dequant_block(const uint8_t* codes, const Scales& scales, at::BFloat16* out, int64_t K, int64_t groups,
+                   int64_t rows) {
+  constexpr int kMaxPlanes = 2;
+  const int64_t G = K / kGroup, planes = groups / G;
+  const __m512i field = _mm512_set1_epi16(0x0078), one = _mm512_set1_epi16(0x3F80);
+  const __m512 sixteen = _mm512_set1_ps(16.f);
+  // lane j = 2i + e of a code vector is row i: the rows' scales spread over the pairs, for each half of the lanes
+  const __m512i lo_rows = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
+  const __m512i hi_rows = _mm512_add_epi32(lo_rows, _mm512_set1_epi32(8));
+  const auto to_fp32 = [](__m256i h) {  // 16 bf16 -> fp32: a 16-bit shift
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+  };
+  for (int64_t g = 0; g < G; ++g) {
+    __m512 s_lo[kMaxPlanes], s_hi[kMaxPlanes], o_lo[kMaxPlanes], o_hi[kMaxPlanes];
+    for (int64_t p = 0; p < planes; ++p) {
+      __m512 s, o;
+      load_scales<E>(scales, p * G + g, s, o);
+      s = _mm512_mul_ps(s, sixteen);  // the codes read as 1 + c / 16, as in `block`
+      o = _mm512_sub_ps(o, s);
+      s_lo[p] = _mm512_permutexvar_ps(lo_rows, s), s_hi[p] = _mm512_permutexvar_ps(hi_rows, s);
+      o_lo[p] = _mm512_permutexvar_ps(lo_rows, o), o_hi[p] = _mm512_permutexvar_ps(hi_rows, o);
+    }
+    for (int c = 0; c < kGroup / 8; ++c) {
+      __m512i d[4];  // per nibble t, dword i = row i's two weights at columns 8c + 2t, 8c + 2t + 1 of this group
+      for (int t = 0; t < 4; ++t) {
+        __m512 lo = _mm512_setzero_ps(), hi = _mm512_setzero_ps();  // lanes 2i + e of rows 0-7, and of rows 8-15
+        for (int64_t p = 0; p < planes; ++p) {
+          const __m512i v = _mm512_loadu_si512(codes + ((p * G + g) * (kGroup / 8) + c) * 64);
+          const __m512i shifted = t == 0 ? _mm512_slli_epi16(v, 3) : _mm512_srli_epi16(v, 4 * t - 3);
+          const __m512i w = _mm512_ternarylogic_epi32(shifted, field, one, 0xEA);
+          lo = _mm512_add_ps(lo, _mm512_fmadd_ps(to_fp32(_mm512_castsi512_si256(w)), s_lo[p], o_lo[p]));
+          hi = _mm512_add_ps(hi, _mm512_fmadd_ps(to_fp32(_mm512_extracti64x4_epi64(w, 1)), s_hi[p], o_hi[p]));
+        }
+        d[t] = (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
+      }
+      // transpose: row i's dwords of t = 0..3 (its 8 weights of this chunk), 4 rows per result, one per 128-bit lane
+      const __m512i a = _mm512_unpacklo_epi32(d[0], d[1]), b = _mm512_unpackhi_epi32(d[0], d[1]);
+      const __m512i e = _mm512_unpacklo_epi32(d[2], d[3]), f = _mm512_unpackhi_epi32(d[2], d[3]);
+      const __m512i r[4] = {_mm512_unpacklo_epi64(a, e), _mm512_unpackhi_epi64(a, e), _mm512_unpacklo_epi64(b, f),
+                            _mm512_unpackhi_epi64(b, f)};  // lane L of r[q] is row 4L + q
+      alignas(64) uint8_t lanes[4][64];
+      for (int q = 0; q < 4; ++q) _mm512_store_si512(lanes[q], r[q]);
+      const int64_t col = g * kGroup + c * 8;
+      for (int64_t i = 0; i < rows; ++i) std::memcpy(out + i * K + col, lanes[i % 4] + (i / 4) * 16, 16);
+    }
+  }
+}
+
+using DequantFn = void (*)(const uint8_t*, const Scales&, at::BFloat16*, int64_t, int64_t, int64_t);
+
+at::Tensor int4_dequant(const at::Tensor& codes, const at::Tensor& scale, const at::Tensor& offset,
+                        const std::optional<at::Tensor>& scale_mult, const std::optional<at::Tensor>& offset_mult,
+                        int64_t n, int64_t k) {
+  const Packed w(codes, scale, offset, scale_mult, offset_mult, n);
+  TORCH_CHECK(k % kGroup == 0 && w.groups % (k / kGroup) == 0, "k must be a whole number of groups of 32");
+  at::Tensor out = at::empty({n, k}, at::TensorOptions().dtype(at::kBFloat16));
+  at::BFloat16* op = out.data_ptr<at::BFloat16>();
+  const DequantFn fn = w.enc == kFloat ? dequant_block<kFloat> : w.enc == kHalf ? dequant_block<kHalf>
+                                                                                 : dequant_block<kTwoLevel>;
+  at::parallel_for(0, w.blocks, 1, [&](int64_t lo, int64_t hi) {
+    for (int64_t nb = lo; nb < hi; ++nb) {
+      fn(w.codes_of(nb), w.of(nb), op + nb * kRows * k, k, w.groups, std::min<int64_t>(kRows, n - nb * kRows));
+    }
+  });
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(specfleet, m) {
   m.def("int4_mm(Tensor x, Tensor codes, Tensor scale, Tensor offset, Tensor? scale_mult, Tensor? offset_mult, "
         "Tensor? bias, int n) -> Tensor");
+  m.def("int4_dequant(Tensor codes, Tensor scale, Tensor offset, Tensor? scale_mult, Tensor? offset_mult, int n, "
+        "int k) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(specfleet, CPU, m) { m.impl("int4_mm", &int4_mm); }
+TORCH_LIBRARY_IMPL(specfleet, CPU, m) {
+  m.impl("int4_mm", &int4_mm);
+  m.impl("int4_dequant", &int4_dequant);
+}

@@ -31,6 +31,10 @@ from actors.model import cpu_kernels
 from actors.model.gguf_blocks import GroupedInts
 
 INT4_GROUPS = (32, 64, 128, 256)
+# above this many input rows (a prefill chunk) our kernel's cost grows with every row, while expanding the weights
+# once and a dense bf16 GEMM barely does: measured on the 135M's shapes, 8 rows cost about the same either way,
+# 32 rows 2.5x less dense, 300 rows 8x less (docs/weights.md)
+DENSE_ROWS = 16
 _ROW_CHUNK = 4096  # rows packed at a time (a multiple of the CPU kernel's 64-row blocks): bounds the int32 copy
 
 
@@ -88,6 +92,9 @@ class Int4Linear(nn.Module):
         offsets = torch.cat([offset] + [torch.zeros_like(offset)] * (self.planes - 1), dim=1)  # the first carries it
         self.bias = None if bias is None else bias.to(device, dtype)
         self.own = own
+        # deterministic mode: every row on our kernel, whatever M (the dense path rounds each weight to bf16 and
+        # its GEMM's order depends on M)
+        self.invariant = False
         if own is not None:
             levels = None
             if w.levels is not None:  # the same per plane: d scaled by 16**p, the offset's on the first plane only
@@ -104,12 +111,20 @@ class Int4Linear(nn.Module):
         self.kernel = torch.ops.aten._weight_int4pack_mm_for_cpu if device.type == "cpu" \
             else torch.ops.aten._weight_int4pack_mm
 
+    def dequantized(self) -> torch.Tensor:
+        """The weights (N, K) bf16 expanded from our kernel's codes (planes summed, each weight rounded once)."""
+        return cpu_kernels.ops().int4_dequant(self.weight, self.scale, self.offset, self.scale_mult,
+                                              self.offset_mult, self.out_features, self.in_features)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, self.in_features)  # (M, K)
         if self.own is not None:
-            y = self.own(x2.contiguous(), self.weight, self.scale, self.offset, self.scale_mult, self.offset_mult,
-                         self.bias, self.out_features)
+            if x2.shape[0] > DENSE_ROWS and not self.invariant:  # a prefill: the weights expanded once, a dense GEMM
+                y = F.linear(x2, self.dequantized(), self.bias)
+            else:
+                y = self.own(x2.contiguous(), self.weight, self.scale, self.offset, self.scale_mult, self.offset_mult,
+                             self.bias, self.out_features)
             return y.view(*shape[:-1], self.out_features)
         if self.planes > 1:
             x2 = x2.repeat(1, self.planes)  # (M, P*K): one input copy per plane

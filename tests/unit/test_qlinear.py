@@ -11,7 +11,9 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from actors.model import cpu_kernels
 from actors.model.gguf_blocks import GroupedInts, read_blocks
-from actors.model.qlinear import Int4Linear, Int8Linear, int4_unsupported, int8_linear, stored_linear, tinygemm_pairs
+from actors.model.deterministic import row_invariant
+from actors.model.qlinear import (DENSE_ROWS, Int4Linear, Int8Linear, int4_unsupported, int8_linear, stored_linear,
+                                  tinygemm_pairs)
 from actors.model.loader import load_model
 from actors.model.metadata import SeqChunk
 from actors.model.quant import rtn_int4
@@ -65,7 +67,7 @@ def test_bf16_is_the_exact_result_rounded_once(qtype: Q, m: int) -> None:
     bf16; N = 40 ends in a partial block of rows), elsewhere torch's (its scales rounded to bf16: looser)."""
     w = read_blocks(random_blocks(qtype, 40, 512), qtype, (40, 512))
     b = torch.randn(40).bfloat16()
-    lin = stored_linear(w, b, CPU, torch.bfloat16)
+    lin = row_invariant(stored_linear(w, b, CPU, torch.bfloat16))  # every row on the kernel, above DENSE_ROWS too
     x = torch.randn(m, 512).bfloat16()
     want = reference(x, w.dequantize(), b)  # x already bf16: the exact result of these inputs
     got = lin(x).double()
@@ -75,6 +77,25 @@ def test_bf16_is_the_exact_result_rounded_once(qtype: Q, m: int) -> None:
         assert lin.scale.dtype == torch.float16 and (lin.scale_mult is not None) == (qtype == Q.Q4_K)
     else:
         assert float((got - want).abs().max()) <= 1e-2 * float(want.abs().max())
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q4_K, Q.Q5_0, Q.Q8_0], ids=lambda q: q.name)
+def test_a_prefill_expands_the_weights_once_and_deterministic_mode_keeps_every_row_on_the_kernel(qtype: Q) -> None:
+    """Above DENSE_ROWS input rows our kernel's layer expands its codes into bf16 weights (each the GGUF's value
+    rounded once: equal to dequantizing and rounding) for a dense GEMM; in deterministic mode it never does."""
+    if cpu_kernels.kernel() is None:
+        pytest.skip(f"our CPU kernels do not run here: {cpu_kernels.unavailable()}")  # the machine's limit
+    w = read_blocks(random_blocks(qtype, 40, 512), qtype, (40, 512))
+    lin = stored_linear(w, None, CPU, torch.bfloat16)
+    assert torch.equal(lin.dequantized(), w.dequantize().float().bfloat16())
+    x = torch.randn(DENSE_ROWS + 9, 512).bfloat16()
+    want = reference(x, w.dequantize(), None)
+    dense = lin(x).double()
+    assert torch.equal(dense, torch.nn.functional.linear(x, lin.dequantized()).double())
+    assert float((dense - want).abs().max()) <= 1e-2 * float(want.abs().max())  # weights rounded to bf16
+    assert row_invariant(lin) is lin and lin.invariant
+    rows = lin(x).double()  # on the kernel: each row as it would be alone
+    assert torch.equal(rows[-1:], lin(x[-1:]).double()) and not torch.equal(rows, dense)
 
 
 def test_our_kernel_is_built_where_it_can_be() -> None:
