@@ -14,6 +14,7 @@ import ray
 from actors.instance_server import InstanceServer
 from cluster.config import (CacheConfig, EngineConfig, MigrationConfig, ModelConfig, RouterConfig, SchedulerConfig,
                             SpecfleetConfig, SpeculationConfig)
+from cluster.instances import DrainResult, RequestRow
 from cluster.migration_policy import MigrationPolicyConfig
 from cluster.request import FinishReason
 from cluster.router import Router
@@ -114,8 +115,8 @@ def other(fleet: Fleet, instance: str) -> str:
     return next(n for n in fleet.servers if n != instance)
 
 
-def row(fleet: Fleet, rid: str) -> dict:
-    return next(r for r in ray.get(fleet.router.requests.remote()) if r["request_id"] == rid)
+def row(fleet: Fleet, rid: str) -> RequestRow:
+    return next(r for r in ray.get(fleet.router.requests.remote()) if r.request_id == rid)
 
 
 @pytest.mark.parametrize(("seed", "transfer"), [(None, "torch"), (11, "torch"), (None, "object_store")],
@@ -199,9 +200,9 @@ def test_migrations_between_the_same_two_instances_run_side_by_side(fleet) -> No
         tasks = [asyncio.create_task(stream(fleet, p, tokens=LONG)) for p in prompts]
         await asyncio.sleep(0.3)
         running = await fleet.router.requests.remote("running")
-        assert {r["instance_id"] for r in running} == {full} and len(running) == len(prompts)
+        assert {r.instance_id for r in running} == {full} and len(running) == len(prompts)
         await fleet.router.undrain.remote(empty)
-        moves = await asyncio.gather(*(fleet.router.migrate.remote(r["request_id"], empty,
+        moves = await asyncio.gather(*(fleet.router.migrate.remote(r.request_id, empty,
                                                                    MigrationConfig(transfer="torch"))
                                        for r in running))
         return await asyncio.gather(*tasks), moves
@@ -221,14 +222,14 @@ def test_a_migrating_drain_empties_the_instance(fleet) -> None:
     """Every request running on the drained instance completes elsewhere. The streams are LONG, so that none can end
     at the victim while the drain migrates the others one after another."""
     prompts = text_prompts(load(fleet.cfg.model.target), 3, offset=2)
-    drained = {}
+    drained: list[DrainResult] = []
 
     async def run() -> list[Streamed]:
         async def drain_when_running() -> None:
             await asyncio.sleep(0.3)  # every stream has begun
-            running = [r["instance_id"] for r in await fleet.router.requests.remote("running")]
+            running = [r.instance_id for r in await fleet.router.requests.remote("running")]
             victim = max(fleet.servers, key=running.count)
-            drained.update(await fleet.router.drain_migrate.remote(victim))
+            drained.append(await fleet.router.drain_migrate.remote(victim))
         tasks = [asyncio.create_task(stream(fleet, p, tokens=LONG)) for p in prompts]
         await drain_when_running()
         return await asyncio.gather(*tasks)
@@ -236,13 +237,14 @@ def test_a_migrating_drain_empties_the_instance(fleet) -> None:
     alone = [asyncio.run(stream(fleet, p, tokens=LONG)) for p in prompts]
     try:
         results = asyncio.run(run())
-        assert drained["migrated"] >= 1 and drained["running"] == 0 and not drained["not_moved"], drained
+        [d] = drained
+        assert d.migrated >= 1 and d.running == 0 and not d.not_moved, d
         for got, want in zip(results, alone):
             assert got.tokens == want.tokens and got.finish is FinishReason.LENGTH
-            assert got.instance != drained["instance_id"]
+            assert got.instance != d.instance_id
     finally:
-        if drained:
-            ray.get(fleet.router.undrain.remote(drained["instance_id"]))
+        for d in drained:
+            ray.get(fleet.router.undrain.remote(d.instance_id))
     kv_free(fleet)
 
 
@@ -260,7 +262,7 @@ def under_policy(fleet: Fleet, prompts: list[list[int]], migration: MigrationCon
     async def run() -> list[Streamed]:
         tasks = [asyncio.create_task(stream(fleet, p, tokens=tokens)) for p in prompts]
         await asyncio.sleep(0.3)
-        assert {r["instance_id"] for r in await fleet.router.requests.remote("running")} == {FULL}
+        assert {r.instance_id for r in await fleet.router.requests.remote("running")} == {FULL}
         await fleet.router.configure.remote(RouterConfig(stats_interval_s=0.2, migration=migration))
         await fleet.router.undrain.remote(EMPTY)
         if drain_full:
@@ -359,7 +361,7 @@ def test_killing_one_shard_of_an_instance_under_load_loses_no_request(fleet) -> 
     async def run() -> list[Streamed]:
         tasks = [asyncio.create_task(stream(fleet, p)) for p in prompts]
         await asyncio.sleep(0.5)
-        assert {r["instance_id"] for r in await fleet.router.requests.remote("running")} == {"mig-shards"}
+        assert {r.instance_id for r in await fleet.router.requests.remote("running")} == {"mig-shards"}
         for name in ("mig-a", "mig-b"):
             await fleet.router.undrain.remote(name)
         ray.kill(ray.get_actor("mig-shards/stage-1"), no_restart=True)
