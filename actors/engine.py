@@ -148,10 +148,6 @@ class Engine:
         return self.scheduler.running
 
     # ---- requests ---------------------------------------------------------------------------
-    def encode(self, prompt: str, chat: bool = False) -> list[int]:
-        """Tokenize a prompt with the target's tokenizer (see LoadedModel.encode)."""
-        return self.target.model.encode(prompt, chat)
-
     def add_request(self, request: Request) -> Sequence:
         """Queue a request (RequestError if it can never be served); its sequence, whose stats fill in as it runs."""
         self.check_request(request)

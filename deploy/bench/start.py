@@ -101,7 +101,7 @@ def _probe(spec: str) -> None:
     resolved_at = time.time() - t0
     engine = Engine.from_config(cfg, calibration_dir=model_store.calibration_dir())
     loaded = time.time() - t0
-    ids = engine.encode(req["prompt"], chat=True)
+    ids = engine.target.model.encode(req["prompt"], chat=True)
     [result] = generate(engine, [ids], SamplingParams(temperature=0.0, max_tokens=1))
     if result.error or len(result.token_ids) != 1:
         raise RuntimeError(f"first token not produced: {result.error or result.token_ids}")
