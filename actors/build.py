@@ -1,7 +1,7 @@
 """Build an instance whose shards are Ray actors: placement group, shard actors, the stages' process group.
 
     instance = ray_instance(engine_cfg, ShardLayout.from_plan(plan(...).instances[0]))
-    completions = instance.generate(prompts, params)   # the engine runs in this process, the stages in actors
+    completions = generate(instance, prompts, params)   # the engine runs in this process, the stages in actors
     instance.shutdown()
 
 Every step is bounded by a timeout; if one fails, everything started so far is stopped and the placement

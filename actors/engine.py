@@ -9,7 +9,8 @@ Each step hands one typed object to the next (actors/step.py):
   score     the target scores every prefill chunk and all k+1 positions of every decode in one forward;
   verify    greedy matching or rejection sampling decides every round (actors/verification.py);
   apply     the one place that emits, crops rejected KV in both caches, frees finished requests and records.
-See actors/spec/verify.py for the vocabulary (accepted, recovered, bonus).
+See actors/spec/verify.py for the vocabulary (accepted, recovered, bonus). A migration's operations on an engine are
+in actors/engine_migration.py, offline generation (a batch served to completion) in actors/offline.py.
 
 KV invariants after every step, per running request with n = len(token_ids):
   target cache holds tokens [0, m), m <= n-1, with m = n-1 once its prompt is processed;
@@ -25,16 +26,12 @@ import functools
 import itertools
 import logging
 import time
-from collections.abc import Callable, Sequence as Seq
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from transformers import PreTrainedTokenizerBase
 
 from actors.engine_stats import StepCounters
-from actors.kv_cache import KVExport
-from actors.kv_links import LinkedKV, kv_span
 from actors.loading import load_runners
 from actors.model.metadata import SeqChunk
 from actors.model.runner import ModelRunner
@@ -51,11 +48,9 @@ from actors.spec.structured import GrammarCompiler
 from actors.step import Drafts, Scores, SpecPlan, Verdict
 from actors.verification import logprobs_of, verify
 from cluster.config import EngineConfig, SchedulerConfig, SpeculationConfig
-from cluster.migration import BlockNames, Link, Reservation
 from cluster.migration_policy import InstanceLoad, RequestLoad
 from cluster.prefix import ChainNames, root_hash
-from cluster.request import (FinishReason, InvalidRequest, Request, Resume, SamplingParams, SpecStats, TokenDelta,
-                             check_prompt, context_length)
+from cluster.request import FinishReason, InvalidRequest, Request, TokenDelta, check_prompt, context_length
 from cluster.stats import EngineStats
 
 
@@ -67,19 +62,6 @@ RequestError = InvalidRequest  # a request the engine cannot take (empty prompt,
 def model_identity(runner) -> str:
     """What names a runner's KV content in the prefix cache: its checkpoint and dtype (cluster/prefix.py root)."""
     return f"{runner.model.source}|{runner.model.dtype}"
-
-
-@dataclass
-class Completion:
-    """A finished request, as `Engine.generate` returns it."""
-
-    request_id: str
-    prompt_token_ids: list[int]
-    token_ids: list[int]
-    text: str
-    finish_reason: FinishReason | None
-    stats: SpecStats
-    error: str | None = None
 
 
 class Engine:
@@ -115,7 +97,7 @@ class Engine:
                              draft_forwards=self.drafter is not None and self.drafter.runs_forwards)
         self.k = speculation.k if policy.name != "off" else 0  # the most drafts a request gets
         self.acceptance = Acceptance.prior(speculation.prior_acceptance, decay=speculation.acceptance_decay)
-        self.scheduler = Scheduler(scheduler, target.cache, self.k, self._free)
+        self.scheduler = Scheduler(scheduler, target.cache, self.k, self.free)
         self.planner = SpeculationPlanner(policy, self.drafter, target, self.k, self.acceptance)
         self.max_model_len = context_length(target.model.max_model_len, max_model_len)
         self.tokenizer: PreTrainedTokenizerBase = target.model.tokenizer
@@ -166,14 +148,10 @@ class Engine:
         return self.scheduler.running
 
     # ---- requests ---------------------------------------------------------------------------
-    def encode(self, prompt: str, chat: bool = False) -> list[int]:
-        """Tokenize a prompt with the target's tokenizer (see LoadedModel.encode)."""
-        return self.target.model.encode(prompt, chat)
-
-    def add_request(self, request: Request) -> None:
-        """Queue a request; raises RequestError if it can never be served."""
+    def add_request(self, request: Request) -> Sequence:
+        """Queue a request (RequestError if it can never be served); its sequence, whose stats fill in as it runs."""
         self.check_request(request)
-        self._enqueue(request)
+        return self._enqueue(request)
 
     def _enqueue(self, request: Request) -> Sequence:
         """Queue an already checked request (one that resumes carries on from its tokens, text and sampler)."""
@@ -225,7 +203,7 @@ class Engine:
         seq = self.scheduler.remove(request_id)
         if seq is None:
             return None
-        self._free(seq)
+        self.free(seq)
         seq.status = SeqStatus.FINISHED
         seq.output.finish_reason = FinishReason.ABORT
         return TokenDelta(request_id, (), seq.output.text_delta(), FinishReason.ABORT)
@@ -233,29 +211,9 @@ class Engine:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def generate(self, prompts: Seq[Seq[int]], params: SamplingParams | Seq[SamplingParams],
-                 step: Callable[[], list[TokenDelta]] | None = None) -> list[Completion]:
-        """Serve a batch of tokenized prompts to completion (offline use); results in prompt order.
-
-        `step` replaces `self.step` (an Instance passes its own, which turns a shard failure into error deltas).
-        """
-        step = step or self.step
-        params_list = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
-        requests = [Request(f"gen-{next(self._ids)}", tuple(p), sp) for p, sp in zip(prompts, params_list, strict=True)]
-        for r in requests:  # all or nothing: a bad prompt must not leave the good ones queued
-            self.check_request(r)
-        done: dict[str, Completion] = {}
-        for r in requests:
-            seq = self._enqueue(r)
-            done[r.request_id] = Completion(r.request_id, list(r.prompt_token_ids), [], "", None, seq.stats)
-        while any(c.finish_reason is None for c in done.values()) and self.has_unfinished():
-            for delta in step():
-                c = done.get(delta.request_id)
-                if c is not None:
-                    c.token_ids.extend(delta.token_ids)
-                    c.text += delta.text
-                    c.finish_reason, c.error = delta.finish_reason, delta.error
-        return list(done.values())
+    def flush(self) -> None:
+        """Nothing to ship: the runners take the cache ops of the last step with their next forward (an Instance
+        ships its shards' at once; actors/offline.py calls this after a batch)."""
 
     # ---- the step ---------------------------------------------------------------------------
     def step(self) -> list[TokenDelta]:
@@ -333,7 +291,7 @@ class Engine:
             if seq.output.finish_reason is not None:
                 self.scheduler.remove(rid)
                 seq.status = SeqStatus.FINISHED
-                self._free(seq)
+                self.free(seq)
             else:
                 self.target.cache.crop(rid, n_before + v.accepted)
                 if self.drafter is not None:
@@ -381,137 +339,6 @@ class Engine:
         if drafted and forwards:
             self._stats.draft_stage(drafted, drafts.seconds)
 
-    # ---- live migration (cluster/migration.py drives these between steps) ----------------------
-    def kv_length(self, request_id: str) -> int:
-        """Tokens of a request whose target KV this engine holds."""
-        return self.target.cache.length(request_id)
-
-    def export_kv(self, request_id: str, start: int, end: int | None = None,
-                  links: list[Link] | None = None) -> list[KVExport] | LinkedKV:
-        """The request's target KV from token `start` to `end` (default: what it holds now), one export per stage, or
-        with `links` (a migration's) sent by the stages over them; none for a request that holds no KV (queued,
-        never started)."""
-        if not self.target.cache.has(request_id):
-            return []
-        have = self.target.cache.length(request_id)
-        return self.target.export_kv(request_id, start, have if end is None else min(end, have), links)
-
-    def block_names(self, request_id: str) -> BlockNames:
-        """A migration's source: the names of the full blocks of the request's target and draft KV (none without
-        prefix caching), for the destination to reuse those it caches."""
-        seq = next((s for s in self.waiting + self.running if s.request_id == request_id), None)
-        if seq is None or seq.target_names is None:
-            return BlockNames()
-        draft = self.draft.cache.length(request_id) if seq.draft_names is not None else 0
-        return BlockNames(tuple(seq.target_names.upto(seq.token_ids, self.kv_length(request_id))),
-                          tuple(seq.draft_names.upto(seq.token_ids, draft)) if draft else ())
-
-    def reserve_incoming(self, request_id: str, tokens: int, names: BlockNames = BlockNames()) -> Reservation | None:
-        """The migration handshake: hold KV blocks for `tokens` tokens of a request about to arrive, starting it with
-        the cached blocks its leading `names` find (the copy then starts after them), or refuse (None)."""
-        if any(s.request_id == request_id for s in self.waiting + self.running):
-            return None
-        cached = self.target.cache.match(request_id, names.target) if self.prefix_caching and names.target else 0
-        if not self.target.reserve(request_id, tokens):
-            self.target.cache.free(request_id)
-            return None
-        draft = 0
-        if self.prefix_caching and names.draft and isinstance(self.drafter, ModelDrafter) and self.draft.exports_kv:
-            draft = self.draft.cache.match(request_id, names.draft)
-            self.drafter.imported(request_id, draft)
-        return Reservation(cached, draft, self.kv_bytes_per_token)
-
-    @functools.cached_property
-    def kv_bytes_per_token(self) -> int:
-        """Bytes of one token's target KV over every layer, K and V (what a migration moves per token)."""
-        c = self.target.model.config
-        heads = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
-        head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-        return 2 * c.num_hidden_layers * heads * head_dim * self.target.model.dtype.itemsize
-
-    def import_kv(self, exports: list[KVExport] | LinkedKV) -> bool:
-        """Append an arriving request's KV (exported by any split of the same model, or received over a migration's
-        links); False if out of blocks. A request that held no KV at its source (queued there) arrives with none."""
-        return self.target.import_kv(exports) if exports else True
-
-    def drop_incoming(self, request_id: str) -> None:
-        """An arriving request was not committed: free what was reserved and imported for it."""
-        if not any(s.request_id == request_id for s in self.waiting + self.running):
-            self.target.cache.free(request_id)
-            if self.draft is not None:
-                self.draft.cache.free(request_id)
-
-    def export_draft(self, request_id: str, start: int = 0, end: int | None = None,
-                     links: list[Link] | None = None) -> list[KVExport] | LinkedKV | None:
-        """A migration's copy of the request's draft KV from `start` to `end` (or to what it holds) as it stands
-        between two steps (the draft's view of the accepted tokens: a prefix of the request that never changes),
-        or with `links` sent over them; None without a draft model whose KV can move (an EasySpec group's is
-        rebuilt at the destination), or without draft KV beyond `start`."""
-        if self.draft is None or not self.draft.exports_kv or not self.holds(request_id) \
-                or not self.draft.cache.has(request_id):
-            return None
-        n = self.draft.cache.length(request_id)
-        if n <= start:
-            return None
-        return self.draft.export_kv(request_id, start, n if end is None else min(end, n), links)
-
-    def import_draft(self, exports: list[KVExport] | LinkedKV) -> bool:
-        """Append an arriving request's draft KV (its draft then catches up only on the tokens after it); False,
-        changing nothing, without a draft model whose KV can move, if it does not continue what came before, or
-        without room (the draft catches up from what it has)."""
-        rid, start, _ = kv_span(exports)
-        if self.draft is None or not self.draft.exports_kv or self.holds(rid):
-            return False
-        if start != (self.draft.cache.length(rid) if self.draft.cache.has(rid) else 0):
-            return False
-        if not self.draft.import_kv(exports):
-            return False
-        if isinstance(self.drafter, ModelDrafter):
-            self.drafter.imported(rid, self.draft.cache.length(rid))
-        return True
-
-    def export_out(self, request_id: str, start: int, end: int, links: list[Link] | None = None
-                   ) -> tuple[list[KVExport] | LinkedKV, int] | None:
-        """A migration's copy: the request's KV from `start` to `end` (or to what it holds; over `links` if given),
-        and where that ends; None if it is not here, or holds less than `start` (preempted since its copy began:
-        its KV was freed)."""
-        if not self.holds(request_id) or self.kv_length(request_id) < start:
-            return None
-        end = min(end, self.kv_length(request_id))
-        return self.export_kv(request_id, start, end, links), end
-
-    def stop_out(self, request_id: str, start: int, links: list[Link] | None = None
-                 ) -> tuple[Sequence, Resume, list[KVExport] | LinkedKV, int] | None:
-        """A migration's stop: the rest of the request's KV from `start` (over `links` if given), then the request
-        taken out of the step loop (KV kept until released); None, and the request left running, if `export_out`
-        would give None."""
-        exported = self.export_out(request_id, start, self.kv_length(request_id), links)
-        if exported is None:
-            return None
-        seq, resume = self.detach(request_id)
-        return seq, resume, *exported
-
-    def holds(self, request_id: str) -> bool:
-        """Whether the request is queued or running here."""
-        return any(s.request_id == request_id for s in self.waiting + self.running)
-
-    def detach(self, request_id: str) -> tuple[Sequence, Resume] | None:
-        """Take a request out of the step loop, keeping its KV, and say where it stands; None if not here."""
-        seq = self.scheduler.remove(request_id)
-        if seq is None:
-            return None
-        state = seq.generator.get_state().numpy().tobytes() if seq.generator is not None else None
-        return seq, Resume(tuple(seq.output.token_ids), seq.output.emitted, state, copy.deepcopy(seq.stats))
-
-    def reattach(self, seq: Sequence) -> None:
-        """A detached request carries on here (its migration was aborted): its KV never left."""
-        seq.status = SeqStatus.WAITING
-        self.scheduler.add(seq)
-
-    def release_detached(self, seq: Sequence) -> None:
-        """A detached request now runs elsewhere: free its KV here."""
-        self._free(seq)
-
     # ---- KV and errors ----------------------------------------------------------------------
     def _commit(self, seq: Sequence) -> None:
         """Name the request's full target blocks whose KV is final (its accepted tokens) in the prefix cache."""
@@ -519,7 +346,7 @@ class Engine:
         if seq.target_names is not None and cache.has(rid):
             cache.commit(rid, seq.target_names.upto(seq.token_ids, cache.length(rid)))
 
-    def _free(self, seq: Sequence) -> None:
+    def free(self, seq: Sequence) -> None:
         """Free a request's KV (finished, aborted, failed or preempted) and what the drafter holds for it; with
         prefix caching its full blocks stay cached for later requests that start alike."""
         self._commit(seq)

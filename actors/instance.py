@@ -12,18 +12,27 @@ elsewhere, comes later.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence as Seq
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
-from actors.engine import Completion, Engine
+from actors.engine import Engine
+from actors.engine_migration import EngineMigration
+from actors.executor import ExpertRanks, ShardFailure
 from actors.kv_cache import KVExport
-from actors.executor import ShardFailure
+from actors.kv_links import LinkedKV
+from actors.moe.profile import RoutingStats
 from actors.pipeline import PipelineRunner
 from actors.sequence import Sequence
 from cluster.config import EngineConfig
+from cluster.migration import BlockNames, Link, Reservation
+from cluster.migration_policy import InstanceLoad
 from cluster.prefix_index import CacheEvents, EventLog
-from cluster.request import FinishReason, Request, SamplingParams, TokenDelta
+from cluster.request import FinishReason, Request, Resume, TokenDelta
 from cluster.stats import EngineStats
+
+T = TypeVar("T")
+KV = list[KVExport] | LinkedKV  # a migration's KV payload: exports through the object store, or headers of links
 
 
 class InstanceUnhealthy(RuntimeError):
@@ -43,8 +52,10 @@ class InstanceHealth:
 class Instance:
     """One model replica over a stage executor: the engine, the pipelines it drives, and its health.
 
-    `release` frees what the executors' stages hold beyond themselves (a Ray placement group); it runs once,
-    at shutdown or after a failure.
+    The facade of every engine operation its server uses (requests, the step, reads, a migration's operations):
+    each runs on the serving loop's thread, between two steps, and a shard failure under any of them is handled as
+    one in a step (`_fail`). `release` frees what the executors' stages hold beyond themselves (a Ray placement
+    group); it runs once, at shutdown or after a failure.
     """
 
     def __init__(self, cfg: EngineConfig, target: PipelineRunner, draft: PipelineRunner | None,
@@ -53,11 +64,13 @@ class Instance:
         self.engine = Engine(target, draft, cfg.speculation, cfg.scheduler, cfg.model.max_model_len,
                              prefix_caching=cfg.cache.prefix_caching, prefix_identity=cfg.prefix_identity,
                              deterministic=cfg.deterministic)
+        self._moves = EngineMigration(self.engine)
         self._cache_events = EventLog()  # what the router's prefix index learns (cluster/prefix_index.py)
         self._release: Callable[[], None] | None = release
         self._error: str | None = None
+        self._undelivered: list[TokenDelta] = []  # error deltas of a failure outside a step: the next step's
 
-    # ---- what the serving loop drives (actors/serving.py) -------------------------------------
+    # ---- what the serving loop drives (actors/serving.py) and offline generation (actors/offline.py) ----------
     @property
     def waiting(self) -> list[Sequence]:
         return self.engine.waiting
@@ -67,12 +80,17 @@ class Instance:
         return self.engine.running
 
     def has_unfinished(self) -> bool:
-        return self.engine.has_unfinished()
+        return bool(self._undelivered) or self.engine.has_unfinished()
 
-    def add_request(self, request: Request) -> None:
+    def check_request(self, request: Request) -> None:
+        """RequestError if the request can never be served, InstanceUnhealthy after a shard failure; changes nothing."""
+        self._check_healthy()
+        self.engine.check_request(request)
+
+    def add_request(self, request: Request) -> Sequence:
         """Queue a request; RequestError if it can never be served, InstanceUnhealthy after a shard failure."""
         self._check_healthy()
-        self.engine.add_request(request)
+        return self.engine.add_request(request)
 
     def abort(self, request_id: str) -> TokenDelta | None:
         return self.engine.abort(request_id)
@@ -80,27 +98,49 @@ class Instance:
     def step(self) -> list[TokenDelta]:
         """One engine step; after a shard failure, the error deltas of every request in flight (then nothing)."""
         if self._error is not None:
-            return []
+            deltas, self._undelivered = self._undelivered, []
+            return deltas
         try:
             return self.engine.step()
         except ShardFailure as e:
             return self._fail(str(e))
 
-    def generate(self, prompts: Seq[Seq[int]], params: SamplingParams | Seq[SamplingParams]) -> list[Completion]:
-        """Serve a batch of tokenized prompts to completion, or to the error that ends them; in prompt order."""
-        self._check_healthy()
-        completions = self.engine.generate(prompts, params, step=self.step)
-        if self._error is None:
-            self._flush()
-        return completions
+    def flush(self) -> None:
+        """Ship the cache ops of the last step (frees) to the shards now, rather than with the next step."""
+        if self._error is not None:
+            return
+        try:
+            for runner in (self.target, self.draft):
+                if runner is not None:
+                    runner.flush()
+        except ShardFailure as e:
+            self._undelivered += self._fail(str(e))
 
-    # ---- health, stats, KV ------------------------------------------------------------------
+    # ---- what it is, and reads ------------------------------------------------------------------
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    @property
+    def k(self) -> int:
+        """The most drafts a request gets."""
+        return self.engine.k
+
+    @property
+    def policy(self) -> str:
+        """The speculation-length policy's name."""
+        return self.engine.policy.name
+
     def health(self) -> InstanceHealth:
         return InstanceHealth(self._error is None, self._error, len(self.target.executor.layer_ids),
                               self.draft is not None)
 
     def stats(self) -> EngineStats:
         return self.engine.stats()
+
+    def load(self, instance_id: str) -> InstanceLoad:
+        """Per-request KV blocks and queued demand (the router's migration policies)."""
+        return self.engine.load(instance_id)
 
     def cache_events(self, snapshot: bool = False) -> CacheEvents:
         """The target's prefix-cache changes since the last call, numbered, or all it holds (`snapshot`)."""
@@ -112,6 +152,14 @@ class Instance:
         """(target, draft) KV blocks in use as the instance accounts them."""
         draft = self.draft.cache.num_used_blocks if self.draft is not None else 0
         return self.target.cache.num_used_blocks, draft
+
+    def expert_routing(self) -> RoutingStats | None:
+        """The routing statistics of the tokens its expert-parallel ranks ran since the last call; None if the
+        target is not expert parallel."""
+        executor = self.target.executor
+        if not isinstance(executor, ExpertRanks):
+            return None
+        return self._guarded(executor.routing)
 
     def shard_cache_usage(self) -> dict[str, list[tuple[int, int]]]:
         """(used, free) blocks of every shard's own cache, after shipping pending ops: each equals its ledger's."""
@@ -125,6 +173,43 @@ class Instance:
         """The target KV of a request held by this instance, one export per stage (for migration)."""
         self._check_healthy()
         return self.target.export_kv(request_id)
+
+    # ---- live migration (actors/engine_migration.py; cluster/migration.py drives it) --------------------
+    def kv_length(self, request_id: str) -> int | None:
+        """Source: tokens of the request's target KV; None if it is not queued or running here."""
+        return self._moves.kv_length(request_id) if self._moves.holds(request_id) else None
+
+    def block_names(self, request_id: str) -> BlockNames:
+        return self._moves.block_names(request_id)
+
+    def export_out(self, request_id: str, start: int, end: int, links: list[Link] | None = None
+                   ) -> tuple[KV, int] | None:
+        return self._guarded(lambda: self._moves.export_out(request_id, start, end, links))
+
+    def export_draft(self, request_id: str, start: int, end: int, links: list[Link] | None = None) -> KV | None:
+        return self._guarded(lambda: self._moves.export_draft(request_id, start, end, links))
+
+    def stop_out(self, request_id: str, start: int, links: list[Link] | None = None
+                 ) -> tuple[Sequence, Resume, KV, int] | None:
+        return self._guarded(lambda: self._moves.stop_out(request_id, start, links))
+
+    def release_detached(self, seq: Sequence) -> None:
+        self._moves.release_detached(seq)
+
+    def reattach(self, seq: Sequence) -> None:
+        self._moves.reattach(seq)
+
+    def reserve_incoming(self, request_id: str, tokens: int, names: BlockNames = BlockNames()) -> Reservation | None:
+        return self._guarded(lambda: self._moves.reserve_incoming(request_id, tokens, names))
+
+    def import_kv(self, kv: KV) -> bool:
+        return self._guarded(lambda: self._moves.import_kv(kv))
+
+    def import_draft(self, kv: KV) -> bool:
+        return self._guarded(lambda: self._moves.import_draft(kv))
+
+    def drop_incoming(self, request_id: str) -> None:
+        self._moves.drop_incoming(request_id)
 
     def shutdown(self) -> None:
         """Stop every stage and release what they held; idempotent."""
@@ -140,13 +225,15 @@ class Instance:
         if self._error is not None:
             raise InstanceUnhealthy(f"the instance is unhealthy: {self._error}")
 
-    def _flush(self) -> None:
+    def _guarded(self, op: Callable[[], T]) -> T:
+        """Run an operation outside a step that reaches the shards: a shard failure under it fails the instance as
+        one in a step does (the error deltas go out with the next step), then reaches the caller."""
         try:
-            for runner in (self.target, self.draft):
-                if runner is not None:
-                    runner.flush()
+            return op()
         except ShardFailure as e:
-            self._fail(str(e))
+            if self._error is None:
+                self._undelivered += self._fail(str(e))
+            raise
 
     def _fail(self, message: str) -> list[TokenDelta]:
         """Turn unhealthy, stop the shards, and end every request in flight with an error."""

@@ -28,17 +28,16 @@ import ray
 import torch
 from ray.actor import ActorHandle
 
-from actors.build import ray_instance
+from actors.build import local_instance, ray_instance
 from actors.engine import RequestError
 from actors.instance import Instance, InstanceUnhealthy
 from actors.kv_cache import KVExport
-from actors.executor import ExpertRanks, KVLinks
+from actors.executor import KVLinks
 from actors.kv_links import LinkedKV, kv_span
 from actors.leases import Leases
 from actors.p2p import use_node_interface
 from actors.pipeline import PipelineRunner
 from actors.sequence import Sequence
-from actors.build import local_instance
 from actors.serving import ServingLoop
 from cluster.instances import InstancePlace
 from cluster.request import FinishReason, Request, RequestStatus, StreamItem, TokenDelta
@@ -162,15 +161,14 @@ class InstanceServer:
     # With `via` (a migration's channel) the KV goes over that migration's links, from the source's stages to the
     # destination's (actors/kv_links.py): the coordinator, and this process, carry only its headers.
     async def migrate_length(self, request_id: str) -> int | None:
-        engine = self.instance.engine
-        return await self._on_loop(lambda: engine.kv_length(request_id) if engine.holds(request_id) else None)
+        return await self._on_loop(lambda: self.instance.kv_length(request_id))
 
     async def migrate_names(self, request_id: str) -> BlockNames:
-        return await self._on_loop(lambda: self.instance.engine.block_names(request_id))
+        return await self._on_loop(lambda: self.instance.block_names(request_id))
 
     async def migrate_reserve(self, request_id: str, tokens: int, lease_s: float,
                               names: BlockNames = BlockNames()) -> Reservation | None:
-        reserved = await self._on_loop(lambda: self.instance.engine.reserve_incoming(request_id, tokens, names))
+        reserved = await self._on_loop(lambda: self.instance.reserve_incoming(request_id, tokens, names))
         if reserved:  # each import renews it; the commit ends it (and a "follow" lease of the same length begins)
             self._leases.grant(("incoming", request_id), lease_s, lambda: self.migrate_drop(request_id))
         return reserved
@@ -178,17 +176,17 @@ class InstanceServer:
     async def migrate_export(self, request_id: str, start: int, end: int, via: str | None = None
                              ) -> tuple[list[KVExport] | LinkedKV, int] | None:
         links = self._route(via, "target")
-        return await self._on_loop(lambda: self.instance.engine.export_out(request_id, start, end, links))
+        return await self._on_loop(lambda: self.instance.export_out(request_id, start, end, links))
 
     async def migrate_import(self, kv: list[KVExport] | LinkedKV) -> bool:
         self._renew_incoming(kv)
         await self._receive(self.instance.target, kv)
-        return await self._on_loop(lambda: self.instance.engine.import_kv(kv))
+        return await self._on_loop(lambda: self.instance.import_kv(kv))
 
     async def migrate_export_draft(self, request_id: str, start: int, end: int, via: str | None = None
                                    ) -> tuple[list[KVExport] | LinkedKV, int] | None:
         links = self._route(via, "draft")
-        got = await self._on_loop(lambda: self.instance.engine.export_draft(request_id, start, end, links))
+        got = await self._on_loop(lambda: self.instance.export_draft(request_id, start, end, links))
         return None if got is None else (got, kv_span(got)[2])
 
     async def migrate_import_draft(self, kv: list[KVExport] | LinkedKV) -> bool:
@@ -196,7 +194,7 @@ class InstanceServer:
             return False  # a draft whose KV cannot move takes none (no links were opened for it)
         self._renew_incoming(kv)
         await self._receive(self.instance.draft, kv)
-        return await self._on_loop(lambda: self.instance.engine.import_draft(kv))
+        return await self._on_loop(lambda: self.instance.import_draft(kv))
 
     async def migrate_stop(self, request_id: str, start: int, via: str | None = None, lease_s: float = 60.0
                            ) -> tuple[Request, list[KVExport] | LinkedKV, int, float] | None:
@@ -205,7 +203,7 @@ class InstanceServer:
 
         def stop():
             waited = time.perf_counter() - asked  # the step under way went on: the request still decoded
-            stopped = self.instance.engine.stop_out(request_id, start, links)
+            stopped = self.instance.stop_out(request_id, start, links)
             if stopped is None:
                 return None
             seq, resume, exported, end = stopped
@@ -284,12 +282,12 @@ class InstanceServer:
             if seq is None:
                 return False
             if not self.loop.tracks(request_id):  # its client left meanwhile: nothing to resume or hand over
-                self.instance.engine.release_detached(seq)
+                self.instance.release_detached(seq)
                 return False
             if committed:
-                self.instance.engine.release_detached(seq)
+                self.instance.release_detached(seq)
             else:
-                self.instance.engine.reattach(seq)
+                self.instance.reattach(seq)
             return True
         released = await self._on_loop(release)
         if released and committed:
@@ -300,7 +298,7 @@ class InstanceServer:
         """Forget a request that was not committed here (free what was reserved and imported for it); a copy that
         was committed after all (its commit timed out at the coordinator, then landed) is cancelled too."""
         self._leases.end(("incoming", request_id))
-        await self._on_loop(lambda: self.instance.engine.drop_incoming(request_id))
+        await self._on_loop(lambda: self.instance.drop_incoming(request_id))
         await self.migrate_cancel(request_id)
 
     async def migrate_cancel(self, request_id: str) -> None:
@@ -335,16 +333,13 @@ class InstanceServer:
 
     async def load(self) -> InstanceLoad:
         """Per-request KV blocks and queued demand, read between two steps (the router's migration policies)."""
-        return await self._on_loop(lambda: self.instance.engine.load(self.spec.instance_id))
+        return await self._on_loop(lambda: self.instance.load(self.spec.instance_id))
 
     async def expert_routing(self) -> bytes | None:
         """The routing statistics of the tokens its expert-parallel ranks ran since the last call, as a statistics
         file's bytes (actors/moe/profile.py); None if the target is not expert parallel."""
-        executor = getattr(self.instance.target, "executor", None)
-        if not isinstance(executor, ExpertRanks):
-            return None
-        stats = await self._on_loop(executor.routing)  # between two steps: the ranks answer in order
-        return stats.to_bytes(model=self.spec.engine.model.target)
+        stats = await self._on_loop(self.instance.expert_routing)  # between two steps: the ranks answer in order
+        return None if stats is None else stats.to_bytes(model=self.spec.engine.model.target)
 
     async def health(self) -> HealthReport:
         """Whether the instance serves: its shards and its step loop (read between two steps; a loop that stopped
@@ -359,10 +354,10 @@ class InstanceServer:
 
     async def info(self) -> InstanceInfo:
         def read() -> InstanceInfo:
-            engine = self.instance.engine
-            return InstanceInfo(self.spec.instance_id, self.spec.engine.model.served_name, engine.max_model_len,
-                                _runtime_id("node"), engine.draft is not None, engine.k,
-                                engine.policy.name, self.instance.health().num_stages, _runtime_id("actor"))
+            inst, health = self.instance, self.instance.health()
+            return InstanceInfo(self.spec.instance_id, self.spec.engine.model.served_name, inst.max_model_len,
+                                _runtime_id("node"), health.has_draft, inst.k, inst.policy, health.num_stages,
+                                _runtime_id("actor"))
         return await self._on_loop(read)
 
     async def registration(self) -> Registration:

@@ -81,7 +81,7 @@ class Steppable(Protocol):
     waiting: list[Sequence]
     running: list[Sequence]
 
-    def add_request(self, request: Request) -> None: ...
+    def add_request(self, request: Request) -> Sequence: ...
     def abort(self, request_id: str) -> TokenDelta | None: ...
     def step(self) -> list[TokenDelta]: ...
     def has_unfinished(self) -> bool: ...
@@ -247,11 +247,11 @@ class ServingLoop:
 
     def _add(self, request: Request, sink: Sink) -> None:
         try:
-            self.engine.add_request(request)  # raises RequestError (or InstanceUnhealthy) to the caller
+            seq = self.engine.add_request(request)  # raises RequestError (or InstanceUnhealthy) to the caller
         except Exception:
             self._record_end(request.request_id, RequestStatus.FAILED)
             raise
-        self._tracked[request.request_id] = _Tracked(sink, time.monotonic(), stats=self._stats_of(request))
+        self._tracked[request.request_id] = _Tracked(sink, time.monotonic(), stats=seq.stats)  # filled in as it runs
 
     def _hand_over(self, rid: str, destination: tuple[str, object]) -> bool:
         t = self._tracked.pop(rid, None)
@@ -267,13 +267,6 @@ class ServingLoop:
             delta = final or TokenDelta(rid, (), "", FinishReason.ABORT)
             tracked.sink(StreamItem(delta, stats=tracked.stats))
         return tracked is not None
-
-    def _stats_of(self, request: Request) -> SpecStats:
-        """The engine's live stats object of a just-queued request (filled in as it runs)."""
-        for seq in self.engine.waiting:
-            if seq.request_id == request.request_id:
-                return seq.stats
-        return SpecStats()
 
     def _deliver(self, deltas: list[TokenDelta]) -> None:
         now = time.monotonic()

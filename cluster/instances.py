@@ -1,4 +1,5 @@
-"""Typed rows the router answers with: an instance's place (its stages and draft on devices), load and health."""
+"""Typed rows the router answers with: an instance's place (its stages and draft on devices), load and health; a
+request's row in its table; what a drain did. The admin API sends them as JSON, and the CLI's client reads them back."""
 
 from __future__ import annotations
 
@@ -50,3 +51,25 @@ class InstanceRow(_Row):
     place: InstancePlace = InstancePlace()
     removed_at: float | None = None  # set on instances removed for failing health
     incarnation: str = ""  # its actor's id: a replacement under the same instance id has another
+
+
+class RequestRow(_Row):
+    """One row of the router's request table (cluster/registry.py, RequestEntry.row)."""
+
+    request_id: str
+    instance_id: str
+    priority: int
+    status: str  # running | finished | aborted | failed (cluster/request.py, RequestStatus)
+    created_at: float
+    finished_at: float | None = None
+
+
+class DrainResult(_Row):
+    """What a drain did: the instance takes no new requests (`draining`)."""
+
+    instance_id: str
+    draining: bool
+    running: int = 0  # requests in flight on it when the drain began (after a migrating drain: still there)
+    aborted: bool = False
+    migrated: int = 0  # requests moved to other instances (a migrating drain)
+    not_moved: list[str] = []  # and those that could not move, with why

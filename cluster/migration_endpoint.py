@@ -142,16 +142,68 @@ class Endpoint(Protocol):
 
 
 class RayEndpoint:
-    """An Endpoint over an instance actor's handle (actors/instance_server.py)."""
+    """An Endpoint over an instance actor's handle (actors/instance_server.py, InstanceServer): each method is one
+    call of the actor's method of the same name, awaited. The coordinator bounds every call with a deadline
+    (`Deadlined`, below); tests/unit/test_migration_endpoint.py holds InstanceServer to the protocol."""
 
     def __init__(self, handle) -> None:
         self.handle = handle
 
-    def __getattr__(self, name: str):
-        method = getattr(self.handle, name)
-        return lambda *args: method.remote(*args)
+    async def migrate_length(self, request_id: str) -> int | None:
+        return await self.handle.migrate_length.remote(request_id)
 
+    async def migrate_names(self, request_id: str) -> BlockNames:
+        return await self.handle.migrate_names.remote(request_id)
 
+    async def migrate_reserve(self, request_id: str, tokens: int, lease_s: float,
+                              names: BlockNames = BlockNames()) -> Reservation | None:
+        return await self.handle.migrate_reserve.remote(request_id, tokens, lease_s, names)
+
+    async def migrate_export(self, request_id: str, start: int, end: int, via: str | None = None
+                             ) -> tuple[object, int] | None:
+        return await self.handle.migrate_export.remote(request_id, start, end, via)
+
+    async def migrate_import(self, kv: object) -> bool:
+        return await self.handle.migrate_import.remote(kv)
+
+    async def migrate_export_draft(self, request_id: str, start: int, end: int, via: str | None = None
+                                   ) -> tuple[object, int] | None:
+        return await self.handle.migrate_export_draft.remote(request_id, start, end, via)
+
+    async def migrate_import_draft(self, kv: object) -> bool:
+        return await self.handle.migrate_import_draft.remote(kv)
+
+    async def migrate_stop(self, request_id: str, start: int, via: str | None, lease_s: float
+                           ) -> tuple[Request, object, int, float] | None:
+        return await self.handle.migrate_stop.remote(request_id, start, via, lease_s)
+
+    async def migrate_commit(self, request: Request) -> bool:
+        return await self.handle.migrate_commit.remote(request)
+
+    async def migrate_release(self, request_id: str, committed: bool, destination: object) -> bool:
+        return await self.handle.migrate_release.remote(request_id, committed, destination)
+
+    async def migrate_drop(self, request_id: str) -> None:
+        return await self.handle.migrate_drop.remote(request_id)
+
+    async def migrate_cancel(self, request_id: str) -> None:
+        return await self.handle.migrate_cancel.remote(request_id)
+
+    async def kv_stages(self, pipeline: str) -> list[tuple[int, ...]] | None:
+        return await self.handle.kv_stages.remote(pipeline)
+
+    async def kv_device(self, pipeline: str) -> str:
+        return await self.handle.kv_device.remote(pipeline)
+
+    async def link_addresses(self, pipeline: str, stages: list[int]) -> list[str]:
+        return await self.handle.link_addresses.remote(pipeline, stages)
+
+    async def links_open(self, channel: str, pipeline: str, links: list[Link], side: str, timeout_s: float,
+                         backend: str) -> None:
+        return await self.handle.links_open.remote(channel, pipeline, links, side, timeout_s, backend)
+
+    async def channel_close(self, channel: str) -> None:
+        return await self.handle.channel_close.remote(channel)
 
 
 class Deadlined:

@@ -12,7 +12,7 @@ from collections.abc import Collection, Iterator, Sequence
 from dataclasses import dataclass, field
 
 from cluster.dispatch import DispatchPolicy, InstanceView, ListFleet
-from cluster.instances import InstancePlace, InstanceRow
+from cluster.instances import InstancePlace, InstanceRow, RequestRow
 from cluster.load_order import LoadOrder
 from cluster.prefix import BlockHash
 from cluster.prefix_index import PrefixIndex
@@ -79,9 +79,9 @@ class RequestEntry:
     finished_at: float | None = None
     ended_at_instance: RequestStatus | None = None  # what the last poll's instance reported, not yet confirmed
 
-    def as_dict(self) -> dict:
-        return {"request_id": self.request_id, "instance_id": self.instance_id, "priority": self.priority,
-                "status": self.status.value, "created_at": self.created_at, "finished_at": self.finished_at}
+    def row(self) -> RequestRow:
+        return RequestRow(request_id=self.request_id, instance_id=self.instance_id, priority=self.priority,
+                          status=self.status.value, created_at=self.created_at, finished_at=self.finished_at)
 
 
 class _IndexedFleet:

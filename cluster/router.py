@@ -32,7 +32,7 @@ from cluster.config import MigrationConfig, RouterConfig
 from cluster.migration import MigrationProgress, MigrationResult, MigrationStatus, RayEndpoint, migrate
 from cluster.migration_policy import InstanceLoad, make_planner
 from cluster.dispatch import make_dispatch
-from cluster.instances import InstancePlace, InstanceRow
+from cluster.instances import DrainResult, InstancePlace, InstanceRow, RequestRow
 from cluster.registry import NoInstanceAvailable, Registry, RequestStatus
 from cluster.prefix_index import PrefixIndex
 from cluster.stats import MigrationStats, RoutingStats
@@ -266,7 +266,7 @@ class Router:
 
     @ray.method(max_task_retries=0)  # not idempotent: a restarted router does not redo it
     @_after_start
-    async def drain_migrate(self, instance_id: str) -> dict:
+    async def drain_migrate(self, instance_id: str) -> DrainResult:
         """Stop dispatching to an instance and migrate every request running there to the others; the instance
         ends empty (scale it down, or undrain it). Returns the counts and any request that could not move."""
         await self.drain(instance_id)
@@ -281,8 +281,8 @@ class Router:
                 moved += 1
             elif result.status is MigrationStatus.ABORTED_DST:
                 stuck.append(f"{rid}: {result.reason}")
-        return {"instance_id": instance_id, "migrated": moved, "not_moved": stuck,
-                "running": len(self.registry.instances[instance_id].in_flight)}
+        return DrainResult(instance_id=instance_id, draining=True, migrated=moved, not_moved=stuck,
+                           running=len(self.registry.instances[instance_id].in_flight))
 
     @_after_start
     async def failover(self, request_id: str, failed_instance: str, failed_handle: ActorHandle | None = None,
@@ -399,9 +399,9 @@ class Router:
         return True
 
     @_after_start
-    async def requests(self, status: str | None = None) -> list[dict]:
-        rows = [r.as_dict() for r in self.registry.requests.values()]
-        return [r for r in rows if status is None or r["status"] == status]
+    async def requests(self, status: str | None = None) -> list[RequestRow]:
+        rows = [r.row() for r in self.registry.requests.values()]
+        return [r for r in rows if status is None or r.status == status]
 
     @_after_start
     async def pending(self) -> int:

@@ -18,6 +18,7 @@ from transformers import (
 
 from actors.model.convert import MANIFEST
 from actors.model.gguf_tensors import StoredTensors, source_of
+from actors.model.tokenize import encode_prompt
 from actors.model.weights import WEIGHT_MODES, WeightMode
 
 # model_type -> feed-forward kind; anything else is refused before weights are read.
@@ -65,16 +66,8 @@ class LoadedModel:
         return int(self.config.max_position_embeddings)
 
     def encode(self, prompt: str, chat: bool = False) -> list[int]:
-        """Tokenize a prompt: the one prompt-encoding rule of every command (generate, the benchmarks).
-
-        With `chat`, the prompt goes as one user message through the model's chat template when the model
-        has one; a model without a template (a base model) gets the raw text, as without `chat`.
-        """
-        if chat and self.tokenizer.chat_template is not None:
-            return list(self.tokenizer.apply_chat_template(
-                [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True, return_dict=False
-            ))
-        return self.tokenizer.encode(prompt)
+        """Tokenize a prompt by the one prompt-encoding rule (actors/model/tokenize.py, encode_prompt)."""
+        return encode_prompt(self.tokenizer, prompt, chat)
 
     @property
     def eos_token_ids(self) -> frozenset[int]:

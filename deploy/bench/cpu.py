@@ -24,6 +24,7 @@ from actors.engine import Engine
 from actors.model.loader import LoadedModel, load_model
 from actors.model.metadata import SeqChunk
 from actors.model.runner import ModelRunner
+from actors.offline import generate
 from cluster.config import CacheConfig, SchedulerConfig, SpeculationConfig
 from cluster.request import SamplingParams, SpecStats
 from deploy.bench import llama_anchor
@@ -90,7 +91,7 @@ def _engine(target: ModelRunner, draft: ModelRunner | None, spec: SpeculationCon
                     SchedulerConfig(max_batch_size=batch, max_num_batched_tokens=max(256, batch)))
 
     def run(prompts: list[list[int]], n: int) -> tuple[list[list[int]], SpecStats]:
-        done = engine.generate(prompts, SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True))
+        done = generate(engine, prompts, SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True))
         stats = SpecStats()
         for d in done:
             stats.merge(d.stats)

@@ -24,6 +24,7 @@ from actors.engine import Engine
 from actors.model.loader import load_model
 from actors.model.quant import quantize_runner
 from actors.model.runner import ModelRunner
+from actors.offline import generate
 from actors.spec.cost_model import StepCostModel
 from cluster.config import CacheConfig, SchedulerConfig, SpeculationConfig
 from cluster.request import SamplingParams, SpecStats
@@ -182,7 +183,7 @@ def _measure(setup: Setup, args: argparse.Namespace, prompts: list[list[int]], b
     modes = {name: Mode(name, e) for name, e in _build(setup, args, batch, costs).items()}
     params = SamplingParams(temperature=0.0, max_tokens=setup.max_tokens, ignore_eos=True)
     for m in modes.values():  # warm-up on a real prompt: first-call kernel set-up is not what we measure
-        m.engine.generate([prompts[0]] * min(batch, 2), SamplingParams(temperature=0.0, max_tokens=4))
+        generate(m.engine, [prompts[0]] * min(batch, 2), SamplingParams(temperature=0.0, max_tokens=4))
     groups = [prompts[i:i + batch] for i in range(0, len(prompts), batch)]
     order = list(modes.values())
     for n, group in enumerate([g for _ in range(args.repeats) for g in groups]):
@@ -193,7 +194,7 @@ def _measure(setup: Setup, args: argparse.Namespace, prompts: list[list[int]], b
         order.reverse()  # alternate the order so that drift in machine speed favours no mode
         for m in order:
             t = time.perf_counter()
-            done = m.engine.generate(group, params)
+            done = generate(m.engine, group, params)
             m.seconds += time.perf_counter() - t
             for c in done:
                 m.tokens += len(c.token_ids)

@@ -23,6 +23,7 @@ from actors.build import draft_group_runner
 from actors.engine import Engine
 from actors.model.loader import load_model
 from actors.model.runner import ModelRunner
+from actors.offline import generate
 from cluster.config import (CacheConfig, DraftParallelConfig, EngineConfig, ModelConfig, SchedulerConfig,
                             SpeculationConfig)
 from cluster.request import SamplingParams, SpecStats
@@ -114,10 +115,10 @@ def _measure(s: Setting, target_path: str, draft_path: str, target_runner: Model
     draft_runner, stop = draft_group_runner(cfg, num_cpus=args.num_cpus, timeout_s=900, step_timeout_s=600)
     try:
         engine = Engine(target_runner, draft_runner, cfg.speculation, cfg.scheduler)
-        [warm] = engine.generate([target.encode("Hello", chat=True)], SamplingParams(temperature=0.0, max_tokens=8))
+        [warm] = generate(engine, [target.encode("Hello", chat=True)], SamplingParams(temperature=0.0, max_tokens=8))
         for ids in prompts:
             t = time.perf_counter()
-            [c] = engine.generate([ids], params)
+            [c] = generate(engine, [ids], params)
             s.seconds += time.perf_counter() - t
             s.tokens += len(c.token_ids)
             s.stats.merge(c.stats)

@@ -71,7 +71,7 @@ async def instance_killed(app: App, hit: asyncio.Event, streams: list[Streamed])
     streams that instance runs."""
     running = await app.router().requests.remote("running")
     # what each instance still holds, not the router's table alone (it may list a request that just ended there)
-    held = {i: await _held(app, i) for i in sorted({r["instance_id"] for r in running} | {"inst-0"})}
+    held = {i: await _held(app, i) for i in sorted({r.instance_id for r in running} | {"inst-0"})}
     victim = max(held, key=lambda i: (len(held[i]), i == "inst-0"))
     hits = held[victim]
     was = app.incarnation(victim)
@@ -159,9 +159,9 @@ async def migration_destination_killed(app: App, hit: asyncio.Event, streams: li
     # just ended there)
     generated = {}
     for r in running:
-        length = await app.instance_actor(r["instance_id"]).migrate_length.remote(r["request_id"])
-        if length is not None and r["request_id"] in prompt:
-            generated[r["request_id"]] = (length - prompt[r["request_id"]], r["instance_id"])
+        length = await app.instance_actor(r.instance_id).migrate_length.remote(r.request_id)
+        if length is not None and r.request_id in prompt:
+            generated[r.request_id] = (length - prompt[r.request_id], r.instance_id)
     if not generated:
         raise AssertionError(f"no instance holds a request the router lists running: {running}")
     rid = min(generated, key=lambda k: generated[k][0])
@@ -194,8 +194,8 @@ async def _held(app: App, instance_id: str) -> frozenset[str]:
     their own instance's pace and may end before it lands; they must only end unharmed."""
     running = await app.router().requests.remote("running")
     actor = app.instance_actor(instance_id)
-    return frozenset([r["request_id"] for r in running if r["instance_id"] == instance_id
-                      and await actor.migrate_length.remote(r["request_id"]) is not None])
+    return frozenset([r.request_id for r in running if r.instance_id == instance_id
+                      and await actor.migrate_length.remote(r.request_id) is not None])
 
 
 def _until_back(app: App, victim: str, was: str) -> After:

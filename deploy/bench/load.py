@@ -21,6 +21,7 @@ from actors.spec.cost_model import ForwardShape, StepCostModel
 from actors.model.loader import load_model
 from actors.model.quant import quantize_runner
 from actors.model.runner import ModelRunner
+from actors.offline import generate
 from cluster.config import CacheConfig, SchedulerConfig, SpeculationConfig
 from cluster.request import Request, SamplingParams
 from deploy.bench.prompts import DATASETS, load_prompts
@@ -155,7 +156,7 @@ def run(args: argparse.Namespace) -> int:
     texts = load_prompts(args.prompts)
     encoded = [target.encode(t, chat=True)[:args.max_prompt_tokens] for t in texts]
     for p in policies:  # warm-up
-        engine(p).generate([encoded[0]], SamplingParams(temperature=0, max_tokens=8))
+        generate(engine(p), [encoded[0]], SamplingParams(temperature=0, max_tokens=8))
 
     saturation = []
     for p in policies:

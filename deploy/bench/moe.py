@@ -42,6 +42,7 @@ from actors.model.loader import load_model
 from actors.model.runner import ModelRunner
 from actors.moe.ep import EPStats
 from actors.moe.profile import moe_layers, profile
+from actors.offline import generate
 from cluster.config import (CacheConfig, EngineConfig, ExpertParallelConfig, ModelConfig, SchedulerConfig,
                             SpeculationConfig)
 from cluster.request import SamplingParams
@@ -164,7 +165,7 @@ def run(args: argparse.Namespace) -> int:
 def _one_process(model, cache: CacheConfig, prompts, params, batch: int) -> list[list[int]]:
     engine = Engine(ModelRunner(model, range(model.num_layers), cache), None, SpeculationConfig(policy="off"),
                     SchedulerConfig(max_batch_size=batch))
-    return [c.token_ids for c in engine.generate(prompts, params)]
+    return [c.token_ids for c in generate(engine, prompts, params)]
 
 
 def _measure(r: Run, path: str, cache: CacheConfig, prompts, params, args) -> None:
@@ -173,10 +174,10 @@ def _measure(r: Run, path: str, cache: CacheConfig, prompts, params, args) -> No
     target, stop = expert_parallel_runner(cfg, num_cpus=args.num_cpus, timeout_s=600)
     try:
         engine = Engine(target, None, cfg.speculation, cfg.scheduler)
-        engine.generate(prompts[:1], SamplingParams(temperature=0.0, max_tokens=4))  # warm-up
+        generate(engine, prompts[:1], SamplingParams(temperature=0.0, max_tokens=4))  # warm-up
         target.executor.ep_stats()  # from zero
         t = time.perf_counter()
-        completions = engine.generate(prompts, params)
+        completions = generate(engine, prompts, params)
         r.seconds = time.perf_counter() - t
         for s in target.executor.ep_stats():
             r.stats.add(s)

@@ -23,6 +23,7 @@ from actors.build import ray_instance
 from actors.engine import Engine
 from actors.model.loader import load_model, load_model_config
 from actors.model.runner import ModelRunner
+from actors.offline import generate
 from actors.p2p import Transfer
 from cluster.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, SpeculationConfig
 from cluster.request import SamplingParams
@@ -102,10 +103,10 @@ def _one_process(cfg: EngineConfig, target_model, prompts, params) -> dict:
     draft_model = load_model(cfg.model.draft, cfg.model.dtype)
     engine = Engine(ModelRunner(target_model, range(target_model.num_layers), cfg.cache),
                     ModelRunner(draft_model, range(draft_model.num_layers), cfg.cache), cfg.speculation, cfg.scheduler)
-    engine.generate(prompts[:1], SamplingParams(temperature=0.0, max_tokens=4))  # warm-up
+    generate(engine, prompts[:1], SamplingParams(temperature=0.0, max_tokens=4))  # warm-up
     steps0 = engine.stats().num_steps
     start = time.perf_counter()
-    outputs = [c.token_ids for c in engine.generate(prompts, params)]
+    outputs = [c.token_ids for c in generate(engine, prompts, params)]
     seconds = time.perf_counter() - start
     return _result(1, ["(this process)"], outputs, seconds, engine.stats().num_steps - steps0, [])
 
@@ -118,11 +119,11 @@ def _distributed(cfg: EngineConfig, state, n: int, prompts, params, num_cpus: fl
     instance = ray_instance(cfg, layout, num_cpus=num_cpus, step_timeout_s=timeout_s, group_timeout_s=timeout_s)
     try:
         stages = instance.target.executor.actors
-        instance.generate(prompts[:1], SamplingParams(temperature=0.0, max_tokens=4))  # warm-up
+        generate(instance, prompts[:1], SamplingParams(temperature=0.0, max_tokens=4))  # warm-up
         steps0 = instance.stats().num_steps
         ray.get([s.take_transfers.remote() for s in stages])
         start = time.perf_counter()
-        completions = instance.generate(prompts, params)
+        completions = generate(instance, prompts, params)
         seconds = time.perf_counter() - start
         steps = instance.stats().num_steps - steps0
         transfers = ray.get([s.take_transfers.remote() for s in stages])

@@ -20,6 +20,7 @@ from actors.engine import Engine
 from actors.model.loader import LoadedModel, load_model
 from actors.model.quant import quantize_runner
 from actors.model.runner import ModelRunner
+from actors.offline import generate
 from cluster.config import CacheConfig, SpeculationConfig
 from cluster.request import SamplingParams, SpecStats
 from deploy.bench.output import save
@@ -78,7 +79,7 @@ def _engine_mode(target: ModelRunner, draft: ModelRunner | None, k: int) -> Call
     engine = Engine(target, draft, SpeculationConfig(policy="fixed" if draft else "off", k=k))
 
     def run(ids: list[int], max_tokens: int) -> tuple[list[int], SpecStats]:
-        r = engine.generate([ids], SamplingParams(temperature=0.0, max_tokens=max_tokens))[0]
+        r = generate(engine, [ids], SamplingParams(temperature=0.0, max_tokens=max_tokens))[0]
         return r.token_ids, r.stats
     return run
 

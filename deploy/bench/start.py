@@ -90,6 +90,7 @@ def _probe(spec: str) -> None:
     """Inside the fresh process: what `specfleet generate` does, with a clock from the parent's spawn."""
     t0 = float(os.environ["SPECFLEET_START_T0"])
     from actors.engine import Engine
+    from actors.offline import generate
     from cluster.request import SamplingParams
     from deploy import model_store
     from deploy.serve.fleet import resolved
@@ -100,8 +101,8 @@ def _probe(spec: str) -> None:
     resolved_at = time.time() - t0
     engine = Engine.from_config(cfg, calibration_dir=model_store.calibration_dir())
     loaded = time.time() - t0
-    ids = engine.encode(req["prompt"], chat=True)
-    [result] = engine.generate([ids], SamplingParams(temperature=0.0, max_tokens=1))
+    ids = engine.target.model.encode(req["prompt"], chat=True)
+    [result] = generate(engine, [ids], SamplingParams(temperature=0.0, max_tokens=1))
     if result.error or len(result.token_ids) != 1:
         raise RuntimeError(f"first token not produced: {result.error or result.token_ids}")
     first = time.time() - t0

@@ -16,7 +16,7 @@ from typing import Literal
 import httpx
 from pydantic import BaseModel, ConfigDict
 
-from cluster.instances import InstanceRow
+from cluster.instances import DrainResult, InstanceRow, RequestRow
 from deploy.cli.flags import UsageError
 
 WRONG_ADMIN_KEY = "wrong admin key: set --admin-key or $SPECFLEET_ADMIN_KEYS or the config's admin_keys_file"
@@ -40,17 +40,6 @@ class Instances(_Row):
     removed: list[InstanceRow] = []
 
 
-class RequestRow(_Row):
-    """One row of the router's request table (cluster/registry.py, RequestEntry.as_dict)."""
-
-    request_id: str
-    instance_id: str
-    priority: int
-    status: str  # running | finished | aborted | failed
-    created_at: float
-    finished_at: float | None = None
-
-
 class Health(_Row):
     status: str  # "ok" or "unavailable"
     healthy_instances: int
@@ -68,15 +57,6 @@ class ModelRow(_Row):
 class AbortResult(_Row):
     request_id: str
     aborted: bool
-
-
-class DrainResult(_Row):
-    instance_id: str
-    draining: bool
-    running: int = 0  # requests in flight on it when the drain began (after a migrating drain: still there)
-    aborted: bool = False
-    migrated: int = 0  # requests moved to other instances (a migrating drain)
-    not_moved: list[str] = []  # and those that could not move, with why
 
 
 class MigrateResult(_Row):

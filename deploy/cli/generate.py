@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 
 from actors.engine import Engine
+from actors.offline import generate
 from cluster.request import SamplingParams, SpecStats
 from deploy import model_store
 from deploy.cli.flags import UsageError, add_engine_flags, engine_config
@@ -59,9 +60,9 @@ def run(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     engine = Engine.from_config(resolved(cfg), calibration_dir=model_store.calibration_dir())
     load_s = time.perf_counter() - t0
-    token_ids = [engine.encode(p, chat=not args.no_chat) for p in prompts]  # raw where there is no template
+    token_ids = [engine.target.model.encode(p, chat=not args.no_chat) for p in prompts]  # raw where there is no template
     t0 = time.perf_counter()
-    results = engine.generate(token_ids, params)
+    results = generate(engine, token_ids, params)
     gen_s = time.perf_counter() - t0
     for prompt, r in zip(prompts, results):
         if args.json:

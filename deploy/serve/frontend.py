@@ -43,12 +43,14 @@ from ray.actor import ActorHandle
 from ray.exceptions import RayError
 
 from actors.model.loader import load_metadata
+from actors.model.tokenize import encode_chat, encode_text
 from actors.spec.structured import check as check_structured
 from cluster.config import SpecfleetConfig
 from cluster.prefix import block_hashes, root_hash
 from cluster.registry import NoInstanceAvailable
 from cluster.request import (FinishReason, InvalidRequest, Request, RequestStatus, Resume, SamplingParams,
-                             SpecStats, StreamItem, StructuredOutput, TokenDelta, TokenLogprob, check_prompt)
+                             SpecStats, StreamItem, StructuredOutput, TokenDelta, TokenLogprob, check_prompt,
+                             context_length)
 from cluster.router import Overloaded
 from cluster.router_client import RouterClient
 from deploy.serve.logprobs import TokenStrings
@@ -115,7 +117,7 @@ class Frontend:
         self.meta = load_metadata(resolve(m.target), m.dtype)  # tokenizer, chat template, context length
         self.tokenizer = self.meta.tokenizer
         self.token_strings = TokenStrings(self.tokenizer)  # what logprobs name each token by
-        self.max_model_len = min(m.max_model_len or self.meta.max_model_len, self.meta.max_model_len)
+        self.max_model_len = context_length(self.meta.max_model_len, m.max_model_len)
         self.vocab_size = self.meta.config.vocab_size
         # a bare handle (tests, benchmarks with their own router) gets deadlines but is never replaced
         self.router = router if isinstance(router, RouterClient) else RouterClient(router,
@@ -148,7 +150,7 @@ class Frontend:
         """A prompt's token ids (a string is tokenized on the tokenizer pool; ids are checked in `prepare`)."""
         if isinstance(prompt, str):
             self._check_chars(len(prompt), "prompt")
-            return await self.tokenizing.run(tenant, _encode, prompt)
+            return await self.tokenizing.run(tenant, encode_text, prompt)
         return list(prompt)
 
     async def encode_chat(self, messages: list[dict], tenant: str = "") -> list[int]:
@@ -313,20 +315,15 @@ def _cause(e: BaseException) -> str:
     return str(getattr(e, "cause", None) or e)
 
 
-def _encode(tokenizer, prompt: str) -> list[int]:
-    return tokenizer.encode(prompt)
-
-
 def _check_structured(_tokenizer, spec: StructuredOutput, param: str) -> None:
     check_structured(spec, param)
 
 
 def _encode_chat(tokenizer, messages: list[dict]) -> list[int]:
     try:
-        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+        return encode_chat(tokenizer, messages)
     except Exception as e:  # noqa: BLE001 - a template that rejects the conversation is the client's error
         raise APIError(400, f"the chat template rejected the messages: {str(e)[:300]}", param="messages") from None
-    return list(ids)
 
 
 class Call:

@@ -323,7 +323,8 @@ class HttpRoutes:
         status = request.query_params.get("status")
         if status not in (None, "running", "finished", "aborted", "failed"):
             raise APIError(400, f"unknown status {status!r}", param="status")
-        return JSONResponse({"requests": await self.router.call(lambda r: r.requests.remote(status))})
+        rows = await self.router.call(lambda r: r.requests.remote(status))
+        return JSONResponse({"requests": [row.model_dump(mode="json") for row in rows]})
 
     async def _admin_abort(self, request_id: str, request: Request) -> JSONResponse:
         self._auth(request, admin=True)
@@ -344,7 +345,7 @@ class HttpRoutes:
             if migrate:
                 moved = await self.router.call(lambda r: r.drain_migrate.remote(instance_id), retry=False,
                                                timeout_s=ADMIN_TIMEOUT_S)
-                return JSONResponse({**moved, "draining": True, "aborted": False})
+                return JSONResponse(moved.model_dump(mode="json"))
             running = await self.router.call(lambda r: r.drain.remote(instance_id, abort))
         except ValueError as e:
             raise APIError(404, _reason(e), param="instance_id", code="instance_not_found") from None

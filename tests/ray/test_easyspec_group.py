@@ -9,6 +9,7 @@ from ray._private import state as ray_state
 from actors.build import draft_group_runner, ray_instance
 from actors.engine import Engine
 from actors.build import local_instance
+from actors.offline import generate
 from cluster.config import DraftParallelConfig
 from cluster.request import SamplingParams
 from tests.ray.test_pipeline_instance import CACHE, CPUS, NEW_TOKENS, TWO_STAGES, engine_config
@@ -32,7 +33,7 @@ def test_layer_parallel_draft_group_is_lossless(ray_driver, tiny_models, tiny_dr
         assert all(where[m._actor_id.hex()] in stage_nodes for m in members[1:])  # members sit beside the stages
         prompts = text_prompts(load(tiny_models["llama"]), 4, offset=10)
 
-        completions = inst.generate(prompts, SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS))
+        completions = generate(inst, prompts, SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS))
 
         for prompt, c in zip(prompts, completions):
             assert c.error is None
@@ -40,7 +41,7 @@ def test_layer_parallel_draft_group_is_lossless(ray_driver, tiny_models, tiny_dr
         # the members compute what one process computes: the same drafts, so the same acceptance per request
         local = local_instance(cfg)
         try:
-            same = local.generate(prompts, SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS))
+            same = generate(local, prompts, SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS))
         finally:
             local.shutdown()
         assert [c.stats.accepted for c in completions] == [c.stats.accepted for c in same]
@@ -67,7 +68,7 @@ def test_draft_group_runner_drafts_for_an_engine_in_this_process(ray_driver, tin
                         cfg.scheduler)
         prompts = text_prompts(load(tiny_models["llama"]), 3, offset=10)
 
-        completions = engine.generate(prompts, SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS))
+        completions = generate(engine, prompts, SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS))
 
         for prompt, c in zip(prompts, completions):
             assert c.token_ids == reference_greedy(tiny_models["llama"], prompt, NEW_TOKENS)

@@ -25,6 +25,7 @@ from actors.model.loader import load_model
 from actors.model.metadata import SeqChunk
 from actors.moe.ep import EPStats
 from actors.moe.profile import RoutingStats, profile
+from actors.offline import generate
 from cluster.config import CacheConfig, ExpertParallelConfig
 from cluster.request import Request, SamplingParams
 from placement.experts import group_experts
@@ -79,7 +80,7 @@ def test_expert_parallel_instance_is_lossless(ray_driver, tiny_models, tiny_draf
         assert isinstance(executor, ExpertRanks) and len(executor.actors) == ranks
         prompts = text_prompts(load(tiny_models["mixtral"]), 5, offset=3)
 
-        completions = inst.generate(prompts, SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS))
+        completions = generate(inst, prompts, SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS))
 
         for prompt, c in zip(prompts, completions):
             assert c.error is None
@@ -114,7 +115,7 @@ def test_tensor_parallel_ranks_share_cached_prefixes_losslessly(ray_driver, tiny
         # hits: none at first; the 40 shared tokens; all but the last block of a prompt cached whole (its last token
         # must run)
         for prompt, hits in zip([base + other[:1], base + other[:5], list(base)], (0, 40, 76)):
-            c = inst.generate([prompt], SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS))[0]
+            c = generate(inst, [prompt], SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS))[0]
             assert c.error is None and c.token_ids == reference_greedy(tiny_models["mixtral"], prompt, NEW_TOKENS)
             assert inst.engine.stats().prefix_cache_hits == hits
         assert inst.target.cache.num_used_blocks == 0 and inst.target.cache.num_cached_blocks > 0

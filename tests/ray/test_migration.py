@@ -4,8 +4,9 @@ frontend in this process, whose streams follow a request wherever it goes."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 
 import pytest
@@ -14,6 +15,7 @@ import ray
 from actors.instance_server import InstanceServer
 from cluster.config import (CacheConfig, EngineConfig, MigrationConfig, ModelConfig, RouterConfig, SchedulerConfig,
                             SpecfleetConfig, SpeculationConfig)
+from cluster.instances import DrainResult, RequestRow
 from cluster.migration_policy import MigrationPolicyConfig
 from cluster.request import FinishReason
 from cluster.router import Router
@@ -24,10 +26,9 @@ from tests.fixtures.tiny_models import build_tiny_model, perturbed_copy
 from tests.ray.test_instance_server import CPUS, LAYOUTS
 from tests.unit.helpers import load, text_prompts
 
-TOKENS = 600  # long enough (several hundred engine steps) that a migration lands mid-stream
-# for streams that several migrations must catch (one after another, or side by side): a migration over a torch
-# link took about 1 s here, nearly half of a 1200-token stream, and 2-core CI runs lost such races
-LONG = 3 * TOKENS
+TOKENS = 600  # long enough (several hundred engine steps) that a stream is still running when its event lands
+# the longest the instances are held between two steps (`held`), should a test fail before it resumes them
+HOLD_S = 120.0
 
 
 @dataclass
@@ -114,8 +115,33 @@ def other(fleet: Fleet, instance: str) -> str:
     return next(n for n in fleet.servers if n != instance)
 
 
-def row(fleet: Fleet, rid: str) -> dict:
-    return next(r for r in ray.get(fleet.router.requests.remote()) if r["request_id"] == rid)
+@contextlib.asynccontextmanager
+async def held(fleet: Fleet, *instances: str) -> AsyncIterator[None]:
+    """The instances take no step inside (InstanceServer.pause; what is posted to them still applies, a migration's
+    calls included), then step again: an event placed inside lands between two steps, and a stream held there
+    cannot end before it, however long the event takes (rather than a stream made long enough to outlast it)."""
+    await asyncio.gather(*(fleet.servers[i].pause.remote(HOLD_S) for i in instances))
+    try:
+        yield
+    finally:
+        await asyncio.gather(*(fleet.servers[i].resume.remote() for i in instances))
+
+
+class Begun:
+    """Counts the streams whose first tokens arrived (each stream's `during`); `enough` is set at `want` of them."""
+
+    def __init__(self, want: int) -> None:
+        self.count, self.want = 0, want
+        self.enough = asyncio.Event()
+
+    async def during(self, _rid: str, _instance: str) -> None:
+        self.count += 1
+        if self.count >= self.want:
+            self.enough.set()
+
+
+def row(fleet: Fleet, rid: str) -> RequestRow:
+    return next(r for r in ray.get(fleet.router.requests.remote()) if r.request_id == rid)
 
 
 @pytest.mark.parametrize(("seed", "transfer"), [(None, "torch"), (11, "torch"), (None, "object_store")],
@@ -123,24 +149,24 @@ def row(fleet: Fleet, rid: str) -> dict:
 def test_a_stream_follows_its_request_through_migrations(fleet, seed, transfer) -> None:
     prompt = text_prompts(load(fleet.cfg.model.target), 1, offset=6)[0]
     temperature = 0.0 if seed is None else 0.8
-    # LONG: the second migration starts only when the first has landed, and the request must still be running then
-    alone = asyncio.run(stream(fleet, prompt, temperature=temperature, seed=seed, tokens=LONG))
+    alone = asyncio.run(stream(fleet, prompt, temperature=temperature, seed=seed))
     results = []
 
     async def migrate_twice(rid: str, instance: str) -> None:
-        for _ in range(2):  # there and back
-            to = other(fleet, instance)
-            results.append(await fleet.router.migrate.remote(rid, to, MigrationConfig(transfer=transfer)))
-            instance = to
+        # held: the request decodes nowhere until it is back, so it still runs when the second migration starts
+        async with held(fleet, *fleet.servers):
+            for _ in range(2):  # there and back
+                to = other(fleet, instance)
+                results.append(await fleet.router.migrate.remote(rid, to, MigrationConfig(transfer=transfer)))
+                instance = to
 
-    moved = asyncio.run(stream(fleet, prompt, temperature=temperature, seed=seed, after=20, during=migrate_twice,
-                               tokens=LONG))
+    moved = asyncio.run(stream(fleet, prompt, temperature=temperature, seed=seed, after=20, during=migrate_twice))
 
     assert [r.status.value for r in results] == ["finished", "finished"], results
     # what the destination's prefix cache held (the unmigrated run's blocks) is not copied
     assert all(r.stages >= 1 and r.tokens_copied + r.tokens_skipped > len(prompt) and r.transfer == transfer
                for r in results)
-    assert moved.finish is FinishReason.LENGTH and len(moved.tokens) == LONG
+    assert moved.finish is FinishReason.LENGTH and len(moved.tokens) == TOKENS
     assert moved.tokens == alone.tokens and moved.text == alone.text  # no gap, no duplicate, same output
     stats = ray.get(fleet.router.migration_stats.remote())
     assert stats.by_status["finished"] >= 2 and stats.downtime_count >= 2 and stats.downtime_sum_s > 0
@@ -158,7 +184,7 @@ def test_the_kv_goes_shard_to_shard_between_instances_split_differently(fleet) -
     each source shard to each destination shard that holds its layers, 3 + 1 links there and back; the stream
     gives the unmigrated output."""
     prompt = text_prompts(load(fleet.cfg.model.target), 1, offset=12)[0]
-    alone = asyncio.run(stream(fleet, prompt, tokens=LONG))
+    alone = asyncio.run(stream(fleet, prompt))
     fleet.start("shards-a", executor="ray")
     fleet.start("shards-b", executor="ray", layout=SPLIT_AFTER_1)
     others = ("mig-a", "mig-b", "shards-b")
@@ -168,12 +194,13 @@ def test_the_kv_goes_shard_to_shard_between_instances_split_differently(fleet) -
 
     async def there_and_back(rid: str, instance: str) -> None:
         assert instance == "shards-a"
-        await fleet.router.undrain.remote("shards-b")
-        for to in ("shards-b", "shards-a"):
-            results.append(await fleet.router.migrate.remote(rid, to, MigrationConfig(transfer="torch")))
+        async with held(fleet, "shards-a", "shards-b"):
+            await fleet.router.undrain.remote("shards-b")
+            for to in ("shards-b", "shards-a"):
+                results.append(await fleet.router.migrate.remote(rid, to, MigrationConfig(transfer="torch")))
 
     try:
-        moved = asyncio.run(stream(fleet, prompt, after=20, during=there_and_back, tokens=LONG))
+        moved = asyncio.run(stream(fleet, prompt, after=20, during=there_and_back))
         assert [(r.status.value, r.transfer, r.links) for r in results] == [("finished", "torch", 4)] * 2, results
         assert all(r.draft_tokens > 0 for r in results), results
         assert moved.tokens == alone.tokens and moved.text == alone.text and moved.instance == "shards-a"
@@ -191,19 +218,21 @@ def test_migrations_between_the_same_two_instances_run_side_by_side(fleet) -> No
     """Each migration opens its own KV channel: three at once from one instance to the other all land, each
     request with its own KV (a shared channel would cross their tensors or fail them)."""
     prompts = text_prompts(load(fleet.cfg.model.target), 3, offset=21)
-    alone = [asyncio.run(stream(fleet, p, tokens=LONG)) for p in prompts]
+    alone = [asyncio.run(stream(fleet, p)) for p in prompts]
     full, empty = "mig-a", "mig-b"
     ray.get(fleet.router.drain.remote(empty))  # every request starts on `full`
 
     async def run() -> tuple[list[Streamed], list]:
-        tasks = [asyncio.create_task(stream(fleet, p, tokens=LONG)) for p in prompts]
-        await asyncio.sleep(0.3)
-        running = await fleet.router.requests.remote("running")
-        assert {r["instance_id"] for r in running} == {full} and len(running) == len(prompts)
-        await fleet.router.undrain.remote(empty)
-        moves = await asyncio.gather(*(fleet.router.migrate.remote(r["request_id"], empty,
-                                                                   MigrationConfig(transfer="torch"))
-                                       for r in running))
+        begun = Begun(len(prompts))
+        tasks = [asyncio.create_task(stream(fleet, p, after=1, during=begun.during)) for p in prompts]
+        await begun.enough.wait()
+        async with held(fleet, full):  # none can end at `full` while the three move side by side
+            running = await fleet.router.requests.remote("running")
+            assert {r.instance_id for r in running} == {full} and len(running) == len(prompts)
+            await fleet.router.undrain.remote(empty)
+            moves = await asyncio.gather(*(fleet.router.migrate.remote(r.request_id, empty,
+                                                                       MigrationConfig(transfer="torch"))
+                                           for r in running))
         return await asyncio.gather(*tasks), moves
 
     try:
@@ -218,31 +247,32 @@ def test_migrations_between_the_same_two_instances_run_side_by_side(fleet) -> No
 
 
 def test_a_migrating_drain_empties_the_instance(fleet) -> None:
-    """Every request running on the drained instance completes elsewhere. The streams are LONG, so that none can end
-    at the victim while the drain migrates the others one after another."""
+    """Every request running on the drained instance completes elsewhere. The instances are held while it drains, so
+    that none can end at the victim while the drain migrates the others one after another."""
     prompts = text_prompts(load(fleet.cfg.model.target), 3, offset=2)
-    drained = {}
+    drained: list[DrainResult] = []
 
     async def run() -> list[Streamed]:
-        async def drain_when_running() -> None:
-            await asyncio.sleep(0.3)  # every stream has begun
-            running = [r["instance_id"] for r in await fleet.router.requests.remote("running")]
+        begun = Begun(len(prompts))
+        tasks = [asyncio.create_task(stream(fleet, p, after=1, during=begun.during)) for p in prompts]
+        await begun.enough.wait()  # every stream has begun
+        async with held(fleet, *fleet.servers):
+            running = [r.instance_id for r in await fleet.router.requests.remote("running")]
             victim = max(fleet.servers, key=running.count)
-            drained.update(await fleet.router.drain_migrate.remote(victim))
-        tasks = [asyncio.create_task(stream(fleet, p, tokens=LONG)) for p in prompts]
-        await drain_when_running()
+            drained.append(await fleet.router.drain_migrate.remote(victim))
         return await asyncio.gather(*tasks)
 
-    alone = [asyncio.run(stream(fleet, p, tokens=LONG)) for p in prompts]
+    alone = [asyncio.run(stream(fleet, p)) for p in prompts]
     try:
         results = asyncio.run(run())
-        assert drained["migrated"] >= 1 and drained["running"] == 0 and not drained["not_moved"], drained
+        [d] = drained
+        assert d.migrated >= 1 and d.running == 0 and not d.not_moved, d
         for got, want in zip(results, alone):
             assert got.tokens == want.tokens and got.finish is FinishReason.LENGTH
-            assert got.instance != drained["instance_id"]
+            assert got.instance != d.instance_id
     finally:
-        if drained:
-            ray.get(fleet.router.undrain.remote(drained["instance_id"]))
+        for d in drained:
+            ray.get(fleet.router.undrain.remote(d.instance_id))
     kv_free(fleet)
 
 
@@ -250,21 +280,34 @@ FULL, EMPTY = "mig-a", "mig-b"
 
 
 def under_policy(fleet: Fleet, prompts: list[list[int]], migration: MigrationConfig, tokens: int,
-                 drain_full: bool = False) -> tuple[list[Streamed], int]:
-    """Every prompt starts on FULL (EMPTY drained); then the router plans with `migration` and EMPTY opens (and
-    FULL drains, with `drain_full`). The streams' results and the migrations that finished meanwhile; the
-    router's config and every instance's dispatch are restored afterwards."""
+                 drain_full: bool = False, moves: int = 1, timeout_s: float = 90.0) -> tuple[list[Streamed], int]:
+    """Every prompt starts on FULL (EMPTY drained); once those FULL runs have begun, FULL is held between two steps
+    and the router plans with `migration` and EMPTY opens (and FULL drains, with `drain_full`); FULL steps again
+    once `moves` migrations finished (or `timeout_s` passed), so that no request can end there before the policy
+    moves it. The streams' results and the migrations that finished meanwhile; the router's config and every
+    instance's dispatch are restored afterwards."""
     before = ray.get(fleet.router.migration_stats.remote()).by_status["finished"]
     ray.get(fleet.router.drain.remote(EMPTY))
 
+    async def finished() -> int:
+        return (await fleet.router.migration_stats.remote()).by_status["finished"] - before
+
     async def run() -> list[Streamed]:
-        tasks = [asyncio.create_task(stream(fleet, p, tokens=tokens)) for p in prompts]
-        await asyncio.sleep(0.3)
-        assert {r["instance_id"] for r in await fleet.router.requests.remote("running")} == {FULL}
-        await fleet.router.configure.remote(RouterConfig(stats_interval_s=0.2, migration=migration))
-        await fleet.router.undrain.remote(EMPTY)
-        if drain_full:
-            await fleet.router.drain.remote(FULL)
+        begun = Begun(min(len(prompts), fleet.cfg.scheduler.max_batch_size))  # those that run at once
+        tasks = [asyncio.create_task(stream(fleet, p, tokens=tokens, after=1, during=begun.during)) for p in prompts]
+        await begun.enough.wait()
+        async with held(fleet, FULL):
+            deadline = time.monotonic() + timeout_s
+            while len(running := await fleet.router.requests.remote("running")) < len(prompts):  # all routed
+                assert time.monotonic() < deadline, running
+                await asyncio.sleep(0.05)
+            assert {r.instance_id for r in running} == {FULL}
+            await fleet.router.configure.remote(RouterConfig(stats_interval_s=0.2, migration=migration))
+            await fleet.router.undrain.remote(EMPTY)
+            if drain_full:
+                await fleet.router.drain.remote(FULL)
+            while await finished() < moves and time.monotonic() < deadline:
+                await asyncio.sleep(0.1)
         return await asyncio.gather(*tasks)
 
     try:
@@ -280,15 +323,16 @@ def under_policy(fleet: Fleet, prompts: list[list[int]], migration: MigrationCon
 def test_the_router_migrates_on_its_own_by_policy(fleet, policy) -> None:
     """With `router.migration.policies` set, the router's planning loop moves requests: `balance` spreads four
     requests that all started on one instance; `drain` empties an instance of three as soon as it is drained."""
-    # the policy moves one request per round, and each must still be running then: `drain` must move them all,
-    # so it takes three LONG requests (four of 1200 tokens failed once on CI: 3 of 4 moved)
-    n, tokens = (4, 2 * TOKENS) if policy == "balance" else (3, LONG)
+    # the policy moves one request per round, and each must still be running then: the source is held until it
+    # moved one (`balance`) or all (`drain`)
+    n, tokens = (4, TOKENS) if policy == "balance" else (3, TOKENS)
     prompts = text_prompts(load(fleet.cfg.model.target), n, offset=13)
     alone = [asyncio.run(stream(fleet, p)) for p in prompts]
     migration = MigrationConfig(policies=(policy,), interval_s=0.2,
                                 thresholds=MigrationPolicyConfig(high_water=0.001, low_water=0.5))
 
-    results, moved = under_policy(fleet, prompts, migration, tokens, drain_full=policy == "drain")
+    results, moved = under_policy(fleet, prompts, migration, tokens, drain_full=policy == "drain",
+                                  moves=1 if policy == "balance" else n)
 
     ended_on = [r.instance for r in results]
     if policy == "balance":
@@ -359,7 +403,7 @@ def test_killing_one_shard_of_an_instance_under_load_loses_no_request(fleet) -> 
     async def run() -> list[Streamed]:
         tasks = [asyncio.create_task(stream(fleet, p)) for p in prompts]
         await asyncio.sleep(0.5)
-        assert {r["instance_id"] for r in await fleet.router.requests.remote("running")} == {"mig-shards"}
+        assert {r.instance_id for r in await fleet.router.requests.remote("running")} == {"mig-shards"}
         for name in ("mig-a", "mig-b"):
             await fleet.router.undrain.remote(name)
         ray.kill(ray.get_actor("mig-shards/stage-1"), no_restart=True)

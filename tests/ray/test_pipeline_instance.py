@@ -13,6 +13,7 @@ from actors.build import build_shards, ray_instance
 from actors.instance import Instance
 from actors.model.loader import load_metadata, load_model_config
 from actors.model.metadata import SeqChunk
+from actors.offline import generate
 from actors.pipeline import PipelineRunner
 from actors.ray_stages import RayStages
 from cluster.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, SpeculationConfig
@@ -58,7 +59,7 @@ def test_greedy_output_equals_the_targets_own(instance, tiny_models) -> None:
     inst, layout = instance
     prompts = text_prompts(load(tiny_models["llama"]), 4, offset=10)
 
-    completions = inst.generate(prompts, SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS))
+    completions = generate(inst, prompts, SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS))
 
     for prompt, c in zip(prompts, completions):
         assert c.error is None

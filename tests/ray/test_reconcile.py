@@ -19,9 +19,9 @@ from tests.unit.helpers import load, text_prompts
 def wait_status(router, rid: str, timeout_s: float = 60.0) -> str:
     deadline = time.monotonic() + timeout_s
     while True:
-        [row] = [r for r in ray.get(router.requests.remote(), timeout=30) if r["request_id"] == rid]
-        if row["status"] != "running" or time.monotonic() > deadline:
-            return row["status"]
+        [row] = [r for r in ray.get(router.requests.remote(), timeout=30) if r.request_id == rid]
+        if row.status != "running" or time.monotonic() > deadline:
+            return row.status
         time.sleep(0.1)
 
 
@@ -40,7 +40,7 @@ def test_requests_whose_release_never_arrives_are_closed_with_the_instances_stat
             assert ray.get(router.route.remote(rid))[0] == "reconcile-inst"
         routed_at = time.monotonic()
         time.sleep(0.5)  # several polls: a request the instance has not received yet may be on its way
-        assert {r["status"] for r in ray.get(router.requests.remote())} == {"running"}
+        assert {r.status for r in ray.get(router.requests.remote())} == {"running"}
         # ran to its end at the instance, but the API's `finish` never came
         items = asyncio.run(collect(server, Request("finished", prompt, SamplingParams(temperature=0, max_tokens=8))))
         assert items[-1].delta.finished

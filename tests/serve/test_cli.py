@@ -6,18 +6,23 @@ admin calls (and the abort, which races a running request) call `deploy.cli.main
 
 from __future__ import annotations
 
+import contextlib
 import json
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
+import ray
 
+from cluster.router import INSTANCE_ACTOR_PREFIX, NAMESPACE
 from deploy.cli import main
 from tests.serve.conftest import LONG, MODEL, ServedApp, specfleet
 
 WRONG_KEY = "sk-definitely-wrong-4242"
+HOLD_S = 120.0  # the longest `held` keeps the instances paused, should a test fail inside it
 
 
 @pytest.fixture(autouse=True)
@@ -65,23 +70,48 @@ def test_status(served_app: ServedApp) -> None:
     assert text.returncode == 0 and "the router holds 0 pending" in text.stdout, text.stdout + text.stderr
 
 
-def stream_in_background(app: ServedApp, body: dict) -> tuple[threading.Thread, list[tuple[str, str | None]]]:
-    """A streamed completion in a thread; once it ends, its (text, finish reason) is in the list."""
+def stream_in_background(app: ServedApp, body: dict, begun: threading.Event | None = None
+                         ) -> tuple[threading.Thread, list[tuple[str, str | None]]]:
+    """A streamed completion in a thread; `begun` is set once its first text arrived (or it ended); once it ends, its
+    (text, finish reason) is in the list."""
     got: list[tuple[str, str | None]] = []
+    begun = begun or threading.Event()
 
     def stream() -> None:
         text, reason = "", None
-        with app.client() as c, c.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
-            for line in r.iter_lines():
-                if line.startswith("data: {"):
-                    for choice in json.loads(line[6:]).get("choices", []):
-                        text += choice["text"]
-                        reason = choice["finish_reason"] or reason
-        got.append((text, reason))
+        try:
+            with app.client() as c, c.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
+                for line in r.iter_lines():
+                    if line.startswith("data: {"):
+                        for choice in json.loads(line[6:]).get("choices", []):
+                            text += choice["text"]
+                            reason = choice["finish_reason"] or reason
+                        if text:
+                            begun.set()
+            got.append((text, reason))
+        finally:
+            begun.set()
 
     t = threading.Thread(target=stream)
     t.start()
     return t, got
+
+
+@contextlib.contextmanager
+def held(begun: threading.Event, timeout_s: float = 60.0) -> Iterator[None]:
+    """Once a stream has begun (its first text arrived), every instance of the app takes no step until the block
+    ends (InstanceServer.pause; what is posted to them, an abort or a migration, still applies): a stream held there
+    cannot end before the event the block places, however long the CLI takes (rather than a stream made long enough
+    to outlast it). This process is a Ray driver of the app's cluster (`ray_driver`)."""
+    actors = [ray.get_actor(a["name"], namespace=NAMESPACE) for a in ray.util.list_named_actors(all_namespaces=True)
+              if a["namespace"] == NAMESPACE and a["name"].startswith(INSTANCE_ACTOR_PREFIX)]
+    assert actors, "no instance actor of the app found"
+    assert begun.wait(timeout_s), "the stream never began"
+    ray.get([a.pause.remote(HOLD_S) for a in actors], timeout=timeout_s)
+    try:
+        yield
+    finally:
+        ray.get([a.resume.remote() for a in actors], timeout=timeout_s)
 
 
 def wait_running(app: ServedApp, capsys: pytest.CaptureFixture, got: list) -> list[dict]:
@@ -96,29 +126,33 @@ def wait_running(app: ServedApp, capsys: pytest.CaptureFixture, got: list) -> li
     return running
 
 
-def test_abort_a_running_request(served_app: ServedApp, capsys: pytest.CaptureFixture) -> None:
+def test_abort_a_running_request(served_app: ServedApp, ray_driver, capsys: pytest.CaptureFixture) -> None:
     body = {"model": MODEL, "prompt": "once upon a time", "max_tokens": LONG, "ignore_eos": True}
-    t, got = stream_in_background(served_app, body)
-    running = wait_running(served_app, capsys, got)
-    assert running, f"the request finished ({got}) before it could be aborted"
-    rc, out, err = cli(served_app, capsys, "abort", running[0]["request_id"])
-    assert rc == 0, err
+    begun = threading.Event()
+    t, got = stream_in_background(served_app, body, begun)
+    with held(begun):
+        running = wait_running(served_app, capsys, got)
+        assert running, f"the request finished ({got}) before it could be aborted"
+        rc, out, err = cli(served_app, capsys, "abort", running[0]["request_id"])
+        assert rc == 0, err
     t.join(timeout=30)
     assert [reason for _, reason in got] == ["abort"]
     rc, out, err = cli(served_app, capsys, "abort", running[0]["request_id"])
     assert rc == 2 and "no running request" in err
 
 
-def test_migrate_a_running_request(served_app: ServedApp, capsys: pytest.CaptureFixture) -> None:
+def test_migrate_a_running_request(served_app: ServedApp, ray_driver, capsys: pytest.CaptureFixture) -> None:
     """`specfleet migrate` moves a streaming request between two pipeline instances mid-stream: the client's text is
     the unmigrated run's, and the migration shows in `status` and /metrics."""
     body = {"model": MODEL, "prompt": "the migrating tale", "max_tokens": LONG, "ignore_eos": True, "temperature": 0}
     with served_app.client() as c:
         alone = c.post("/v1/completions", json=body).json()["choices"][0]["text"]
-    t, got = stream_in_background(served_app, body)
-    running = wait_running(served_app, capsys, got)
-    assert running, "the request finished before it could be migrated"
-    rc, out, err = cli(served_app, capsys, "migrate", running[0]["request_id"], "--json")
+    begun = threading.Event()
+    t, got = stream_in_background(served_app, body, begun)
+    with held(begun):
+        running = wait_running(served_app, capsys, got)
+        assert running, "the request finished before it could be migrated"
+        rc, out, err = cli(served_app, capsys, "migrate", running[0]["request_id"], "--json")
     t.join(timeout=60)
     assert rc == 0 and json.loads(out)["status"] == "finished", out + err
     assert got == [(alone, "length")]

@@ -19,6 +19,7 @@ from actors.model.metadata import SeqChunk
 from actors.model.qlinear import Int4Linear, Int8Linear
 from actors.model.quant import rtn_int4
 from actors.model.runner import ModelRunner
+from actors.offline import generate
 from cluster.config import CacheConfig, SchedulerConfig, SpeculationConfig
 from cluster.request import SamplingParams
 from tests.fixtures.tiny_models import DRAFT_NOISE, build_tiny_model, perturbed_copy
@@ -143,7 +144,7 @@ def test_bf16_speculation_equals_plain_decoding_in_deterministic_mode(tmp_path: 
                         SchedulerConfig(max_batch_size=8))
         prompts = text_prompts(m, 8, offset=3)
         params = SamplingParams(temperature=0.0, max_tokens=48)
-        done = [c for i in range(0, 8, batch) for c in engine.generate(prompts[i:i + batch], params)]
+        done = [c for i in range(0, 8, batch) for c in generate(engine, prompts[i:i + batch], params)]
         if speculation.policy == "fixed" and engine.drafter is not None:  # speculation did run (goodput's k comes
             assert sum(c.stats.accepted for c in done) > 0  # from measured step times: any k, 0 included)
         return [c.token_ids for c in done]

@@ -15,6 +15,7 @@ from actors.engine import Engine
 from actors.local_stages import LocalStages
 from actors.model.loader import load_metadata, load_model
 from actors.model.runner import ModelRunner
+from actors.offline import generate
 from actors.pipeline import PipelineRunner
 from actors.spec.coupled import coupled_tokens, gumbel_noise
 from cluster.config import CacheConfig, MigrationConfig, SchedulerConfig, SpeculationConfig
@@ -64,7 +65,7 @@ def engine(target, draft=None, scheduler: SchedulerConfig = SchedulerConfig(max_
 
 
 def completions(e: Engine, prompts, params: SamplingParams, batch: int):
-    return [c for i in range(0, len(prompts), batch) for c in e.generate(prompts[i:i + batch], params)]
+    return [c for i in range(0, len(prompts), batch) for c in generate(e, prompts[i:i + batch], params)]
 
 
 def outputs(e: Engine, prompts, params: SamplingParams, batch: int) -> list[list[int]]:

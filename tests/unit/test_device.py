@@ -21,6 +21,7 @@ from actors.kv_cache import KVCache
 from actors.model.loader import load_model
 from actors.model.metadata import SeqChunk
 from actors.model.runner import ModelRunner
+from actors.offline import generate
 from cluster.config import CacheConfig, EngineConfig, ModelConfig, SpeculationConfig
 from cluster.request import SamplingParams
 from tests.unit.helpers import load, reference_greedy, text_prompts
@@ -95,7 +96,7 @@ def test_a_speculative_generate_creates_no_tensor_without_naming_its_device(tiny
     params = [SamplingParams(temperature=0.0, max_tokens=10), SamplingParams(temperature=0.8, seed=3, max_tokens=10)]
 
     with FactoryCalls() as calls:
-        greedy, sampled = engine.generate(prompts, params)
+        greedy, sampled = generate(engine, prompts, params)
 
     assert calls.unplaced == []
     assert greedy.token_ids == reference_greedy(tiny_models["llama"], prompts[0], 10)

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from actors.engine import Engine
+from actors.offline import generate
 from actors.spec.cost_model import StepCostModel
 from actors.spec.policy import BatchBase, Candidate
 from cluster.config import SpeculationConfig
@@ -58,7 +59,7 @@ def test_when_drafting_does_not_pay_the_draft_runs_no_forward(tiny_models, tiny_
 def test_when_drafting_pays_the_same_engine_drafts(tiny_models, tiny_draft_models) -> None:
     """The control of the test above: the same requests with a cheap draft do go through the draft."""
     engine = engine_with(tiny_models, tiny_draft_models, "goodput", CHEAP_DRAFT, 0.9)
-    [c] = engine.generate([text_prompts(engine.target.model, 1)[0]], GREEDY)
+    [c] = generate(engine, [text_prompts(engine.target.model, 1)[0]], GREEDY)
     assert c.stats.proposed > 0
 
 

@@ -7,6 +7,7 @@ import torch
 
 from actors.engine import Engine
 from actors.model.metadata import SeqChunk
+from actors.offline import generate
 from actors.spec import easyspec
 from actors.spec.easyspec import layer_groups
 from cluster.config import DraftParallelConfig, SchedulerConfig, SpeculationConfig
@@ -55,7 +56,7 @@ def test_layer_parallel_drafting_is_lossless(tiny_models, tiny_draft_models, gro
     engine = make_engine(tiny_models, tiny_draft_models, draft, cfg)
     prompts = text_prompts(engine.target.model, batch_size, offset=PROMPT_OFFSET[batch_size])
 
-    completions = engine.generate(prompts, GREEDY)
+    completions = generate(engine, prompts, GREEDY)
 
     for prompt, c in zip(prompts, completions):
         assert c.token_ids == reference_greedy(tiny_models["llama"], prompt, NEW_TOKENS)

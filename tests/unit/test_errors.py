@@ -10,6 +10,7 @@ from transformers import GPT2Config, GPT2LMHeadModel
 
 from actors.engine import Engine, RequestError
 from actors.model.loader import SUPPORTED_ARCHITECTURES, ModelLoadError, UnsupportedArchitecture, load_model
+from actors.offline import generate
 from cluster.config import SpeculationConfig
 from cluster.request import InvalidRequest, Request, SamplingParams, check_prompt
 from tests.fixtures.tiny_models import build_tiny_model
@@ -71,7 +72,7 @@ def test_duplicate_request_id(engine: Engine) -> None:
 
 def test_generate_with_a_bad_prompt_leaves_nothing_behind(engine: Engine) -> None:
     with pytest.raises(RequestError, match="empty"):
-        engine.generate([[5, 6, 7], []], SamplingParams(temperature=0, max_tokens=4))
+        generate(engine, [[5, 6, 7], []], SamplingParams(temperature=0, max_tokens=4))
     assert not engine.has_unfinished()
 
 

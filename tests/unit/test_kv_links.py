@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from actors.engine import Engine
+from actors.engine_migration import EngineMigration
 from actors.kv_links import LinkedKV
 from actors.pipeline import PipelineRunner
 from cluster.config import MigrationConfig, SchedulerConfig, SpeculationConfig
@@ -63,26 +64,26 @@ class LinkedEndpoint(EngineEndpoint):
 
     async def migrate_export(self, rid, start, end, via=None):
         drain(self.engine, self.results, steps=self.steps)
-        return self.engine.export_out(rid, start, end, self._links(via, "target"))
+        return self.moves.export_out(rid, start, end, self._links(via, "target"))
 
     async def migrate_import(self, kv):
         self.payloads.append(kv)
         if isinstance(kv, LinkedKV):
             await asyncio.to_thread(self.engine.target.executor.receive_links, kv)
-        return self.engine.import_kv(kv)
+        return self.moves.import_kv(kv)
 
     async def migrate_export_draft(self, rid, start, end, via=None):
-        got = self.engine.export_draft(rid, start, end, self._links(via, "draft"))
+        got = self.moves.export_draft(rid, start, end, self._links(via, "draft"))
         return None if got is None else (got, got.end if isinstance(got, LinkedKV) else got[0].end)
 
     async def migrate_import_draft(self, kv):
         self.payloads.append(kv)
         if isinstance(kv, LinkedKV):
             await asyncio.to_thread(self.engine.draft.executor.receive_links, kv)
-        return self.engine.import_draft(kv)
+        return self.moves.import_draft(kv)
 
     async def migrate_stop(self, rid, start, via=None, lease_s=None):
-        seq, resume, kv, end = self.engine.stop_out(rid, start, self._links(via, "target"))
+        seq, resume, kv, end = self.moves.stop_out(rid, start, self._links(via, "target"))
         self.detached[rid] = seq
         return dataclasses.replace(seq.request, resume=resume), kv, end, 0.0
 
@@ -132,8 +133,8 @@ def test_kv_received_over_links_equals_the_sources(tiny_models, tiny_draft_model
         opened = [Link(f"{via}/target/{i}->{j}", i, j, layers, addr) for (i, j, layers), addr in zip(links, addresses)]
         await asyncio.gather(a.links_open(via, "target", opened, "src", 20, "gloo"),
                              b.links_open(via, "target", opened, "dst", 20, "gloo"))
-        assert dst.reserve_incoming("r0", src.kv_length("r0"))
-        kv, _ = await a.migrate_export("r0", 0, src.kv_length("r0"), via)
+        assert EngineMigration(dst).reserve_incoming("r0", EngineMigration(src).kv_length("r0"))
+        kv, _ = await a.migrate_export("r0", 0, EngineMigration(src).kv_length("r0"), via)
         assert await b.migrate_import(kv)
         await asyncio.gather(a.channel_close(via), b.channel_close(via))
 
@@ -143,7 +144,7 @@ def test_kv_received_over_links_equals_the_sources(tiny_models, tiny_draft_model
     k = {layer: e.k[i] for e in want for i, layer in enumerate(e.layer_ids)}
     assert [e.layer_ids for e in got] == [(0, 1, 2), (3,)]
     assert all(torch.equal(e.k[i], k[layer]) for e in got for i, layer in enumerate(e.layer_ids))
-    dst.drop_incoming("r0")
+    EngineMigration(dst).drop_incoming("r0")
     assert dst.target.cache.num_used_blocks == 0
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from actors.engine import Engine
+from actors.offline import generate
 from actors.sequence import Sequence
 from cluster.config import SchedulerConfig, SpeculationConfig
 from cluster.request import FinishReason, Request, SamplingParams
@@ -74,7 +75,7 @@ def test_greedy_output_equals_the_targets_own(tiny_models, tiny_draft_models, fa
     engine = make_engine(tiny_models, tiny_draft_models, family, draft, k)
     prompts = text_prompts(engine.target.model, batch_size, offset=PROMPT_OFFSET[batch_size])
 
-    completions = engine.generate(prompts, GREEDY)
+    completions = generate(engine, prompts, GREEDY)
 
     for prompt, completion in zip(prompts, completions):
         assert_matches_reference(engine, tiny_models[family], prompt, completion, NEW_TOKENS)
@@ -117,7 +118,7 @@ def test_sampled_requests_with_top_k_1_are_greedy_and_do_not_disturb_greedy_ones
               for i in range(len(prompts))]
     free_running = SamplingParams(temperature=1.0, max_tokens=NEW_TOKENS, seed=99)  # shares the batch, not compared
 
-    completions = engine.generate([*prompts, prompts[0]], [*params, free_running])
+    completions = generate(engine, [*prompts, prompts[0]], [*params, free_running])
 
     for prompt, completion in zip(prompts, completions):
         assert_matches_reference(engine, tiny_models[family], prompt, completion, NEW_TOKENS)
@@ -133,7 +134,7 @@ def test_one_token_prompts_and_running_up_to_the_context_end(tiny_models, tiny_d
     prompts = [[tokens[0]], [tokens[1]], long]
     max_tokens = [NEW_TOKENS, NEW_TOKENS, 6]  # the last ends exactly at the context length
 
-    completions = engine.generate(prompts, [SamplingParams(temperature=0, max_tokens=m) for m in max_tokens])
+    completions = generate(engine, prompts, [SamplingParams(temperature=0, max_tokens=m) for m in max_tokens])
 
     for prompt, m, completion in zip(prompts, max_tokens, completions):
         assert_matches_reference(engine, tiny_models[family], prompt, completion, m)
@@ -151,7 +152,8 @@ def test_max_tokens_is_hit_exactly(tiny_models, tiny_draft_models, family: str) 
     reference = reference_greedy(tiny_models[family], prompt, NEW_TOKENS)
     limits = [1, 2, 5, 6, 7, 11, 13]  # around multiples of k + 1 = 6
 
-    completions = engine.generate([prompt] * len(limits), [SamplingParams(temperature=0, max_tokens=m) for m in limits])
+    completions = generate(engine, [prompt] * len(limits),
+                           [SamplingParams(temperature=0, max_tokens=m) for m in limits])
 
     for m, completion in zip(limits, completions):
         assert completion.finish_reason == FinishReason.LENGTH
@@ -204,7 +206,7 @@ def test_stop_strings_end_the_output_right_before_them(tiny_models, tiny_draft_m
     assert len(cases) >= 12
 
     params = [SamplingParams(temperature=0, max_tokens=NEW_TOKENS, stop=stop) for _, _, stop in cases]
-    completions = engine.generate([prompt for prompt, _, _ in cases], params)
+    completions = generate(engine, [prompt for prompt, _, _ in cases], params)
 
     for (prompt, reference, stop), completion in zip(cases, completions):
         ids, text = _expected_stop(tok, reference, stop)
@@ -225,7 +227,7 @@ def test_stop_token_ids_end_the_output_after_them(tiny_models, tiny_draft_models
             cases.append((prompt, reference, reference[pos]))
 
     params = [SamplingParams(temperature=0, max_tokens=NEW_TOKENS, stop_token_ids=(t,)) for _, _, t in cases]
-    completions = engine.generate([prompt for prompt, _, _ in cases], params)
+    completions = generate(engine, [prompt for prompt, _, _ in cases], params)
 
     for (prompt, reference, token), completion in zip(cases, completions):
         expected = reference[: reference.index(token) + 1]  # its first occurrence stops the request
@@ -247,7 +249,7 @@ def test_ignore_eos_runs_past_eos(tiny_models, tiny_draft_models) -> None:
     reference = reference_greedy(tiny_models[family], prompt, NEW_TOKENS)
     assert len(reference) < NEW_TOKENS
     engine = make_engine(tiny_models, tiny_draft_models, family, "pair", k=3)
-    [completion] = engine.generate([prompt], SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True))
+    [completion] = generate(engine, [prompt], SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True))
 
     assert completion.finish_reason == FinishReason.LENGTH
     assert len(completion.token_ids) == NEW_TOKENS

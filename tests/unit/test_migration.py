@@ -9,8 +9,10 @@ import pytest
 import torch
 
 from actors.engine import Engine
+from actors.engine_migration import EngineMigration
 from actors.local_stages import LocalStages
 from actors.model.runner import ModelRunner
+from actors.offline import generate
 from actors.pipeline import PipelineRunner
 from cluster.config import MigrationConfig
 from cluster.migration import BlockNames, MigrationStatus, migrate
@@ -38,6 +40,7 @@ class EngineEndpoint:
 
     def __init__(self, engine: Engine, results: dict[str, Result], steps: int = 0, fail_on: str = "") -> None:
         self.engine, self.results, self.steps, self.fail_on = engine, results, steps, fail_on
+        self.moves = EngineMigration(engine)
         self.detached = {}
         self.exports: list[tuple[int, int]] = []  # the (start, end) asked of each export
         self.draft_imports: list[int] = []  # the length of each draft KV it was sent
@@ -51,39 +54,39 @@ class EngineEndpoint:
 
     async def migrate_length(self, rid):
         self._maybe_fail("length")
-        return self.engine.kv_length(rid) if self.engine.holds(rid) else None
+        return self.moves.kv_length(rid) if self.moves.holds(rid) else None
 
     async def migrate_names(self, rid):
-        return self.engine.block_names(rid)
+        return self.moves.block_names(rid)
 
     async def migrate_reserve(self, rid, tokens, lease_s=None, names=BlockNames()):
-        return self.engine.reserve_incoming(rid, tokens, names)
+        return self.moves.reserve_incoming(rid, tokens, names)
 
     async def migrate_export(self, rid, start, end, via=None):
         self._maybe_fail("export")
         self.exports.append((start, end))
         drain(self.engine, self.results, steps=self.steps)
         self.between_steps()
-        return self.engine.export_out(rid, start, end)
+        return self.moves.export_out(rid, start, end)
 
     async def migrate_import(self, exports):
         self._maybe_fail("import")
-        return self.engine.import_kv(exports)
+        return self.moves.import_kv(exports)
 
     async def migrate_export_draft(self, rid, start, end, via=None):
         self._maybe_fail("export_draft")
         drain(self.engine, self.results, steps=self.draft_steps)
-        got = self.engine.export_draft(rid, start, end)
+        got = self.moves.export_draft(rid, start, end)
         return None if got is None else (got, got[0].end)
 
     async def migrate_import_draft(self, exports):
         self._maybe_fail("import_draft")
         self.draft_imports.append(exports[0].end)
-        return self.engine.import_draft(exports)
+        return self.moves.import_draft(exports)
 
     async def migrate_stop(self, rid, start, via=None, lease_s=None):
         self.before_stop()
-        stopped = self.engine.stop_out(rid, start)
+        stopped = self.moves.stop_out(rid, start)
         if stopped is None:
             return None
         seq, resume, exports, end = stopped
@@ -99,13 +102,13 @@ class EngineEndpoint:
         self._maybe_fail("release")
         seq = self.detached.pop(rid)
         if committed:
-            self.engine.release_detached(seq)
+            self.moves.release_detached(seq)
         else:
-            self.engine.reattach(seq)
+            self.moves.reattach(seq)
         return True
 
     async def migrate_drop(self, rid):
-        self.engine.drop_incoming(rid)
+        self.moves.drop_incoming(rid)
 
     async def migrate_cancel(self, rid):
         self.engine.abort(rid)
@@ -172,7 +175,7 @@ def test_a_migrated_greedy_request_equals_the_targets_own(tiny_models, tiny_draf
 
 def test_a_seeded_sampled_request_gives_the_same_output_migrated_or_not(tiny_models, tiny_draft_models) -> None:
     prompts = text_prompts(load(tiny_models["llama"]), 2, offset=5)
-    alone = engine(tiny_models, tiny_draft_models).generate(prompts, SAMPLED)
+    alone = generate(engine(tiny_models, tiny_draft_models), prompts, SAMPLED)
 
     outcome, results = run_migration(engine(tiny_models, tiny_draft_models), engine(tiny_models, tiny_draft_models),
                                      SAMPLED, prompts)
@@ -206,7 +209,7 @@ def test_a_source_that_dies_before_its_release_leaves_no_second_copy(tiny_models
     outcome = asyncio.run(migrate("r0", a, b, MigrationConfig(max_stages=3, stop_copy_tokens=2)))
 
     assert outcome.status is MigrationStatus.ABORTED_SRC and "before its release" in outcome.reason, outcome
-    assert not dst.holds("r0") and not dst.has_unfinished()
+    assert not EngineMigration(dst).holds("r0") and not dst.has_unfinished()
     assert dst.target.cache.num_used_blocks == 0 and dst.draft.cache.num_used_blocks == 0
 
 
@@ -241,12 +244,12 @@ def test_a_queued_request_moves_without_kv_and_starts_at_the_destination(tiny_mo
     prompts = text_prompts(src.target.model, 6, offset=1)
     results = started(src, prompts, steps=2)
     queued = [r.request_id for r in src.load("src").waiting]
-    assert queued == ["r4", "r5"] and src.kv_length("r5") == 0  # max_batch_size 4
+    assert queued == ["r4", "r5"] and EngineMigration(src).kv_length("r5") == 0  # max_batch_size 4
 
     outcome = asyncio.run(migrate("r5", EngineEndpoint(src, results, steps=1), EngineEndpoint(dst, results)))
 
     assert outcome.status is MigrationStatus.FINISHED and outcome.tokens_copied == 0, outcome
-    assert not src.holds("r5") and [s.request_id for s in dst.running + dst.waiting] == ["r5"]
+    assert not EngineMigration(src).holds("r5") and [s.request_id for s in dst.running + dst.waiting] == ["r5"]
     finish_and_check(src, dst, results, prompts, tiny_models["llama"])
 
 
@@ -263,7 +266,7 @@ def test_a_source_that_cannot_say_where_the_request_stands_aborts_before_anythin
     assert outcome.status is MigrationStatus.ABORTED_SRC
     assert outcome.reason.startswith("source: ConnectionError") if why == "source dies" else \
         outcome.reason == "the request does not run at the source"
-    assert dst.target.cache.num_used_blocks == 0 and not dst.holds("r0")
+    assert dst.target.cache.num_used_blocks == 0 and not EngineMigration(dst).holds("r0")
     drain(src, results)
     assert results["r0"].token_ids == reference_greedy(tiny_models["llama"], prompt, TOKENS)
     assert_no_kv_left(src, dst)
@@ -296,7 +299,7 @@ def test_the_engine_reports_its_load_per_request_for_the_policies(tiny_models, t
     cache = e.target.cache
     assert load_.instance_id == "me" and load_.capacity_blocks == cache.num_used_blocks + cache.num_free_blocks
     assert {r.request_id: r.blocks for r in load_.running} == {
-        s.request_id: -(-e.kv_length(s.request_id) // cache.block_size) for s in e.running}
+        s.request_id: -(-EngineMigration(e).kv_length(s.request_id) // cache.block_size) for s in e.running}
     assert len(load_.running) == 4 and len(load_.waiting_blocks) == 2 and load_.max_running == 4  # max_batch_size
     assert all(b >= 1 for b in load_.waiting_blocks)
     assert {r.request_id for r in load_.waiting} == {s.request_id for s in e.waiting}
@@ -351,7 +354,7 @@ def test_a_request_preempted_while_it_migrates_stays_and_finishes_at_the_source(
     drain(src, results)
 
     assert outcome.status is MigrationStatus.ABORTED_SRC and outcome.stages == (when != "during a copy"), outcome
-    assert src.holds("r0") is False and not a.detached  # it ran to its end at the source, never taken out
+    assert EngineMigration(src).holds("r0") is False and not a.detached  # it ran to its end at the source, never out
     for i, p in enumerate(prompts):
         assert results[f"r{i}"].token_ids == reference_greedy(tiny_models["llama"], p, 96), f"r{i}"
     assert_no_kv_left(src, dst)
@@ -365,14 +368,14 @@ def test_the_draft_kv_moves_as_it_stood_or_is_rebuilt_at_the_destination(tiny_mo
     results = started(src, prompts, steps=4)
     a, b = EngineEndpoint(src, results, steps=1), EngineEndpoint(dst, results)
     sent = []
-    a.before_stop = lambda: sent.append(src.export_draft("r0"))  # the source's draft KV when it was copied
+    a.before_stop = lambda: sent.append(EngineMigration(src).export_draft("r0"))  # the source's draft KV, as copied
 
     outcome = asyncio.run(migrate("r0", a, b, MigrationConfig(max_stages=2, stop_copy_tokens=2, draft_kv=draft_kv)))
 
     assert outcome.status is MigrationStatus.FINISHED, outcome
     if draft_kv == "move":  # the destination's draft holds exactly what the source's held: it catches up from there
         [want] = sent
-        got = dst.export_draft("r0")
+        got = EngineMigration(dst).export_draft("r0")
         assert outcome.draft_tokens == b.draft_imports[-1] == want[0].end == got[0].end > len(prompts[0])
         assert all(torch.equal(x.k, y.k) and torch.equal(x.v, y.v) for x, y in zip(got, want))
     else:
@@ -390,13 +393,13 @@ def test_the_draft_kv_moves_in_chunks_between_the_sources_steps(tiny_models, tin
     a, b = EngineEndpoint(src, results), EngineEndpoint(dst, results)
     a.draft_steps = 1
     sent = []
-    a.before_stop = lambda: sent.append(src.export_draft("r0"))
+    a.before_stop = lambda: sent.append(EngineMigration(src).export_draft("r0"))
 
     outcome = asyncio.run(migrate("r0", a, b, MigrationConfig(max_stages=2, stop_copy_tokens=2, chunk_tokens=8)))
 
     assert outcome.status is MigrationStatus.FINISHED, outcome
     assert len(b.draft_imports) >= 3 and outcome.draft_tokens == b.draft_imports[-1] > 16, (b.draft_imports, outcome)
-    [want], [got] = sent[0], dst.export_draft("r0")
+    [want], [got] = sent[0], EngineMigration(dst).export_draft("r0")
     assert got.end == outcome.draft_tokens <= want.end
     assert torch.equal(got.k, want.k[:, :got.end]) and torch.equal(got.v, want.v[:, :got.end])
     finish_and_check(src, dst, results, prompts, tiny_models["llama"], 96)

@@ -15,6 +15,7 @@ from actors.local_stages import LocalStages
 from actors.model.loader import load_metadata
 from actors.model.metadata import SeqChunk
 from actors.model.runner import ModelRunner
+from actors.offline import generate
 from actors.p2p import P2P, TransferError, free_address
 from actors.pipeline import PipelineRunner, reshard
 from cluster.config import CacheConfig, SchedulerConfig, SpeculationConfig
@@ -73,7 +74,7 @@ def test_engine_over_a_pipeline_equals_the_targets_greedy_output(tiny_models, ti
     engine = Engine(target, draft, SpeculationConfig(policy="fixed", k=3), SchedulerConfig(max_batch_size=4))
     prompts = text_prompts(load(tiny_models["llama"]), 4, offset=10)
 
-    completions = engine.generate(prompts, SamplingParams(temperature=0.0, max_tokens=16))
+    completions = generate(engine, prompts, SamplingParams(temperature=0.0, max_tokens=16))
 
     for prompt, c in zip(prompts, completions):
         assert c.token_ids == reference_greedy(tiny_models["llama"], prompt, 16)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import pytest
 
 from actors.engine import Engine
+from actors.offline import generate
 from actors.spec import easyspec
 from cluster.config import DraftParallelConfig, SchedulerConfig, SpeculationConfig
 from cluster.request import SamplingParams
@@ -48,8 +49,8 @@ def make_engine(tiny_models, tiny_draft_models, draft: str, caching: bool, num_b
 
 def outputs(engine: Engine, ps: list[list[int]], together: bool) -> list[list[int]]:
     if together:
-        return [c.token_ids for c in engine.generate(ps, GREEDY)]
-    return [engine.generate([p], GREEDY)[0].token_ids for p in ps]
+        return [c.token_ids for c in generate(engine, ps, GREEDY)]
+    return [generate(engine, [p], GREEDY)[0].token_ids for p in ps]
 
 
 SHAPES = [("none", {}), ("pair", {}), ("ngram", {}), ("easyspec", {}), ("pair", {"stages": True}),
@@ -83,11 +84,11 @@ def test_caching_on_equals_caching_off_and_the_reference(tiny_models, tiny_draft
 def test_hits_follow_the_shared_prefix_block_by_block(tiny_models, tiny_draft_models) -> None:
     engine = make_engine(tiny_models, tiny_draft_models, "none", True)
     ps = prompts(engine.target.model)
-    engine.generate([ps[0]], GREEDY)
+    generate(engine, [ps[0]], GREEDY)
     hits = []
     for p in ps[1:]:
         before = engine.stats().prefix_cache_hits
-        engine.generate([p], GREEDY)
+        generate(engine, [p], GREEDY)
         hits.append(engine.stats().prefix_cache_hits - before)
     assert hits == [0, 4, 4, 8, 36]  # whole blocks of the shared prefix; the whole prompt leaves its last block
 

@@ -10,6 +10,7 @@ import pytest
 
 from actors.engine import Engine
 from actors.kv_links import LinkedKV
+from actors.offline import generate
 from cluster.config import MigrationConfig, SchedulerConfig, SpeculationConfig
 from cluster.migration import MigrationStatus, migrate
 from cluster.request import Request, Resume, SamplingParams
@@ -43,14 +44,14 @@ def test_a_migration_copies_only_the_blocks_the_destination_does_not_cache(tiny_
                                                                          draft_kv) -> None:
     path = tiny_models["llama"]
     warm, moving = shared_prompts(load(path))
-    alone = engine(tiny_models, tiny_draft_models, caching=False).generate([moving], GREEDY)[0].token_ids
+    alone = generate(engine(tiny_models, tiny_draft_models, caching=False), [moving], GREEDY)[0].token_ids
     assert alone == reference_greedy(path, moving, TOKENS)
     cfg = MigrationConfig(max_stages=3, stop_copy_tokens=2, draft_kv=draft_kv)
     outcomes = {}
     for caching in (True, False):
         src, dst = engine(tiny_models, tiny_draft_models, caching), engine(tiny_models, tiny_draft_models, caching,
                                                                            split=split)
-        dst.generate([warm], GREEDY)  # it served a request that starts alike: with caching, its blocks stay
+        generate(dst, [warm], GREEDY)  # it served a request that starts alike: with caching, its blocks stay
 
         outcome, results = run_migration(src, dst, GREEDY, [moving], cfg=cfg)
 
@@ -73,7 +74,7 @@ def test_a_migration_to_a_destination_that_caches_nothing_of_it_copies_everythin
     path = tiny_models["llama"]
     warm, moving = shared_prompts(load(path))
     src, dst = engine(tiny_models, tiny_draft_models), engine(tiny_models, tiny_draft_models)
-    dst.generate([warm[SHARED:] + warm[:SHARED]], GREEDY)  # the same tokens in another order: no name in common
+    generate(dst, [warm[SHARED:] + warm[:SHARED]], GREEDY)  # the same tokens in another order: no name in common
 
     outcome, results = run_migration(src, dst, GREEDY, [moving])
 
@@ -88,7 +89,7 @@ def test_a_failed_over_request_reprefills_only_what_its_new_instance_lacks(tiny_
     path = tiny_models["llama"]
     warm, moving = shared_prompts(load(path))
     dead, spare = engine(tiny_models, tiny_draft_models), engine(tiny_models, tiny_draft_models)
-    spare.generate([warm], GREEDY)
+    generate(spare, [warm], GREEDY)
     results = started(dead, [moving], steps=3)
     so_far = results["r0"]
     assert 0 < len(so_far.token_ids) < TOKENS
@@ -114,7 +115,7 @@ def test_a_migration_over_links_between_different_splits_starts_after_the_cached
                       SpeculationConfig(policy="fixed", k=3), SchedulerConfig(max_batch_size=4), prefix_caching=True)
 
     src, dst = staged([[0], [1, 2, 3]]), staged([[0, 1], [2, 3]])
-    dst.generate([warm], GREEDY)
+    generate(dst, [warm], GREEDY)
     results = started(src, [moving], steps=3)
     a, b = LinkedEndpoint(src, results, steps=1), LinkedEndpoint(dst, results)
 

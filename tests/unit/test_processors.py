@@ -7,6 +7,7 @@ import torch
 from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
 
 from actors.engine import Engine
+from actors.offline import generate
 from actors.spec.processors import process
 from actors.spec.sampling import probs_from_logits
 from cluster.config import SchedulerConfig, SpeculationConfig
@@ -69,8 +70,8 @@ def test_greedy_output_with_a_processor_equals_plain_decoding_with_it(tiny_model
                                                                      name) -> None:
     prompts = text_prompts(load(tiny_models["llama"]), 4, offset=10)
     params = SamplingParams(temperature=0.0, max_tokens=20, **PENALTIES[name])
-    got = [c.token_ids for c in engine(tiny_models, tiny_draft_models, draft).generate(prompts, params)]
-    want = [c.token_ids for c in engine(tiny_models, tiny_draft_models, "none").generate(prompts, params)]
+    got = [c.token_ids for c in generate(engine(tiny_models, tiny_draft_models, draft), prompts, params)]
+    want = [c.token_ids for c in generate(engine(tiny_models, tiny_draft_models, "none"), prompts, params)]
     assert got == want
     plain = [reference_greedy(tiny_models["llama"], p, 20) for p in prompts]
     assert got != plain, "the processor changed nothing: the test checks too little"
@@ -80,7 +81,7 @@ def test_repetition_penalty_matches_transformers_generate(tiny_models, tiny_draf
     model = load(tiny_models["llama"])
     prompt = text_prompts(model, 1, offset=4)[0]
     params = SamplingParams(temperature=0.0, max_tokens=16, repetition_penalty=1.3, ignore_eos=True)
-    got = engine(tiny_models, tiny_draft_models, "pair").generate([prompt], params)[0].token_ids
+    got = generate(engine(tiny_models, tiny_draft_models, "pair"), [prompt], params)[0].token_ids
     x = torch.tensor([prompt], device=model.device)
     ref = model.hf_model.generate(x, attention_mask=torch.ones_like(x), do_sample=False, max_new_tokens=16,
                                   repetition_penalty=1.3, min_new_tokens=16)
@@ -93,7 +94,7 @@ def test_min_tokens_holds_eos_back(tiny_models, tiny_draft_models) -> None:
     ended = [reference_greedy(tiny_models["llama"], p, 24) for p in prompts]
     assert any(len(t) < 16 for t in ended)
     params = SamplingParams(temperature=0.0, max_tokens=24, min_tokens=16)
-    for c in engine(tiny_models, tiny_draft_models, "pair").generate(prompts, params):
+    for c in generate(engine(tiny_models, tiny_draft_models, "pair"), prompts, params):
         assert len(c.token_ids) >= 16
         assert not set(c.token_ids[:16]) & set(model.eos_token_ids)
 
@@ -108,7 +109,7 @@ def test_sampling_with_a_processor_keeps_the_targets_processed_distribution(tiny
     n = 3000
     e = engine(tiny_models, tiny_draft_models, "pair")
     params = [SamplingParams(temperature=1.0, max_tokens=1, seed=s, ignore_eos=True, **extra) for s in range(n)]
-    firsts = torch.tensor([c.token_ids[0] for c in e.generate([prompt] * n, params)])
+    firsts = torch.tensor([c.token_ids[0] for c in generate(e, [prompt] * n, params)])
     with torch.inference_mode():
         logits = model.hf_model(torch.tensor([prompt], device=model.device)).logits[0, -1].float()
     p = process(logits[None], SamplingParams(**extra), prompt, [], [], []).softmax(-1)[0]

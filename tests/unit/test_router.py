@@ -85,7 +85,7 @@ def test_the_request_table_keeps_a_bounded_history_of_finished_requests() -> Non
         reg.finish(f"r{i}", RequestStatus.FINISHED, now=float(i))
     reg.route("live", 5, now=7.0)
     assert sorted(reg.requests) == ["live", "r3", "r4", "r5"]
-    assert reg.requests["live"].as_dict()["priority"] == 5
+    assert reg.requests["live"].row().priority == 5
 
 
 def test_re_registration_keeps_the_requests_in_flight() -> None:

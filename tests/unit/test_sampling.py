@@ -9,6 +9,7 @@ import torch
 
 from actors.engine import Engine
 from actors.model.metadata import SeqChunk
+from actors.offline import generate
 from actors.spec.drafters import Proposal
 from actors.spec.sampling import make_generator, probs_from_logits, sample
 from actors.spec.verify import verify_greedy, verify_sampled
@@ -241,7 +242,7 @@ def test_same_seed_same_output_across_engines_and_batches(tiny_models, tiny_draf
     for batch in ([], [7, 8, 9]):  # alone, and among other seeded requests
         engine = sampling_engine(tiny_models, tiny_draft_models)
         others = [SamplingParams(temperature=1.0, max_tokens=20, seed=s) for s in batch]
-        outputs.append(engine.generate([prompt] * (1 + len(batch)), [params, *others]))
+        outputs.append(generate(engine, [prompt] * (1 + len(batch)), [params, *others]))
         assert engine.target.cache.num_used_blocks == engine.draft.cache.num_used_blocks == 0
 
     assert outputs[0][0].token_ids == outputs[1][0].token_ids
@@ -253,7 +254,7 @@ def test_same_seed_same_output_across_engines_and_batches(tiny_models, tiny_draf
 def test_unseeded_requests_differ(tiny_models, tiny_draft_models) -> None:
     prompt = text_prompts(load(tiny_models["qwen2"]), 1)[0]
     engine = sampling_engine(tiny_models, tiny_draft_models, "qwen2")
-    a, b = engine.generate([prompt, prompt], SamplingParams(temperature=1.0, max_tokens=20))
+    a, b = generate(engine, [prompt, prompt], SamplingParams(temperature=1.0, max_tokens=20))
     assert a.token_ids != b.token_ids
 
 
@@ -283,7 +284,7 @@ def test_engine_first_token_follows_the_targets_distribution(tiny_models, tiny_d
     engine = sampling_engine(tiny_models, tiny_draft_models, "llama", draft, k=1)
     requests = [params.model_copy(update={"seed": seed}) for seed in range(n)]
 
-    completions = engine.generate([prompt] * n, requests)  # batched max_batch_size (8) at a time
+    completions = generate(engine, [prompt] * n, requests)  # batched max_batch_size (8) at a time
 
     first = torch.tensor([c.token_ids[0] for c in completions])
     assert sum(c.stats.proposed for c in completions) == n  # every first token went through verification
@@ -315,7 +316,7 @@ def test_engine_with_a_lookup_draft_samples_the_targets_distribution(tiny_models
     params = SamplingParams(temperature=1.0, max_tokens=2)
     engine = sampling_engine(tiny_models, tiny_draft_models, "llama", draft, k=1, coupled=coupled)
 
-    completions = engine.generate([prompt] * n, [params.model_copy(update={"seed": s}) for s in range(n)])
+    completions = generate(engine, [prompt] * n, [params.model_copy(update={"seed": s}) for s in range(n)])
 
     assert sum(c.stats.k_history[0] for c in completions) == n  # drafted for every first token
     assert 0 < sum(c.stats.accepted for c in completions) < n
@@ -337,7 +338,7 @@ def test_engine_first_two_tokens_follow_the_targets_joint_distribution(tiny_mode
     engine = sampling_engine(tiny_models, tiny_draft_models, "qwen2", "pair", k=1, coupled=coupled)
     params = [SamplingParams(temperature=1.0, max_tokens=2, ignore_eos=True, seed=10_000 + seed) for seed in range(n)]
 
-    completions = engine.generate([prompt] * n, params)
+    completions = generate(engine, [prompt] * n, params)
 
     pairs = [tuple(c.token_ids) for c in completions]
     assert all(len(pair) == 2 for pair in pairs)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from actors.engine import Engine
+from actors.offline import generate
 from actors.spec.cost_model import StepCostModel
 from cluster.config import SchedulerConfig, SpeculationConfig
 from cluster.request import FinishReason, Request, SamplingParams
@@ -121,13 +122,13 @@ def test_goodput_turns_a_random_draft_off_and_the_target_itself_on(tiny_models, 
     params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
 
     useless = engine_for(path, random_draft, k=4, policy="goodput", cost=CHEAP_DRAFT)
-    done = useless.generate(prompts, params)
+    done = generate(useless, prompts, params)
     late = [k for c in done for k in c.stats.k_history[8:]]
     assert useless.acceptance.rate < 0.2
     assert sum(late) == 0  # after a few rounds of evidence, no request drafts
 
     perfect = engine_for(path, "self", k=4, policy="goodput", cost=CHEAP_DRAFT)
-    done_self = perfect.generate(prompts, params)
+    done_self = generate(perfect, prompts, params)
     assert perfect.acceptance.rate > 0.95
     # from the prior (0.7) the estimate climbs within a few rounds; the last rounds are capped by max_tokens
     assert [k for c in done_self for k in c.stats.k_history[3:-4]] == [4] * sum(len(c.stats.k_history[3:-4]) for c in done_self)
@@ -142,7 +143,7 @@ def test_goodput_with_the_measured_cost_model_also_drops_a_random_draft(tiny_mod
     engine = engine_for(path, random_draft, k=4, policy="goodput")
     assert engine.cost_model.fitted  # calibrated on construction
     calibration = engine.cost_model.target.num_observations
-    done = engine.generate(text_prompts(load(path), 4), SamplingParams(temperature=0, max_tokens=32, ignore_eos=True))
+    done = generate(engine, text_prompts(load(path), 4), SamplingParams(temperature=0, max_tokens=32, ignore_eos=True))
     assert engine.cost_model.target.num_observations > calibration  # re-fitted online from real steps
     late = [k for c in done for k in c.stats.k_history[8:]]
     # measured sub-millisecond timings are noisy (a refit may briefly make k=1 look free): nearly never, not never

@@ -18,6 +18,7 @@ from actors.model.metadata import SeqChunk
 from actors.model.qlinear import Int4Linear, Int8Linear
 from actors.model.runner import ModelRunner
 from actors.model.weights import Concat
+from actors.offline import generate
 from cluster.config import CacheConfig, SpeculationConfig
 from cluster.request import SamplingParams
 from tests.fixtures.tiny_models import build_tiny_model, write_tiny_gguf
@@ -41,7 +42,7 @@ def logits(runner: ModelRunner, prompt: list[int]) -> torch.Tensor:
 def greedy(engine: Engine, prompts: list[list[int]], n: int = 16) -> list[list[int]]:
     """Each prompt's greedy continuation, one request at a time; the engine must accept some drafts if it has a
     drafter (else the comparison would prove nothing about speculation)."""
-    done = [engine.generate([p], SamplingParams(temperature=0.0, max_tokens=n))[0] for p in prompts]
+    done = [generate(engine, [p], SamplingParams(temperature=0.0, max_tokens=n))[0] for p in prompts]
     assert engine.drafter is None or sum(c.stats.accepted for c in done) > 0
     return [c.token_ids for c in done]
 

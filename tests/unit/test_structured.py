@@ -13,6 +13,7 @@ import jsonschema
 import pytest
 
 from actors.engine import Engine, RequestError
+from actors.offline import generate
 from cluster.config import SchedulerConfig, SpeculationConfig
 from cluster.request import Request, SamplingParams, StructuredOutput
 from tests.unit.helpers import load, runner, text_prompts
@@ -66,7 +67,7 @@ def make_engine(tiny_models, tiny_draft_models, draft: str) -> Engine:
 
 def texts(engine: Engine, prompt: list[int], specs: list[StructuredOutput], max_tokens: int = 96) -> list:
     params = [SamplingParams(temperature=0.0, max_tokens=max_tokens, structured=s) for s in specs]
-    return [(c.text, c.token_ids, c.finish_reason) for c in engine.generate([prompt] * len(specs), params)]
+    return [(c.text, c.token_ids, c.finish_reason) for c in generate(engine, [prompt] * len(specs), params)]
 
 
 @pytest.mark.parametrize("draft", ["pair", "ngram"])
@@ -111,5 +112,5 @@ def test_sampled_structured_output_still_matches(tiny_models, tiny_draft_models)
     schema = SCHEMAS[13]
     params = [SamplingParams(temperature=1.0, seed=s, max_tokens=96, structured=StructuredOutput(json_schema=schema))
               for s in range(8)]
-    for c in engine.generate([prompt] * 8, params):
+    for c in generate(engine, [prompt] * 8, params):
         jsonschema.validate(json.loads(c.text), schema)
