@@ -31,7 +31,7 @@ from actors.rank_group import gather
 from actors.ray_stages import GroupStages, RayStages
 from actors.shard import ShardSpec
 from actors.shard_actor import ExpertActor, LeaderActor, MemberActor, StageActor
-from actors.spec import draft_group
+from actors.speculation import draft_group
 from cluster.config import DraftParallelConfig, EngineConfig, ExpertParallelConfig
 from placement import realize
 from placement.layout import ShardLayout

@@ -2,15 +2,15 @@
 
 Each step hands one typed object to the next (actors/step.py):
   schedule  the scheduler (actors/scheduler.py) admits and chunks work under the KV block and token budgets;
-  plan      the speculation planner (actors/spec/plan.py) gives each emitting request its k and reserves KV;
-  propose   the drafter (actors/spec/drafters.py: a draft model, or a model-free n-gram / suffix lookup)
+  plan      the speculation planner (actors/speculation/plan.py) gives each emitting request its k and reserves KV;
+  propose   the drafter (actors/speculation/drafters.py: a draft model, or a model-free n-gram / suffix lookup)
             proposes up to k tokens per request (a draft model's first forward also catches up on the tokens
             it has not seen: the prompt, and every token since the request last drafted);
   score     the target scores every prefill chunk and all k+1 positions of every decode in one forward;
   verify    greedy matching or rejection sampling decides every round (actors/verification.py);
   apply     the one place that emits, crops rejected KV in both caches, frees finished requests and records.
-See actors/spec/verify.py for the vocabulary (accepted, recovered, bonus). A migration's operations on an engine are
-in actors/engine_migration.py, offline generation (a batch served to completion) in actors/offline.py.
+See actors/speculation/verify.py for the vocabulary (accepted, recovered, bonus). A migration's operations on an
+engine are in actors/engine_migration.py, offline generation (a batch served to completion) in actors/offline.py.
 
 KV invariants after every step, per running request with n = len(token_ids):
   target cache holds tokens [0, m), m <= n-1, with m = n-1 once its prompt is processed;
@@ -38,13 +38,13 @@ from actors.model.runner import ModelRunner
 from actors.output import RequestOutput
 from actors.scheduler import Failed, Scheduler
 from actors.sequence import Sequence, SeqStatus
-from actors.spec.calibration import CalibrationFile, calibrate, setup_of
-from actors.spec.cost_model import ATTENTION_UNIT, ForwardShape, StepCostModel
-from actors.spec.drafters import Drafter, ModelDrafter, make_drafter
-from actors.spec.plan import SpeculationPlanner
-from actors.spec.policy import Acceptance, SpecPolicy, make_policy
-from actors.spec.sampling import make_generator
-from actors.spec.structured import GrammarCompiler
+from actors.speculation.calibration import CalibrationFile, calibrate, setup_of
+from actors.speculation.cost_model import ATTENTION_UNIT, ForwardShape, StepCostModel
+from actors.speculation.drafters import Drafter, ModelDrafter, make_drafter
+from actors.speculation.plan import SpeculationPlanner
+from actors.speculation.policy import Acceptance, SpecPolicy, make_policy
+from actors.speculation.sampling import make_generator
+from actors.speculation.structured import GrammarCompiler
 from actors.step import Drafts, Scores, SpecPlan, Verdict
 from actors.verification import logprobs_of, verify
 from cluster.config import EngineConfig, SchedulerConfig, SpeculationConfig
@@ -120,7 +120,7 @@ class Engine:
                     calibration_dir: Path | None = None) -> "Engine":
         """Load the model pair named by `cfg` (files or hub ids, already resolved) onto `device` (default: the
         config's `model.device`) and build the engine; a goodput engine keeps its calibration in
-        `calibration_dir` (actors/spec/calibration.py) and reuses it on later starts of the same setup."""
+        `calibration_dir` (actors/speculation/calibration.py) and reuses it on later starts of the same setup."""
         target, draft = load_runners(cfg, None, device)
         calibration = None
         if calibration_dir is not None and cfg.speculation.policy == "goodput":
@@ -365,7 +365,7 @@ class Engine:
     # ---- cost model and stats ---------------------------------------------------------------
     def calibrate(self) -> None:
         """Seed the step-time model with timed forwards at a few sizes, or with the points saved for this setup by
-        an earlier start (`self.calibration`; actors/spec/calibration.py)."""
+        an earlier start (`self.calibration`; actors/speculation/calibration.py)."""
         runners = [("target", self.target)] + ([("draft", self.draft)] if self.draft is not None else [])
         calibrate(self.cost_model, runners, self.max_model_len, self.calibration)
 

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 from actors.kv_cache import KVExport
 from actors.kv_links import LinkedKV, kv_span
 from actors.sequence import Sequence, SeqStatus
-from actors.spec.drafters import ModelDrafter
+from actors.speculation.drafters import ModelDrafter
 from cluster.migration import BlockNames, Link, Reservation
 from cluster.request import Resume
 

@@ -1,6 +1,6 @@
 """An EasySpec draft group's shards: its leader (rank 0, the draft shard proper) and its members (ranks 1..).
 
-The group is one process group (actors/spec/draft_group.py). The leader holds the whole draft's embedding, head
+The group is one process group (actors/speculation/draft_group.py). The leader holds the whole draft's embedding, head
 and the layers it owns, and runs the draft's forward; the layers of a group step owned by other ranks are
 computed there, over the group (GroupMembers). A member holds only its own layers and walks the leader's
 schedule in lockstep (`follow`), given the same cache ops and chunks each call (actors/ray_stages.py GroupStages).
@@ -16,7 +16,7 @@ from actors.kv_ledger import CacheOp, replay
 from actors.model.metadata import SeqChunk
 from actors.p2p import P2P
 from actors.shard import Shard, ShardSpec
-from actors.spec import draft_group, easyspec
+from actors.speculation import draft_group, easyspec
 from cluster.config import DraftParallelConfig
 
 

@@ -11,7 +11,7 @@ from actors.device import resolve_device
 from actors.model.loader import load_model
 from actors.model.quant import quantize_runner
 from actors.model.runner import ModelRunner
-from actors.spec import easyspec
+from actors.speculation import easyspec
 from cluster.config import ConfigError, EngineConfig
 
 

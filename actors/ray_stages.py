@@ -94,8 +94,8 @@ class RayStages:
 
 
 class GroupStages:
-    """An EasySpec draft group (actors/spec/draft_group.py) as one stage: every member runs each call, rank 0 (the
-    draft shard) returns the logits; its layers are the whole draft's. Its KV is spread over the group and stays
+    """An EasySpec draft group (actors/speculation/draft_group.py) as one stage: every member runs each call, rank 0
+    (the draft shard) returns the logits; its layers are the whole draft's. Its KV is spread over the group and stays
     there: it exports none, and a migration rebuilds it at the destination (the draft catches up)."""
 
     replicated_cache = True  # every member replays every cache op

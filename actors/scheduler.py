@@ -33,7 +33,7 @@ class KVSpace(Protocol):
 @dataclass
 class Work:
     """One request's share of a step: `num_new` of its known tokens for the target (drafts come on top: the
-    speculation plan, actors/spec/plan.py, gives each emitting work its k)."""
+    speculation plan, actors/speculation/plan.py, gives each emitting work its k)."""
 
     seq: Sequence
     start: int  # the target's cache length before the step: position of the first new token

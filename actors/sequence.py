@@ -8,8 +8,8 @@ from dataclasses import dataclass, field
 import torch
 
 from actors.output import RequestOutput
-from actors.spec.policy import Acceptance
-from actors.spec.structured import GrammarState
+from actors.speculation.policy import Acceptance
+from actors.speculation.structured import GrammarState
 from cluster.prefix import ChainNames
 from cluster.request import Request, SpecStats, TokenLogprob
 

@@ -27,7 +27,7 @@ from actors.model.quant import quantize_runner
 from actors.model.runner import ModelRunner
 from actors.moe.permute import apply_plan
 from actors.p2p import P2P, Transfer
-from actors.spec import easyspec
+from actors.speculation import easyspec
 from cluster.config import CacheConfig, DraftParallelConfig
 from cluster.migration import Link
 from placement.experts import ExpertPlan

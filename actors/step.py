@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import torch
 
 from actors.scheduler import Schedule, Work
-from actors.spec.cost_model import ForwardShape
+from actors.speculation.cost_model import ForwardShape
 from cluster.request import TokenLogprob
 
 

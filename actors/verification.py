@@ -1,12 +1,12 @@
 """A step's verification: every emitting request's round decided from the drafts and the target's scores.
 
-First each request's rows are processed as plain decoding would process them (actors/spec/processors.py:
+First each request's rows are processed as plain decoding would process them (actors/speculation/processors.py:
 penalties, bias, min_tokens, and its grammar's masks; position j of a round seeing the round's first j drafts).
-Greedy requests are then decided together (actors/spec/verify.py `verify_greedy_batch`): one argmax over the
+Greedy requests are then decided together (actors/speculation/verify.py `verify_greedy_batch`): one argmax over the
 step's rows, the drafts padded into a (B, K) tensor, one comparison and one transfer of the answers, so a batch of
 greedy requests costs a handful of tensor operations and a single device-to-host copy however large it is.
 Sampled requests go one by one: each has its own parameters (temperature, top-k, top-p) and its own generator;
-in deterministic mode each position's token is drawn by noise keyed to it (actors/spec/coupled.py) and the drafts
+in deterministic mode each position's token is drawn by noise keyed to it (actors/speculation/coupled.py) and the drafts
 are matched against those tokens, so sampled output is the same at any k, in any batch.
 
 Log-probabilities, for requests that ask, are the target's processed ones at the positions the round emits
@@ -21,17 +21,17 @@ from collections.abc import Sequence
 
 import torch
 
-from actors.spec.coupled import coupled_tokens
-from actors.spec.processors import process_request, processes
-from actors.spec.sampling import probs_from_logits
-from actors.spec.verify import verify_greedy_batch, verify_sampled
+from actors.speculation.coupled import coupled_tokens
+from actors.speculation.processors import process_request, processes
+from actors.speculation.sampling import probs_from_logits
+from actors.speculation.verify import verify_greedy_batch, verify_sampled
 from actors.step import Drafts, Scores, SpecPlan, Verdict
 from cluster.request import TokenLogprob
 
 
 def verify(plan: SpecPlan, drafts: Drafts, scores: Scores, coupled: bool = False) -> dict[str, Verdict]:
     """Each emitting request's verdict, by request id. `coupled` (deterministic mode): sampled requests' tokens
-    are drawn by position-keyed noise (actors/spec/coupled.py), not by rejection sampling."""
+    are drawn by position-keyed noise (actors/speculation/coupled.py), not by rejection sampling."""
     emitting = plan.emitting
     logits = _processed(emitting, drafts, scores)
     greedy = [d for d in emitting if d.work.seq.greedy]

@@ -64,7 +64,8 @@ class ModelConfig(_Frozen):
 
 
 class NgramConfig(_Frozen):
-    """Prompt lookup (actors/spec/lookup.py): match the last n tokens, max_n down to min_n, earlier in the request."""
+    """Prompt lookup (actors/speculation/lookup.py): match the last n tokens, max_n down to min_n, earlier in the
+    request."""
 
     min_n: int = Field(default=2, ge=1, le=16)
     max_n: int = Field(default=4, ge=1, le=16)
@@ -89,7 +90,7 @@ class SuffixConfig(_Frozen):
 
 
 class DraftParallelConfig(_Frozen):
-    """EasySpec layer-parallel drafting (arXiv 2502.02493; actors/spec/easyspec.py).
+    """EasySpec layer-parallel drafting (arXiv 2502.02493; actors/speculation/easyspec.py).
 
     The draft's first `sequential_head` and last `sequential_tail` layers run in order; the layers between run
     in groups of `group_size` (1: plain sequential drafting). `mode: attention`: a group's members run their
@@ -112,10 +113,10 @@ class DraftParallelConfig(_Frozen):
 
 
 class SpeculationConfig(_Frozen):
-    """How drafts are made (`method`) and how many tokens the draft proposes per round (actors/spec/policy.py).
+    """How drafts are made (`method`) and how many tokens the draft proposes per round (actors/speculation/policy.py).
 
     `method`: `model` drafts with the draft model (`model.draft` or `model.draft_layers`); `ngram` and
-    `suffix` draft without a model from the request's own tokens (actors/spec/lookup.py).
+    `suffix` draft without a model from the request's own tokens (actors/speculation/lookup.py).
     `fixed`: k tokens for every request; `off`: plain decoding; `goodput`: per request 0..k, chosen each
     step for the most expected tokens per second (SmartSpec), from each request's acceptance estimate
     (starting at `prior_acceptance`, decayed by `acceptance_decay` per round) and the fitted step-time model.

@@ -13,7 +13,7 @@ the rest (the only downtime), commit at the destination (the request resumes the
 text, sampler state and stats), and release it at the source (its KV freed, its stream told where it went).
 The draft's KV moves in chunks beside the target's, the rest just before the stop (`draft_kv: move`), or the
 destination's draft rebuilds it by catching up on its first drafting round (`draft_kv: rebuild`,
-actors/spec/drafters.py). Any failure before the
+actors/speculation/drafters.py). Any failure before the
 commit leaves the request running at the source, nothing lost, and frees what the destination reserved.
 
 An `Endpoint` is an instance as the coordinator sees it: actors/instance_server.py implements it as Ray

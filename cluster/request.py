@@ -71,7 +71,7 @@ class SamplingParams(BaseModel):
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     # logits processors, applied to the target's logits at every scored position and to the draft's while it
-    # proposes (actors/spec/processors.py): OpenAI's presence and frequency penalties, HF's repetition penalty,
+    # proposes (actors/speculation/processors.py): OpenAI's presence and frequency penalties, HF's repetition penalty,
     # a bias per token id, and the least tokens generated before EOS or a stop token id may end the request
     presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
@@ -82,7 +82,7 @@ class SamplingParams(BaseModel):
     # only); of each prompt token and its `prompt_logprobs` alternatives (the first prompt token has none)
     logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     prompt_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
-    structured: StructuredOutput | None = None  # what the output must match (actors/spec/structured.py)
+    structured: StructuredOutput | None = None  # what the output must match (actors/speculation/structured.py)
 
     @field_validator("stop", mode="before")
     @classmethod

@@ -26,7 +26,7 @@ class EngineStats:
     tokens_emitted: int  # generated tokens since start
     num_preemptions: int  # since start
     policy: str
-    # drafting (EasySpec figures: actors/spec/easyspec.py): draft-stage seconds per drafted token since start,
+    # drafting (EasySpec figures: actors/speculation/easyspec.py): draft-stage seconds per drafted token since start,
     # acceptance rate at each draft position (1st, 2nd, ...), and bonus calibration's re-run tokens and seconds
     draft_s_per_token: float = 0.0
     acceptance_by_position: tuple[float, ...] = ()

@@ -142,8 +142,8 @@ def converted_dir() -> Path:
 
 
 def calibration_dir() -> Path:
-    """Where a machine's goodput calibrations are kept (actors/spec/calibration.py): cache_dir()/calibration, beside
-    the converted folders and outside them (their manifests list every file they hold)."""
+    """Where a machine's goodput calibrations are kept (actors/speculation/calibration.py): cache_dir()/calibration,
+    beside the converted folders and outside them (their manifests list every file they hold)."""
     return cache_dir() / "calibration"
 
 

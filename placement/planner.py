@@ -122,7 +122,7 @@ def plan(
     The draft reserves KV for the same `kv_tokens` as the target (it drafts for the same sequences).
     Times are FLOPs (2 per active parameter per token, `step_tokens` tokens) over speed (1.0 = 1e9 FLOPs/ms):
     a compute-bound estimate, used to balance stages; decode on GPUs is often memory-bound, so measured
-    step times (actors/spec/cost_model.py) are the ones to trust.
+    step times (actors/speculation/cost_model.py) are the ones to trust.
 
     Worked example: two nodes, "fast" (speed 2) and "slow" (speed 1), 40 GB each, all usable; a target of
     40 layers of 1 GB weights + 0.25 GB KV each, a 0.5 GB embedding and a 0.5 GB head. On one device it

@@ -18,7 +18,7 @@ from actors.model.layers import Attention, DecoderLayer, DenseMLP, MoE, RopeTabl
 from actors.model.loader import SUPPORTED_ARCHITECTURES, LoadedModel
 from actors.model.metadata import AttentionMetadata, SeqChunk
 from actors.model.weights import Part, WeightMode, fuse, head_projection, layer_projections
-from actors.spec.easyspec import LayerParallel
+from actors.speculation.easyspec import LayerParallel
 from cluster.config import CacheConfig
 
 
@@ -139,7 +139,7 @@ class ModelRunner:
         self._invariant()
         self.rope = RopeTable(hf.model.rotary_emb, model.dtype, self.device)
         attn = self.layers[0].attn
-        self.layer_parallel: LayerParallel | None = None  # EasySpec groups of a draft (actors/spec/easyspec.py)
+        self.layer_parallel: LayerParallel | None = None  # EasySpec groups of a draft (actors/speculation/easyspec.py)
         self.cache = KVCache(
             list(layer_ids), cache.num_blocks, cache.block_size, attn.num_kv_heads, attn.head_dim, model.dtype,
             device=self.device,
@@ -197,8 +197,9 @@ class ModelRunner:
         return None
 
     def begin(self, chunks: list[SeqChunk]) -> tuple[AttentionMetadata, torch.Tensor, torch.Tensor]:
-        """Open a forward over `chunks` (`forward`'s, or an EasySpec member's part of one: actors/spec/draft_group.py):
-        room in the cache for their new tokens, the batch's attention metadata and rotary cos, sin (N, 1, hd)."""
+        """Open a forward over `chunks` (`forward`'s, or an EasySpec member's part of one:
+        actors/speculation/draft_group.py): room in the cache for their new tokens, the batch's attention metadata and
+        rotary cos, sin (N, 1, hd)."""
         for c in chunks:
             if not self.cache.reserve(c.request_id, self.cache.length(c.request_id) + len(c.token_ids)):
                 raise CacheFull(f"no KV blocks for {c.request_id}")

@@ -25,7 +25,7 @@ from actors.model.loader import load_model
 from actors.model.quant import quantize_runner
 from actors.model.runner import ModelRunner
 from actors.offline import generate
-from actors.spec.cost_model import StepCostModel
+from actors.speculation.cost_model import StepCostModel
 from cluster.config import CacheConfig, SchedulerConfig, SpeculationConfig
 from cluster.request import SamplingParams, SpecStats
 from deploy.bench.output import save

@@ -1,6 +1,6 @@
 """`specfleet bench group-step`: what one EasySpec group step costs between processes, against the layer it runs.
 
-A layer-parallel draft (actors/spec/draft_group.py) pays one exchange per group step: rank 0 broadcasts the group
+A layer-parallel draft (actors/speculation/draft_group.py) pays one exchange per group step: rank 0 broadcasts the group
 input, every rank runs its layer, an all-gather joins the results. Here each of `--ranks` processes (one torch
 thread each, gloo) runs a layer-sized MLP (the draft's hidden and intermediate sizes; default the Qwen2.5-0.5B
 draft's) in three ways, `--steps` times each: alone (no exchange, all ranks computing at once), the exchange

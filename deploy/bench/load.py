@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from actors.engine import Engine
-from actors.spec.cost_model import ForwardShape, StepCostModel
+from actors.speculation.cost_model import ForwardShape, StepCostModel
 from actors.model.loader import load_model
 from actors.model.quant import quantize_runner
 from actors.model.runner import ModelRunner

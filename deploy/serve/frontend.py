@@ -44,7 +44,7 @@ from ray.exceptions import RayError
 
 from actors.model.loader import load_metadata
 from actors.model.tokenize import encode_chat, encode_text
-from actors.spec.structured import check as check_structured
+from actors.speculation.structured import check as check_structured
 from cluster.config import SpecfleetConfig
 from cluster.prefix import block_hashes, root_hash
 from cluster.registry import NoInstanceAvailable

@@ -14,7 +14,7 @@ import grpc
 
 from pydantic import ValidationError
 
-from actors.spec.structured import parse_schema
+from actors.speculation.structured import parse_schema
 from cluster.request import (DEFAULT_MAX_TOKENS, DEFAULT_TEMPERATURE, FinishReason, InvalidRequest, SpecStats,
                              StructuredOutput)
 from deploy.serve.auth import Tenant

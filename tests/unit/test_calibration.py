@@ -11,7 +11,7 @@ import torch
 
 from actors.engine import Engine
 from actors.model.runner import ModelRunner
-from actors.spec.calibration import SIZES, CalibrationFile, setup_of
+from actors.speculation.calibration import SIZES, CalibrationFile, setup_of
 from cluster.config import CacheConfig, EngineConfig, ModelConfig, SpeculationConfig
 
 CACHE = CacheConfig(block_size=4, num_blocks=256)

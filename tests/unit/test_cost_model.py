@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from actors.spec.cost_model import ForwardShape, LinearCost, StepCostModel, nnls
+from actors.speculation.cost_model import ForwardShape, LinearCost, StepCostModel, nnls
 
 
 def synthetic(rng: np.random.Generator, weights: list[float], n: int, several_forwards: bool,

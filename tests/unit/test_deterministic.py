@@ -1,5 +1,5 @@
 """Deterministic mode in bf16 (issue 30): speculative output equals plain decoding token for token in every
-instance shape, greedy and sampled with a seed, across migration and failover (actors/spec/coupled.py,
+instance shape, greedy and sampled with a seed, across migration and failover (actors/speculation/coupled.py,
 actors/model/deterministic.py). Without deterministic mode these runs differ from plain decoding on this CPU
 (tests/unit/test_batch_invariance.py shows it for the same tiny model)."""
 
@@ -17,7 +17,7 @@ from actors.model.loader import load_metadata, load_model
 from actors.model.runner import ModelRunner
 from actors.offline import generate
 from actors.pipeline import PipelineRunner
-from actors.spec.coupled import coupled_tokens, gumbel_noise
+from actors.speculation.coupled import coupled_tokens, gumbel_noise
 from cluster.config import CacheConfig, MigrationConfig, SchedulerConfig, SpeculationConfig
 from cluster.migration import MigrationStatus, migrate
 from cluster.request import Request, Resume, SamplingParams

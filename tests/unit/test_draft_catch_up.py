@@ -8,8 +8,8 @@ import torch
 
 from actors.engine import Engine
 from actors.offline import generate
-from actors.spec.cost_model import StepCostModel
-from actors.spec.policy import BatchBase, Candidate
+from actors.speculation.cost_model import StepCostModel
+from actors.speculation.policy import BatchBase, Candidate
 from cluster.config import SpeculationConfig
 from cluster.request import Request, SamplingParams
 from tests.unit.helpers import load, reference_greedy, runner, text_prompts

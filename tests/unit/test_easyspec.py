@@ -8,8 +8,8 @@ import torch
 from actors.engine import Engine
 from actors.model.metadata import SeqChunk
 from actors.offline import generate
-from actors.spec import easyspec
-from actors.spec.easyspec import layer_groups
+from actors.speculation import easyspec
+from actors.speculation.easyspec import layer_groups
 from cluster.config import DraftParallelConfig, SchedulerConfig, SpeculationConfig
 from cluster.request import Request, SamplingParams
 from tests.unit.helpers import drain, load, reference_greedy, runner, text_prompts

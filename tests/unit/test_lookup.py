@@ -1,12 +1,12 @@
-"""Model-free drafters on plain token lists: n-gram prompt lookup and the suffix trie (actors/spec/lookup.py)."""
+"""Model-free drafters on plain token lists: n-gram prompt lookup and the suffix trie (actors/speculation/lookup.py)."""
 
 from __future__ import annotations
 
 import random
 from types import SimpleNamespace
 
-from actors.spec.drafters import LookupDrafter
-from actors.spec.lookup import NgramIndex, OutputCache, SuffixIndex, SuffixTrie, suffix_propose
+from actors.speculation.drafters import LookupDrafter
+from actors.speculation.lookup import NgramIndex, OutputCache, SuffixIndex, SuffixTrie, suffix_propose
 from cluster.config import SpeculationConfig
 
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from actors.spec.cost_model import ForwardShape, StepCostModel
-from actors.spec.policy import (
+from actors.speculation.cost_model import ForwardShape, StepCostModel
+from actors.speculation.policy import (
     Acceptance, BatchBase, Candidate, FixedPolicy, GoodputPolicy, OffPolicy, expected_tokens, make_policy,
 )
 from cluster.config import SpeculationConfig

@@ -13,7 +13,7 @@ import pytest
 
 from actors.engine import Engine
 from actors.offline import generate
-from actors.spec import easyspec
+from actors.speculation import easyspec
 from cluster.config import DraftParallelConfig, SchedulerConfig, SpeculationConfig
 from cluster.request import SamplingParams
 from tests.unit.helpers import load, reference_greedy, runner, text_prompts

@@ -8,8 +8,8 @@ from transformers.generation.logits_process import RepetitionPenaltyLogitsProces
 
 from actors.engine import Engine
 from actors.offline import generate
-from actors.spec.processors import process
-from actors.spec.sampling import probs_from_logits
+from actors.speculation.processors import process
+from actors.speculation.sampling import probs_from_logits
 from cluster.config import SchedulerConfig, SpeculationConfig
 from cluster.request import SamplingParams
 from tests.unit.helpers import chi_square, load, reference_greedy, runner, text_prompts

@@ -10,9 +10,9 @@ import torch
 from actors.engine import Engine
 from actors.model.metadata import SeqChunk
 from actors.offline import generate
-from actors.spec.drafters import Proposal
-from actors.spec.sampling import make_generator, probs_from_logits, sample
-from actors.spec.verify import verify_greedy, verify_sampled
+from actors.speculation.drafters import Proposal
+from actors.speculation.sampling import make_generator, probs_from_logits, sample
+from actors.speculation.verify import verify_greedy, verify_sampled
 from cluster.config import SpeculationConfig
 from cluster.request import FinishReason, SamplingParams
 from tests.unit.helpers import chi_square, load, runner, text_prompts
@@ -226,7 +226,7 @@ def test_sample_draws_from_the_distribution() -> None:
 # ---- the engine ----------------------------------------------------------------------------------
 def sampling_engine(tiny_models, tiny_draft_models, family: str = "llama", draft: str = "pair", k: int = 3,
                     coupled: bool = False) -> Engine:
-    """`coupled`: deterministic mode's draw, by position-keyed noise (actors/spec/coupled.py)."""
+    """`coupled`: deterministic mode's draw, by position-keyed noise (actors/speculation/coupled.py)."""
     target = load(tiny_models[family])
     if draft in ("ngram", "suffix"):
         return Engine(runner(target), None, SpeculationConfig(k=k, method=draft, ngram={"min_n": 1, "max_n": 3}),

@@ -6,7 +6,7 @@ import pytest
 
 from actors.engine import Engine
 from actors.offline import generate
-from actors.spec.cost_model import StepCostModel
+from actors.speculation.cost_model import StepCostModel
 from cluster.config import SchedulerConfig, SpeculationConfig
 from cluster.request import FinishReason, Request, SamplingParams
 from tests.fixtures.tiny_models import build_tiny_model

@@ -7,7 +7,7 @@
     E(alpha, k) = 1 + alpha + ... + alpha^k        (accepted drafts + the target's own token),
 
 with alpha_i the request's estimated per-token acceptance and step_seconds from the fitted cost model
-(actors/spec/cost_model.py). k = 0 is a candidate, so under heavy load or with a poor draft the
+(actors/speculation/cost_model.py). k = 0 is a candidate, so under heavy load or with a poor draft the
 policy turns speculation off by itself, per request. The search tries each cap c = 1..K (the cap fixes
 how many draft forwards run), starts every request at min(c, its own limit), then lowers single
 requests' k while that raises goodput (requests with poor acceptance drop first).
@@ -31,7 +31,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from actors.spec.cost_model import ATTENTION_UNIT, ForwardShape, StepCostModel
+from actors.speculation.cost_model import ATTENTION_UNIT, ForwardShape, StepCostModel
 from cluster.config import SpeculationConfig
 
 

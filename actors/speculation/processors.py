@@ -4,7 +4,7 @@ A speculative round scores k + 1 positions at once; position j must be processed
 would process it after emitting the round's first j drafts. So every processor here sees, per position, the
 request's tokens so far plus `drafts[:j]`: counts for the penalties are cumulative over the drafts, min_tokens
 counts them as generated, and the grammar mask of position j is the matcher's after consuming them
-(actors/spec/grammar.py). The same function processes the draft model's logits while it proposes (the draft
+(actors/speculation/grammar.py). The same function processes the draft model's logits while it proposes (the draft
 position then sees the tokens it proposed before), so the draft samples from what it will be verified against.
 
 Semantics, as vLLM and the OpenAI API define them, applied in vLLM's order (repetition, then frequency and presence,

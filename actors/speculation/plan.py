@@ -2,7 +2,7 @@
 the KV that can be reserved for the drafts.
 
 The draft follows no prefill chunk: it catches up when a request next drafts, and the policy is told each
-request's catch-up (its draft backlog) as part of that request's cost (actors/spec/policy.py).
+request's catch-up (its draft backlog) as part of that request's cost (actors/speculation/policy.py).
 """
 
 from __future__ import annotations
@@ -10,9 +10,9 @@ from __future__ import annotations
 from typing import Protocol
 
 from actors.scheduler import Schedule, Work
-from actors.spec.cost_model import ATTENTION_UNIT, ForwardShape
-from actors.spec.drafters import Drafter
-from actors.spec.policy import Acceptance, BatchBase, Candidate, SpecPolicy
+from actors.speculation.cost_model import ATTENTION_UNIT, ForwardShape
+from actors.speculation.drafters import Drafter
+from actors.speculation.policy import Acceptance, BatchBase, Candidate, SpecPolicy
 from actors.step import Drafting, SpecPlan
 
 

@@ -5,7 +5,7 @@ the draft shard proper: it embeds, runs the sequential head and tail layers, the
 and returns the logits. In a group step, member i runs the i-th layer of the group (rank 0 the first), so each
 rank owns at most one layer per step and holds KV only for its own layers. A step that involves another rank
 is one exchange: rank 0 broadcasts the step's input x (N, H), every rank computes its layer's contribution
-(actors/spec/easyspec.py: attention output, or whole-layer update), and an all-gather hands rank 0 all of
+(actors/speculation/easyspec.py: attention output, or whole-layer update), and an all-gather hands rank 0 all of
 them. A sequential (exact) forward walks the same layers one per step, so a calibration forward costs one
 exchange per layer owned by another rank. Followers (ranks > 0) receive the same chunks and cache ops as rank 0
 each call and walk the same steps in lockstep (`follow`).
@@ -23,7 +23,7 @@ from actors.model.layers import DecoderLayer
 from actors.model.metadata import AttentionMetadata, SeqChunk
 from actors.model.runner import ModelRunner
 from actors.p2p import P2P
-from actors.spec.easyspec import LayerParallel, Mode, contribution, layer_groups
+from actors.speculation.easyspec import LayerParallel, Mode, contribution, layer_groups
 from cluster.config import DraftParallelConfig
 
 
@@ -57,7 +57,8 @@ def exchange(p2p: P2P, x: torch.Tensor, compute: Callable[[torch.Tensor], torch.
 
 
 class GroupMembers:
-    """Members (actors/spec/easyspec.py) for rank 0: layers owned by other ranks are computed there, over `p2p`."""
+    """Members (actors/speculation/easyspec.py) for rank 0: layers owned by other ranks are computed there, over
+    `p2p`."""
 
     def __init__(self, owner: dict[int, int], p2p: P2P) -> None:
         self.owner, self.p2p = owner, p2p

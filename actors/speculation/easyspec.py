@@ -10,12 +10,12 @@ outputs are gathered, then the members' MLPs run in order on the accumulated res
 
 `mode="layer"`: each member runs its whole layer on x and the residual updates are summed. Each member writes
 KV only for its own layer. The result approximates the sequential forward, so the KV a parallel forward writes
-is "fuzzy"; bonus calibration (actors/spec/drafters.py) crops it after each verification and re-runs the
+is "fuzzy"; bonus calibration (actors/speculation/drafters.py) crops it after each verification and re-runs the
 accepted tokens in true order. A forward with `parallel=False` runs every layer in order and is exact; a group
 of one is the sequential layer, so `group_size=1` is plain drafting.
 
 Where the members' layers run is a `Members`: `LocalMembers` computes them all in this process (tests, one
-device); actors/spec/draft_group.py gathers them from member processes over torch.distributed.
+device); actors/speculation/draft_group.py gathers them from member processes over torch.distributed.
 Shape legend as in actors/model/layers.py: N new tokens (packed), H hidden size.
 """
 

@@ -4,9 +4,9 @@ The engine asks a drafter, per step, for a `Proposal` (actors/step.py) per draft
 and, for sampled requests, the draft distribution q of each. A model drafter runs its own forwards over its own
 KV; its cache follows a request only while the request drafts: it catches up on the tokens it has not
 seen (lazily, in its first forward of the next round that drafts), so a request the policy gives k = 0
-costs it nothing. A lookup drafter (n-gram, suffix; actors/spec/lookup.py) runs no forward and holds no
+costs it nothing. A lookup drafter (n-gram, suffix; actors/speculation/lookup.py) runs no forward and holds no
 KV; its proposals are deterministic, so q is one-hot on the proposed token, with which rejection
-sampling (actors/spec/verify.py) still emits exactly the target's distribution.
+sampling (actors/speculation/verify.py) still emits exactly the target's distribution.
 """
 
 from __future__ import annotations
@@ -22,11 +22,11 @@ from actors.model.metadata import SeqChunk
 from actors.model.runner import ModelRunner
 from actors.scheduler import Work
 from actors.sequence import Sequence
-from actors.spec.cost_model import ATTENTION_UNIT, ForwardShape
-from actors.spec.coupled import coupled_tokens
-from actors.spec.lookup import NgramIndex, OutputCache, SuffixIndex, suffix_propose
-from actors.spec.processors import process_request, processes
-from actors.spec.sampling import probs_from_logits, sample
+from actors.speculation.cost_model import ATTENTION_UNIT, ForwardShape
+from actors.speculation.coupled import coupled_tokens
+from actors.speculation.lookup import NgramIndex, OutputCache, SuffixIndex, suffix_propose
+from actors.speculation.processors import process_request, processes
+from actors.speculation.sampling import probs_from_logits, sample
 from actors.step import Drafting, Drafts, Proposal
 from cluster.config import DraftParallelConfig, SpeculationConfig
 
@@ -73,10 +73,11 @@ class ModelDrafter:
                  parallel: DraftParallelConfig = DraftParallelConfig(), coupled: bool = False) -> None:
         self.runner = runner
         self.device = device  # where the target's logits arrive: q must sit beside p
-        self.coupled = coupled  # sampled proposals by position-keyed noise, as the target's (actors/spec/coupled.py)
+        # sampled proposals by position-keyed noise, as the target's (actors/speculation/coupled.py)
+        self.coupled = coupled
         self.kind: DraftKind = "model_int8" if quantized else "model"
-        # EasySpec (actors/spec/easyspec.py): forwards after a round's first run the layer groups in parallel; with
-        # bonus calibration the first runs in true order and the KV of the parallel ones is dropped after verifying
+        # EasySpec (actors/speculation/easyspec.py): forwards after a round's first run the layer groups in parallel;
+        # with bonus calibration the first runs in true order and the KV of the parallel ones is dropped after verifying
         self.parallel = parallel.enabled
         self.calibrate = parallel.calibrate or not parallel.enabled
         self._exact: dict[str, int] = {}  # per request, the prefix of its draft KV computed in true layer order
@@ -277,7 +278,7 @@ class LookupDrafter:
 def make_drafter(cfg: SpeculationConfig, draft: ModelRunner | None, quantized: bool = False,
                  device: torch.device | None = None, coupled: bool = False) -> Drafter | None:
     """The drafter `cfg.method` names; None when there is nothing to draft with (method model, no draft runner).
-    `coupled`: sampled requests draw by position-keyed noise (deterministic mode, actors/spec/coupled.py)."""
+    `coupled`: sampled requests draw by position-keyed noise (deterministic mode, actors/speculation/coupled.py)."""
     if cfg.method in ("ngram", "suffix"):
         return LookupDrafter(cfg.method, cfg)
     return ModelDrafter(draft, quantized, device, cfg.draft_parallel, coupled) if draft is not None else None

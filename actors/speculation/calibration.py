@@ -1,6 +1,6 @@
 """A machine's goodput calibration kept on disk: the engine's timed forwards, saved under what sets their times.
 
-The goodput policy needs the step-time model (actors/spec/cost_model.py) before its first step, so
+The goodput policy needs the step-time model (actors/speculation/cost_model.py) before its first step, so
 Engine.calibrate times forwards at the model's knots: about 1.4 s of every start of the default app on a
 2-core CPU, a quarter of its time to first token. Those times depend on the weights and the layers run, the
 dtype, the device, the CPU and the torch threads; that is the key (`setup`). A start whose setup matches a
@@ -34,7 +34,7 @@ import torch
 
 from actors.device import device_name
 from actors.model.metadata import SeqChunk
-from actors.spec.cost_model import ATTENTION_UNIT, ForwardShape, StepCostModel
+from actors.speculation.cost_model import ATTENTION_UNIT, ForwardShape, StepCostModel
 from cluster.config import EngineConfig
 
 log = logging.getLogger(__name__)
