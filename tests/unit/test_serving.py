@@ -123,16 +123,27 @@ def test_states_report_held_requests_as_running_and_ended_ones_with_their_status
         loop.close()
 
 
-def test_a_step_barrier_places_an_abort_between_two_chosen_steps(tiny_models) -> None:
-    """Held after its second step, the loop applies an abort posted meanwhile before its third: the stream has the
-    two steps' tokens (no speculation, a prompt that fits one step: one token each), then the abort, nothing else."""
+def held_after_two_steps(tiny_models, max_tokens: int):
+    """A loop (no speculation) serving request "r" of `max_tokens` greedy tokens, held by its barrier after step 2
+    (a prompt that fits one step: one token a step): the engine, barrier, loop, collector and prompt."""
     engine = engine_for(tiny_models["llama"], None, policy="off")
     barrier = StepBarrier(after=2, timeout_s=30)
     loop, got = ServingLoop(engine, between_steps=barrier), Collector()
     prompt = tuple(text_prompts(load(tiny_models["llama"]), 1)[0])
     try:
-        loop.submit(Request("r", prompt, greedy(50, ignore_eos=True)), got.sink("r")).result(30)
+        loop.submit(Request("r", prompt, greedy(max_tokens, ignore_eos=True)), got.sink("r")).result(30)
         assert barrier.reached.wait(30)
+    except BaseException:
+        loop.close()
+        raise
+    return engine, barrier, loop, got, prompt
+
+
+def test_a_step_barrier_places_an_abort_between_two_chosen_steps(tiny_models) -> None:
+    """Held after its second step, the loop applies an abort posted meanwhile before its third: the stream has the
+    two steps' tokens (no speculation, a prompt that fits one step: one token each), then the abort, nothing else."""
+    engine, barrier, loop, got, prompt = held_after_two_steps(tiny_models, 50)
+    try:
         aborted = loop.abort("r")  # posted while the loop is held between steps 2 and 3
         barrier.release()
         assert aborted.result(30) is True
@@ -147,13 +158,8 @@ def test_a_step_barrier_places_an_abort_between_two_chosen_steps(tiny_models) ->
 def test_a_paused_loop_takes_no_step_but_applies_commands_until_resumed_or_its_deadline(tiny_models) -> None:
     """Paused between steps 2 and 3, the stream holds its two tokens while calls still run; resumed, it finishes with
     the target's output. A pause nobody ends lasts only its deadline."""
-    engine = engine_for(tiny_models["llama"], None, policy="off")
-    barrier = StepBarrier(after=2, timeout_s=30)
-    loop, got = ServingLoop(engine, between_steps=barrier), Collector()
-    prompt = tuple(text_prompts(load(tiny_models["llama"]), 1)[0])
+    engine, barrier, loop, got, prompt = held_after_two_steps(tiny_models, 12)
     try:
-        loop.submit(Request("r", prompt, greedy(12, ignore_eos=True)), got.sink("r")).result(30)
-        assert barrier.reached.wait(30)
         paused = loop.pause(60.0)  # applied before step 3
         barrier.release()
         paused.result(30)
