@@ -36,15 +36,26 @@ def ops():
         return None
     from torch.utils.cpp_extension import load
 
-    digest = hashlib.sha256(b"".join(s.read_bytes() for s in SOURCES) + " ".join(FLAGS).encode()).hexdigest()[:12]
     try:
-        load(name=f"specfleet_cpu_{digest}", sources=[str(s) for s in SOURCES], extra_cflags=FLAGS,
+        load(name=f"specfleet_cpu_{build_id()}", sources=[str(s) for s in SOURCES], extra_cflags=FLAGS,
              is_python_module=False, verbose=False)
     except (OSError, RuntimeError) as e:  # no compiler, or it refused the flags: torch's ops do the work
         log.warning("our AVX512-BF16 CPU kernels could not be built (%s); using torch's ops", e)
         return None
     _register_fake()
     return torch.ops.specfleet
+
+
+@functools.cache
+def build_id() -> str:
+    """The kernels' identity: a digest of their sources and compiler flags (the name of their build)."""
+    return hashlib.sha256(b"".join(s.read_bytes() for s in SOURCES) + " ".join(FLAGS).encode()).hexdigest()[:12]
+
+
+def identity() -> str:
+    """What computes this process's CPU matmuls and fused steps: our kernels' `build_id()`, or "torch" where they do
+    not run (without building them)."""
+    return "torch" if unavailable() is not None else build_id()
 
 
 def unavailable() -> str | None:

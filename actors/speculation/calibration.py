@@ -3,9 +3,10 @@
 The goodput policy needs the step-time model (actors/speculation/cost_model.py) before its first step, so
 Engine.calibrate times forwards at the model's knots: about 1.4 s of every start of the default app on a
 2-core CPU, a quarter of its time to first token. Those times depend on the weights and the layers run, the
-dtype, the device, the CPU and the torch threads; that is the key (`setup`). A start whose setup matches a
-saved one refits from the saved points instead of timing again, and its online window then follows drift
-exactly as after a fresh calibration. As with an autotuner's cache (TensorRT's timing cache, Triton's
+dtype, the device, the CPU, the torch threads and, on a CPU, which kernels compute (ours, by the digest of
+their sources, or torch's): that is the key (`setup`). A start whose setup matches a saved one refits from the
+saved points instead of timing again, and its online window then follows drift exactly as after a fresh
+calibration. As with an autotuner's cache (TensorRT's timing cache, Triton's
 autotune cache), a stale entry costs accuracy, never correctness: the policy only picks how many tokens to
 draft, and verification keeps the output lossless whatever it picks.
 
@@ -33,6 +34,7 @@ from collections.abc import Iterable
 import torch
 
 from actors.device import device_name
+from actors.model import cpu_kernels
 from actors.model.metadata import SeqChunk
 from actors.speculation.cost_model import ATTENTION_UNIT, ForwardShape, StepCostModel
 from cluster.config import EngineConfig
@@ -95,6 +97,8 @@ def setup_of(cfg: EngineConfig, device: torch.device) -> dict:
         "max_model_len": m.max_model_len, "method": cfg.speculation.method,
         "draft_parallel": cfg.speculation.draft_parallel.model_dump(mode="json"),
         "block_size": cfg.cache.block_size, "device": device_name(device), "machine": machine(),
+        # a kernel change (or SPECFLEET_CPU_KERNELS=torch) changes the forward times as much as another CPU would
+        "kernels": cpu_kernels.identity() if device.type == "cpu" else None,
         "sizes": SIZES, "repeats": REPEATS,
     }
 

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from actors.engine import Engine
+from actors.model import cpu_kernels
 from actors.model.runner import ModelRunner
 from actors.speculation.calibration import SIZES, CalibrationFile, setup_of
 from cluster.config import CacheConfig, EngineConfig, ModelConfig, SpeculationConfig
@@ -104,6 +105,24 @@ def test_a_damaged_calibration_file_is_timed_again_and_rewritten(tiny_models, tm
     rewritten = json.loads(path.read_text())
     assert rewritten["setup"] == good["setup"] and len(rewritten["points"]) == len(good["points"])
     assert CalibrationFile(tmp_path, setup_of(cfg, torch.device("cpu"))).load() is not None
+
+
+def test_other_kernels_are_timed_again_under_their_own_file(tiny_models, tmp_path, monkeypatch) -> None:
+    """A change to our CPU kernels (their sources' digest), or torch's ops in their place, changes the forward times
+    as another CPU would: a calibration saved with other kernels is not reused."""
+    cfg = _config(tiny_models["llama"])
+    monkeypatch.setenv("SPECFLEET_CPU_KERNELS", "torch")
+    assert setup_of(cfg, torch.device("cpu"))["kernels"] == "torch"
+    Engine.from_config(cfg, calibration_dir=tmp_path)
+    monkeypatch.delenv("SPECFLEET_CPU_KERNELS")
+    monkeypatch.setattr(cpu_kernels, "identity", lambda: "0123456789ab")  # as after an edit of int4_cpu.cpp
+    forwards = ForwardCount(monkeypatch)
+
+    Engine.from_config(cfg, calibration_dir=tmp_path)
+
+    assert forwards.calls >= len(SIZES)  # timed again
+    assert {json.loads(p.read_text())["setup"]["kernels"] for p in tmp_path.glob("*.json")} == {"torch",
+                                                                                                 "0123456789ab"}
 
 
 def test_an_engine_without_a_calibration_folder_times_every_start(tiny_models, monkeypatch) -> None:
