@@ -15,8 +15,7 @@ import copy
 import functools
 from typing import TYPE_CHECKING
 
-from actors.kv_cache import KVExport
-from actors.kv_links import LinkedKV, kv_span
+from actors.kv_links import MigratedKV, kv_span
 from actors.sequence import Sequence, SeqStatus
 from actors.speculation.drafters import ModelDrafter
 from cluster.migration import BlockNames, Link, Reservation
@@ -64,7 +63,7 @@ class EngineMigration:
 
     # ---- the source -------------------------------------------------------------------------
     def export_kv(self, request_id: str, start: int, end: int | None = None,
-                  links: list[Link] | None = None) -> list[KVExport] | LinkedKV:
+                  links: list[Link] | None = None) -> MigratedKV:
         """The request's target KV from token `start` to `end` (default: what it holds now), one export per stage, or
         with `links` (a migration's) sent by the stages over them; none for a request that holds no KV (queued,
         never started)."""
@@ -75,7 +74,7 @@ class EngineMigration:
         return target.export_kv(request_id, start, have if end is None else min(end, have), links)
 
     def export_out(self, request_id: str, start: int, end: int, links: list[Link] | None = None
-                   ) -> tuple[list[KVExport] | LinkedKV, int] | None:
+                   ) -> tuple[MigratedKV, int] | None:
         """A migration's copy: the request's KV from `start` to `end` (or to what it holds; over `links` if given),
         and where that ends; None if it is not here, or holds less than `start` (preempted since its copy began:
         its KV was freed)."""
@@ -85,7 +84,7 @@ class EngineMigration:
         return self.export_kv(request_id, start, end, links), end
 
     def export_draft(self, request_id: str, start: int = 0, end: int | None = None,
-                     links: list[Link] | None = None) -> list[KVExport] | LinkedKV | None:
+                     links: list[Link] | None = None) -> MigratedKV | None:
         """A migration's copy of the request's draft KV from `start` to `end` (or to what it holds) as it stands
         between two steps (the draft's view of the accepted tokens: a prefix of the request that never changes),
         or with `links` sent over them; None without a draft model whose KV can move (an EasySpec group's is
@@ -99,7 +98,7 @@ class EngineMigration:
         return draft.export_kv(request_id, start, n if end is None else min(end, n), links)
 
     def stop_out(self, request_id: str, start: int, links: list[Link] | None = None
-                 ) -> tuple[Sequence, Resume, list[KVExport] | LinkedKV, int] | None:
+                 ) -> tuple[Sequence, Resume, MigratedKV, int] | None:
         """A migration's stop: the rest of the request's KV from `start` (over `links` if given), then the request
         taken out of the step loop (KV kept until released); None, and the request left running, if `export_out`
         would give None."""
@@ -143,12 +142,12 @@ class EngineMigration:
             e.drafter.imported(request_id, draft)
         return Reservation(cached, draft, self.kv_bytes_per_token)
 
-    def import_kv(self, exports: list[KVExport] | LinkedKV) -> bool:
+    def import_kv(self, exports: MigratedKV) -> bool:
         """Append an arriving request's KV (exported by any split of the same model, or received over a migration's
         links); False if out of blocks. A request that held no KV at its source (queued there) arrives with none."""
         return self.engine.target.import_kv(exports) if exports else True
 
-    def import_draft(self, exports: list[KVExport] | LinkedKV) -> bool:
+    def import_draft(self, exports: MigratedKV) -> bool:
         """Append an arriving request's draft KV (its draft then catches up only on the tokens after it); False,
         changing nothing, without a draft model whose KV can move, if it does not continue what came before, or
         without room (the draft catches up from what it has)."""

@@ -20,7 +20,7 @@ from actors.engine import Engine
 from actors.engine_migration import EngineMigration
 from actors.executor import ExpertRanks, ShardFailure
 from actors.kv_cache import KVExport
-from actors.kv_links import LinkedKV
+from actors.kv_links import MigratedKV
 from actors.moe.profile import RoutingStats
 from actors.pipeline import PipelineRunner
 from actors.sequence import Sequence
@@ -32,7 +32,6 @@ from cluster.request import FinishReason, Request, Resume, TokenDelta
 from cluster.stats import EngineStats
 
 T = TypeVar("T")
-KV = list[KVExport] | LinkedKV  # a migration's KV payload: exports through the object store, or headers of links
 
 
 class InstanceUnhealthy(RuntimeError):
@@ -183,14 +182,14 @@ class Instance:
         return self._moves.block_names(request_id)
 
     def export_out(self, request_id: str, start: int, end: int, links: list[Link] | None = None
-                   ) -> tuple[KV, int] | None:
+                   ) -> tuple[MigratedKV, int] | None:
         return self._guarded(lambda: self._moves.export_out(request_id, start, end, links))
 
-    def export_draft(self, request_id: str, start: int, end: int, links: list[Link] | None = None) -> KV | None:
+    def export_draft(self, request_id: str, start: int, end: int, links: list[Link] | None = None) -> MigratedKV | None:
         return self._guarded(lambda: self._moves.export_draft(request_id, start, end, links))
 
     def stop_out(self, request_id: str, start: int, links: list[Link] | None = None
-                 ) -> tuple[Sequence, Resume, KV, int] | None:
+                 ) -> tuple[Sequence, Resume, MigratedKV, int] | None:
         return self._guarded(lambda: self._moves.stop_out(request_id, start, links))
 
     def release_detached(self, seq: Sequence) -> None:
@@ -202,10 +201,10 @@ class Instance:
     def reserve_incoming(self, request_id: str, tokens: int, names: BlockNames = BlockNames()) -> Reservation | None:
         return self._guarded(lambda: self._moves.reserve_incoming(request_id, tokens, names))
 
-    def import_kv(self, kv: KV) -> bool:
+    def import_kv(self, kv: MigratedKV) -> bool:
         return self._guarded(lambda: self._moves.import_kv(kv))
 
-    def import_draft(self, kv: KV) -> bool:
+    def import_draft(self, kv: MigratedKV) -> bool:
         return self._guarded(lambda: self._moves.import_draft(kv))
 
     def drop_incoming(self, request_id: str) -> None:

@@ -31,9 +31,8 @@ from ray.actor import ActorHandle
 from actors.build import local_instance, ray_instance
 from actors.engine import RequestError
 from actors.instance import Instance, InstanceUnhealthy
-from actors.kv_cache import KVExport
 from actors.executor import KVLinks
-from actors.kv_links import LinkedKV, kv_span
+from actors.kv_links import LinkedKV, MigratedKV, kv_span
 from actors.leases import Leases
 from actors.p2p import use_node_interface
 from actors.pipeline import PipelineRunner
@@ -174,22 +173,22 @@ class InstanceServer:
         return reserved
 
     async def migrate_export(self, request_id: str, start: int, end: int, via: str | None = None
-                             ) -> tuple[list[KVExport] | LinkedKV, int] | None:
+                             ) -> tuple[MigratedKV, int] | None:
         links = self._route(via, "target")
         return await self._on_loop(lambda: self.instance.export_out(request_id, start, end, links))
 
-    async def migrate_import(self, kv: list[KVExport] | LinkedKV) -> bool:
+    async def migrate_import(self, kv: MigratedKV) -> bool:
         self._renew_incoming(kv)
         await self._receive(self.instance.target, kv)
         return await self._on_loop(lambda: self.instance.import_kv(kv))
 
     async def migrate_export_draft(self, request_id: str, start: int, end: int, via: str | None = None
-                                   ) -> tuple[list[KVExport] | LinkedKV, int] | None:
+                                   ) -> tuple[MigratedKV, int] | None:
         links = self._route(via, "draft")
         got = await self._on_loop(lambda: self.instance.export_draft(request_id, start, end, links))
         return None if got is None else (got, kv_span(got)[2])
 
-    async def migrate_import_draft(self, kv: list[KVExport] | LinkedKV) -> bool:
+    async def migrate_import_draft(self, kv: MigratedKV) -> bool:
         if self.instance.draft is None or not self.instance.draft.exports_kv:
             return False  # a draft whose KV cannot move takes none (no links were opened for it)
         self._renew_incoming(kv)
@@ -197,7 +196,7 @@ class InstanceServer:
         return await self._on_loop(lambda: self.instance.import_draft(kv))
 
     async def migrate_stop(self, request_id: str, start: int, via: str | None = None, lease_s: float = 60.0
-                           ) -> tuple[Request, list[KVExport] | LinkedKV, int, float] | None:
+                           ) -> tuple[Request, MigratedKV, int, float] | None:
         asked = time.perf_counter()
         links = self._route(via, "target")
 
@@ -223,7 +222,7 @@ class InstanceServer:
         """The links of migration `via` that carry `pipeline`'s KV; None: it goes through the object store."""
         return None if via is None else self._links.get(via, {}).get(pipeline)
 
-    async def _receive(self, runner: PipelineRunner, kv: list[KVExport] | LinkedKV) -> None:
+    async def _receive(self, runner: PipelineRunner, kv: MigratedKV) -> None:
         """KV that went over links: its stages receive it now, off the step loop (the import then takes it)."""
         if isinstance(kv, LinkedKV):
             await asyncio.to_thread(runner.executor.receive_links, kv)
@@ -306,7 +305,7 @@ class InstanceServer:
         if self._handed_in.pop(request_id, None) is not None:  # no client will follow it here
             await self.abort(request_id)
 
-    def _renew_incoming(self, kv: list[KVExport] | LinkedKV) -> None:
+    def _renew_incoming(self, kv: MigratedKV) -> None:
         if kv:
             self._leases.renew(("incoming", kv_span(kv)[0]))
 

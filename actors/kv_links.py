@@ -49,6 +49,10 @@ class LinkedKV:
     parts: tuple[LinkPart, ...]
 
 
+# a migration's KV payload: exports through the object store, or the headers of what went over links
+MigratedKV = list[KVExport] | LinkedKV
+
+
 def kv_span(kv: Sequence[KVExport] | LinkedKV) -> tuple[str, int, int]:
     """(request, start, end) of a payload, whichever way it travelled (a list of exports is never empty here)."""
     if isinstance(kv, LinkedKV):

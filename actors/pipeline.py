@@ -19,7 +19,7 @@ import torch
 from actors.executor import ExpertRanks, ExportsKV, KVLinks, ShardFailure, StageExecutor, StageRun
 from actors.kv_cache import KVExport, reshard
 from actors.kv_ledger import KVLedger
-from actors.kv_links import LinkedKV, kv_span
+from actors.kv_links import LinkedKV, MigratedKV, kv_span
 from actors.model.loader import LoadedModel
 from actors.model.metadata import SeqChunk
 from actors.model.runner import CacheFull
@@ -94,7 +94,7 @@ class PipelineRunner:
 
     # ---- KV migration -----------------------------------------------------------------------
     def export_kv(self, request_id: str, start: int = 0, end: int | None = None,
-                  links: list[Link] | None = None) -> list[KVExport] | LinkedKV:
+                  links: list[Link] | None = None) -> MigratedKV:
         """KV of tokens [start, end) of a request: one export per stage, or with `links` (a migration's) sent by
         the stages themselves, and what each link carried."""
         end = self.cache.length(request_id) if end is None else end
