@@ -184,7 +184,7 @@ class Engine:
         """Raise RequestError if the request can never be served; changes nothing."""
         params, vocab = request.params, self.target.model.config.vocab_size
         check_prompt(request.prompt_token_ids, params.max_tokens, self.max_model_len, vocab)
-        if any(s.request_id == request.request_id for s in self.waiting + self.running):
+        if self.sequence(request.request_id) is not None:
             raise RequestError(f"request id {request.request_id!r} is already in use")
         if any(t >= vocab for t in params.logit_bias):
             raise RequestError(f"logit_bias token ids must be in [0, {vocab})", param="logit_bias")
@@ -210,6 +210,10 @@ class Engine:
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
+
+    def sequence(self, request_id: str) -> Sequence | None:
+        """The request's sequence if it is queued or running here."""
+        return next((s for s in self.waiting + self.running if s.request_id == request_id), None)
 
     def flush(self) -> None:
         """Nothing to ship: the runners take the cache ops of the last step with their next forward (an Instance

@@ -34,8 +34,7 @@ class EngineMigration:
     # ---- what a request holds ---------------------------------------------------------------
     def holds(self, request_id: str) -> bool:
         """Whether the request is queued or running here."""
-        e = self.engine
-        return any(s.request_id == request_id for s in e.waiting + e.running)
+        return self.engine.sequence(request_id) is not None
 
     def kv_length(self, request_id: str) -> int:
         """Tokens of a request whose target KV this engine holds."""
@@ -45,7 +44,7 @@ class EngineMigration:
         """A migration's source: the names of the full blocks of the request's target and draft KV (none without
         prefix caching), for the destination to reuse those it caches."""
         e = self.engine
-        seq = next((s for s in e.waiting + e.running if s.request_id == request_id), None)
+        seq = e.sequence(request_id)
         if seq is None or seq.target_names is None:
             return BlockNames()
         draft = e.draft.cache.length(request_id) if seq.draft_names is not None else 0
