@@ -100,7 +100,8 @@ def shard_specs(cfg: EngineConfig, layout: ShardLayout) -> tuple[list[ShardSpec]
         stages = expert_rank_specs(cfg, num_layers)
     else:
         stages = [ShardSpec(m.target, m.dtype, s.layer_ids, first=i == 0, last=i == last, cache=cfg.cache,
-                            device=m.device, weights=m.weights, deterministic=cfg.deterministic)
+                            device=m.device, weights=m.weights, activations=m.activations,
+                            deterministic=cfg.deterministic)
                   for i, s in enumerate(layout.stages)]
     draft = draft_spec(cfg)
     if draft is not None and layout.draft_node is None:
@@ -112,7 +113,7 @@ def expert_rank_specs(cfg: EngineConfig, num_layers: int) -> list[ExpertSpec]:
     """What each expert-parallel rank of the target loads: every layer, its slice of the (planned) experts."""
     m, ep = cfg.model, cfg.experts
     shard = ShardSpec(m.target, m.dtype, tuple(range(num_layers)), first=True, last=True, cache=cfg.cache,
-                      device=m.device, weights=m.weights)
+                      device=m.device, weights=m.weights, activations=m.activations)
     return [ExpertSpec(shard, rank=i, size=ep.ranks, plan=ep.plan, attention=ep.attention,
                        stats=ep.stats if ep.attention == "tensor" else None, confidence=ep.confidence)
             for i in range(ep.ranks)]
@@ -128,7 +129,7 @@ def draft_spec(cfg: EngineConfig) -> ShardSpec | None:
     else:
         source, layer_ids = m.target, tuple(m.draft_layers or ())
     return ShardSpec(source, m.dtype, layer_ids, first=True, last=True, cache=cfg.cache,
-                     quantization=m.draft_quantization, weights=m.weights, device=m.device,
+                     quantization=m.draft_quantization, weights=m.weights, activations=m.activations, device=m.device,
                      draft_parallel=cfg.speculation.draft_parallel)
 
 

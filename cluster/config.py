@@ -44,6 +44,11 @@ class ModelConfig(_Frozen):
     # expanded to `dtype`, "int8" / "int4" quantized at load (round to nearest, gpt-fast style). Applies to the
     # target and to a draft model. "stored" is measured faster in bf16, plain and speculative, batch 1 and 8 (docs/benchmarks.md).
     weights: Literal["stored", "dequantized", "int8", "int4"] = "stored"
+    # how our CPU int4 kernel (bf16 on AVX512-BF16/VNNI CPUs) takes a linear map's input rows: "int8" rounds each
+    # row per group of 32 (llama.cpp's Q8_0 dot products, measured 1.2-1.5x faster per step: docs/benchmarks.md;
+    # speculation stays lossless against plain decoding on the same path), "bf16" takes them as given (the exact
+    # result of the stored weights, rounded once). Elsewhere (fp32, CUDA, other CPUs) it changes nothing.
+    activations: Literal["int8", "bf16"] = "int8"
     # the draft re-quantized at load, whatever `weights` is (gpt-fast style); cheaper drafting, the output stays
     # the target's
     draft_quantization: Literal["none", "int8", "int4"] = "none"
@@ -205,7 +210,7 @@ class EngineConfig(_Frozen):
         checkpoint as configured, its dtype, how its linear maps compute and deterministic mode. Every instance and
         API replica of one app computes the same names from it, wherever the checkpoint resolves on its node."""
         m = self.model
-        return f"{m.target}|{m.dtype}|{m.weights}|{'deterministic' if self.deterministic else 'batched'}"
+        return f"{m.target}|{m.dtype}|{m.weights}|{m.activations}|{'deterministic' if self.deterministic else 'batched'}"
 
 
 class KeyLimits(_Frozen):

@@ -1,5 +1,5 @@
-"""Our CPU kernels for bf16 decoding on AVX512-BF16 CPUs: the int4 matmul (int4_cpu.cpp) and the fused per-layer
-steps (fused_cpu.cpp), built once per machine by torch's C++ extension builder (cached under
+"""Our CPU kernels for bf16 decoding on CPUs with AVX512-BF16 and AVX512-VNNI: the int4 matmul (int4_cpu.cpp) and the
+fused per-layer steps (fused_cpu.cpp), built once per machine by torch's C++ extension builder (cached under
 ~/.cache/torch_extensions), and the weight layout the matmul reads.
 
 Where they beat torch's own ops is measured in docs/benchmarks.md. Elsewhere (another CPU, fp32, CUDA) or where
@@ -23,12 +23,12 @@ log = logging.getLogger(__name__)
 
 SOURCES = [Path(__file__).with_name(name) for name in ("int4_cpu.cpp", "fused_cpu.cpp")]
 ROWS, GROUP = 16, 32  # the matmul's row block and scale group (int4_cpu.cpp kRows, kGroup)
-FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma", "-fopenmp"]
+FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mavx512vnni", "-mfma", "-fopenmp"]
 
 
 @functools.cache
 def ops():
-    """`torch.ops.specfleet` (int4_mm, int4_dequant, rms_norm, add_rms_norm, rope_, silu_mul, span_attention),
+    """`torch.ops.specfleet` (int4_mm, int4_mm_q8, int8_rows, int4_dequant, rms_norm, add_rms_norm, rope_, silu_mul, span_attention),
     built on first use; None where this CPU or machine cannot run them."""
     reason = unavailable()
     if reason is not None:
@@ -40,7 +40,7 @@ def ops():
         load(name=f"specfleet_cpu_{build_id()}", sources=[str(s) for s in SOURCES], extra_cflags=FLAGS,
              is_python_module=False, verbose=False)
     except (OSError, RuntimeError) as e:  # no compiler, or it refused the flags: torch's ops do the work
-        log.warning("our AVX512-BF16 CPU kernels could not be built (%s); using torch's ops", e)
+        log.warning("our AVX512 CPU kernels could not be built (%s); using torch's ops", e)
         return None
     _register_fake()
     return torch.ops.specfleet
@@ -65,6 +65,8 @@ def unavailable() -> str | None:
         return "SPECFLEET_CPU_KERNELS=torch"
     if not torch.cpu._is_avx512_bf16_supported():
         return "this CPU has no AVX512-BF16"
+    if not torch.cpu._is_vnni_supported():
+        return "this CPU has no AVX512-VNNI"
     if shutil.which(os.environ.get("CXX", "c++")) is None:  # the compiler torch's extension builder calls
         return "no C++ compiler"
     from torch.utils.cpp_extension import is_ninja_available
@@ -72,10 +74,13 @@ def unavailable() -> str | None:
     return None if is_ninja_available() else "no ninja (torch's extension builder needs it)"
 
 
-def kernel() -> Callable | None:
-    """The int4 matmul (int4_cpu.cpp), or None where our kernels do not run."""
+def kernel(activations: str = "int8") -> Callable | None:
+    """The int4 matmul (int4_cpu.cpp) on inputs rounded to int8 per group (`int4_mm_q8`) or as given in bf16
+    (`int4_mm`), or None where our kernels do not run."""
     lib = ops()
-    return None if lib is None else lib.int4_mm
+    if lib is None:
+        return None
+    return {"int8": lib.int4_mm_q8, "bf16": lib.int4_mm}[activations]
 
 
 def _register_fake() -> None:
@@ -83,6 +88,14 @@ def _register_fake() -> None:
     @torch.library.register_fake("specfleet::int4_mm")
     def _(x, codes, scale, offset, scale_mult, offset_mult, bias, n):  # noqa: ANN001, ANN202 - the op's schema
         return x.new_empty(x.shape[0], n)
+
+    @torch.library.register_fake("specfleet::int4_mm_q8")
+    def _(x, codes, scale, offset, scale_mult, offset_mult, bias, n):  # noqa: ANN001, ANN202 - the op's schema
+        return x.new_empty(x.shape[0], n)
+
+    @torch.library.register_fake("specfleet::int8_rows")
+    def _(x):  # noqa: ANN001, ANN202 - the op's schema
+        return torch.empty_like(x)
 
     @torch.library.register_fake("specfleet::int4_dequant")
     def _(codes, scale, offset, scale_mult, offset_mult, n, k):  # noqa: ANN001, ANN202 - the op's schema

@@ -1,5 +1,7 @@
-// Int4 weight-only matmul for small batches on AVX512-BF16 CPUs: y = x @ W.T (+ bias), W as 4-bit codes with an
-// fp32 scale and offset per group of 32 weights of a row (w = scale * code + offset), in fp32 arithmetic.
+// Int4 weight-only matmul for small batches on AVX512-BF16 / VNNI CPUs: y = x @ W.T (+ bias), W as 4-bit codes with
+// an fp32 scale and offset per group of 32 weights of a row (w = scale * code + offset), in fp32 arithmetic. Two
+// forms of the input: bf16 as given (int4_mm, below), or each row rounded to int8 per group of 32 (int4_mm_q8,
+// further down: llama.cpp's Q4 x Q8 dot products, twice the multiply-adds per instruction).
 //
 // Why: torch's `_weight_int4pack_mm_for_cpu` dequantizes every weight with fp32 FMAs and re-does that work for
 // each block of 4 input rows, so it costs about 3x as much for the 5 rows of a k = 4 verification as for one.
@@ -19,9 +21,11 @@
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
 #include <immintrin.h>
 #include <torch/library.h>
 
+#include <cmath>
 #include <cstring>
 
 namespace {
@@ -218,6 +222,156 @@ at::Tensor int4_mm(const at::Tensor& x, const at::Tensor& codes, const at::Tenso
   return y;
 }
 
+
+// The same matmul on int8 inputs, as llama.cpp computes Q4 x Q8_0 dot products (ggml-cpu's vec_dot_q4_0_q8_0):
+// each input row is rounded per group of 32 to int8 with its own scale d = max |x| / 127 (ties to even), and
+// VPDPBUSD multiplies 16 rows' codes (uint8, 0..15) by 4 of those inputs per instruction: 64 multiply-adds
+// (VDPBF16PS: 32) on codes unpacked with one AND (and a shift for the high nibbles), summed exactly in int32.
+// y = sum over groups of d (scale * sum(c q) + offset * sum q): the exact result (in fp32) of the weights as stored
+// times the rounded rows q d, as llama.cpp's Q8_1 keeps d * sum q for the offsets. A chunk of 8 inputs is stored in the codes' order: a row's dword holds k = 0, 4, 1, 5 of the chunk
+// in its low nibbles and 2, 6, 3, 7 in its high ones (the layout above). Rows are rounded and summed alone, in one
+// order: row-invariant like int4_mm. What the rounding costs in the logits is measured in docs/weights.md.
+struct QuantRows {
+  const int8_t* q;     // (M, K) the inputs rounded, in the codes' order per chunk of 8
+  const float* d;      // (M, G) each group's scale
+  const float* xsum;   // (M, G) each group's rounded sum, d * sum q
+};
+
+template <int MT, int E>
+void block_q8(const QuantRows& xq, const uint8_t* codes, const Scales& scales, const at::BFloat16* bias,
+              at::BFloat16* y, int64_t K, int64_t groups, int64_t lda_y, int64_t rows) {
+  const int64_t G = K / kGroup;
+  const __m512i low = _mm512_set1_epi8(0x0F);
+  __m512 acc[MT];
+  for (int m = 0; m < MT; ++m) acc[m] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    const int64_t xk = (g % G) * kGroup;
+    __m512i sum[MT][2];
+    for (int m = 0; m < MT; ++m) sum[m][0] = sum[m][1] = _mm512_setzero_si512();
+#pragma GCC unroll 4
+    for (int c = 0; c < kGroup / 8; ++c) {
+      const __m512i v = _mm512_loadu_si512(codes + (g * (kGroup / 8) + c) * 64);
+      const __m512i lo = _mm512_and_si512(v, low), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+#pragma GCC unroll 8
+      for (int m = 0; m < MT; ++m) {
+        const int8_t* qm = xq.q + m * K + xk + c * 8;
+        int32_t a, b;
+        std::memcpy(&a, qm, 4);
+        std::memcpy(&b, qm + 4, 4);
+        sum[m][0] = _mm512_dpbusd_epi32(sum[m][0], lo, _mm512_set1_epi32(a));
+        sum[m][1] = _mm512_dpbusd_epi32(sum[m][1], hi, _mm512_set1_epi32(b));
+      }
+    }
+    __m512 s, o;
+    load_scales<E>(scales, g, s, o);
+#pragma GCC unroll 8
+    for (int m = 0; m < MT; ++m) {
+      const __m512 total = _mm512_cvtepi32_ps(_mm512_add_epi32(sum[m][0], sum[m][1]));
+      acc[m] = _mm512_fmadd_ps(total, _mm512_mul_ps(s, _mm512_set1_ps(xq.d[m * G + g % G])), acc[m]);
+      acc[m] = _mm512_fmadd_ps(o, _mm512_set1_ps(xq.xsum[m * G + g % G]), acc[m]);
+    }
+  }
+  const __mmask16 keep = rows >= kRows ? __mmask16(0xFFFF) : __mmask16((1u << rows) - 1);
+  __m512 b = _mm512_setzero_ps();
+  if (bias != nullptr) {
+    b = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(keep, bias)), 16));
+  }
+  for (int m = 0; m < MT; ++m) {
+    const __m256bh out = _mm512_cvtneps_pbh(_mm512_add_ps(acc[m], b));
+    _mm256_mask_storeu_epi16(y + m * lda_y, keep, (__m256i)out);
+  }
+}
+
+using BlockQ8Fn = void (*)(const QuantRows&, const uint8_t*, const Scales&, const at::BFloat16*, at::BFloat16*,
+                           int64_t, int64_t, int64_t, int64_t);
+
+template <int E>
+constexpr BlockQ8Fn kBlocksQ8[kTile + 1] = {nullptr, block_q8<1, E>, block_q8<2, E>, block_q8<3, E>,
+                                            block_q8<4, E>, block_q8<5, E>, block_q8<6, E>, block_q8<7, E>,
+                                            block_q8<8, E>};
+
+// Rounds one group of 32 bf16 inputs to int8: q[j] = round(x[j] * 127 / max |x|) (ties to even), d = max |x| / 127.
+inline float round_group(const uint16_t* x, int8_t* q) {
+  float f[kGroup], amax = 0.f;
+  for (int j = 0; j < kGroup; ++j) {
+    const uint32_t bits = uint32_t(x[j]) << 16;
+    std::memcpy(&f[j], &bits, 4);
+    amax = std::max(amax, std::fabs(f[j]));
+  }
+  const float inv = amax > 0.f ? 127.f / amax : 0.f;
+  for (int j = 0; j < kGroup; ++j) q[j] = static_cast<int8_t>(std::nearbyint(f[j] * inv));
+  return amax / 127.f;
+}
+
+// Rounds each row's groups of 32 to int8 (QuantRows): q (M, K) in the codes' order, d and xsum (M, G).
+void quantize_rows(const uint16_t* x, int64_t MG, int8_t* q, float* d, float* xsum) {
+  static const int kOrder[8] = {0, 4, 1, 5, 2, 6, 3, 7};  // position j of a chunk holds input kOrder[j]
+  for (int64_t i = 0; i < MG; ++i) {
+    int8_t r[kGroup];
+    d[i] = round_group(x + i * kGroup, r);
+    int32_t s = 0;
+    for (int j = 0; j < kGroup; ++j) {
+      q[i * kGroup + j] = r[(j / 8) * 8 + kOrder[j % 8]];
+      s += r[j];
+    }
+    xsum[i] = d[i] * static_cast<float>(s);
+  }
+}
+
+// The rows as int4_mm_q8 sees them, q d rounded to bf16 (M, K): what a prefill's dense GEMM takes in their place.
+at::Tensor int8_rows(const at::Tensor& x) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.is_contiguous() && x.size(1) % kGroup == 0,
+              "x: contiguous (M, K) bf16, K a multiple of 32");
+  at::Tensor out = at::empty_like(x);
+  const uint16_t* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
+  at::BFloat16* op = out.data_ptr<at::BFloat16>();
+  at::parallel_for(0, x.numel() / kGroup, 64, [&](int64_t lo, int64_t hi) {
+    for (int64_t i = lo; i < hi; ++i) {
+      int8_t r[kGroup];
+      const float d = round_group(xp + i * kGroup, r);
+      for (int j = 0; j < kGroup; ++j) op[i * kGroup + j] = at::BFloat16(d * static_cast<float>(r[j]));
+    }
+  });
+  return out;
+}
+
+at::Tensor int4_mm_q8(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale, const at::Tensor& offset,
+                      const std::optional<at::Tensor>& scale_mult, const std::optional<at::Tensor>& offset_mult,
+                      const std::optional<at::Tensor>& bias, int64_t n) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.is_contiguous(), "x: contiguous (M, K) bf16");
+  const Packed w(codes, scale, offset, scale_mult, offset_mult, n);
+  const int64_t M = x.size(0), K = x.size(1), blocks = w.blocks, groups = w.groups;
+  TORCH_CHECK(K % kGroup == 0 && groups % (K / kGroup) == 0, "K must be a whole number of groups of 32");
+  const at::BFloat16* b = nullptr;
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->scalar_type() == at::kBFloat16 && bias->is_contiguous() && bias->numel() == n, "bias: (n,) bf16");
+    b = bias->data_ptr<at::BFloat16>();
+  }
+  at::Tensor y = at::empty({M, n}, x.options());
+  const int64_t G = K / kGroup;
+  at::Tensor q = at::empty({M, K}, x.options().dtype(at::kChar));
+  at::Tensor ds = at::empty({2, M, G}, x.options().dtype(at::kFloat));
+  float* dp = ds.data_ptr<float>();
+  quantize_rows(reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()), M * G, q.data_ptr<int8_t>(), dp,
+                dp + M * G);
+  const QuantRows rows_q{q.data_ptr<int8_t>(), dp, dp + M * G};
+  at::BFloat16* yp = y.data_ptr<at::BFloat16>();
+  const BlockQ8Fn* fns = w.enc == kFloat ? kBlocksQ8<kFloat> : w.enc == kHalf ? kBlocksQ8<kHalf> : kBlocksQ8<kTwoLevel>;
+  at::parallel_for(0, blocks, 1, [&](int64_t lo, int64_t hi) {
+    for (int64_t nb = lo; nb < hi; ++nb) {
+      const int64_t rows = std::min<int64_t>(kRows, n - nb * kRows);
+      const Scales sc = w.of(nb);
+      for (int64_t m0 = 0; m0 < M; m0 += kTile) {
+        const int mt = static_cast<int>(std::min<int64_t>(kTile, M - m0));
+        const QuantRows part{rows_q.q + m0 * K, rows_q.d + m0 * G, rows_q.xsum + m0 * G};
+        fns[mt](part, w.codes_of(nb), sc, b == nullptr ? nullptr : b + nb * kRows, yp + m0 * n + nb * kRows, K,
+                groups, n, rows);
+      }
+    }
+  });
+  return y;
+}
+
 // The weights of one block of 16 rows as bf16, w = sum over planes of (scale * code + offset), in fp32 and rounded
 // once: out (rows, K) row-major, K = the codes of one plane.
 template <int E>
@@ -293,11 +447,16 @@ at::Tensor int4_dequant(const at::Tensor& codes, const at::Tensor& scale, const 
 TORCH_LIBRARY(specfleet, m) {
   m.def("int4_mm(Tensor x, Tensor codes, Tensor scale, Tensor offset, Tensor? scale_mult, Tensor? offset_mult, "
         "Tensor? bias, int n) -> Tensor");
+  m.def("int4_mm_q8(Tensor x, Tensor codes, Tensor scale, Tensor offset, Tensor? scale_mult, Tensor? offset_mult, "
+        "Tensor? bias, int n) -> Tensor");
+  m.def("int8_rows(Tensor x) -> Tensor");
   m.def("int4_dequant(Tensor codes, Tensor scale, Tensor offset, Tensor? scale_mult, Tensor? offset_mult, int n, "
         "int k) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(specfleet, CPU, m) {
   m.impl("int4_mm", &int4_mm);
+  m.impl("int4_mm_q8", &int4_mm_q8);
+  m.impl("int8_rows", &int8_rows);
   m.impl("int4_dequant", &int4_dequant);
 }

@@ -20,6 +20,7 @@ from actors.model.convert import MANIFEST
 from actors.model.gguf_tensors import StoredTensors, source_of
 from actors.model.tokenize import encode_prompt
 from actors.model.weights import WEIGHT_MODES, WeightMode
+from actors.model.qlinear import ACTIVATIONS, Activations
 
 # model_type -> feed-forward kind; anything else is refused before weights are read.
 SUPPORTED_ARCHITECTURES = {"llama": "dense", "qwen2": "dense", "mistral": "dense", "mixtral": "moe", "qwen2_moe": "moe"}
@@ -49,6 +50,7 @@ class LoadedModel:
     dtype: torch.dtype
     generation_config: GenerationConfig | None = None  # set by load_metadata; else the hf_model's
     weights: WeightMode = "dequantized"  # how runners compute its linear maps by default (actors/model/weights.py)
+    activations: Activations = "int8"  # how our CPU int4 kernel takes their inputs by default (actors/model/qlinear.py)
     stored: StoredTensors | None = None  # the GGUF file's quantized tensors, for `weights: stored`
     prepared: dict = field(default_factory=dict, repr=False)  # projections built for runners, shared by them
 
@@ -115,15 +117,17 @@ def load_model_config(source: str) -> PretrainedConfig:
 
 
 def load_model(source: str, dtype: str = "fp32", device: torch.device | str = "cpu",
-               weights: WeightMode = "dequantized") -> LoadedModel:
+               weights: WeightMode = "dequantized", activations: Activations = "int8") -> LoadedModel:
     """Load weights and tokenizer of `source` (a GGUF file, a local folder, or a hub id) in `dtype` onto `device`
     ("meta" allocates nothing: for checking where tensors go). `weights` is how runners compute its linear maps
-    (actors/model/weights.py); `stored` reads a GGUF source's quantized tensors, from the file itself or from the
+    (actors/model/weights.py), `activations` how our CPU int4 kernel takes their inputs; `stored` reads a GGUF source's quantized tensors, from the file itself or from the
     file a converted folder names (actors/model/convert.py)."""
     if dtype not in DTYPES:
         raise ModelLoadError(f"unsupported dtype {dtype!r}; supported: {', '.join(DTYPES)}")
     if weights not in WEIGHT_MODES:
         raise ModelLoadError(f"unsupported weights {weights!r}; supported: {', '.join(WEIGHT_MODES)}")
+    if activations not in ACTIVATIONS:
+        raise ModelLoadError(f"unsupported activations {activations!r}; supported: {', '.join(ACTIVATIONS)}")
     config = load_model_config(source)
     where, kwargs = _location(source)
     try:
@@ -136,7 +140,7 @@ def load_model(source: str, dtype: str = "fp32", device: torch.device | str = "c
         model.to(device)
     stored = _stored_tensors(source, config) if weights == "stored" else None
     return LoadedModel(source=source, config=config, hf_model=model, tokenizer=tokenizer, dtype=DTYPES[dtype],
-                       weights=weights, stored=stored)
+                       weights=weights, activations=activations, stored=stored)
 
 
 def _stored_tensors(source: str, config: PretrainedConfig) -> StoredTensors | None:

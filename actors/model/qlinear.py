@@ -17,11 +17,14 @@ Preconditions (measured on torch 2.13; tests/unit/test_qlinear.py holds them):
 - CUDA `_convert_weight_to_int4pack`: N % 8 == 0 (padded as on the CPU), K % (16 * inner tiles) == 0;
   `_weight_int4pack_mm`: bf16 only, compute capability 8.0+. Int8 has no CUDA kernel here: such layers are
   stored dense on CUDA.
-- Our AVX512-BF16 kernel (int4_cpu.cpp), where it is built: bf16 inputs, groups of 32, K % 32 == 0, any N.
+- Our AVX512-BF16/VNNI kernel (int4_cpu.cpp), where it is built: bf16 inputs (taken as given, or rounded per group
+  of 32 to int8: `Activations`), groups of 32, K % 32 == 0, any N.
 Shape legend: M rows of input, K input features, N output features, G groups per row (K / group), P planes.
 """
 
 from __future__ import annotations
+
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
@@ -31,6 +34,10 @@ from actors.model import cpu_kernels
 from actors.model.gguf_blocks import GroupedInts
 
 INT4_GROUPS = (32, 64, 128, 256)
+# how our CPU kernel takes its input rows (`engine.model.activations`): rounded to int8 per group of 32 (llama.cpp's
+# Q8_0 dot products: twice the multiply-adds per instruction, the rows' rounding in the logits) or bf16 as given
+Activations = Literal["int8", "bf16"]
+ACTIVATIONS: tuple[Activations, ...] = ("int8", "bf16")
 # above this many input rows (a prefill chunk) our kernel's cost grows with every row, while expanding the weights
 # once and a dense bf16 GEMM barely does: measured on the 135M's shapes, 8 rows cost about the same either way,
 # 32 rows 2.5x less dense, 300 rows 8x less (docs/weights.md)
@@ -68,13 +75,14 @@ def int8_unsupported(k: int, device: torch.device) -> str | None:
 
 class Int4Linear(nn.Module):
     """y = x @ W.T + b, W (N, K) as 4-bit codes in P planes with a scale and an offset per group. On a CPU with
-    AVX512-BF16 and bf16 inputs, our kernel (actors/model/int4_cpu.cpp: fp32 scales, the planes and the bias in
-    one call); otherwise torch's int4 weight-only kernel for `device`. Build it only where `int4_unsupported`
-    says nothing."""
+    AVX512-BF16/VNNI and bf16 inputs, our kernel (actors/model/int4_cpu.cpp: fp32 scales, the planes and the bias in
+    one call; the inputs as `activations` says); otherwise torch's int4 weight-only kernel for `device`. Build it
+    only where `int4_unsupported` says nothing."""
 
     def __init__(self, w: GroupedInts, bias: torch.Tensor | None, device: torch.device, dtype: torch.dtype,
-                 ours: bool = True) -> None:
-        """`ours=False` keeps torch's kernel even where ours runs (the benchmark's comparison)."""
+                 ours: bool = True, activations: Activations = "int8") -> None:
+        """`ours=False` keeps torch's kernel even where ours runs (the benchmark's comparison); `activations`: how
+        ours takes the input (torch's kernels take it as given)."""
         super().__init__()
         why = int4_unsupported(w, device, dtype)
         if why is not None:
@@ -83,7 +91,8 @@ class Int4Linear(nn.Module):
         self.planes = -(-w.bits // 4)
         self.group = w.group
         mine = ours and (device.type, dtype, w.group) == ("cpu", torch.bfloat16, cpu_kernels.GROUP)
-        own = cpu_kernels.kernel() if mine else None
+        own = cpu_kernels.kernel(activations) if mine else None
+        self.activations = activations
         pad = -self.out_features % (16 if device.type == "cpu" else 8)  # zero rows: the kernel's N multiple
         codes, scale, offset = (F.pad(t, (0, 0, 0, pad)) for t in (w.codes, w.scale, w.offset))
         self.padded = pad > 0 and own is None  # our kernel stores only the real rows
@@ -121,6 +130,8 @@ class Int4Linear(nn.Module):
         x2 = x.reshape(-1, self.in_features)  # (M, K)
         if self.own is not None:
             if x2.shape[0] > DENSE_ROWS and not self.invariant:  # a prefill: the weights expanded once, a dense GEMM
+                if self.activations == "int8":  # on the rows as the kernel rounds them
+                    x2 = cpu_kernels.ops().int8_rows(x2.contiguous())
                 y = F.linear(x2, self.dequantized(), self.bias)
             else:
                 y = self.own(x2.contiguous(), self.weight, self.scale, self.offset, self.scale_mult, self.offset_mult,
@@ -205,7 +216,8 @@ def dense_linear(weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Linear:
     return out
 
 
-def stored_linear(w: GroupedInts, bias: torch.Tensor | None, device: torch.device, dtype: torch.dtype) -> nn.Module:
+def stored_linear(w: GroupedInts, bias: torch.Tensor | None, device: torch.device, dtype: torch.dtype,
+                  activations: Activations = "int8") -> nn.Module:
     """The fastest exact-where-possible module for a quantized weight on `device` in `dtype`:
 
     the int4 kernel where it takes the weight (exact: 4-bit codes as stored, 5-8 bit codes as two planes); else
@@ -217,15 +229,16 @@ def stored_linear(w: GroupedInts, bias: torch.Tensor | None, device: torch.devic
     if (device.type, dtype) == ("cpu", torch.float32):
         return dense_linear(w.dequantize().to(device), None if bias is None else bias.to(device, dtype))
     if int4_unsupported(w, device, dtype) is None:
-        return Int4Linear(w, bias, device, dtype)
+        return Int4Linear(w, bias, device, dtype, activations=activations)
     dense = w.dequantize()  # (N, K) fp32
     if device.type == "cpu":
-        return int8_linear(dense, bias, device, dtype)
+        return int8_linear(dense, bias, device, dtype, activations)
     return dense_linear(dense.to(device, dtype), None if bias is None else bias.to(device, dtype))
 
 
-def int8_linear(w: torch.Tensor, bias: torch.Tensor | None, device: torch.device, dtype: torch.dtype) -> nn.Module:
-    """w (N, K) round to nearest per row on int8 (Int8Linear.rtn's codes and scales). Where our AVX512-BF16 kernel
+def int8_linear(w: torch.Tensor, bias: torch.Tensor | None, device: torch.device, dtype: torch.dtype,
+                activations: Activations = "int8") -> nn.Module:
+    """w (N, K) round to nearest per row on int8 (Int8Linear.rtn's codes and scales). Where our AVX512 kernel
     runs (bf16 on such a CPU, K a multiple of 32), the same codes go to it as two 4-bit planes with the row's
     scale in every group: the same maths, about twice as fast as `_weight_int8pack_mm` (docs/benchmarks.md)."""
     n, k = w.shape
@@ -234,5 +247,5 @@ def int8_linear(w: torch.Tensor, bias: torch.Tensor | None, device: torch.device
         codes = (q.to(torch.int16) + 128).to(torch.uint8)  # (N, K), 1..255
         per_group = scale[:, None].expand(n, k // cpu_kernels.GROUP).contiguous()  # (N, G)
         return Int4Linear(GroupedInts(codes, per_group, -128 * per_group, bits=8, group=cpu_kernels.GROUP,
-                                      source="rtn8"), bias, device, dtype)
+                                      source="rtn8"), bias, device, dtype, activations=activations)
     return Int8Linear.rtn(w, bias, device, dtype)

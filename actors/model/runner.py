@@ -17,6 +17,7 @@ from actors.model.deterministic import row_invariant
 from actors.model.layers import Attention, DecoderLayer, DenseMLP, MoE, RopeTable, fused_ops, rms_norm
 from actors.model.loader import SUPPORTED_ARCHITECTURES, LoadedModel
 from actors.model.metadata import AttentionMetadata, SeqChunk
+from actors.model.qlinear import Activations
 from actors.model.weights import Part, WeightMode, fuse, head_projection, layer_projections
 from actors.speculation.easyspec import LayerParallel
 from cluster.config import CacheConfig
@@ -33,12 +34,13 @@ def _sliding_window(config, index: int) -> int | None:
     return getattr(config, "sliding_window", None)
 
 
-def build_layer(model: LoadedModel, index: int, device: torch.device, weights: WeightMode) -> DecoderLayer:
+def build_layer(model: LoadedModel, index: int, device: torch.device, weights: WeightMode,
+                activations: Activations | None = None) -> DecoderLayer:
     """Wrap layer `index` of the transformers model in our own layer, its projections fused and in `weights`
     mode on `device` (actors/model/weights.py; shared with every runner of the model, never copied twice)."""
     cfg = model.config
     hf = model.hf_model.model.layers[index]
-    proj = layer_projections(model, index, device, weights)
+    proj = layer_projections(model, index, device, weights, activations or model.activations)
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     attn = Attention(
         proj.qkv, proj.o,
@@ -98,7 +100,8 @@ def _dense_part(layer: torch.nn.Module, weights: WeightMode) -> torch.nn.Module:
 class ModelRunner:
     """Runs `layer_ids` of a loaded model in order; embeds tokens if `first`, returns logits if `last`.
 
-    `weights` (default: the model's) is how its linear maps compute (actors/model/weights.py). `deterministic`:
+    `weights` and `activations` (default: the model's) are how its linear maps compute (actors/model/weights.py,
+    qlinear.py). `deterministic`:
     the batch-invariant forward (actors/model/deterministic.py): a token's logits do not depend on its batch.
     """
 
@@ -115,6 +118,7 @@ class ModelRunner:
         device: torch.device | str | None = None,
         weights: WeightMode | None = None,
         deterministic: bool = False,
+        activations: Activations | None = None,
     ) -> None:
         cfg = model.config
         assert cfg.model_type in SUPPORTED_ARCHITECTURES, cfg.model_type
@@ -126,15 +130,16 @@ class ModelRunner:
         self.device = torch.device(device) if device is not None else model.device
         self.first, self.last = first, last
         self.weights: WeightMode = weights or model.weights
+        self.activations: Activations = activations or model.activations
         hf = model.hf_model
         if self.device != model.device:  # move only what this runner runs (a shared checkpoint keeps the rest)
             for module in [_dense_part(hf.model.layers[i], self.weights) for i in layer_ids] + [hf.model.rotary_emb] \
                     + ([hf.model.embed_tokens] if first else []) + ([hf.model.norm] if last else []):
                 module.to(self.device)
-        self.layers = [build_layer(model, i, self.device, self.weights) for i in layer_ids]
+        self.layers = [build_layer(model, i, self.device, self.weights, self.activations) for i in layer_ids]
         self.embed = hf.model.embed_tokens if first else None
         self.norm = hf.model.norm.weight if last else None
-        self.lm_head = head_projection(model, self.device, self.weights) if last else None
+        self.lm_head = head_projection(model, self.device, self.weights, self.activations) if last else None
         self.deterministic = deterministic
         self._invariant()
         self.rope = RopeTable(hf.model.rotary_emb, model.dtype, self.device)
@@ -149,12 +154,12 @@ class ModelRunner:
         """Compute this runner's linear maps in `weights` mode from now on (a draft quantized after loading)."""
         self.weights = weights
         for layer in self.layers:
-            proj = layer_projections(self.model, layer.index, self.device, weights)
+            proj = layer_projections(self.model, layer.index, self.device, weights, self.activations)
             layer.attn.qkv_proj, layer.attn.o_proj = proj.qkv, proj.o
             if isinstance(layer.ffn, DenseMLP):
                 layer.ffn.gate_up_proj, layer.ffn.down_proj = proj.gate_up, proj.down
         if self.last:
-            self.lm_head = head_projection(self.model, self.device, weights)
+            self.lm_head = head_projection(self.model, self.device, weights, self.activations)
         self._invariant()
 
     def _invariant(self) -> None:

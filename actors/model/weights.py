@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from actors.model.gguf_blocks import GroupedInts, concat_rows
-from actors.model.qlinear import Int4Linear, dense_linear, int4_unsupported, int8_linear, stored_linear
+from actors.model.qlinear import Activations, Int4Linear, dense_linear, int4_unsupported, int8_linear, stored_linear
 from actors.model.quant import rtn_int4
 
 WeightMode = Literal["stored", "dequantized", "int8", "int4"]
@@ -59,15 +59,16 @@ class Part:
 
 
 def fuse(parts: Sequence[Part], device: torch.device, dtype: torch.dtype, mode: WeightMode,
-         stored: Callable[[str], GroupedInts | None]) -> nn.Module:
-    """One module computing every part's outputs side by side (N = sum of the parts' N)."""
+         stored: Callable[[str], GroupedInts | None], activations: Activations = "int8") -> nn.Module:
+    """One module computing every part's outputs side by side (N = sum of the parts' N); `activations`: how our
+    CPU int4 kernel, where it runs, takes the input (actors/model/qlinear.py)."""
     bias = _bias(parts, device, dtype)
     if mode in ("int8", "int4"):  # quantized at load: int4 where its kernel takes the shape, else int8
         dense = torch.cat([p.module.weight for p in parts])  # (N, K)
         codes = rtn_int4(dense) if mode == "int4" else None
         if codes is not None and int4_unsupported(codes, device, dtype) is None:
-            return Int4Linear(codes, bias, device, dtype)
-        return int8_linear(dense, bias, device, dtype)
+            return Int4Linear(codes, bias, device, dtype, activations=activations)
+        return int8_linear(dense, bias, device, dtype, activations)
     groups = [stored(p.name) for p in parts] if mode == "stored" else [None] * len(parts)
     runs: list[list[tuple[Part, GroupedInts | None]]] = []  # parts that stack into one matrix: one kernel call
     for p, g in zip(parts, groups):
@@ -83,7 +84,8 @@ def fuse(parts: Sequence[Part], device: torch.device, dtype: torch.dtype, mode: 
         if run[0][1] is None:
             modules.append(_dense([p for p, _ in run], b, device, dtype))
         else:
-            modules.append(stored_linear(concat_rows([g for _, g in run]), b, device, dtype))  # type: ignore[misc]
+            modules.append(stored_linear(concat_rows([g for _, g in run]), b, device, dtype,  # type: ignore[misc]
+                                         activations))
     return modules[0] if len(modules) == 1 else Concat(modules)
 
 
@@ -119,9 +121,10 @@ def _dense(parts: Sequence[Part], bias: torch.Tensor | None, device: torch.devic
     return dense_linear(weight, bias)
 
 
-def layer_projections(model, index: int, device: torch.device, mode: WeightMode) -> Projections:
+def layer_projections(model, index: int, device: torch.device, mode: WeightMode,
+                      activations: Activations) -> Projections:
     """Layer `index`'s projections of a LoadedModel on `device` in `mode`, built on first use and then shared."""
-    key = ("layer", index, str(device), mode)
+    key = ("layer", index, str(device), mode, activations)
     if key not in model.prepared:
         hf = model.hf_model.model.layers[index]
         prefix = f"model.layers.{index}."
@@ -131,7 +134,7 @@ def layer_projections(model, index: int, device: torch.device, mode: WeightMode)
             return [Part(f"{prefix}{where}.{n}", getattr(owner, n)) for n in names]
 
         a, mlp = hf.self_attn, hf.mlp
-        fused = (lambda ps: fuse(ps, device, model.dtype, mode, stored))
+        fused = (lambda ps: fuse(ps, device, model.dtype, mode, stored, activations))
         dense_mlp = not hasattr(mlp, "experts")
         model.prepared[key] = Projections(
             qkv=fused(parts(a, ("q_proj", "k_proj", "v_proj"), "self_attn")),
@@ -142,16 +145,17 @@ def layer_projections(model, index: int, device: torch.device, mode: WeightMode)
     return model.prepared[key]
 
 
-def head_projection(model, device: torch.device, mode: WeightMode) -> nn.Module:
+def head_projection(model, device: torch.device, mode: WeightMode, activations: Activations) -> nn.Module:
     """The LM head (H -> V) of a LoadedModel on `device` in `mode`, built on first use and then shared."""
-    key = ("head", str(device), mode)
+    key = ("head", str(device), mode, activations)
     if key not in model.prepared:
         head = model.hf_model.lm_head
         if mode == "dequantized" or (mode == "stored" and model.stored is None):
             head.to(device)  # a tied head moves with the embedding it shares
             model.prepared[key] = head
         else:
-            model.prepared[key] = fuse([Part("lm_head", head)], device, model.dtype, mode, _stored_lookup(model))
+            model.prepared[key] = fuse([Part("lm_head", head)], device, model.dtype, mode, _stored_lookup(model),
+                                       activations)
     return model.prepared[key]
 
 

@@ -93,7 +93,7 @@ def setup_of(cfg: EngineConfig, device: torch.device) -> dict:
     return {
         "target": model_identity(m.target), "draft": model_identity(m.draft) if m.draft else None,
         "draft_layers": m.draft_layers, "draft_quantization": m.draft_quantization, "dtype": m.dtype,
-        "weights": m.weights,
+        "weights": m.weights, "activations": m.activations,
         "max_model_len": m.max_model_len, "method": cfg.speculation.method,
         "draft_parallel": cfg.speculation.draft_parallel.model_dump(mode="json"),
         "block_size": cfg.cache.block_size, "device": device_name(device), "machine": machine(),

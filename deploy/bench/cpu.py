@@ -23,6 +23,7 @@ import torch
 from actors.engine import Engine
 from actors.model.loader import LoadedModel, load_model
 from actors.model.metadata import SeqChunk
+from actors.model.qlinear import DENSE_ROWS
 from actors.model.runner import ModelRunner
 from actors.offline import generate
 from cluster.config import CacheConfig, SchedulerConfig, SpeculationConfig
@@ -64,6 +65,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="batch sizes: at batch B our rows decode B prompts at once (continuous batching)")
     p.add_argument("--stored-draft", nargs="+", choices=["stored", "int8", "int4"], default=["int4", "stored"],
                    help="the Qwen draft of the stored rows, one row each: as stored, or re-quantized at load")
+    p.add_argument("--activations", nargs="+", choices=["int8", "bf16"], default=["int8", "bf16"],
+                   help="how our int4 kernel takes the stored rows' inputs, one set of stored rows each (int8: "
+                        "the default's; bf16 rows take only the first --stored-draft)")
     p.add_argument("--fp32-reference", nargs="*", choices=list(SETUPS), default=["default"],
                    help="setups whose bf16 logits are also held to the target's stored weights computed in fp32")
     p.add_argument("--no-llama", action="store_true", help="leave out the llama.cpp row even if it is installed")
@@ -111,38 +115,46 @@ def _rows(setup: Setup, args: argparse.Namespace, target: LoadedModel, draft: Lo
     rows = []
     if batch == 1 and llama_anchor.available() and not args.no_llama:
         rows.append(_llama_row(setup, args))
-    for weights in ("dequantized", "stored"):
-        runner = ModelRunner(target, range(target.num_layers), cache, weights=weights)
-        rows.append(Row(f"plain {weights}", _engine(runner, None, None, batch)))
+    for weights, act in [("dequantized", "int8")] + [("stored", a) for a in args.activations]:
+        runner = ModelRunner(target, range(target.num_layers), cache, weights=weights, activations=act)
+        name = weights if act == "int8" else f"{weights} (bf16 in)"
+        rows.append(Row(f"plain {name}", _engine(runner, None, None, batch)))
         if draft is None:
-            rows.append(Row(f"spec {weights}", _engine(runner, None, setup.speculation, batch)))
+            rows.append(Row(f"spec {name}", _engine(runner, None, setup.speculation, batch)))
             continue
-        for quant in [setup.draft_quantization] if weights == "dequantized" else args.stored_draft:
-            draft_runner = ModelRunner(draft, range(draft.num_layers), cache,
+        drafts = [setup.draft_quantization] if weights == "dequantized" else args.stored_draft[:1 if act == "bf16" else None]
+        for quant in drafts:
+            draft_runner = ModelRunner(draft, range(draft.num_layers), cache, activations=act,
                                        weights=weights if quant in ("none", "stored") else quant)
             label = "" if weights == "dequantized" else f", draft {quant}"
-            rows.append(Row(f"spec {weights}{label}", _engine(runner, draft_runner, setup.speculation, batch)))
+            rows.append(Row(f"spec {name}{label}", _engine(runner, draft_runner, setup.speculation, batch)))
     return rows
 
 
 def _logit_gap(target: LoadedModel, ids: list[int], exact: LoadedModel | None) -> dict[str, float]:
-    """Prefill logits of the stored weights against the dequantized ones (bf16): the largest difference, the
-    logits' standard deviation, and the share of positions whose top token agrees. With `exact` (the model in
-    fp32, stored: the GGUF's own weights in fp32 arithmetic), each bf16 path against it too."""
+    """A prompt's logits on the decode path (the prompt fed DENSE_ROWS tokens at a time: every row on the kernel a
+    decode or verification step runs), stored weights with int8 and with bf16 inputs, against the dequantized
+    weights (bf16): the largest difference, the logits' standard deviation, and the share of positions whose top
+    token agrees. With `exact` (the model in fp32, stored: the GGUF's own weights in fp32 arithmetic), each bf16
+    path against it too."""
     cache = CacheConfig(block_size=16, num_blocks=len(ids) // 16 + 2)
 
-    def logits(model: LoadedModel, weights: str) -> torch.Tensor:
-        return ModelRunner(model, range(model.num_layers), cache, weights=weights).forward(
-            [SeqChunk("gap", tuple(ids), len(ids))])
+    def logits(model: LoadedModel, weights: str, activations: str = "int8") -> torch.Tensor:  # (len(ids), V)
+        runner = ModelRunner(model, range(model.num_layers), cache, weights=weights, activations=activations)
+        return torch.cat([runner.forward([SeqChunk("gap", tuple(ids[i:i + DENSE_ROWS]), len(ids[i:i + DENSE_ROWS]))])
+                          for i in range(0, len(ids), DENSE_ROWS)])
 
     def gap(a: torch.Tensor, b: torch.Tensor) -> tuple[float, float]:
         return round(float((a - b).abs().max()), 3), round(float((a.argmax(-1) == b.argmax(-1)).float().mean()), 4)
 
-    stored, dense = logits(target, "stored"), logits(target, "dequantized")
-    out = dict(zip(("max_abs_diff", "top1_agreement"), gap(stored, dense)), logit_std=round(float(dense.std()), 3))
+    paths = {"stored": logits(target, "stored"), "stored (bf16 in)": logits(target, "stored", "bf16"),
+             "dequantized": logits(target, "dequantized")}
+    dense = paths["dequantized"]
+    out = dict(zip(("max_abs_diff", "top1_agreement"), gap(paths["stored"], dense)), logit_std=round(float(dense.std()), 3))
+    out["bf16_in_max_abs_diff"], out["bf16_in_top1_agreement"] = gap(paths["stored (bf16 in)"], dense)
     if exact is not None:
         ref = logits(exact, "stored")
-        for name, got in (("stored", stored), ("dequantized", dense)):
+        for name, got in paths.items():
             out[f"{name}_vs_fp32_max_abs_diff"], out[f"{name}_vs_fp32_top1"] = gap(got, ref)
     return out
 
@@ -266,13 +278,14 @@ def _print(report: dict) -> None:
                                                                                   "{:.3f}"))
         console.print(t)
         g = s["stored_vs_dequantized"]
-        console.print(f"stored vs dequantized (bf16): prefill logits differ by at most {g['max_abs_diff']} (logit std "
-                      f"{g['logit_std']}), top-1 agreement {g['top1_agreement']:.3f}; greedy outputs identical "
-                      f"{g['identical_outputs']:.2f}, token agreement {g['token_agreement']:.3f}")
+        console.print(f"stored vs dequantized (bf16, decode-path logits of a prompt): at most {g['max_abs_diff']} "
+                      f"apart (logit std {g['logit_std']}), top-1 agreement {g['top1_agreement']:.3f}; with bf16 "
+                      f"inputs at most {g['bf16_in_max_abs_diff']}, top-1 {g['bf16_in_top1_agreement']:.3f}; greedy "
+                      f"outputs identical {g['identical_outputs']:.2f}, token agreement {g['token_agreement']:.3f}")
         if "stored_vs_fp32_max_abs_diff" in g:
             console.print("against the GGUF's weights in fp32: " + ", ".join(
                 f"{w} (bf16) at most {g[w + '_vs_fp32_max_abs_diff']}, top-1 {g[w + '_vs_fp32_top1']:.3f}"
-                for w in ("stored", "dequantized")))
+                for w in ("stored", "stored (bf16 in)", "dequantized")))
     if "profile" in report:
         p = report["profile"]
         console.print(f"profile ({p['setup']}, plain stored): {p['ms_per_token']} ms per token, "

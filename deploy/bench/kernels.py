@@ -21,11 +21,11 @@ def _variants(n: int, k: int) -> dict[str, Callable[[], Callable[[torch.Tensor],
     """name -> a builder of one fresh module (random weights) of that kind, bf16 in and out."""
     cpu, bf16 = torch.device("cpu"), torch.bfloat16
 
-    def int4(own: bool) -> Callable:
+    def int4(own: bool, activations: str = "int8") -> Callable:
         def build() -> Callable:
             codes = torch.randint(0, 16, (n, k), dtype=torch.uint8)
             w = GroupedInts(codes, torch.rand(n, k // 32) / 64, -torch.rand(n, k // 32) / 8, bits=4, group=32)
-            return Int4Linear(w, None, cpu, bf16, ours=own)
+            return Int4Linear(w, None, cpu, bf16, ours=own, activations=activations)
         return build
 
     out = {
@@ -34,8 +34,12 @@ def _variants(n: int, k: int) -> dict[str, Callable[[], Callable[[torch.Tensor],
         "int4 groups of 32, torch's _weight_int4pack_mm_for_cpu": int4(own=False),
     }
     if cpu_kernels.kernel() is not None:
-        out["int4 groups of 32, ours"] = int4(own=True)
-        out["int8 per row as two int4 planes, ours"] = lambda: int8_linear(torch.randn(n, k), None, cpu, bf16)
+        out["int4 groups of 32, ours, bf16 inputs"] = int4(own=True, activations="bf16")
+        out["int4 groups of 32, ours, int8 inputs"] = int4(own=True)
+        out["int8 per row as two int4 planes, ours, bf16 inputs"] = lambda: int8_linear(torch.randn(n, k), None, cpu,
+                                                                                        bf16, "bf16")
+        out["int8 per row as two int4 planes, ours, int8 inputs"] = lambda: int8_linear(torch.randn(n, k), None, cpu,
+                                                                                        bf16)
     return out
 
 

@@ -67,7 +67,7 @@ def test_bf16_is_the_exact_result_rounded_once(qtype: Q, m: int) -> None:
     bf16; N = 40 ends in a partial block of rows), elsewhere torch's (its scales rounded to bf16: looser)."""
     w = read_blocks(random_blocks(qtype, 40, 512), qtype, (40, 512))
     b = torch.randn(40).bfloat16()
-    lin = row_invariant(stored_linear(w, b, CPU, torch.bfloat16))  # every row on the kernel, above DENSE_ROWS too
+    lin = row_invariant(stored_linear(w, b, CPU, torch.bfloat16, "bf16"))  # every row on the kernel, past DENSE_ROWS
     x = torch.randn(m, 512).bfloat16()
     want = reference(x, w.dequantize(), b)  # x already bf16: the exact result of these inputs
     got = lin(x).double()
@@ -77,6 +77,43 @@ def test_bf16_is_the_exact_result_rounded_once(qtype: Q, m: int) -> None:
         assert lin.scale.dtype == torch.float16 and (lin.scale_mult is not None) == (qtype == Q.Q4_K)
     else:
         assert float((got - want).abs().max()) <= 1e-2 * float(want.abs().max())
+
+
+def int8_rows(x: torch.Tensor) -> torch.Tensor:
+    """What the kernel's int8 inputs stand for: x (M, K) bf16 rounded per group of 32 to q * d with d = max |x| / 127
+    (fp32, ties to even, as int4_cpu.cpp rounds them) -> q * d (M, K) in float64."""
+    m, k = x.shape
+    f = x.float().view(m, k // 32, 32)  # (M, G, 32)
+    amax = f.abs().amax(-1, keepdim=True)  # (M, G, 1)
+    # fp32 division and product as the kernel's, each rounded once (products of fp32 values are exact in float64)
+    inv = torch.where(amax > 0, (127.0 / amax.double()).float(), torch.zeros_like(amax))
+    q = torch.round((f.double() * inv.double()).float())  # (M, G, 32) integers in [-127, 127], ties to even
+    return (q.double() * (amax / 127.0).double()).view(m, k)
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_1, Q.Q4_K, Q.Q5_0, Q.Q8_0], ids=lambda q: q.name)
+@pytest.mark.parametrize("m", [1, 5, 9, 17])
+def test_int8_inputs_are_the_exact_result_of_the_rounded_rows(qtype: Q, m: int) -> None:
+    """int8 inputs (the default): the weights as stored times each row rounded per group of 32 to int8, summed
+    exactly: that result, rounded once to bf16. It stays within 2% of the largest output of the bf16 inputs' exact
+    result (what the rounding of the inputs costs), and each row is computed alone. A prefill's dense GEMM takes the
+    same rounded rows."""
+    if cpu_kernels.kernel() is None:
+        pytest.skip(f"our CPU kernels do not run here: {cpu_kernels.unavailable()}")  # the machine's limit
+    w = read_blocks(random_blocks(qtype, 40, 512), qtype, (40, 512))
+    b = torch.randn(40).bfloat16()
+    lin = row_invariant(stored_linear(w, b, CPU, torch.bfloat16))
+    assert lin.own is cpu_kernels.kernel("int8") and lin.own is not cpu_kernels.kernel("bf16")
+    x = torch.randn(m, 512).bfloat16()
+    x[0, :32] = 0  # a group of zeros: scale 0, no division by it
+    xq = int8_rows(x)
+    assert torch.equal(cpu_kernels.ops().int8_rows(x), xq.bfloat16())  # what a prefill's dense GEMM takes
+    want = reference(xq, w.dequantize(), b)  # (M, N)
+    got = lin(x).double()
+    torch.testing.assert_close(got, want.bfloat16().double(), rtol=2**-7, atol=1e-5 * float(want.abs().max()))
+    exact = reference(x, w.dequantize(), b)
+    assert float((got - exact).abs().max()) <= 0.02 * float(exact.abs().max())
+    assert torch.equal(lin(x[-1:]), lin(x)[-1:])  # row-invariant
 
 
 @pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q4_K, Q.Q5_0, Q.Q8_0], ids=lambda q: q.name)
@@ -90,8 +127,8 @@ def test_a_prefill_expands_the_weights_once_and_deterministic_mode_keeps_every_r
     assert torch.equal(lin.dequantized(), w.dequantize().float().bfloat16())
     x = torch.randn(DENSE_ROWS + 9, 512).bfloat16()
     want = reference(x, w.dequantize(), None)
-    dense = lin(x).double()
-    assert torch.equal(dense, torch.nn.functional.linear(x, lin.dequantized()).double())
+    dense = lin(x).double()  # the default's int8 inputs: the rows as the kernel rounds them
+    assert torch.equal(dense, torch.nn.functional.linear(cpu_kernels.ops().int8_rows(x), lin.dequantized()).double())
     assert float((dense - want).abs().max()) <= 1e-2 * float(want.abs().max())  # weights rounded to bf16
     assert row_invariant(lin) is lin and lin.invariant
     rows = lin(x).double()  # on the kernel: each row as it would be alone
@@ -145,15 +182,20 @@ def test_cuda_branch_packs_for_tinygemm_and_refuses_what_it_cannot_run() -> None
     assert isinstance(stored_linear(odd, None, torch.device("meta"), torch.float32), torch.nn.Linear)
 
 
-def test_int8_codes_take_our_kernel_in_bf16_with_the_same_maths() -> None:
-    """Per-row int8 (Q6_K's fallback, `weights: int8`) as two 4-bit planes with the row's scale in each group."""
+@pytest.mark.parametrize("activations", ["bf16", "int8"])
+def test_int8_codes_take_our_kernel_in_bf16_with_the_same_maths(activations: str) -> None:
+    """Per-row int8 (Q6_K's fallback, `weights: int8`) as two 4-bit planes with the row's scale in each group; with
+    int8 inputs, of the rows as the kernel rounds them."""
     torch.manual_seed(1)
     w, b = torch.randn(40, 256), torch.randn(40)
-    fast = int8_linear(w, b.bfloat16(), CPU, torch.bfloat16)
+    fast = int8_linear(w, b.bfloat16(), CPU, torch.bfloat16, activations)
     assert isinstance(fast, Int4Linear if cpu_kernels.kernel() is not None else Int8Linear)
     exact = Int8Linear.rtn(w, b, CPU, torch.float32)  # the same codes and scales, in fp32
     x = torch.randn(5, 256).bfloat16()
-    want = exact(x.float()).double()
+    if activations == "bf16" or cpu_kernels.kernel() is None:
+        want = exact(x.float()).double()
+    else:
+        want = reference(int8_rows(x), exact.weight.double() * exact.scale.double()[:, None], b)
     torch.testing.assert_close(fast(x).double(), want, rtol=2**-7, atol=1e-5 * float(want.abs().max()))
 
 
@@ -164,7 +206,8 @@ def test_without_our_kernels_bf16_runs_on_torchs_ops(tmp_path, monkeypatch: pyte
     path = build_tiny_model("qwen2", tmp_path / "q", hidden_size=128, head_dim=32, intermediate_size=256)
 
     def logits() -> tuple[ModelRunner, torch.Tensor]:
-        model = load_model(str(path), "bf16", weights="int4")  # the projections' kernels are chosen at load
+        # the projections' kernels are chosen at load; bf16 inputs: the same maths as torch's kernel
+        model = load_model(str(path), "bf16", weights="int4", activations="bf16")
         prompt = text_prompts(model, 1)[0]
         runner = ModelRunner(model, range(model.num_layers), CacheConfig(block_size=4, num_blocks=64))
         return runner, runner.forward([SeqChunk("r", tuple(prompt), len(prompt))]).float()  # (T, V)

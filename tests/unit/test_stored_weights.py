@@ -47,10 +47,13 @@ def greedy(engine: Engine, prompts: list[list[int]], n: int = 16) -> list[list[i
     return [c.token_ids for c in done]
 
 
-def test_stored_blocks_fuse_by_format_and_compute_the_dequantized_paths_logits(quantized_gguf: Path) -> None:
-    """bf16: the kernels each projection lands on (fp32 holds the stored weights exactly and runs them dense); fp32:
-    the stored path's logits are the dequantized path's."""
-    model = load_model(str(quantized_gguf), "bf16", weights="stored")
+@pytest.mark.parametrize("activations", ["bf16", "int8"])
+def test_stored_blocks_fuse_by_format_and_compute_the_dequantized_paths_logits(quantized_gguf: Path,
+                                                                               activations: str) -> None:
+    """bf16: the kernels each projection lands on (fp32 holds the stored weights exactly and runs them dense), whose
+    logits are near the dequantized path's, nearer with bf16 inputs than with int8 ones; fp32: the stored path's
+    logits are the dequantized path's."""
+    model = load_model(str(quantized_gguf), "bf16", weights="stored", activations=activations)
     stored = ModelRunner(model, range(model.num_layers), CACHE)
     layer = stored.layers[0]
     assert isinstance(layer.attn.qkv_proj, Concat)  # Q4_0 q, k in one call, Q8_0 v (two planes) in another
@@ -63,7 +66,10 @@ def test_stored_blocks_fuse_by_format_and_compute_the_dequantized_paths_logits(q
     for prompt in text_prompts(exact, 3):
         want = logits(dense, prompt)
         torch.testing.assert_close(logits(fp32, prompt), want, rtol=0, atol=ATOL)
-        assert float((logits(stored, prompt).float() - want).abs().max()) < 0.1 * float(want.std())
+        got = logits(stored, prompt).float()
+        # int8 inputs: each row's rounding per group of 32 adds to bf16's (measured here: at most 0.21 std, 4% of the
+        # logits' norm; the real models' figures are in docs/weights.md)
+        assert float((got - want).abs().max()) < (0.1 if activations == "bf16" else 0.3) * float(want.std())
 
 
 def test_a_converted_folder_computes_on_the_gguf_it_came_from(quantized_gguf: Path, tmp_path: Path) -> None:
