@@ -65,6 +65,20 @@ inline void load_scales(const Scales& sc, int64_t g, __m512& s, __m512& o) {
   }
 }
 
+// A block's outputs: MT rows of 16 fp32 sums plus the bias, rounded to bf16, the block's real rows stored.
+template <int MT>
+inline void store(const __m512* acc, const at::BFloat16* bias, at::BFloat16* y, int64_t lda_y, int64_t rows) {
+  const __mmask16 keep = rows >= kRows ? __mmask16(0xFFFF) : __mmask16((1u << rows) - 1);
+  __m512 b = _mm512_setzero_ps();
+  if (bias != nullptr) {
+    b = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(keep, bias)), 16));
+  }
+  for (int m = 0; m < MT; ++m) {
+    const __m256bh out = _mm512_cvtneps_pbh(_mm512_add_ps(acc[m], b));
+    _mm256_mask_storeu_epi16(y + m * lda_y, keep, (__m256i)out);
+  }
+}
+
 // One block of 16 rows against MT input rows: y[m, rows] over every group of every plane. A group's products go to
 // two accumulators per row (one chain would be bound by VDPBF16PS's latency at one row), added in the same order
 // whatever MT: a row's result does not depend on the rows beside it (deterministic mode relies on it).
@@ -114,15 +128,7 @@ void block(const uint16_t* x, const float* xsum, const uint8_t* codes, const Sca
       acc[m] = _mm512_fmadd_ps(o, _mm512_set1_ps(xsum[m * G + g % G]), acc[m]);
     }
   }
-  const __mmask16 keep = rows >= kRows ? __mmask16(0xFFFF) : __mmask16((1u << rows) - 1);
-  __m512 b = _mm512_setzero_ps();
-  if (bias != nullptr) {
-    b = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(keep, bias)), 16));
-  }
-  for (int m = 0; m < MT; ++m) {
-    const __m256bh out = _mm512_cvtneps_pbh(_mm512_add_ps(acc[m], b));
-    _mm256_mask_storeu_epi16(y + m * lda_y, keep, (__m256i)out);
-  }
+  store<MT>(acc, bias, y, lda_y, rows);
 }
 
 using BlockFn = void (*)(const uint16_t*, const float*, const uint8_t*, const Scales&, const at::BFloat16*,
@@ -179,20 +185,51 @@ struct Packed {
   const uint8_t* codes_of(int64_t nb) const { return codes + nb * groups * 4 * 64; }
 };
 
+// One matmul's checked operands: the packed weight, the input's shape, the bias (or null) and the output (M, n);
+// `for_each_tile` runs a block function over every block of 16 weight rows and tile of up to kTile input rows,
+// the blocks shared among torch's threads.
+struct Call {
+  Packed w;
+  int64_t M, K, G;
+  const at::BFloat16* bias = nullptr;
+  at::Tensor y;
+
+  Call(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale, const at::Tensor& offset,
+       const std::optional<at::Tensor>& scale_mult, const std::optional<at::Tensor>& offset_mult,
+       const std::optional<at::Tensor>& bias_, int64_t n)
+      : w(codes, scale, offset, scale_mult, offset_mult, n), M(x.size(0)), K(x.size(1)), G(x.size(1) / kGroup) {
+    TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.is_contiguous(), "x: contiguous (M, K) bf16");
+    TORCH_CHECK(K % kGroup == 0 && w.groups % G == 0, "K must be a whole number of groups of 32");
+    if (bias_.has_value()) {
+      TORCH_CHECK(bias_->scalar_type() == at::kBFloat16 && bias_->is_contiguous() && bias_->numel() == n,
+                  "bias: (n,) bf16");
+      bias = bias_->data_ptr<at::BFloat16>();
+    }
+    y = at::empty({M, n}, x.options());
+  }
+
+  // fn(nb, m0, mt, rows, scales): block nb (rows of it real) against input rows m0 .. m0 + mt
+  template <typename Fn>
+  void for_each_tile(int64_t n, const Fn& fn) const {
+    at::parallel_for(0, w.blocks, 1, [&](int64_t lo, int64_t hi) {
+      for (int64_t nb = lo; nb < hi; ++nb) {
+        const int64_t rows = std::min<int64_t>(kRows, n - nb * kRows);
+        const Scales sc = w.of(nb);
+        for (int64_t m0 = 0; m0 < M; m0 += kTile) {
+          fn(nb, m0, static_cast<int>(std::min<int64_t>(kTile, M - m0)), rows, sc);
+        }
+      }
+    });
+  }
+  const at::BFloat16* bias_of(int64_t nb) const { return bias == nullptr ? nullptr : bias + nb * kRows; }
+  at::BFloat16* out(int64_t m0, int64_t nb, int64_t n) const { return y.data_ptr<at::BFloat16>() + m0 * n + nb * kRows; }
+};
+
 at::Tensor int4_mm(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale, const at::Tensor& offset,
                    const std::optional<at::Tensor>& scale_mult, const std::optional<at::Tensor>& offset_mult,
                    const std::optional<at::Tensor>& bias, int64_t n) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.is_contiguous(), "x: contiguous (M, K) bf16");
-  const Packed w(codes, scale, offset, scale_mult, offset_mult, n);
-  const int64_t M = x.size(0), K = x.size(1), blocks = w.blocks, groups = w.groups;
-  TORCH_CHECK(K % kGroup == 0 && groups % (K / kGroup) == 0, "K must be a whole number of groups of 32");
-  const at::BFloat16* b = nullptr;
-  if (bias.has_value()) {
-    TORCH_CHECK(bias->scalar_type() == at::kBFloat16 && bias->is_contiguous() && bias->numel() == n, "bias: (n,) bf16");
-    b = bias->data_ptr<at::BFloat16>();
-  }
-  at::Tensor y = at::empty({M, n}, x.options());
-  const int64_t G = K / kGroup;
+  const Call call(x, codes, scale, offset, scale_mult, offset_mult, bias, n);
+  const int64_t M = call.M, K = call.K, G = call.G;
   at::Tensor xsum = at::empty({M, G}, x.options().dtype(at::kFloat));  // each group's input sum, for the offsets
   const uint16_t* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
   float* xs = xsum.data_ptr<float>();
@@ -206,20 +243,13 @@ at::Tensor int4_mm(const at::Tensor& x, const at::Tensor& codes, const at::Tenso
     }
     xs[i] = s;
   }
-  at::BFloat16* yp = y.data_ptr<at::BFloat16>();
-  const BlockFn* fns = w.enc == kFloat ? kBlocks<kFloat> : w.enc == kHalf ? kBlocks<kHalf> : kBlocks<kTwoLevel>;
-  at::parallel_for(0, blocks, 1, [&](int64_t lo, int64_t hi) {
-    for (int64_t nb = lo; nb < hi; ++nb) {
-      const int64_t rows = std::min<int64_t>(kRows, n - nb * kRows);
-      const Scales sc = w.of(nb);
-      for (int64_t m0 = 0; m0 < M; m0 += kTile) {
-        const int mt = static_cast<int>(std::min<int64_t>(kTile, M - m0));
-        fns[mt](xp + m0 * K, xs + m0 * G, w.codes_of(nb), sc, b == nullptr ? nullptr : b + nb * kRows,
-                yp + m0 * n + nb * kRows, K, groups, n, rows);
-      }
-    }
+  const int enc = call.w.enc;
+  const BlockFn* fns = enc == kFloat ? kBlocks<kFloat> : enc == kHalf ? kBlocks<kHalf> : kBlocks<kTwoLevel>;
+  call.for_each_tile(n, [&](int64_t nb, int64_t m0, int mt, int64_t rows, const Scales& sc) {
+    fns[mt](xp + m0 * K, xs + m0 * G, call.w.codes_of(nb), sc, call.bias_of(nb), call.out(m0, nb, n), K, call.w.groups,
+            n, rows);
   });
-  return y;
+  return call.y;
 }
 
 
@@ -271,15 +301,7 @@ void block_q8(const QuantRows& xq, const uint8_t* codes, const Scales& scales, c
       acc[m] = _mm512_fmadd_ps(o, _mm512_set1_ps(xq.xsum[m * G + g % G]), acc[m]);
     }
   }
-  const __mmask16 keep = rows >= kRows ? __mmask16(0xFFFF) : __mmask16((1u << rows) - 1);
-  __m512 b = _mm512_setzero_ps();
-  if (bias != nullptr) {
-    b = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(keep, bias)), 16));
-  }
-  for (int m = 0; m < MT; ++m) {
-    const __m256bh out = _mm512_cvtneps_pbh(_mm512_add_ps(acc[m], b));
-    _mm256_mask_storeu_epi16(y + m * lda_y, keep, (__m256i)out);
-  }
+  store<MT>(acc, bias, y, lda_y, rows);
 }
 
 using BlockQ8Fn = void (*)(const QuantRows&, const uint8_t*, const Scales&, const at::BFloat16*, at::BFloat16*,
@@ -338,38 +360,21 @@ at::Tensor int8_rows(const at::Tensor& x) {
 at::Tensor int4_mm_q8(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale, const at::Tensor& offset,
                       const std::optional<at::Tensor>& scale_mult, const std::optional<at::Tensor>& offset_mult,
                       const std::optional<at::Tensor>& bias, int64_t n) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.is_contiguous(), "x: contiguous (M, K) bf16");
-  const Packed w(codes, scale, offset, scale_mult, offset_mult, n);
-  const int64_t M = x.size(0), K = x.size(1), blocks = w.blocks, groups = w.groups;
-  TORCH_CHECK(K % kGroup == 0 && groups % (K / kGroup) == 0, "K must be a whole number of groups of 32");
-  const at::BFloat16* b = nullptr;
-  if (bias.has_value()) {
-    TORCH_CHECK(bias->scalar_type() == at::kBFloat16 && bias->is_contiguous() && bias->numel() == n, "bias: (n,) bf16");
-    b = bias->data_ptr<at::BFloat16>();
-  }
-  at::Tensor y = at::empty({M, n}, x.options());
-  const int64_t G = K / kGroup;
+  const Call call(x, codes, scale, offset, scale_mult, offset_mult, bias, n);
+  const int64_t M = call.M, K = call.K, G = call.G;
   at::Tensor q = at::empty({M, K}, x.options().dtype(at::kChar));
-  at::Tensor ds = at::empty({2, M, G}, x.options().dtype(at::kFloat));
+  at::Tensor ds = at::empty({2, M, G}, x.options().dtype(at::kFloat));  // d, then d * sum q
   float* dp = ds.data_ptr<float>();
   quantize_rows(reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()), M * G, q.data_ptr<int8_t>(), dp,
                 dp + M * G);
-  const QuantRows rows_q{q.data_ptr<int8_t>(), dp, dp + M * G};
-  at::BFloat16* yp = y.data_ptr<at::BFloat16>();
-  const BlockQ8Fn* fns = w.enc == kFloat ? kBlocksQ8<kFloat> : w.enc == kHalf ? kBlocksQ8<kHalf> : kBlocksQ8<kTwoLevel>;
-  at::parallel_for(0, blocks, 1, [&](int64_t lo, int64_t hi) {
-    for (int64_t nb = lo; nb < hi; ++nb) {
-      const int64_t rows = std::min<int64_t>(kRows, n - nb * kRows);
-      const Scales sc = w.of(nb);
-      for (int64_t m0 = 0; m0 < M; m0 += kTile) {
-        const int mt = static_cast<int>(std::min<int64_t>(kTile, M - m0));
-        const QuantRows part{rows_q.q + m0 * K, rows_q.d + m0 * G, rows_q.xsum + m0 * G};
-        fns[mt](part, w.codes_of(nb), sc, b == nullptr ? nullptr : b + nb * kRows, yp + m0 * n + nb * kRows, K,
-                groups, n, rows);
-      }
-    }
+  const int8_t* qp = q.data_ptr<int8_t>();
+  const int enc = call.w.enc;
+  const BlockQ8Fn* fns = enc == kFloat ? kBlocksQ8<kFloat> : enc == kHalf ? kBlocksQ8<kHalf> : kBlocksQ8<kTwoLevel>;
+  call.for_each_tile(n, [&](int64_t nb, int64_t m0, int mt, int64_t rows, const Scales& sc) {
+    const QuantRows part{qp + m0 * K, dp + m0 * G, dp + M * G + m0 * G};
+    fns[mt](part, call.w.codes_of(nb), sc, call.bias_of(nb), call.out(m0, nb, n), K, call.w.groups, n, rows);
   });
-  return y;
+  return call.y;
 }
 
 // The weights of one block of 16 rows as bf16, w = sum over planes of (scale * code + offset), in fp32 and rounded
