@@ -21,7 +21,7 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SOURCES = [Path(__file__).with_name(name) for name in ("int4_cpu.cpp", "fused_cpu.cpp")]
+SOURCES = [Path(__file__).with_name(name) for name in ("int4_cpu.cpp", "fused_cpu.cpp", "layer_cpu.cpp")]
 ROWS, GROUP = 16, 32  # the matmul's row block and scale group (int4_cpu.cpp kRows, kGroup)
 FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mavx512vnni", "-mfma", "-fopenmp"]
 
@@ -92,6 +92,10 @@ def _register_fake() -> None:
     @torch.library.register_fake("specfleet::int4_mm_q8")
     def _(x, codes, scale, offset, scale_mult, offset_mult, bias, n):  # noqa: ANN001, ANN202 - the op's schema
         return x.new_empty(x.shape[0], n)
+
+    @torch.library.register_fake("specfleet::decode_layer")
+    def _(x, *rest):  # noqa: ANN001, ANN002, ANN202 - the op's schema
+        return torch.empty_like(x)
 
     @torch.library.register_fake("specfleet::int8_rows")
     def _(x):  # noqa: ANN001, ANN202 - the op's schema

@@ -9,7 +9,7 @@ E experts, I expert width.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -17,6 +17,7 @@ from torch import nn
 
 from actors.kv_cache import KVCache
 from actors.model.metadata import AttentionMetadata
+from actors.model.qlinear import DENSE_ROWS, Int4Linear
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -228,16 +229,40 @@ class DecoderLayer:
     attn: Attention
     ffn: DenseMLP | MoE
     fused: object | None = None  # our CPU kernels where they run this layer's norms (fused_ops)
+    # the decode step in one call (layer_cpu.cpp) where every part runs on our kernels: (projections it was made
+    # for, their operands); rebuilt when a projection is swapped (a draft's weights, deterministic wrappers)
+    _one_call: tuple | None = field(default=None, init=False, repr=False, compare=False)
 
     def __call__(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata, cache: KVCache
     ) -> torch.Tensor:
+        if meta.span is not None and x.shape[0] <= DENSE_ROWS and self.fused is not None:
+            args = self._decode_args()
+            if args is not None:  # one sequence on consecutive blocks, every projection on our int4 kernel
+                kpool, vpool = cache.pools(self.index)
+                return self.fused.decode_layer(x, self.input_norm, self.post_norm, self.eps, *args, cos, sin, kpool,
+                                               vpool, meta.slots, *meta.span, self.attn.sliding_window or 0)
         if self.fused is not None:  # the residual add and the second norm in one call
             a = self.attn(self.fused.rms_norm(x, self.input_norm, self.eps), cos, sin, meta, cache, self.index)
             h, normed = self.fused.add_rms_norm(x, a, self.post_norm, self.eps)
             return h + self.ffn(normed)
         h = x + self.attn(rms_norm(x, self.input_norm, self.eps), cos, sin, meta, cache, self.index)
         return h + self.ffn(rms_norm(h, self.post_norm, self.eps))
+
+    def _decode_args(self) -> tuple | None:
+        """`decode_layer`'s weights for this layer (its projections' operands, widths, input form and heads), or None
+        where a part of its decode step does not run on our kernels (then the layer runs op by op)."""
+        a, ffn = self.attn, self.ffn
+        projs = (a.qkv_proj, a.o_proj, getattr(ffn, "gate_up_proj", None), getattr(ffn, "down_proj", None))
+        if self._one_call is not None and all(p is q for p, q in zip(self._one_call[0], projs)):
+            return self._one_call[1]
+        ours = (a.fused is not None and a.kv_map is None and isinstance(ffn, DenseMLP) and ffn.fused is not None
+                and all(isinstance(p, Int4Linear) and p.own is not None for p in projs)
+                and len({p.activations for p in projs}) == 1)
+        args = None if not ours else (*(p.operands() for p in projs), [p.out_features for p in projs],
+                                      projs[0].activations == "int8", [a.num_heads, a.num_kv_heads, a.head_dim])
+        self._one_call = (projs, args)
+        return args
 
 
 def fused_ops(layer: DecoderLayer, act: str, device: torch.device, dtype: torch.dtype) -> None:

@@ -120,6 +120,13 @@ class Int4Linear(nn.Module):
         self.kernel = torch.ops.aten._weight_int4pack_mm_for_cpu if device.type == "cpu" \
             else torch.ops.aten._weight_int4pack_mm
 
+    def operands(self) -> list[torch.Tensor]:
+        """Our kernel's operands (codes, scale, offset, scale_mult, offset_mult, bias), an empty tensor for an
+        absent one: a projection of actors/model/layer_cpu.cpp's one-call decode layer."""
+        none = self.weight.new_empty(0)
+        return [self.weight, self.scale, self.offset] + [none if t is None else t for t in
+                                                         (self.scale_mult, self.offset_mult, self.bias)]
+
     def dequantized(self) -> torch.Tensor:
         """The weights (N, K) bf16 expanded from our kernel's codes (planes summed, each weight rounded once)."""
         return cpu_kernels.ops().int4_dequant(self.weight, self.scale, self.offset, self.scale_mult,

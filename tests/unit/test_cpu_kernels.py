@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from actors.kv_cache import KVCache
 from actors.model import cpu_kernels
-from actors.model.layers import Attention, RopeTable, apply_rope
+from actors.model.layers import Attention, DecoderLayer, RopeTable, apply_rope
 from actors.model.loader import load_model
 from actors.model.metadata import AttentionMetadata, SeqChunk
 from actors.model.runner import ModelRunner
@@ -159,3 +159,28 @@ def test_on_our_kernels_a_sequence_on_scattered_blocks_gets_the_logits_of_consec
             prompt[30:]), 1)]), runner.forward([SeqChunk("r", (5, 6), 2)]), runner.forward([SeqChunk("r", (7,), 1)])]
         logits.append(torch.cat(parts))
     assert torch.equal(logits[0], logits[1])
+
+
+@pytest.mark.parametrize("activations", ["int8", "bf16"])
+def test_a_decode_step_in_one_call_per_layer_gives_the_op_by_op_logits(tmp_path: Path, activations: str,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where every part of a layer's decode step runs on our kernels (a qwen2: q/k/v biases; weights re-quantized
+    to int4), the step is one call per layer (layer_cpu.cpp), bit for bit the layer run op by op: for a decode, a
+    verification of 4 drafts and the prefill chunks around them; a prefill above 16 rows stays op by op."""
+    path = build_tiny_model("qwen2", tmp_path / "q", hidden_size=128, head_dim=32, intermediate_size=256)
+    model = load_model(str(path), "bf16", weights="int4", activations=activations)
+    chunks = [(tuple(range(5, 25)), 1), ((7,), 1), ((8, 9, 10, 11, 12), 5), (tuple(range(30, 42)), 2), ((13,), 1)]
+    calls = []
+    ops = cpu_kernels.ops()
+    one_call = ops.decode_layer
+    monkeypatch.setattr(ops, "decode_layer", lambda *a: calls.append(a[0].shape[0]) or one_call(*a), raising=False)
+
+    def logits() -> torch.Tensor:
+        runner = ModelRunner(model, range(4), CacheConfig(block_size=4, num_blocks=64))
+        assert runner.reserve("r", 64)
+        return torch.cat([runner.forward([SeqChunk("r", toks, n)]) for toks, n in chunks])
+
+    fused = logits()
+    assert calls == [n for n in (1, 5, 12, 1) for _ in range(4)]  # every layer in one call; 20 rows op by op
+    monkeypatch.setattr(DecoderLayer, "_decode_args", lambda self: None)
+    assert torch.equal(fused, logits())

@@ -1,0 +1,74 @@
+// One decoder layer's decode step in one call: the same ops as actors/model/layers.py runs them (RMSNorm, the fused
+// q/k/v projection, rotary embedding in place, attention over the sequence's consecutive cache slots with the new
+// K, V written, o_proj, the residual add with the second RMSNorm, gate-up, SiLU-gated product, down, the residual),
+// called in the same order on the same tensors, so the layer's output is bit for bit the one the Python layer gives.
+//
+// Why: at one token a layer's ten calls from Python cost more than their work on a small model (SmolLM2-135M: 30
+// layers, about a quarter of a step outside any op in `specfleet bench cpu --profile`); here each is a C++ call
+// through the dispatcher. For a decode or verification step only (rows <= the layer's dense-GEMM threshold, one
+// sequence on consecutive blocks, every projection on our int4 kernel): the Python layer does everything else.
+#include <ATen/core/Tensor.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <torch/library.h>
+
+#include <optional>
+#include <tuple>
+
+
+namespace {
+
+using Opt = std::optional<at::Tensor>;
+
+template <typename Sig>
+c10::TypedOperatorHandle<Sig> op(const char* name) {
+  return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Sig>();
+}
+
+// A projection on our int4 kernel: (codes, scale, offset, scale_mult, offset_mult, bias), an empty tensor for an
+// absent one; n output features.
+at::Tensor linear(const at::Tensor& x, at::TensorList w, int64_t n, bool int8) {
+  TORCH_CHECK(w.size() == 6, "a projection: (codes, scale, offset, scale_mult, offset_mult, bias)");
+  static const auto q8 = op<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                       const Opt&, const Opt&, const Opt&, int64_t)>("specfleet::int4_mm_q8");
+  static const auto bf = op<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                       const Opt&, const Opt&, const Opt&, int64_t)>("specfleet::int4_mm");
+  const auto opt = [](const at::Tensor& t) { return t.numel() > 0 ? Opt(t) : Opt(); };
+  return (int8 ? q8 : bf).call(x, w[0], w[1], w[2], opt(w[3]), opt(w[4]), opt(w[5]), n);
+}
+
+// x (T, H) -> (T, H): layer of actors/model/layers.py DecoderLayer on a span of T new tokens. ns: the four
+// projections' output features (qkv, o, gate_up, down); heads: (nh, kvh, hd).
+at::Tensor decode_layer(const at::Tensor& x, const at::Tensor& input_norm, const at::Tensor& post_norm, double eps,
+                        at::TensorList qkv_w, at::TensorList o_w,
+                        at::TensorList gate_up_w, at::TensorList down_w,
+                        at::IntArrayRef ns, bool int8, at::IntArrayRef heads, const at::Tensor& cos,
+                        const at::Tensor& sin, at::Tensor& kpool, at::Tensor& vpool, const at::Tensor& slots,
+                        int64_t start, int64_t length, int64_t window) {
+  TORCH_CHECK(ns.size() == 4 && heads.size() == 3, "ns: 4 output widths, heads: (nh, kvh, hd)");
+  static const auto rms = op<at::Tensor(const at::Tensor&, const at::Tensor&, double)>("specfleet::rms_norm");
+  static const auto add_rms = op<std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&,
+                                                                    const at::Tensor&, double)>("specfleet::add_rms_norm");
+  static const auto rope = op<void(at::Tensor&, const at::Tensor&, const at::Tensor&)>("specfleet::rope_");
+  static const auto silu_mul = op<at::Tensor(const at::Tensor&)>("specfleet::silu_mul");
+  static const auto attend = op<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, at::Tensor&,
+                                           at::Tensor&, const at::Tensor&, int64_t, int64_t, int64_t)>(
+      "specfleet::span_attention");
+  const int64_t t = x.size(0), nh = heads[0], kvh = heads[1], hd = heads[2];
+  at::Tensor qkv = linear(rms.call(x, input_norm, eps), qkv_w, ns[0], int8).view({t, nh + 2 * kvh, hd});
+  at::Tensor qk = qkv.narrow(1, 0, nh + kvh);
+  rope.call(qk, cos, sin);  // in place
+  at::Tensor attn = attend.call(qkv.narrow(1, 0, nh), qkv.narrow(1, nh, kvh), qkv.narrow(1, nh + kvh, kvh), kpool,
+                                vpool, slots, start, length, window);
+  auto [h, normed] = add_rms.call(x, linear(attn, o_w, ns[1], int8), post_norm, eps);
+  return h.add_(linear(silu_mul.call(linear(normed, gate_up_w, ns[2], int8)), down_w, ns[3], int8));
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(specfleet, m) {
+  m.def("decode_layer(Tensor x, Tensor input_norm, Tensor post_norm, float eps, Tensor[] qkv, Tensor[] o, "
+        "Tensor[] gate_up, Tensor[] down, int[] ns, bool int8, int[] heads, Tensor cos, Tensor sin, Tensor(a!) kpool, "
+        "Tensor(b!) vpool, Tensor slots, int start, int length, int window) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(specfleet, CPU, m) { m.impl("decode_layer", &decode_layer); }
