@@ -33,6 +33,16 @@ namespace {
 constexpr int kRows = 16;   // rows per block (one fp32 vector of outputs)
 constexpr int kGroup = 32;  // weights per scale group
 constexpr int kTile = 8;    // input rows per pass over a block's codes
+// bytes of codes a group's loop asks the cache for ahead of its reads: this VM's hardware prefetch alone streamed the
+// 1.5B's gate_up from memory at 6 GB/s, at 12-15 GB/s with this (docs/weights.md); 1-4 KB measured alike
+constexpr int kAhead = 2048;
+
+// Asks for the 256 bytes of codes kAhead past a group's first byte (a hint: past the end of the array it is dropped).
+inline void prefetch_group(const uint8_t* group) {
+  for (int line = 0; line < 4; ++line) {
+    _mm_prefetch(reinterpret_cast<const char*>(group + kAhead + 64 * line), _MM_HINT_T0);
+  }
+}
 
 // Where a block's group scales and offsets are: fp32 per group (kFloat), fp16 per group (kHalf), or fp16 per 8
 // groups times a small integer per group (kTwoLevel: the K-quants' super-block scales, scale = d * sc, offset =
@@ -97,6 +107,7 @@ void block(const uint16_t* x, const float* xsum, const uint8_t* codes, const Sca
     __m512 sum[MT][kAcc];
     for (int m = 0; m < MT; ++m)
       for (int a = 0; a < kAcc; ++a) sum[m][a] = _mm512_setzero_ps();
+    prefetch_group(codes + g * (kGroup / 8) * 64);
 #pragma GCC unroll 4
     for (int c = 0; c < kGroup / 8; ++c) {
       const __m512i v = _mm512_loadu_si512(codes + (g * (kGroup / 8) + c) * 64);
@@ -278,6 +289,7 @@ void block_q8(const QuantRows& xq, const uint8_t* codes, const Scales& scales, c
     const int64_t xk = (g % G) * kGroup;
     __m512i sum[MT][2];
     for (int m = 0; m < MT; ++m) sum[m][0] = sum[m][1] = _mm512_setzero_si512();
+    prefetch_group(codes + g * (kGroup / 8) * 64);
 #pragma GCC unroll 4
     for (int c = 0; c < kGroup / 8; ++c) {
       const __m512i v = _mm512_loadu_si512(codes + (g * (kGroup / 8) + c) * 64);
