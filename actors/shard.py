@@ -61,7 +61,8 @@ class ShardSpec:
 def load_shard(spec: ShardSpec, plan: ExpertPlan | None = None) -> ModelRunner:
     """Load the checkpoint, build the shard's runner, and drop every weight the shard does not run (`plan`: the
     expert plan an expert-parallel rank orders its experts by)."""
-    model = load_model(spec.source, spec.dtype, weights=spec.weights, activations=spec.activations)  # on the CPU: the runner moves only its own layers to its device
+    # on the CPU: the runner moves only its own layers to its device
+    model = load_model(spec.source, spec.dtype, weights=spec.weights, activations=spec.activations)
     runner = ModelRunner(model, spec.layer_ids, spec.cache, first=spec.first, last=spec.last,
                          device=resolve_device(spec.device), deterministic=spec.deterministic)
     hf = model.hf_model.model

@@ -210,7 +210,8 @@ class EngineConfig(_Frozen):
         checkpoint as configured, its dtype, how its linear maps compute and deterministic mode. Every instance and
         API replica of one app computes the same names from it, wherever the checkpoint resolves on its node."""
         m = self.model
-        return f"{m.target}|{m.dtype}|{m.weights}|{m.activations}|{'deterministic' if self.deterministic else 'batched'}"
+        mode = "deterministic" if self.deterministic else "batched"
+        return f"{m.target}|{m.dtype}|{m.weights}|{m.activations}|{mode}"
 
 
 class KeyLimits(_Frozen):

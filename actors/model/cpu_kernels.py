@@ -28,8 +28,8 @@ FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mavx5
 
 @functools.cache
 def ops():
-    """`torch.ops.specfleet` (int4_mm, int4_mm_q8, int8_rows, int4_dequant, rms_norm, add_rms_norm, rope_, silu_mul, span_attention),
-    built on first use; None where this CPU or machine cannot run them."""
+    """`torch.ops.specfleet` (int4_mm, int4_mm_q8, int8_rows, int4_dequant, rms_norm, add_rms_norm, rope_, silu_mul,
+    span_attention, decode_layer), built on first use; None where this CPU or machine cannot run them."""
     reason = unavailable()
     if reason is not None:
         log.info("our CPU kernels do not run here (%s); using torch's ops", reason)

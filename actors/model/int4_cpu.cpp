@@ -34,7 +34,7 @@ constexpr int kRows = 16;   // rows per block (one fp32 vector of outputs)
 constexpr int kGroup = 32;  // weights per scale group
 constexpr int kTile = 8;    // input rows per pass over a block's codes
 // bytes of codes a group's loop asks the cache for ahead of its reads: this VM's hardware prefetch alone streamed the
-// 1.5B's gate_up from memory at 6 GB/s, at 12-15 GB/s with this (docs/weights.md); 1-4 KB measured alike
+// 1.5B's gate_up from memory at 6.1 GB/s, at 13-17 GB/s with this (docs/weights.md); 1-4 KB measured alike
 constexpr int kAhead = 2048;
 
 // Asks for the 256 bytes of codes kAhead past a group's first byte (a hint: past the end of the array it is dropped).
@@ -233,7 +233,9 @@ struct Call {
     });
   }
   const at::BFloat16* bias_of(int64_t nb) const { return bias == nullptr ? nullptr : bias + nb * kRows; }
-  at::BFloat16* out(int64_t m0, int64_t nb, int64_t n) const { return y.data_ptr<at::BFloat16>() + m0 * n + nb * kRows; }
+  at::BFloat16* out(int64_t m0, int64_t nb, int64_t n) const {
+    return y.data_ptr<at::BFloat16>() + m0 * n + nb * kRows;
+  }
 };
 
 at::Tensor int4_mm(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale, const at::Tensor& offset,
@@ -269,8 +271,9 @@ at::Tensor int4_mm(const at::Tensor& x, const at::Tensor& codes, const at::Tenso
 // VPDPBUSD multiplies 16 rows' codes (uint8, 0..15) by 4 of those inputs per instruction: 64 multiply-adds
 // (VDPBF16PS: 32) on codes unpacked with one AND (and a shift for the high nibbles), summed exactly in int32.
 // y = sum over groups of d (scale * sum(c q) + offset * sum q): the exact result (in fp32) of the weights as stored
-// times the rounded rows q d, as llama.cpp's Q8_1 keeps d * sum q for the offsets. A chunk of 8 inputs is stored in the codes' order: a row's dword holds k = 0, 4, 1, 5 of the chunk
-// in its low nibbles and 2, 6, 3, 7 in its high ones (the layout above). Rows are rounded and summed alone, in one
+// times the rounded rows q d, as llama.cpp's Q8_1 keeps d * sum q for the offsets. A chunk of 8 inputs is stored in
+// the codes' order: a row's dword holds k = 0, 4, 1, 5 of the chunk in its low nibbles and 2, 6, 3, 7 in its high
+// ones (the layout above). Rows are rounded and summed alone, in one
 // order: row-invariant like int4_mm. What the rounding costs in the logits is measured in docs/weights.md.
 struct QuantRows {
   const int8_t* q;     // (M, K) the inputs rounded, in the codes' order per chunk of 8

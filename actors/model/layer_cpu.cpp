@@ -14,7 +14,6 @@
 #include <optional>
 #include <tuple>
 
-
 namespace {
 
 using Opt = std::optional<at::Tensor>;
@@ -39,15 +38,15 @@ at::Tensor linear(const at::Tensor& x, at::TensorList w, int64_t n, bool int8) {
 // x (T, H) -> (T, H): layer of actors/model/layers.py DecoderLayer on a span of T new tokens. ns: the four
 // projections' output features (qkv, o, gate_up, down); heads: (nh, kvh, hd).
 at::Tensor decode_layer(const at::Tensor& x, const at::Tensor& input_norm, const at::Tensor& post_norm, double eps,
-                        at::TensorList qkv_w, at::TensorList o_w,
-                        at::TensorList gate_up_w, at::TensorList down_w,
+                        at::TensorList qkv_w, at::TensorList o_w, at::TensorList gate_up_w, at::TensorList down_w,
                         at::IntArrayRef ns, bool int8, at::IntArrayRef heads, const at::Tensor& cos,
                         const at::Tensor& sin, at::Tensor& kpool, at::Tensor& vpool, const at::Tensor& slots,
                         int64_t start, int64_t length, int64_t window) {
   TORCH_CHECK(ns.size() == 4 && heads.size() == 3, "ns: 4 output widths, heads: (nh, kvh, hd)");
   static const auto rms = op<at::Tensor(const at::Tensor&, const at::Tensor&, double)>("specfleet::rms_norm");
-  static const auto add_rms = op<std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&,
-                                                                    const at::Tensor&, double)>("specfleet::add_rms_norm");
+  using Pair = std::tuple<at::Tensor, at::Tensor>;
+  static const auto add_rms = op<Pair(const at::Tensor&, const at::Tensor&, const at::Tensor&, double)>(
+      "specfleet::add_rms_norm");
   static const auto rope = op<void(at::Tensor&, const at::Tensor&, const at::Tensor&)>("specfleet::rope_");
   static const auto silu_mul = op<at::Tensor(const at::Tensor&)>("specfleet::silu_mul");
   static const auto attend = op<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, at::Tensor&,

@@ -19,8 +19,8 @@ from transformers import (
 from actors.model.convert import MANIFEST
 from actors.model.gguf_tensors import StoredTensors, source_of
 from actors.model.tokenize import encode_prompt
-from actors.model.weights import WEIGHT_MODES, WeightMode
 from actors.model.qlinear import ACTIVATIONS, Activations
+from actors.model.weights import WEIGHT_MODES, WeightMode
 
 # model_type -> feed-forward kind; anything else is refused before weights are read.
 SUPPORTED_ARCHITECTURES = {"llama": "dense", "qwen2": "dense", "mistral": "dense", "mixtral": "moe", "qwen2_moe": "moe"}
@@ -120,8 +120,9 @@ def load_model(source: str, dtype: str = "fp32", device: torch.device | str = "c
                weights: WeightMode = "dequantized", activations: Activations = "int8") -> LoadedModel:
     """Load weights and tokenizer of `source` (a GGUF file, a local folder, or a hub id) in `dtype` onto `device`
     ("meta" allocates nothing: for checking where tensors go). `weights` is how runners compute its linear maps
-    (actors/model/weights.py), `activations` how our CPU int4 kernel takes their inputs; `stored` reads a GGUF source's quantized tensors, from the file itself or from the
-    file a converted folder names (actors/model/convert.py)."""
+    (actors/model/weights.py), `activations` how our CPU int4 kernel takes their inputs (actors/model/qlinear.py);
+    `stored` reads a GGUF source's quantized tensors, from the file itself or from the file a converted folder names
+    (actors/model/convert.py)."""
     if dtype not in DTYPES:
         raise ModelLoadError(f"unsupported dtype {dtype!r}; supported: {', '.join(DTYPES)}")
     if weights not in WEIGHT_MODES:

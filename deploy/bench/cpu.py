@@ -122,7 +122,10 @@ def _rows(setup: Setup, args: argparse.Namespace, target: LoadedModel, draft: Lo
         if draft is None:
             rows.append(Row(f"spec {name}", _engine(runner, None, setup.speculation, batch)))
             continue
-        drafts = [setup.draft_quantization] if weights == "dequantized" else args.stored_draft[:1 if act == "bf16" else None]
+        if weights == "dequantized":
+            drafts = [setup.draft_quantization]
+        else:  # bf16-input rows: the first stored draft only
+            drafts = args.stored_draft[:1] if act == "bf16" else args.stored_draft
         for quant in drafts:
             draft_runner = ModelRunner(draft, range(draft.num_layers), cache, activations=act,
                                        weights=weights if quant in ("none", "stored") else quant)
@@ -150,7 +153,8 @@ def _logit_gap(target: LoadedModel, ids: list[int], exact: LoadedModel | None) -
     paths = {"stored": logits(target, "stored"), "stored (bf16 in)": logits(target, "stored", "bf16"),
              "dequantized": logits(target, "dequantized")}
     dense = paths["dequantized"]
-    out = dict(zip(("max_abs_diff", "top1_agreement"), gap(paths["stored"], dense)), logit_std=round(float(dense.std()), 3))
+    out = dict(zip(("max_abs_diff", "top1_agreement"), gap(paths["stored"], dense)),
+               logit_std=round(float(dense.std()), 3))
     out["bf16_in_max_abs_diff"], out["bf16_in_top1_agreement"] = gap(paths["stored (bf16 in)"], dense)
     if exact is not None:
         ref = logits(exact, "stored")
