@@ -87,7 +87,10 @@ def test_expert_parallel_instance_is_lossless(ray_driver, tiny_models, tiny_draf
             assert c.token_ids == reference_greedy(tiny_models["mixtral"], prompt, NEW_TOKENS)
         assert sum(c.stats.proposed for c in completions) > 0  # speculative decoding verified through the ranks
         per_rank = executor.ep_stats()
-        assert all(s.tokens > 0 for s in per_rank)  # requests were spread over every rank
+        if mode != "shuffled":  # 5 requests homed before the first step, lightest rank or within a slack of 1:
+            assert all(s.tokens > 0 for s in per_rank)  # every rank holds one by construction
+        # shuffled: every rank runs every token's attention heads, and a token's FFN lands on its predicted rank,
+        # so which ranks run FFN rows depends on the routing tables, not on placement: no per-rank claim
         total = EPStats()
         for s in per_rank:
             total.add(s)
