@@ -343,11 +343,23 @@ class MigrationConfig(_Frozen):
 
 class FailoverConfig(_Frozen):
     """A request whose instance fails resumes from its tokens on another instance (deploy/serve/frontend.py); with
-    none left it waits up to `wait_s` for one to join (the replacement Serve starts), and gives up after
-    `max_attempts` failovers of one request."""
+    none left it waits for one to join (the replacement Serve starts), and gives up after `max_attempts` failovers
+    of one request.
+
+    The wait is learned (cluster/start_times.py): `start_multiple` times the slowest of the router's recent starts
+    and replacements, at least `wait_s` (the floor) and at most `max_wait_s` (the ceiling)."""
 
     wait_s: float = Field(default=60.0, ge=0.0)
+    max_wait_s: float = Field(default=600.0, ge=0.0)
+    start_multiple: float = Field(default=2.0, ge=1.0)
     max_attempts: int = Field(default=3, ge=0)
+
+    @model_validator(mode="after")
+    def _floor_below_ceiling(self) -> "FailoverConfig":
+        if self.wait_s > self.max_wait_s:
+            raise ValueError(f"failover.wait_s ({self.wait_s}) is the wait's floor: it must not exceed "
+                             f"failover.max_wait_s ({self.max_wait_s})")
+        return self
 
 
 class CacheAwareConfig(_Frozen):

@@ -35,6 +35,7 @@ from cluster.dispatch import make_dispatch
 from cluster.instances import DrainResult, InstancePlace, InstanceRow, RequestRow
 from cluster.registry import NoInstanceAvailable, Registry, RequestStatus
 from cluster.prefix_index import PrefixIndex
+from cluster.start_times import FailoverWait, StartHistory
 from cluster.stats import MigrationStats, RoutingStats
 
 ROUTER_NAME = "specfleet-router"
@@ -74,6 +75,8 @@ class Router:
         self._progress: dict[str, tuple[str, str, MigrationProgress | None]] = {}  # (source, destination, progress)
         self.migration_figures = MigrationStats({s.value: 0 for s in MigrationStatus})
         self._joined = asyncio.Event()  # set (and replaced) whenever an instance registers: failovers wait on it
+        fo = cfg.failover  # how long a failover waits for an instance to register: learned from the starts seen
+        self.starts = StartHistory(fo.wait_s, fo.max_wait_s, fo.start_multiple)
         # as a Ray actor this runs on its event loop: rebuild from the instances, then start polling and planning
         self._started: asyncio.Task | None = asyncio.get_running_loop().create_task(self._start(discover))
 
@@ -120,8 +123,11 @@ class Router:
     # ---- instances ----------------------------------------------------------------------------------
     @_after_start
     async def register(self, instance_id: str, handle: ActorHandle, model: str, max_model_len: int, node: str,
-                       place: InstancePlace = InstancePlace(), incarnation: str = "") -> None:
-        """Add an instance, or its replacement (another `incarnation` under the same id); idempotent."""
+                       place: InstancePlace = InstancePlace(), incarnation: str = "", start_s: float | None = None
+                       ) -> None:
+        """Add an instance, or its replacement (another `incarnation` under the same id); idempotent. `start_s`: how
+        long this incarnation took to start (its replica's construction to now), which the failover wait learns."""
+        self.starts.registered(instance_id, incarnation, time.monotonic(), start_s)
         self._register(instance_id, handle, model, max_model_len, node, place, incarnation)
 
     def _register(self, instance_id: str, handle: ActorHandle, model: str, max_model_len: int, node: str,
@@ -201,19 +207,24 @@ class Router:
     async def _placed(self, place, model: str | None) -> str:
         """`place()`'s instance; while none can take the request because none of `model` is up (none registered
         yet, or the last one failed and its replacement is starting), wait for one to register, up to
-        `failover.wait_s`: the client sees a pause, not an error. An instance drained on purpose is no reason to
-        wait: then NoInstanceAvailable at once, as when the wait runs out."""
-        deadline = time.monotonic() + self.cfg.failover.wait_s
+        the failover wait (`failover_wait`: learned from the starts seen, within the configured floor and ceiling):
+        the client sees a pause, not an error. An instance drained on purpose is no reason to wait: then
+        NoInstanceAvailable at once, as when the wait runs out (its message names the wait and why)."""
+        allowed = self.starts.wait()
+        deadline = time.monotonic() + allowed.wait_s
         while True:
             joined = self._joined
             try:
                 return place()
-            except NoInstanceAvailable:
+            except NoInstanceAvailable as e:
                 left = deadline - time.monotonic()
-                drained = any(e.draining and e.healthy for e in self.registry.instances.values()
-                              if model is None or e.model == model)
-                if left <= 0 or drained:
+                drained = any(i.draining and i.healthy for i in self.registry.instances.values()
+                              if model is None or i.model == model)
+                if drained:
                     raise
+                if left <= 0:
+                    raise NoInstanceAvailable(f"{e}; none registered within the failover wait of "
+                                              f"{allowed.wait_s:.1f} s ({_why(allowed)})") from None
                 log.warning("no instance of %s is up: waiting up to %.0f s for one to register", model or "any model",
                             left)
                 try:
@@ -382,6 +393,11 @@ class Router:
                             sum(not index.wants_snapshot(i) for i in self.registry.instances))
 
     @_after_start
+    async def failover_wait(self) -> FailoverWait:
+        """How long a request now waits for an instance to register, and the starts it was learned from."""
+        return self.starts.wait()
+
+    @_after_start
     async def migration_stats(self) -> MigrationStats:
         """Migrations by outcome, their downtime, and failovers, since the router started."""
         return self.migration_figures
@@ -445,6 +461,7 @@ class Router:
         if instance_id not in self.registry.instances:
             return
         self.registry.mark_unhealthy(instance_id, error)
+        self.starts.lost(instance_id, time.monotonic())  # its replacement's registration says how long that took
         entry = self.registry.remove(instance_id, time.time())  # its requests fail over (or were closed as failed)
         self.handles.pop(instance_id, None)
         self.removed.append(entry.row(removed_at=time.time()))
@@ -457,6 +474,14 @@ class Router:
             except Exception:  # noqa: BLE001 - a bad poll must not stop polling; the next one retries
                 log.exception("polling the instances failed")
             await asyncio.sleep(self.cfg.stats_interval_s)
+
+
+def _why(w: FailoverWait) -> str:
+    """The reason for a failover wait, in words."""
+    if w.slowest_s is None:
+        return "the configured floor: no start seen yet"
+    return (f"{w.multiple:g} x the slowest of the last {w.samples} starts, {w.slowest_s:.0f} s, within the floor "
+            f"{w.floor_s:.0f} s and the ceiling {w.ceiling_s:.0f} s")
 
 
 def _dispatch(cfg: RouterConfig):

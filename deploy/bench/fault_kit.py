@@ -113,14 +113,19 @@ class Hosts:
                 self.fabric.remove()
 
     # ---- the app ---------------------------------------------------------------------------------------------
-    def deploy(self, cfg: SpecfleetConfig, target: Path, timeout_s: float = 300.0) -> "App":
+    def deploy(self, cfg: SpecfleetConfig, target: Path, timeout_s: float = 300.0, start_delay_s: float = 0.0
+               ) -> "App":
+        """Deploy `cfg`'s app; `start_delay_s`: every instance start (the first and each replacement) made that much
+        slower on purpose."""
         from ray import serve
         from ray.serve.schema import ApplicationStatus
 
-        from deploy.serve.app import APP_NAME, compose
+        from deploy.serve.app import APP_NAME, START_DELAY_ENV, compose
 
         # the API's and the instances' replicas on the head: a worker's fault hits engines, not the streams' API end
-        serve.run(compose(cfg, replica_resources=HEAD_ONLY), name=APP_NAME, route_prefix="/", blocking=False)
+        env = {START_DELAY_ENV: str(start_delay_s)} if start_delay_s > 0 else None
+        serve.run(compose(cfg, replica_resources=HEAD_ONLY, instance_env=env), name=APP_NAME, route_prefix="/",
+                  blocking=False)
         deadline = time.monotonic() + timeout_s
         while (status := serve.status().applications.get(APP_NAME)) is None or \
                 status.status != ApplicationStatus.RUNNING:

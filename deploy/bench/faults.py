@@ -247,17 +247,19 @@ class Outcome:
     leaked_pending: int
     leaked_blocks: int
     note: str
+    failover_wait_s: float | None = None  # the router's failover wait after the fault (cluster/start_times.py)
+    slowest_start_s: float | None = None  # the slowest recent start or replacement it was learned from
 
 
 NGRAM = {"speculation": {"method": "ngram", "policy": "fixed", "k": 3}}
 
 
-def apps(target: Path, draft: Path | None, engine: dict | None = None, wait_s: float = 300.0
+def apps(target: Path, draft: Path | None, engine: dict | None = None, wait_s: float = 60.0
          ) -> dict[str, SpecfleetConfig]:
     """The two apps the faults need: "one", a single instance of two pipeline stages drafting by n-gram lookup (two
     of the three workers, one spare); "two", two single-stage instances with `draft` (without one: `engine`), the
-    second of which holds the third worker for its draft model. A failed instance's streams wait up to `wait_s`
-    for its replacement, which must cover an instance's start (up to a minute on this loaded 2-core machine)."""
+    second of which holds the third worker for its draft model. A failed instance's streams wait for its
+    replacement as long as the router learned a start takes, at least `wait_s` (the floor; the product's default)."""
     return {"one": app_config(target, None, instances=1, stages=2, engine=engine or NGRAM, wait_s=wait_s),
             "two": app_config(target, draft, instances=2, stages=1, engine=engine, wait_s=wait_s)}
 
@@ -282,9 +284,10 @@ async def run_fault(fault: Fault, app: App, prompts: list[list[int]], tokens: in
     p99 = pct(gaps, 99) - pct(base, 99) if gaps and base else None
     hit = [s for s in run.streams if landed.hits is None or s.request_id in landed.hits]
     in_flight = sum(bool(s.arrivals) and s.arrivals[-1] > run.fault_at for s in hit)
+    wait = await asyncio.to_thread(lambda: ray.get(app.router().failover_wait.remote(), timeout=30.0))
     return Outcome(fault.name, len(prompts), len(prompts) if landed.hits is None else len(landed.hits), in_flight,
                    len(prompts) - len(survived), sum(s.text != b.text for s, b in survived), run.served_again_s, p99,
-                   running, pending, blocks, landed.note)
+                   running, pending, blocks, landed.note, wait.wait_s, wait.slowest_s)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -341,11 +344,12 @@ def run(args: argparse.Namespace) -> int:
             hosts.close()
     table = Table(title=f"faults under {args.streams} streams of {args.max_tokens} tokens ({target.name})")
     for col in ("fault", "lost", "changed", "served again (s)", "p99 gap added (s)", "leaked req/pending/blocks",
-                "note"):
+                "slowest start (s)", "failover wait (s)", "note"):
         table.add_column(col)
     for r in rows:
         table.add_row(r.fault, f"{r.lost}/{r.streams}", str(r.changed), _s(r.served_again_s), _s(r.p99_gap_added_s),
-                      f"{r.leaked_requests}/{r.leaked_pending}/{r.leaked_blocks}", r.note)
+                      f"{r.leaked_requests}/{r.leaked_pending}/{r.leaked_blocks}", _s(r.slowest_start_s),
+                      _s(r.failover_wait_s), r.note)
     console.print(table)
     if args.json:
         import json

@@ -71,14 +71,26 @@ class MigrateResult(_Row):
     total_s: float = 0.0
 
 
+class FailoverWaitRow(_Row):
+    """How long a failed-over request now waits for an instance to register (cluster/start_times.py)."""
+
+    wait_s: float
+    slowest_s: float | None  # the slowest recent start or replacement; None: none seen yet
+    floor_s: float
+    ceiling_s: float
+    multiple: float
+    samples: int
+
+
 class Migrations(_Row):
-    """The router's migration figures since it started (GET /admin/migrations)."""
+    """The router's migration and failover figures since it started (GET /admin/migrations)."""
 
     by_status: dict[str, int]  # finished | aborted_src | aborted_dst
     failovers: int
     downtime_count: int
     downtime_mean_s: float
     downtime_max_s: float
+    failover_wait: FailoverWaitRow | None = None
 
 
 class Dispatch(_Row):

@@ -204,6 +204,12 @@ def run_status(args: argparse.Namespace) -> int:
     print(f"migrations: {by.get('finished', 0)} finished, {by.get('aborted_src', 0)} aborted at the source, "
           f"{by.get('aborted_dst', 0)} at the destination; downtime mean {moves.downtime_mean_s * 1e3:.1f} ms, "
           f"max {moves.downtime_max_s * 1e3:.1f} ms; {moves.failovers} request(s) failed over")
+    if moves.failover_wait is not None:
+        w = moves.failover_wait
+        why = ("no start seen yet: the floor" if w.slowest_s is None else
+               f"{w.multiple:g} x the slowest of the last {w.samples} starts ({w.slowest_s:.1f} s)")
+        print(f"failover: with no instance up a request waits up to {w.wait_s:.0f} s for one to register ({why}, "
+              f"within {w.floor_s:.0f}-{w.ceiling_s:.0f} s)")
     for p in problems:
         print(f"UNHEALTHY: {p}")
     return 0 if not problems else 1

@@ -13,6 +13,7 @@ or its devices taken, in a place planned again over the nodes alive then), and
 
 import asyncio
 import logging
+import os
 import time
 import uuid
 from pathlib import Path
@@ -54,6 +55,9 @@ def config_from_args(args: dict) -> SpecfleetConfig:
     return load_config(args.get("config_path") or DEFAULT_CONFIG)
 
 
+# seconds an instance replica sleeps before it starts: a slow start injected by the fault kit (deploy/bench/
+# fault_kit.py), so the failover tests hold the learned wait (cluster/start_times.py) to a start slower than its floor
+START_DELAY_ENV = "SPECFLEET_FAULT_START_DELAY_S"
 LOAD_TIMEOUT_S = 900.0  # for an instance to load its models, and for room to place it when its node is gone
 HEALTH_TIMEOUT_S = 20.0
 
@@ -72,10 +76,16 @@ class SpecfleetInstance:
     kept up beside the health checks, with the router found again by name when it comes back."""
 
     def __init__(self, index: int, spec: InstanceSpec, router_cfg: RouterConfig) -> None:
+        began = time.monotonic()
+        delay = float(os.environ.get(START_DELAY_ENV, "0") or 0)
+        if delay > 0:  # a fault injected on purpose (tests/faults): a start slower than the failover wait's floor
+            log.warning("%s: start delayed by %.1f s (%s)", spec.instance_id, delay, START_DELAY_ENV)
+            time.sleep(delay)
         self.instance_id = spec.instance_id
         self.router_cfg = router_cfg
         self.router = router_client(router_cfg)
-        self.spec, self.server, self.info = self._start(index, spec, time.monotonic() + LOAD_TIMEOUT_S)
+        self.spec, self.server, self.info = self._start(index, spec, began + LOAD_TIMEOUT_S)
+        self.start_s = time.monotonic() - began  # what the router's failover wait learns from (cluster/start_times.py)
         self.router.call_blocking(self._register)
         self._registering: asyncio.Task | None = None
 
@@ -133,7 +143,7 @@ class SpecfleetInstance:
     def _register(self, router):
         i = self.info
         return router.register.remote(self.instance_id, self.server, i.model, i.max_model_len, i.node_id,
-                                      self.spec.place, i.actor_id)
+                                      self.spec.place, i.actor_id, self.start_s)
 
     async def check_health(self) -> None:
         """Serve calls this every few seconds; raising makes Serve replace the replica (and so the instance). Only
@@ -252,12 +262,17 @@ def build_app(args: dict) -> serve.Application:
     return compose(config_from_args(args or {}))
 
 
-def compose(cfg: SpecfleetConfig, replica_resources: dict[str, float] | None = None) -> serve.Application:
+def compose(cfg: SpecfleetConfig, replica_resources: dict[str, float] | None = None,
+            instance_env: dict[str, str] | None = None) -> serve.Application:
     """The application for `cfg`, its fleet planned once (deploy/serve/fleet.py). `replica_resources`: Ray resources
-    the API's and the instance deployments' replicas also ask for (the fault tests keep them on the head node)."""
+    the API's and the instance deployments' replicas also ask for (the fault tests keep them on the head node);
+    `instance_env`: environment variables of the instance replicas (the fault kit's START_DELAY_ENV)."""
     specs = fleet_specs(cfg)
     extra = dict(replica_resources or {})
-    opts = {"ray_actor_options": {"num_cpus": 0, "resources": extra}} if extra else {}
+    actor_opts: dict = {"num_cpus": 0, "resources": extra} if extra else {}
+    if instance_env:
+        actor_opts = {"num_cpus": 0, **actor_opts, "runtime_env": {"env_vars": dict(instance_env)}}
+    opts = {"ray_actor_options": actor_opts} if actor_opts else {}
     instances = [SpecfleetInstance.options(name=f"SpecfleetInstance-{s.instance_id}", num_replicas=1, **opts)
                  .bind(i, s, cfg.router) for i, s in enumerate(specs)]
     api = SpecfleetAPI.options(ray_actor_options={"num_cpus": 0, "resources": {**cfg.serve.api_resources, **extra}})

@@ -249,7 +249,7 @@ class Frontend:
     async def _route(self, rid: str, priority: int, blocks: tuple[int, ...] = ()) -> tuple[str, ActorHandle]:
         """One `router.route`; if the caller is cancelled while it is under way, its result is released later."""
         limit = self.cfg.serve.max_pending_requests
-        wait_s = self.cfg.router.failover.wait_s  # the router may wait that long for an instance to come up
+        wait_s = self.cfg.router.failover.max_wait_s  # the router may wait up to that for an instance to come up
         routing = asyncio.get_running_loop().create_task(
             self.router.call(lambda r: r.route.remote(rid, priority, self.model_name, limit, blocks),
                              timeout_s=wait_s + RELEASE_TIMEOUT_S),
@@ -290,9 +290,9 @@ class Frontend:
                        blocks: tuple[int, ...] = ()) -> tuple[str, ActorHandle]:
         """Where a request whose instance failed resumes (the router records it there; `blocks`: the names of its
         tokens' full KV blocks, for a cache-aware router); the router may wait for an instance to join
-        (`router.failover.wait_s`), so the deadline leaves it that long."""
+        (learned from the starts it saw, at most `router.failover.max_wait_s`), so the deadline leaves it that long."""
         instance_id, handle = failed
-        wait_s = self.cfg.router.failover.wait_s
+        wait_s = self.cfg.router.failover.max_wait_s
         return await self.router.call(lambda r: r.failover.remote(rid, instance_id, handle, priority, self.model_name,
                                                                   blocks),
                                       timeout_s=wait_s + RELEASE_TIMEOUT_S)

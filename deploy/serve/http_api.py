@@ -309,8 +309,10 @@ class HttpRoutes:
     async def _admin_migrations(self, request: Request) -> JSONResponse:
         """The router's migration and failover figures (cluster/stats.py, MigrationStats)."""
         self._auth(request, admin=True)
-        figures = await self.router.call(lambda r: r.migration_stats.remote())
-        return JSONResponse({**figures.as_dict(), "downtime_mean_s": figures.downtime_mean_s})
+        figures, wait = await asyncio.gather(self.router.call(lambda r: r.migration_stats.remote()),
+                                             self.router.call(lambda r: r.failover_wait.remote()))
+        return JSONResponse({**figures.as_dict(), "downtime_mean_s": figures.downtime_mean_s,
+                             "failover_wait": dataclasses.asdict(wait)})
 
     async def _admin_dispatch(self, request: Request) -> JSONResponse:
         """The router's dispatch policy, its decisions by reason and its prefix index (cluster/stats.py,

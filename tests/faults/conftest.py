@@ -49,9 +49,11 @@ class Served:
         assert all(s.error is None and s.finish == "length" for s in self.baseline.streams), self.baseline
 
 
-def serve(hosts: Hosts, fault_models, name: str, offset: int) -> Iterator[Served]:
+def serve(hosts: Hosts, fault_models, name: str, offset: int, wait_s: float = 300.0,
+          start_delay_s: float = 0.0) -> Iterator[Served]:
+    """App `name` deployed, its failover wait's floor `wait_s`, every instance start `start_delay_s` slower."""
     target, draft = fault_models
-    app = hosts.deploy(apps(target, draft)[name], target)
+    app = hosts.deploy(apps(target, draft, wait_s=wait_s)[name], target, start_delay_s=start_delay_s)
     try:
         yield Served(app, text_prompts(load(target), STREAMS, offset=offset))
     finally:

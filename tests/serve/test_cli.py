@@ -66,8 +66,11 @@ def test_status(served_app: ServedApp) -> None:
     assert report["healthy"] and report["health"]["healthy_instances"] == 2 and len(report["instances"]) == 2
     assert len(report["nodes"]) == 3 and all(n["alive"] for n in report["nodes"])
     assert {"running", "waiting", "pending", "kv_blocks_used", "acceptance", "mean_k"} <= set(report["load"])
+    wait = report["migrations"]["failover_wait"]  # learned from the instances' starts (cluster/start_times.py)
+    assert wait["samples"] >= 1 and wait["slowest_s"] > 0 and wait["floor_s"] <= wait["wait_s"] <= wait["ceiling_s"]
     text = specfleet("status", "--config", str(served_app.config_path), "--state", str(served_app.state_path))
     assert text.returncode == 0 and "the router holds 0 pending" in text.stdout, text.stdout + text.stderr
+    assert "failover: with no instance up a request waits up to" in text.stdout, text.stdout
 
 
 def stream_in_background(app: ServedApp, body: dict, begun: threading.Event | None = None

@@ -1,0 +1,91 @@
+"""How long an instance takes to come back, learned from the starts the router has seen: the failover wait.
+
+A request whose only instance died waits for its replacement (deploy/serve/frontend.py, cluster/router.py). A fixed
+wait loses every such request wherever a start happens to be slower than the guess (issue 40: 63 s starts on an
+AVX2 machine against a 60 s wait). So the router records two kinds of evidence:
+
+- a **start**: how long an instance took from its Serve replica's construction to its registration (reported by
+  the replica when it registers: weights, kernels, calibration, first forward);
+- a **replacement**: how long an instance id stayed unregistered after the router removed it as failed, until an
+  incarnation registered under the same id (Serve's health check, its restart delay, and the start itself).
+
+The wait is `multiple` times the slowest of the last `window` of these, bounded below by the configured floor and
+above by the ceiling: `min(ceiling, max(floor, multiple * slowest))`. With no evidence yet, the floor.
+Pure: no Ray, no clock of its own (times are passed in).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class FailoverWait:
+    """The wait in force and why: seconds, and the slowest recent start or replacement it was derived from."""
+
+    wait_s: float
+    slowest_s: float | None  # None: no start seen yet (the floor applies)
+    floor_s: float
+    ceiling_s: float
+    multiple: float
+    samples: int
+
+
+@dataclass
+class StartHistory:
+    """The last `window` start and replacement durations (seconds), and when each failed instance was removed."""
+
+    floor_s: float
+    ceiling_s: float
+    multiple: float = 2.0
+    window: int = 8
+    durations: deque[float] = field(default_factory=deque)
+    _lost_at: dict[str, float] = field(default_factory=dict)  # instance id -> when it was removed as failed
+    _seen: set[tuple[str, str]] = field(default_factory=set)  # (instance id, incarnation) whose start is recorded
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.floor_s <= self.ceiling_s:
+            raise ValueError(f"the failover wait's floor {self.floor_s} s must be within [0, ceiling "
+                             f"{self.ceiling_s} s]")
+        if self.multiple < 1.0 or self.window < 1:
+            raise ValueError("the failover wait's multiple must be >= 1 and its window >= 1")
+
+    def lost(self, instance_id: str, now: float) -> None:
+        """`instance_id` was removed as failed at `now`: its replacement's registration will say how long it took."""
+        self._lost_at.setdefault(instance_id, now)
+
+    def registered(self, instance_id: str, incarnation: str, now: float, start_s: float | None) -> None:
+        """An incarnation of `instance_id` registered at `now`, `start_s` seconds after its replica began (None: not
+        reported). A repeated registration of one incarnation (the router restarted) adds nothing."""
+        if (instance_id, incarnation) in self._seen:
+            return
+        self._seen.add((instance_id, incarnation))
+        if start_s is not None and start_s >= 0:
+            self._add(start_s)
+        lost = self._lost_at.pop(instance_id, None)
+        if lost is not None and now >= lost:
+            self._add(now - lost)
+
+    def _add(self, seconds: float) -> None:
+        self.durations.append(seconds)
+        while len(self.durations) > self.window:
+            self.durations.popleft()
+
+    def wait(self) -> FailoverWait:
+        """How long a request may wait now for an instance to register.
+
+        >>> h = StartHistory(floor_s=10.0, ceiling_s=300.0)
+        >>> h.wait().wait_s
+        10.0
+        >>> h.registered("i0", "a", now=100.0, start_s=40.0)
+        >>> h.wait().wait_s, h.wait().slowest_s
+        (80.0, 40.0)
+        >>> h.lost("i0", now=200.0); h.registered("i0", "b", now=390.0, start_s=50.0)
+        >>> h.wait().wait_s  # the replacement took 190 s: twice that, capped at the ceiling
+        300.0
+        """
+        slowest = max(self.durations) if self.durations else None
+        wait = self.floor_s if slowest is None else max(self.floor_s, self.multiple * slowest)
+        return FailoverWait(min(self.ceiling_s, wait), slowest, self.floor_s, self.ceiling_s, self.multiple,
+                            len(self.durations))

@@ -1,0 +1,70 @@
+"""The failover wait learned from the starts the router sees (cluster/start_times.py), and the router waiting that
+long, not a fixed guess, for a failed instance's replacement (issue 40: a 60 s wait lost every stream where a start
+took 63 s)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from cluster.config import ConfigError, FailoverConfig, RouterConfig, parse_config
+from cluster.registry import NoInstanceAvailable
+from cluster.router import Router
+from cluster.start_times import StartHistory
+
+
+def test_the_wait_is_a_multiple_of_the_slowest_recent_start_within_floor_and_ceiling() -> None:
+    h = StartHistory(floor_s=5.0, ceiling_s=100.0, multiple=2.0, window=3)
+    assert (h.wait().wait_s, h.wait().slowest_s) == (5.0, None)  # nothing seen: the floor
+    h.registered("i0", "a", now=0.0, start_s=1.0)
+    assert h.wait().wait_s == 5.0  # 2 x 1 s is below the floor
+    h.registered("i0", "a", now=1.0, start_s=40.0)  # the same incarnation again (the router restarted): no news
+    assert h.wait().samples == 1 and h.wait().wait_s == 5.0
+    h.lost("i0", now=10.0)
+    h.registered("i0", "b", now=40.0, start_s=20.0)  # its replacement: a start of 20 s, registered 30 s after loss
+    assert (h.wait().slowest_s, h.wait().wait_s, h.wait().samples) == (30.0, 60.0, 3)
+    for n in range(3):  # the window keeps the last 3: the slow ones age out
+        h.registered(f"j{n}", "x", now=50.0, start_s=3.0)
+    assert (h.wait().slowest_s, h.wait().wait_s) == (3.0, 6.0)
+    h.registered("k", "y", now=60.0, start_s=500.0)
+    assert h.wait().wait_s == 100.0  # the ceiling
+
+
+def test_the_floor_may_not_exceed_the_ceiling() -> None:
+    with pytest.raises(ValueError, match="floor"):
+        StartHistory(floor_s=10.0, ceiling_s=5.0)
+    with pytest.raises(ConfigError, match="max_wait_s"):
+        parse_config({"router": {"failover": {"wait_s": 700}}}, source="test")
+    assert FailoverConfig().max_wait_s >= FailoverConfig().wait_s
+
+
+def test_the_router_waits_as_long_as_a_start_it_saw_took_then_names_the_wait_when_it_runs_out() -> None:
+    """Floor 0.3 s; the instance's start took 1 s, so a request waits up to 2 s: a replacement that registers 1 s
+    after the loss (past the floor) still takes it. With no start seen, the floor, and an error naming it."""
+    cfg = RouterConfig(failover=FailoverConfig(wait_s=0.3, max_wait_s=30.0, start_multiple=2.0), stats_interval_s=60.0)
+
+    async def scenario() -> None:
+        router = Router(cfg)
+        began = time.monotonic()
+        with pytest.raises(NoInstanceAvailable, match=r"failover wait of 0\.3 s \(the configured floor"):
+            await router.route("r0")
+        assert 0.3 <= time.monotonic() - began < 2.0
+
+        handle = object()
+        await router.register("i0", handle, "m", 64, "node", incarnation="a", start_s=1.0)
+        assert (await router.failover_wait()).wait_s == pytest.approx(2.0)
+        router._remove_failed("i0", "killed")  # as the poll does when an instance stops answering
+
+        async def replacement() -> None:
+            await asyncio.sleep(1.0)
+            await router.register("i0", handle, "m", 64, "node", incarnation="b", start_s=0.5)
+
+        began = time.monotonic()
+        (instance, got), _ = await asyncio.gather(router.route("r1"), replacement())
+        assert instance == "i0" and got is handle and time.monotonic() - began >= 1.0
+        wait = await router.failover_wait()
+        assert wait.slowest_s == pytest.approx(1.0, abs=0.5) and wait.samples == 3
+
+    asyncio.run(scenario())
