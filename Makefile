@@ -22,8 +22,13 @@ $(STAMP): pyproject.toml | $(PY)
 	$(PY) -m deploy.rpc.codegen  # the gRPC modules from deploy/rpc/specfleet.proto (git-ignored)
 	touch $@
 
+# the whole suite on what this CPU runs (our kernels where it has their ISA), then the unit tier's fast part as a CPU
+# without our kernels runs it: torch's ops, with torch's own kernels held to AVX2 (ATEN_CPU_CAPABILITY, oneDNN's
+# DNNL_MAX_CPU_ISA), so the fallback an AVX2-only machine takes is tested on every machine
 test: $(STAMP)
 	$(PY) -m pytest -q tests
+	SPECFLEET_CPU_KERNELS=torch ATEN_CPU_CAPABILITY=avx2 DNNL_MAX_CPU_ISA=AVX2 \
+		$(PY) -m pytest -q -m "not slow and not heavy" tests/unit
 
 # the local 3-node cluster (kept if it already runs), then the Serve app on it; `specfleet cluster down` stops all
 serve: $(STAMP)
