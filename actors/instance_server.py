@@ -72,6 +72,12 @@ class HealthReport:
     error: str | None
 
 
+# seconds an instance actor sleeps as it builds: a slow start injected on purpose by the fault kit (deploy/bench/
+# fault_kit.py, through its replicas' environment, which their instance actors inherit), so the failover tests hold
+# the learned wait (cluster/start_times.py) to starts slower than its floor
+START_DELAY_ENV = "SPECFLEET_FAULT_START_DELAY_S"
+
+
 @dataclass(frozen=True)
 class Registration:
     """What a (re)started router learns from an instance: what it is, where it runs, and the requests it holds
@@ -80,6 +86,7 @@ class Registration:
     info: InstanceInfo
     place: InstancePlace
     requests: tuple[tuple[str, int], ...]
+    start_s: float | None = None  # how long building this instance took (its models, kernels, calibration)
 
 
 def build(spec: InstanceSpec) -> Instance:
@@ -102,7 +109,13 @@ class InstanceServer:
         if ray.is_initialized():  # its stages' KV links to other nodes: over the node's own address
             use_node_interface(ray.util.get_node_ip_address())
         self.spec = spec
+        began = time.monotonic()
+        delay = float(os.environ.get(START_DELAY_ENV) or 0)
+        if delay > 0:
+            log.warning("%s: start slowed by %.1f s on purpose (%s)", spec.instance_id, delay, START_DELAY_ENV)
+            time.sleep(delay)
         self.instance = build(spec)
+        self.start_s = time.monotonic() - began  # a restarted router's failover wait learns from it (registration)
         self.loop = ServingLoop(self.instance, name=f"engine-loop-{spec.instance_id}")
         self._detached: dict[str, Sequence] = {}  # migrating out: stopped here, KV kept until the commit
         self._handed_in: dict[str, asyncio.Queue[StreamItem]] = {}  # migrated in: items until the client follows
@@ -365,7 +378,7 @@ class InstanceServer:
             priority = {s.request_id: s.request.priority for s in self.instance.waiting + self.instance.running}
             priority.update({rid: seq.request.priority for rid, seq in self._detached.items()})
             return tuple((rid, priority.get(rid, 0)) for rid in self.loop.tracked_ids())
-        return Registration(await self.info(), self.spec.place, await self._on_loop(held))
+        return Registration(await self.info(), self.spec.place, await self._on_loop(held), self.start_s)
 
     async def pause(self, seconds: float) -> None:
         """Take no step for at most `seconds` (or until `resume`): returns once the loop is between two steps.

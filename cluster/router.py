@@ -105,6 +105,7 @@ class Router:
                 log.warning("an instance actor did not report to the new router (%s: %s)", type(reg).__name__, reg)
                 continue
             i = reg.info
+            self.starts.registered(i.instance_id, i.actor_id, time.monotonic(), reg.start_s)  # the wait it needed
             self._register(i.instance_id, handle, i.model, i.max_model_len, i.node_id, reg.place, i.actor_id)
             for rid, priority in reg.requests:
                 self.registry.adopt(rid, i.instance_id, priority, now)

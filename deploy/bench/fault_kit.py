@@ -120,7 +120,8 @@ class Hosts:
         from ray import serve
         from ray.serve.schema import ApplicationStatus
 
-        from deploy.serve.app import APP_NAME, START_DELAY_ENV, compose
+        from actors.instance_server import START_DELAY_ENV
+        from deploy.serve.app import APP_NAME, compose
 
         # the API's and the instances' replicas on the head: a worker's fault hits engines, not the streams' API end
         env = {START_DELAY_ENV: str(start_delay_s)} if start_delay_s > 0 else None

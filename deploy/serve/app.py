@@ -13,7 +13,6 @@ or its devices taken, in a place planned again over the nodes alive then), and
 
 import asyncio
 import logging
-import os
 import time
 import uuid
 from pathlib import Path
@@ -55,9 +54,6 @@ def config_from_args(args: dict) -> SpecfleetConfig:
     return load_config(args.get("config_path") or DEFAULT_CONFIG)
 
 
-# seconds an instance replica sleeps before it starts: a slow start injected by the fault kit (deploy/bench/
-# fault_kit.py), so the failover tests hold the learned wait (cluster/start_times.py) to a start slower than its floor
-START_DELAY_ENV = "SPECFLEET_FAULT_START_DELAY_S"
 LOAD_TIMEOUT_S = 900.0  # for an instance to load its models, and for room to place it when its node is gone
 HEALTH_TIMEOUT_S = 20.0
 
@@ -77,10 +73,6 @@ class SpecfleetInstance:
 
     def __init__(self, index: int, spec: InstanceSpec, router_cfg: RouterConfig) -> None:
         began = time.monotonic()
-        delay = float(os.environ.get(START_DELAY_ENV, "0") or 0)
-        if delay > 0:  # a fault injected on purpose (tests/faults): a start slower than the failover wait's floor
-            log.warning("%s: start delayed by %.1f s (%s)", spec.instance_id, delay, START_DELAY_ENV)
-            time.sleep(delay)
         self.instance_id = spec.instance_id
         self.router_cfg = router_cfg
         self.router = router_client(router_cfg)
@@ -266,7 +258,8 @@ def compose(cfg: SpecfleetConfig, replica_resources: dict[str, float] | None = N
             instance_env: dict[str, str] | None = None) -> serve.Application:
     """The application for `cfg`, its fleet planned once (deploy/serve/fleet.py). `replica_resources`: Ray resources
     the API's and the instance deployments' replicas also ask for (the fault tests keep them on the head node);
-    `instance_env`: environment variables of the instance replicas (the fault kit's START_DELAY_ENV)."""
+    `instance_env`: environment variables of the instance replicas, inherited by their instance actors (the fault
+    kit's actors.instance_server.START_DELAY_ENV)."""
     specs = fleet_specs(cfg)
     extra = dict(replica_resources or {})
     actor_opts: dict = {"num_cpus": 0, "resources": extra} if extra else {}
