@@ -207,27 +207,33 @@ class Router:
 
     async def _placed(self, place, model: str | None) -> str:
         """`place()`'s instance; while none can take the request because none of `model` is up (none registered
-        yet, or the last one failed and its replacement is starting), wait for one to register, up to
-        the failover wait (`failover_wait`: learned from the starts seen, within the configured floor and ceiling):
-        the client sees a pause, not an error. An instance drained on purpose is no reason to wait: then
-        NoInstanceAvailable at once, as when the wait runs out (its message names the wait and why)."""
+        yet, or the last one failed and its replacement is starting), wait for one to register: the failover wait
+        (`failover_wait`: learned from the starts seen, within the configured floor and ceiling), and longer while a
+        replacement has announced its start and not registered yet (up to the ceiling). The client sees a pause,
+        not an error. An instance drained on purpose is no reason to wait: then NoInstanceAvailable at once, as when
+        the wait runs out (its message names the wait and why)."""
         allowed = self.starts.wait()
-        deadline = time.monotonic() + allowed.wait_s
+        began = time.monotonic()
+        warned = False
         while True:
             joined = self._joined
             try:
                 return place()
             except NoInstanceAvailable as e:
-                left = deadline - time.monotonic()
-                drained = any(i.draining and i.healthy for i in self.registry.instances.values()
-                              if model is None or i.model == model)
-                if drained:
+                now = time.monotonic()
+                if any(i.draining and i.healthy for i in self.registry.instances.values()
+                       if model is None or i.model == model):
                     raise
+                left = began + allowed.wait_s - now
+                if left <= 0 and self.starts.start_in_progress(now):  # a replacement is starting: wait in slices
+                    left = min(5.0, began + allowed.ceiling_s - now)
                 if left <= 0:
                     raise NoInstanceAvailable(f"{e}; none registered within the failover wait of "
-                                              f"{allowed.wait_s:.1f} s ({_why(allowed)})") from None
-                log.warning("no instance of %s is up: waiting up to %.0f s for one to register", model or "any model",
-                            left)
+                                              f"{now - began:.1f} s ({_why(allowed)})") from None
+                if not warned:
+                    log.warning("no instance of %s is up: waiting up to %.0f s for one to register (longer while a "
+                                "replacement is starting)", model or "any model", left)
+                    warned = True
                 try:
                     await asyncio.wait_for(joined.wait(), left)
                 except asyncio.TimeoutError:
@@ -392,6 +398,10 @@ class Router:
         index = self.registry.prefix
         return RoutingStats(self.registry.policy.name, dict(self.registry.decisions), len(index),
                             sum(not index.wants_snapshot(i) for i in self.registry.instances))
+
+    async def starting(self, instance_id: str) -> None:
+        """A replica of `instance_id` begins to start (it registers when done): failovers wait for it."""
+        self.starts.starting(instance_id, time.monotonic())
 
     @_after_start
     async def failover_wait(self) -> FailoverWait:

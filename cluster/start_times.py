@@ -11,6 +11,11 @@ AVX2 machine against a 60 s wait). So the router records two kinds of evidence:
 
 The wait is `multiple` times the slowest of the last `window` of these, bounded below by the configured floor and
 above by the ceiling: `min(ceiling, max(floor, multiple * slowest))`. With no evidence yet, the floor.
+
+A guess from past starts can still be short (a loaded machine, a cold cache), so a replica also **announces** its
+start as it begins (`starting`): while an announced start has not registered, a waiting request keeps waiting, up
+to the ceiling from when its wait began. The learned wait covers the time before a replacement is even scheduled
+(Serve noticing the death); the announcement covers however long the start itself takes.
 Pure: no Ray, no clock of its own (times are passed in).
 """
 
@@ -30,6 +35,7 @@ class FailoverWait:
     ceiling_s: float
     multiple: float
     samples: int
+    starting: int = 0  # starts announced and not yet registered: a waiting request waits for them, up to the ceiling
 
 
 @dataclass
@@ -43,6 +49,7 @@ class StartHistory:
     durations: deque[float] = field(default_factory=deque)
     _lost_at: dict[str, float] = field(default_factory=dict)  # instance id -> when it was removed as failed
     _seen: set[tuple[str, str]] = field(default_factory=set)  # (instance id, incarnation) whose start is recorded
+    _starting: dict[str, float] = field(default_factory=dict)  # instance id -> when its start was announced
 
     def __post_init__(self) -> None:
         if not 0 <= self.floor_s <= self.ceiling_s:
@@ -55,9 +62,18 @@ class StartHistory:
         """`instance_id` was removed as failed at `now`: its replacement's registration will say how long it took."""
         self._lost_at.setdefault(instance_id, now)
 
+    def starting(self, instance_id: str, now: float) -> None:
+        """A replica of `instance_id` began its start at `now` (it registers when done)."""
+        self._starting[instance_id] = now
+
+    def start_in_progress(self, now: float) -> bool:
+        """Whether an announced start is still under way (announced less than the ceiling ago, not registered)."""
+        return any(now - t < self.ceiling_s for t in self._starting.values())
+
     def registered(self, instance_id: str, incarnation: str, now: float, start_s: float | None) -> None:
         """An incarnation of `instance_id` registered at `now`, `start_s` seconds after its replica began (None: not
         reported). A repeated registration of one incarnation (the router restarted) adds nothing."""
+        self._starting.pop(instance_id, None)
         if (instance_id, incarnation) in self._seen:
             return
         self._seen.add((instance_id, incarnation))
@@ -88,4 +104,4 @@ class StartHistory:
         slowest = max(self.durations) if self.durations else None
         wait = self.floor_s if slowest is None else max(self.floor_s, self.multiple * slowest)
         return FailoverWait(min(self.ceiling_s, wait), slowest, self.floor_s, self.ceiling_s, self.multiple,
-                            len(self.durations))
+                            len(self.durations), len(self._starting))

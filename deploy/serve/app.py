@@ -76,6 +76,10 @@ class SpecfleetInstance:
         self.instance_id = spec.instance_id
         self.router_cfg = router_cfg
         self.router = router_client(router_cfg)
+        try:  # requests waiting for an instance wait for this start (cluster/start_times.py)
+            self.router.call_blocking(lambda r: r.starting.remote(self.instance_id), timeout_s=HEALTH_TIMEOUT_S)
+        except Exception as e:  # noqa: BLE001 - the router is away: start anyway; it learns of us at registration
+            log.warning("%s: could not tell the router it starts (%s: %s)", self.instance_id, type(e).__name__, e)
         self.spec, self.server, self.info = self._start(index, spec, began + LOAD_TIMEOUT_S)
         self.start_s = time.monotonic() - began  # what the router's failover wait learns from (cluster/start_times.py)
         self.router.call_blocking(self._register)

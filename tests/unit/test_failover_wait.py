@@ -48,7 +48,7 @@ def test_the_router_waits_as_long_as_a_start_it_saw_took_then_names_the_wait_whe
     async def scenario() -> None:
         router = Router(cfg)
         began = time.monotonic()
-        with pytest.raises(NoInstanceAvailable, match=r"failover wait of 0\.3 s \(the configured floor"):
+        with pytest.raises(NoInstanceAvailable, match=r"failover wait of 0\.\d s \(the configured floor"):
             await router.route("r0")
         assert 0.3 <= time.monotonic() - began < 2.0
 
@@ -66,5 +66,34 @@ def test_the_router_waits_as_long_as_a_start_it_saw_took_then_names_the_wait_whe
         assert instance == "i0" and got is handle and time.monotonic() - began >= 1.0
         wait = await router.failover_wait()
         assert wait.slowest_s == pytest.approx(1.0, abs=0.5) and wait.samples == 3
+
+    asyncio.run(scenario())
+
+
+def test_an_announced_start_is_waited_for_past_the_learned_wait_up_to_the_ceiling() -> None:
+    """A start slower than any seen before (a loaded machine): the replica announced it, so a waiting request waits
+    for its registration past the learned wait (floor 0.3 s here, nothing learned), never past the ceiling."""
+    cfg = RouterConfig(failover=FailoverConfig(wait_s=0.3, max_wait_s=1.5), stats_interval_s=60.0)
+
+    async def scenario() -> None:
+        router = Router(cfg)
+        handle = object()
+        await router.starting("i0")
+        assert (await router.failover_wait()).starting == 1
+
+        async def slow_start() -> None:
+            await asyncio.sleep(0.9)
+            await router.register("i0", handle, "m", 64, "node", incarnation="a", start_s=0.9)
+
+        began = time.monotonic()
+        (instance, _), _ = await asyncio.gather(router.route("r0"), slow_start())
+        assert instance == "i0" and time.monotonic() - began >= 0.9
+        assert (await router.failover_wait()).starting == 0
+        router._remove_failed("i0", "killed")
+        await router.starting("i0")  # a replacement that never registers: the ceiling ends the wait
+        began = time.monotonic()
+        with pytest.raises(NoInstanceAvailable, match="failover wait"):
+            await router.route("r1")
+        assert 1.5 <= time.monotonic() - began < 3.0
 
     asyncio.run(scenario())
