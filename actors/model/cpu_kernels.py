@@ -116,13 +116,17 @@ def namespace(name: str) -> str:
     return f"specfleet_{name}"
 
 
-@functools.cache
 def build_id(which: str | None = None) -> str:
     """An ISA's build identity (default: the chosen ISA's): the ISA and a digest of the sources and flags (the name
     of its build)."""
     name = which or isa()
     if name not in ISAS:
         raise ValueError(f"no build for {name!r}: ours are {', '.join(ISAS)}")
+    return _build_id(name)
+
+
+@functools.cache
+def _build_id(name: str) -> str:
     text = b"".join(s.read_bytes() for s in SOURCES + HEADERS) + " ".join(COMMON_FLAGS + FLAGS[name]).encode()
     return f"{name}_{hashlib.sha256(text).hexdigest()[:12]}"
 
