@@ -13,12 +13,13 @@ docs/benchmarks.md.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import logging
 import os
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -79,6 +80,23 @@ def describe() -> dict[str, str]:
 def reset() -> None:
     """Choose again at the next use (tests that change `SPECFLEET_CPU_ISA`); builds already loaded stay loaded."""
     choice.cache_clear()
+
+
+@contextlib.contextmanager
+def forced(which: str) -> Iterator[None]:
+    """Inside the block our kernels run on `which` ("avx512", "avx2", "torch"), as under SPECFLEET_CPU_ISA=which (the
+    layers and linears built there keep that build); the environment and the choice are restored after it."""
+    before = os.environ.get("SPECFLEET_CPU_ISA")
+    os.environ["SPECFLEET_CPU_ISA"] = which
+    reset()
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("SPECFLEET_CPU_ISA", None)
+        else:
+            os.environ["SPECFLEET_CPU_ISA"] = before
+        reset()
 
 
 def ops(which: str | None = None):  # noqa: ANN201 - torch's op namespace object
