@@ -38,30 +38,34 @@ FLAGS = {"avx512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-m
 NEEDS = {"avx512": ("avx512_bf16", "avx512_vnni"), "avx2": ("avx2", "fma", "f16c")}  # /proc/cpuinfo flags
 
 
-@functools.cache
 def choice() -> tuple[str, str]:
     """(ISA, why): which of our builds runs this process's CPU kernels ("avx512", "avx2") or "torch" for torch's
-    own ops, read once from `SPECFLEET_CPU_ISA` (default auto: the fastest this CPU and machine run) and logged in
-    one line. An ISA asked for that cannot run here falls back to torch's ops, with a warning that says why."""
-    if os.environ.get("SPECFLEET_CPU_KERNELS") == "torch":
+    own ops, from `SPECFLEET_CPU_ISA` (default auto: the fastest this CPU and machine run), chosen once for the
+    process's environment and logged in one line. An ISA asked for that cannot run here falls back to torch's ops,
+    with a warning that says why; a value that names no ISA is an error."""
+    return _choose(os.environ.get("SPECFLEET_CPU_KERNELS"), os.environ.get("SPECFLEET_CPU_ISA", "auto"))
+
+
+@functools.cache
+def _choose(kernels: str | None, asked: str) -> tuple[str, str]:
+    asked = asked.strip().lower() or "auto"
+    if kernels == "torch":
         isa, why = "torch", "SPECFLEET_CPU_KERNELS=torch"
+    elif asked not in ("auto", "torch", *ISAS):
+        raise ValueError(f"SPECFLEET_CPU_ISA={asked!r}: expected one of auto, {', '.join(ISAS)}, torch")
+    elif asked == "torch":
+        isa, why = "torch", "SPECFLEET_CPU_ISA=torch"
+    elif asked != "auto":
+        reason = unavailable(asked)
+        isa, why = (asked, f"SPECFLEET_CPU_ISA={asked}") if reason is None else \
+            ("torch", f"SPECFLEET_CPU_ISA={asked}, but {reason}")
+        if reason is not None:
+            log.warning("our %s CPU kernels cannot run here (%s); using torch's ops", asked, reason)
     else:
-        asked = os.environ.get("SPECFLEET_CPU_ISA", "auto").strip().lower() or "auto"
-        if asked not in ("auto", "torch", *ISAS):
-            raise ValueError(f"SPECFLEET_CPU_ISA={asked!r}: expected one of auto, {', '.join(ISAS)}, torch")
-        if asked == "torch":
-            isa, why = "torch", "SPECFLEET_CPU_ISA=torch"
-        elif asked != "auto":
-            reason = unavailable(asked)
-            isa, why = (asked, f"SPECFLEET_CPU_ISA={asked}") if reason is None else \
-                ("torch", f"SPECFLEET_CPU_ISA={asked}, but {reason}")
-            if reason is not None:
-                log.warning("our %s CPU kernels cannot run here (%s); using torch's ops", asked, reason)
-        else:
-            reasons = {name: unavailable(name) for name in ISAS}
-            isa = next((name for name in ISAS if reasons[name] is None), "torch")
-            why = f"auto: this CPU has {'+'.join(NEEDS[isa])}" if isa != "torch" else \
-                "auto: " + "; ".join(f"not {name}: {reasons[name]}" for name in ISAS)
+        reasons = {name: unavailable(name) for name in ISAS}
+        isa = next((name for name in ISAS if reasons[name] is None), "torch")
+        why = f"auto: this CPU has {'+'.join(NEEDS[isa])}" if isa != "torch" else \
+            "auto: " + "; ".join(f"not {name}: {reasons[name]}" for name in ISAS)
     log.info("CPU kernels: %s (%s)", isa, why)
     return isa, why
 
@@ -78,8 +82,9 @@ def describe() -> dict[str, str]:
 
 
 def reset() -> None:
-    """Choose again at the next use (tests that change `SPECFLEET_CPU_ISA`); builds already loaded stay loaded."""
-    choice.cache_clear()
+    """Choose again at the next use (tests that change what the choice reads, e.g. `cpu_flags`); builds already
+    loaded stay loaded."""
+    _choose.cache_clear()
 
 
 @contextlib.contextmanager
