@@ -287,6 +287,7 @@ def _report(setup: Setup, rows: list[Row], gap: dict[str, float]) -> dict:
 
 def _print(report: dict) -> None:
     from rich.console import Console
+    from rich.markup import escape  # a row's "[avx2]" is text, not markup
     from rich.table import Table
 
     console = Console(width=120)
@@ -303,11 +304,11 @@ def _print(report: dict) -> None:
     for name, s in report["setups"].items():
         t = Table(title=f"{name}: {s['target']} (speculation: {s['draft']})")
         for col in ("row", "tok/s", "x llama.cpp", "x own plain", "accept", "identical", "agreement"):
-            t.add_column(col, justify="left" if col == "row" else "right")
+            t.add_column(col, justify="left" if col == "row" else "right", no_wrap=True)
         for row, r in s["rows"].items():
             def fmt(v, spec="{:.2f}"):
                 return "-" if v is None else spec.format(v)
-            t.add_row(row, f"{r['tok_s']:.1f}", fmt(r["vs_llama_cpp"], "{:.2f}x"), fmt(r["vs_own_plain"], "{:.2f}x"),
+            t.add_row(escape(row), f"{r['tok_s']:.1f}", fmt(r["vs_llama_cpp"], "{:.2f}x"), fmt(r["vs_own_plain"], "{:.2f}x"),
                       fmt(r["acceptance"]), fmt(r["identical_to_own_plain"]), fmt(r["token_agreement_with_own_plain"],
                                                                                   "{:.3f}"))
         console.print(t)
