@@ -2,13 +2,13 @@
 // the residual add before it), rotary embedding in place, SiLU-gated product, and attention of one sequence over
 // its consecutive cache slots with the new keys and values written first. At one token a step's torch ops take a
 // few microseconds each to dispatch and allocate; a 30-layer model ran about 35 of them per layer
-// (docs/benchmarks.md). Arithmetic is fp32, rounded to bf16 where the reference rounds (noted per op).
+// (docs/benchmarks.md). Arithmetic is fp32, rounded to bf16 where the reference rounds (noted per op). Written on
+// cpu_isa.h's 16-lane vectors: the same source, and the same bits, on AVX512 and on AVX2.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
 #include <c10/util/BFloat16.h>
-#include <immintrin.h>
 #include <torch/library.h>
 
 #include <cmath>
@@ -17,48 +17,25 @@
 #include <tuple>
 #include <vector>
 
+#include "cpu_isa.h"
+
 namespace {
 
 using bf16 = c10::BFloat16;
 
 inline float f32(bf16 v) { return static_cast<float>(v); }
 
-// 16 bf16 -> 16 fp32 (exact)
-inline __m512 load16(const bf16* p) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(
-      _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
-}
-
-// 16 fp32 -> 16 bf16, round to nearest even (as torch's casts)
-inline void store16(bf16* p, __m512 v) {
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), (__m256i)_mm512_cvtneps_pbh(v));
-}
-
-// fp32 rounded to bf16 and back (a bf16 intermediate of the reference)
-inline __m512 round16(__m512 v) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(v)), 16));
-}
-
-// e^v: 2^n * 2^f with n = round(v log2 e), |f| <= 1/2, 2^f by its Taylor polynomial of degree 7 (relative error
-// below 1e-7 for |f| <= 1/2); inputs below -87 give 0 (what softmax and SiLU need of them)
-inline __m512 exp16(__m512 v) {
-  const __m512 t = _mm512_mul_ps(_mm512_max_ps(v, _mm512_set1_ps(-87.f)), _mm512_set1_ps(1.4426950408889634f));
-  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 f = _mm512_mul_ps(_mm512_sub_ps(t, n), _mm512_set1_ps(0.6931471805599453f));  // f ln 2
-  __m512 p = _mm512_set1_ps(1.f / 5040);
-  for (float c : {1.f / 720, 1.f / 120, 1.f / 24, 1.f / 6, 0.5f, 1.f, 1.f}) p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(c));
-  return _mm512_scalef_ps(p, n);
-}
+using sfv::V16;
 
 inline float dot(const float* a, const bf16* b, int64_t n) {  // n % 16 == 0
-  __m512 acc = _mm512_setzero_ps();
-  for (int64_t i = 0; i < n; i += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), load16(b + i), acc);
-  return _mm512_reduce_add_ps(acc);
+  V16 acc = sfv::zero();
+  for (int64_t i = 0; i < n; i += 16) acc = sfv::fmadd(sfv::load(a + i), sfv::load_bf16(b + i), acc);
+  return sfv::reduce_add(acc);
 }
 
 inline void axpy(float* y, float a, const bf16* x, int64_t n) {  // y += a * x, n % 16 == 0
-  const __m512 av = _mm512_set1_ps(a);
-  for (int64_t i = 0; i < n; i += 16) _mm512_storeu_ps(y + i, _mm512_fmadd_ps(av, load16(x + i), _mm512_loadu_ps(y + i)));
+  const V16 av = sfv::set1(a);
+  for (int64_t i = 0; i < n; i += 16) sfv::store(y + i, sfv::fmadd(av, sfv::load_bf16(x + i), sfv::load(y + i)));
 }
 
 void check_rows(const at::Tensor& x, const char* name) {
@@ -69,14 +46,14 @@ void check_rows(const at::Tensor& x, const char* name) {
 void rms_rows(const bf16* x, int64_t ldx, const bf16* w, bf16* y, int64_t ldy, int64_t m, int64_t h, double eps) {
   for (int64_t i = 0; i < m; ++i) {
     const bf16* xi = x + i * ldx;
-    __m512 ss = _mm512_setzero_ps();
+    V16 ss = sfv::zero();
     for (int64_t j = 0; j < h; j += 16) {
-      const __m512 v = load16(xi + j);
-      ss = _mm512_fmadd_ps(v, v, ss);
+      const V16 v = sfv::load_bf16(xi + j);
+      ss = sfv::fmadd(v, v, ss);
     }
-    const __m512 r = _mm512_set1_ps(1.0f / std::sqrt(_mm512_reduce_add_ps(ss) / h + static_cast<float>(eps)));
+    const V16 r = sfv::set1(1.0f / std::sqrt(sfv::reduce_add(ss) / h + static_cast<float>(eps)));
     for (int64_t j = 0; j < h; j += 16)
-      store16(y + i * ldy + j, _mm512_mul_ps(load16(w + j), round16(_mm512_mul_ps(load16(xi + j), r))));
+      sfv::store_bf16(y + i * ldy + j, sfv::mul(sfv::load_bf16(w + j), sfv::round_bf16(sfv::mul(sfv::load_bf16(xi + j), r))));
   }
 }
 
@@ -99,7 +76,7 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::T
   const bf16 *xp = x.data_ptr<bf16>(), *rp = r.data_ptr<bf16>();
   for (int64_t i = 0; i < m; ++i)
     for (int64_t j = 0; j < h; j += 16)
-      store16(sp + i * h + j, _mm512_add_ps(load16(xp + i * x.stride(0) + j), load16(rp + i * r.stride(0) + j)));
+      sfv::store_bf16(sp + i * h + j, sfv::add(sfv::load_bf16(xp + i * x.stride(0) + j), sfv::load_bf16(rp + i * r.stride(0) + j)));
   at::Tensor y = at::empty({m, h}, x.options());
   rms_rows(sp, h, w.contiguous().data_ptr<bf16>(), y.data_ptr<bf16>(), h, m, h, eps);
   return {s, y};
@@ -117,11 +94,12 @@ void rope_(at::Tensor& qk, const at::Tensor& cos, const at::Tensor& sin) {
   for (int64_t t = 0; t < n; ++t)
     for (int64_t h = 0; h < heads; ++h) {
       bf16* v = base + t * qk.stride(0) + h * qk.stride(1);
-      __m512 x[16];  // hd <= 256
-      for (int64_t j = 0; j < hd; j += 16) x[j / 16] = load16(v + j);
+      V16 x[16];  // hd <= 256
+      for (int64_t j = 0; j < hd; j += 16) x[j / 16] = sfv::load_bf16(v + j);
       for (int64_t j = 0; j < hd; j += 16) {
-        const __m512 rolled = x[((j + half) % hd) / 16];
-        store16(v + j, _mm512_fmadd_ps(rolled, load16(sp + t * hd + j), _mm512_mul_ps(x[j / 16], load16(cp + t * hd + j))));
+        const V16 rolled = x[((j + half) % hd) / 16];
+        sfv::store_bf16(v + j, sfv::fmadd(rolled, sfv::load_bf16(sp + t * hd + j),
+                                          sfv::mul(x[j / 16], sfv::load_bf16(cp + t * hd + j))));
       }
     }
 }
@@ -133,12 +111,12 @@ at::Tensor silu_mul(const at::Tensor& gu) {
   at::Tensor y = at::empty({m, in}, gu.options());
   const bf16* g = gu.data_ptr<bf16>();
   bf16* yp = y.data_ptr<bf16>();
-  const __m512 one = _mm512_set1_ps(1.f);
+  const V16 one = sfv::set1(1.f);
   for (int64_t r = 0; r < m; ++r)
     for (int64_t j = 0; j < in; j += 16) {
-      const __m512 a = load16(g + r * gu.stride(0) + j);
-      const __m512 act = round16(_mm512_div_ps(a, _mm512_add_ps(one, exp16(_mm512_sub_ps(_mm512_setzero_ps(), a)))));
-      store16(yp + r * in + j, _mm512_mul_ps(act, load16(g + r * gu.stride(0) + in + j)));
+      const V16 a = sfv::load_bf16(g + r * gu.stride(0) + j);
+      const V16 act = sfv::round_bf16(sfv::div(a, sfv::add(one, sfv::exp(sfv::sub(sfv::zero(), a)))));
+      sfv::store_bf16(yp + r * in + j, sfv::mul(act, sfv::load_bf16(g + r * gu.stride(0) + in + j)));
     }
   return y;
 }
@@ -179,13 +157,13 @@ at::Tensor span_attention(const at::Tensor& q, const at::Tensor& k, const at::Te
       }
       const int64_t count = pos + 1 - first;
       for (int64_t s = count; s % 16; ++s) p[first + s] = -std::numeric_limits<float>::infinity();  // padding
-      __m512 total = _mm512_setzero_ps();
+      V16 total = sfv::zero();
       for (int64_t s = 0; s < count; s += 16) {
-        const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(p.data() + first + s), _mm512_set1_ps(top)));
-        _mm512_storeu_ps(p.data() + first + s, e);
-        total = _mm512_add_ps(total, e);
+        const V16 e = sfv::exp(sfv::sub(sfv::load(p.data() + first + s), sfv::set1(top)));
+        sfv::store(p.data() + first + s, e);
+        total = sfv::add(total, e);
       }
-      const float sum = _mm512_reduce_add_ps(total);
+      const float sum = sfv::reduce_add(total);
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t s = first; s <= pos; ++s) axpy(acc.data(), p[s], vp + ((start + s) * kvh + kv) * hd, hd);
       for (int64_t j = 0; j < hd; ++j) op[i * nh * hd + head * hd + j] = bf16(acc[j] / sum);
@@ -196,7 +174,7 @@ at::Tensor span_attention(const at::Tensor& q, const at::Tensor& k, const at::Te
 
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(specfleet, m) {
+SF_FRAGMENT(m) {
   m.def("rms_norm(Tensor x, Tensor w, float eps) -> Tensor");
   m.def("add_rms_norm(Tensor x, Tensor r, Tensor w, float eps) -> (Tensor, Tensor)");
   m.def("rope_(Tensor(a!) qk, Tensor cos, Tensor sin) -> ()");
@@ -205,7 +183,7 @@ TORCH_LIBRARY_FRAGMENT(specfleet, m) {
         "int length, int window) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(specfleet, CPU, m) {
+SF_IMPL(m) {
   m.impl("rms_norm", &rms_norm);
   m.impl("add_rms_norm", &add_rms_norm);
   m.impl("rope_", &rope_);

@@ -14,6 +14,8 @@
 #include <optional>
 #include <tuple>
 
+#include "cpu_isa.h"  // SF_OP: the ops of this build's ISA
+
 namespace {
 
 using Opt = std::optional<at::Tensor>;
@@ -28,9 +30,9 @@ c10::TypedOperatorHandle<Sig> op(const char* name) {
 at::Tensor linear(const at::Tensor& x, at::TensorList w, int64_t n, bool int8) {
   TORCH_CHECK(w.size() == 6, "a projection: (codes, scale, offset, scale_mult, offset_mult, bias)");
   static const auto q8 = op<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                       const Opt&, const Opt&, const Opt&, int64_t)>("specfleet::int4_mm_q8");
+                                       const Opt&, const Opt&, const Opt&, int64_t)>(SF_OP("int4_mm_q8"));
   static const auto bf = op<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                       const Opt&, const Opt&, const Opt&, int64_t)>("specfleet::int4_mm");
+                                       const Opt&, const Opt&, const Opt&, int64_t)>(SF_OP("int4_mm"));
   const auto opt = [](const at::Tensor& t) { return t.numel() > 0 ? Opt(t) : Opt(); };
   return (int8 ? q8 : bf).call(x, w[0], w[1], w[2], opt(w[3]), opt(w[4]), opt(w[5]), n);
 }
@@ -43,15 +45,15 @@ at::Tensor decode_layer(const at::Tensor& x, const at::Tensor& input_norm, const
                         const at::Tensor& sin, at::Tensor& kpool, at::Tensor& vpool, const at::Tensor& slots,
                         int64_t start, int64_t length, int64_t window) {
   TORCH_CHECK(ns.size() == 4 && heads.size() == 3, "ns: 4 output widths, heads: (nh, kvh, hd)");
-  static const auto rms = op<at::Tensor(const at::Tensor&, const at::Tensor&, double)>("specfleet::rms_norm");
+  static const auto rms = op<at::Tensor(const at::Tensor&, const at::Tensor&, double)>(SF_OP("rms_norm"));
   using Pair = std::tuple<at::Tensor, at::Tensor>;
   static const auto add_rms = op<Pair(const at::Tensor&, const at::Tensor&, const at::Tensor&, double)>(
-      "specfleet::add_rms_norm");
-  static const auto rope = op<void(at::Tensor&, const at::Tensor&, const at::Tensor&)>("specfleet::rope_");
-  static const auto silu_mul = op<at::Tensor(const at::Tensor&)>("specfleet::silu_mul");
+      SF_OP("add_rms_norm"));
+  static const auto rope = op<void(at::Tensor&, const at::Tensor&, const at::Tensor&)>(SF_OP("rope_"));
+  static const auto silu_mul = op<at::Tensor(const at::Tensor&)>(SF_OP("silu_mul"));
   static const auto attend = op<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, at::Tensor&,
                                            at::Tensor&, const at::Tensor&, int64_t, int64_t, int64_t)>(
-      "specfleet::span_attention");
+      SF_OP("span_attention"));
   const int64_t t = x.size(0), nh = heads[0], kvh = heads[1], hd = heads[2];
   at::Tensor qkv = linear(rms.call(x, input_norm, eps), qkv_w, ns[0], int8).view({t, nh + 2 * kvh, hd});
   at::Tensor qk = qkv.narrow(1, 0, nh + kvh);
@@ -64,10 +66,10 @@ at::Tensor decode_layer(const at::Tensor& x, const at::Tensor& input_norm, const
 
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(specfleet, m) {
+SF_FRAGMENT(m) {
   m.def("decode_layer(Tensor x, Tensor input_norm, Tensor post_norm, float eps, Tensor[] qkv, Tensor[] o, "
         "Tensor[] gate_up, Tensor[] down, int[] ns, bool int8, int[] heads, Tensor cos, Tensor sin, Tensor(a!) kpool, "
         "Tensor(b!) vpool, Tensor slots, int start, int length, int window) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(specfleet, CPU, m) { m.impl("decode_layer", &decode_layer); }
+SF_IMPL(m) { m.impl("decode_layer", &decode_layer); }

@@ -71,7 +71,7 @@ class Attention:
     # tensor-parallel slice of the heads (actors/moe/shuffle.py): the local KV head each local query head reads,
     # (nh,); None: grouped-query attention's own grouping, nh / kvh query heads per KV head
     kv_map: torch.Tensor | None = None
-    fused: object | None = None  # our CPU kernels (torch.ops.specfleet) where they run this layer (fused_ops)
+    fused: object | None = None  # our CPU kernels (torch.ops.specfleet_<isa>) where they run this layer (fused_ops)
     deterministic: bool = False  # batch-invariant attention (actors/model/deterministic.py)
 
     def qkv(

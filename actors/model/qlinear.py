@@ -101,6 +101,7 @@ class Int4Linear(nn.Module):
         offsets = torch.cat([offset] + [torch.zeros_like(offset)] * (self.planes - 1), dim=1)  # the first carries it
         self.bias = None if bias is None else bias.to(device, dtype)
         self.own = own
+        self.lib = cpu_kernels.ops() if own is not None else None  # the ISA's build `own` is of
         # deterministic mode: every row on our kernel, whatever M (the dense path rounds each weight to bf16 and
         # its GEMM's order depends on M)
         self.invariant = False
@@ -129,7 +130,7 @@ class Int4Linear(nn.Module):
 
     def dequantized(self) -> torch.Tensor:
         """The weights (N, K) bf16 expanded from our kernel's codes (planes summed, each weight rounded once)."""
-        return cpu_kernels.ops().int4_dequant(self.weight, self.scale, self.offset, self.scale_mult,
+        return self.lib.int4_dequant(self.weight, self.scale, self.offset, self.scale_mult,
                                               self.offset_mult, self.out_features, self.in_features)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -138,7 +139,7 @@ class Int4Linear(nn.Module):
         if self.own is not None:
             if x2.shape[0] > DENSE_ROWS and not self.invariant:  # a prefill: the weights expanded once, a dense GEMM
                 if self.activations == "int8":  # on the rows as the kernel rounds them
-                    x2 = cpu_kernels.ops().int8_rows(x2.contiguous())
+                    x2 = self.lib.int8_rows(x2.contiguous())
                 y = F.linear(x2, self.dequantized(), self.bias)
             else:
                 y = self.own(x2.contiguous(), self.weight, self.scale, self.offset, self.scale_mult, self.offset_mult,

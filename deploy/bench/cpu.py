@@ -7,6 +7,11 @@ at batch 1 only: its row is the anchor of a single user). Rows run interleaved g
 order rotating, so that drift in the machine's speed hits every row alike; ratios come from totals within the run. Each setup also reports how far the stored weights' logits are from the dequantized
 ones and how often their greedy tokens agree, and `--profile` reports the share of a plain decode step spent
 outside torch's kernels.
+
+ISA paths (`--isas`, default every one this CPU runs, and torch's ops): the first (this machine's default, e.g.
+avx512) runs every row; each other (avx2, torch) adds its own plain and speculative stored rows, named "[isa]", on
+the same models loaded again under `SPECFLEET_CPU_ISA=isa` (actors/model/cpu_kernels.py), measured interleaved
+with the others.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from pathlib import Path
 import torch
 
 from actors.engine import Engine
+from actors.model import cpu_kernels
 from actors.model.loader import LoadedModel, load_model
 from actors.model.metadata import SeqChunk
 from actors.model.qlinear import DENSE_ROWS
@@ -73,6 +79,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-llama", action="store_true", help="leave out the llama.cpp row even if it is installed")
     p.add_argument("--profile", action="store_true", help="profile one plain stored request of the first setup")
     p.add_argument("--kernels", action="store_true", help="also time each matmul kernel alone (deploy/bench/kernels.py)")
+    p.add_argument("--isas", nargs="+", choices=[*cpu_kernels.ISAS, "torch"], default=None,
+                   help="our kernels' ISA paths, one set of rows each (default: every one this CPU runs, then torch)")
     p.add_argument("--json", type=Path, help="write the results here")
 
 
@@ -109,15 +117,18 @@ def _llama_row(setup: Setup, args: argparse.Namespace) -> Row:
 
 
 def _rows(setup: Setup, args: argparse.Namespace, target: LoadedModel, draft: LoadedModel | None,
-          batch: int) -> list[Row]:
-    """llama.cpp (batch 1), then ours: plain and speculative, dequantized and stored."""
+          batch: int, isa: str | None = None) -> list[Row]:
+    """llama.cpp (batch 1), then ours: plain and speculative, dequantized and stored; with `isa` (another ISA path
+    than the default's), only its plain and speculative stored rows (int8 inputs, the first stored draft)."""
     cache = CacheConfig(block_size=16, num_blocks=batch * (args.max_tokens + 2048) // 16 + 8 * batch)
     rows = []
-    if batch == 1 and llama_anchor.available() and not args.no_llama:
+    if batch == 1 and llama_anchor.available() and not args.no_llama and isa is None:
         rows.append(_llama_row(setup, args))
-    for weights, act in [("dequantized", "int8")] + [("stored", a) for a in args.activations]:
+    paths = [("stored", args.activations[0])] if isa else \
+        [("dequantized", "int8")] + [("stored", a) for a in args.activations]
+    for weights, act in paths:
         runner = ModelRunner(target, range(target.num_layers), cache, weights=weights, activations=act)
-        name = weights if act == "int8" else f"{weights} (bf16 in)"
+        name = (weights if act == "int8" else f"{weights} (bf16 in)") + (f" [{isa}]" if isa else "")
         rows.append(Row(f"plain {name}", _engine(runner, None, None, batch)))
         if draft is None:
             rows.append(Row(f"spec {name}", _engine(runner, None, setup.speculation, batch)))
@@ -125,7 +136,7 @@ def _rows(setup: Setup, args: argparse.Namespace, target: LoadedModel, draft: Lo
         if weights == "dequantized":
             drafts = [setup.draft_quantization]
         else:  # bf16-input rows: the first stored draft only
-            drafts = args.stored_draft[:1] if act == "bf16" else args.stored_draft
+            drafts = args.stored_draft[:1] if act == "bf16" or isa else args.stored_draft
         for quant in drafts:
             draft_runner = ModelRunner(draft, range(draft.num_layers), cache, activations=act,
                                        weights=weights if quant in ("none", "stored") else quant)
@@ -186,7 +197,11 @@ def cpu_load() -> list[float]:
 def run(args: argparse.Namespace) -> int:
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
-    report: dict = {"command": "specfleet bench cpu", "cpu": cpu_model(), "threads": args.threads,
+    isas = args.isas or [i for i in cpu_kernels.ISAS if cpu_kernels.unavailable(i) is None] + ["torch"]
+    flags = sorted(f for f in cpu_kernels.cpu_flags() if f in {n for need in cpu_kernels.NEEDS.values() for n in need}
+                   or f.startswith(("avx512", "amx")))
+    report: dict = {"command": "specfleet bench cpu", "cpu": cpu_model(), "threads": args.threads, "isas": isas,
+                    "cpu_isa_flags": flags, "default_isa": dict(zip(("isa", "why"), cpu_kernels.choice())),
                     "num_prompts": args.num_prompts, "max_tokens": args.max_tokens, "load_before": cpu_load(),
                     "llama_cpp": llama_anchor.available() and not args.no_llama, "setups": {}}
     texts = load_prompts(args.prompts, args.num_prompts)
@@ -197,23 +212,35 @@ def run(args: argparse.Namespace) -> int:
     for name in args.setups:
         setup = SETUPS[name]
         t0 = time.perf_counter()
-        target = load_model(resolve_model(setup.target, "bf16"), "bf16", weights="stored")
-        draft = load_model(resolve_model(setup.draft, "bf16"), "bf16", weights="stored") if setup.draft else None
+        with cpu_kernels.forced(isas[0]):
+            target = load_model(resolve_model(setup.target, "bf16"), "bf16", weights="stored")
+            draft = load_model(resolve_model(setup.draft, "bf16"), "bf16", weights="stored") if setup.draft else None
         print(f"{name}: loaded in {time.perf_counter() - t0:.0f}s", flush=True)
         prompts = [target.encode(t, chat=True) for t in texts]
         exact = load_model(resolve_model(setup.target, "fp32"), "fp32", weights="stored") \
             if name in args.fp32_reference else None
-        gap = _logit_gap(target, prompts[0], exact)
+        with cpu_kernels.forced(isas[0]):
+            gap = _logit_gap(target, prompts[0], exact)
         del exact
+        others = {}  # the other ISA paths' own loads of the models (a model's projections are built for one ISA)
+        for isa in isas[1:]:
+            with cpu_kernels.forced(isa):
+                others[isa] = (load_model(resolve_model(setup.target, "bf16"), "bf16", weights="stored"),
+                               load_model(resolve_model(setup.draft, "bf16"), "bf16", weights="stored")
+                               if setup.draft else None)
         for batch in args.batches:
-            rows = _rows(setup, args, target, draft, batch)
+            with cpu_kernels.forced(isas[0]):
+                rows = _rows(setup, args, target, draft, batch)
+            for isa, (t, d) in others.items():
+                with cpu_kernels.forced(isa):
+                    rows += _rows(setup, args, t, d, batch, isa)
             _measure(f"{name} batch {batch}", rows, prompts, batch, args.max_tokens)
             report["setups"][name if batch == 1 else f"{name}, batch {batch}"] = _report(setup, rows, gap)
             if args.profile and not report.get("profile"):
                 plain = next(r for r in rows if r.name == "plain stored")
                 report["profile"] = {"setup": name, "batch": batch, **_profile(plain.run, prompts[0], args.max_tokens)}
             del rows
-        del target, draft
+        del target, draft, others
     report["load_after"] = cpu_load()
     _print(report)
     save(report, args.json, None, lambda *_: None)
@@ -260,6 +287,7 @@ def _report(setup: Setup, rows: list[Row], gap: dict[str, float]) -> dict:
 
 def _print(report: dict) -> None:
     from rich.console import Console
+    from rich.markup import escape  # a row's "[avx2]" is text, not markup
     from rich.table import Table
 
     console = Console(width=120)
@@ -267,17 +295,20 @@ def _print(report: dict) -> None:
         from deploy.bench import kernels
 
         kernels.print_table(report["kernels"])
+    console.print(f"CPU ISA: {' '.join(report['cpu_isa_flags']) or '-'}; our kernels by default: "
+                  f"{report['default_isa']['isa']} ({report['default_isa']['why']}); rows per ISA path: "
+                  + ", ".join(report["isas"]))
     console.print(f"[bold]bench cpu[/] {report['threads']} threads, CPU {report['cpu']}, {report['num_prompts']} "
                   f"prompts x {report['max_tokens']} tokens; load average before {report['load_before']}, after "
                   f"{report['load_after']}")
     for name, s in report["setups"].items():
         t = Table(title=f"{name}: {s['target']} (speculation: {s['draft']})")
         for col in ("row", "tok/s", "x llama.cpp", "x own plain", "accept", "identical", "agreement"):
-            t.add_column(col, justify="left" if col == "row" else "right")
+            t.add_column(col, justify="left" if col == "row" else "right", no_wrap=True)
         for row, r in s["rows"].items():
             def fmt(v, spec="{:.2f}"):
                 return "-" if v is None else spec.format(v)
-            t.add_row(row, f"{r['tok_s']:.1f}", fmt(r["vs_llama_cpp"], "{:.2f}x"), fmt(r["vs_own_plain"], "{:.2f}x"),
+            t.add_row(escape(row), f"{r['tok_s']:.1f}", fmt(r["vs_llama_cpp"], "{:.2f}x"), fmt(r["vs_own_plain"], "{:.2f}x"),
                       fmt(r["acceptance"]), fmt(r["identical_to_own_plain"]), fmt(r["token_agreement_with_own_plain"],
                                                                                   "{:.3f}"))
         console.print(t)

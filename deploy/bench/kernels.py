@@ -1,6 +1,6 @@
 """The matmuls behind `weights: stored | dequantized`, side by side: microseconds per call of one weight matrix at
 1 and 5 input rows (a decode step, a k = 4 verification), streaming through enough copies that the weights come
-from memory, not cache, as in a real forward. Part of `specfleet bench cpu --kernels`."""
+from memory, not cache, as in a real forward; ours once per ISA path this CPU runs. Part of `specfleet bench cpu --kernels`."""
 
 from __future__ import annotations
 
@@ -33,13 +33,21 @@ def _variants(n: int, k: int) -> dict[str, Callable[[], Callable[[torch.Tensor],
         "int8 per row, torch's _weight_int8pack_mm": lambda: Int8Linear.rtn(torch.randn(n, k), None, cpu, bf16),
         "int4 groups of 32, torch's _weight_int4pack_mm_for_cpu": int4(own=False),
     }
-    if cpu_kernels.kernel() is not None:
-        out["int4 groups of 32, ours, bf16 inputs"] = int4(own=True, activations="bf16")
-        out["int4 groups of 32, ours, int8 inputs"] = int4(own=True)
-        out["int8 per row as two int4 planes, ours, bf16 inputs"] = lambda: int8_linear(torch.randn(n, k), None, cpu,
-                                                                                        bf16, "bf16")
-        out["int8 per row as two int4 planes, ours, int8 inputs"] = lambda: int8_linear(torch.randn(n, k), None, cpu,
-                                                                                        bf16)
+    for isa in cpu_kernels.ISAS:  # ours, on each ISA path this CPU runs (a module keeps the build it was made on)
+        if cpu_kernels.unavailable(isa) is not None:
+            continue
+
+        def on(isa: str, build: Callable) -> Callable:
+            def built() -> Callable:
+                with cpu_kernels.forced(isa):
+                    return build()
+            return built
+        out[f"int4 groups of 32, ours [{isa}], bf16 inputs"] = on(isa, int4(own=True, activations="bf16"))
+        out[f"int4 groups of 32, ours [{isa}], int8 inputs"] = on(isa, int4(own=True))
+        out[f"int8 per row as two int4 planes, ours [{isa}], bf16 inputs"] = on(
+            isa, lambda: int8_linear(torch.randn(n, k), None, cpu, bf16, "bf16"))
+        out[f"int8 per row as two int4 planes, ours [{isa}], int8 inputs"] = on(
+            isa, lambda: int8_linear(torch.randn(n, k), None, cpu, bf16))
     return out
 
 
@@ -76,6 +84,7 @@ def _bytes(module: torch.nn.Module) -> int:
 
 def print_table(report: dict) -> None:
     from rich.console import Console
+    from rich.markup import escape  # "[avx2]" is text, not markup
     from rich.table import Table
 
     for label, rows in report.items():
@@ -83,5 +92,5 @@ def print_table(report: dict) -> None:
         for col in ("kernel", "1 row", "5 rows", "5 rows / 1 row"):
             t.add_column(col, justify="left" if col == "kernel" else "right")
         for name, r in rows.items():
-            t.add_row(name, f"{r[1]:.0f}", f"{r[5]:.0f}", f"{r[5] / r[1]:.2f}")
+            t.add_row(escape(name), f"{r[1]:.0f}", f"{r[5]:.0f}", f"{r[5] / r[1]:.2f}")
         Console(width=120).print(t)

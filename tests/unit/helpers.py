@@ -9,9 +9,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import pytest
 import torch
 
 from actors.engine import Engine
+from actors.model import cpu_kernels
 from actors.model.loader import LoadedModel, load_model
 from actors.model.runner import ModelRunner
 from cluster.config import CacheConfig
@@ -144,3 +146,12 @@ def chi_square(observed: torch.Tensor, probs: torch.Tensor) -> tuple[float, floa
     df = observed.numel() - 1
     p_value = torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64), stat / 2)
     return float(stat), float(p_value)
+
+
+def isa_params(*extra: str) -> list:
+    """One parameter per ISA of ours (avx512, avx2), each skipped, with the reason, where this CPU or machine cannot
+    run it; `extra` (e.g. "torch") added as they are. For `@pytest.mark.parametrize("kernel_isa", ..., indirect=True)`."""
+    params = [pytest.param(isa, id=isa, marks=pytest.mark.skipif(
+        cpu_kernels.unavailable(isa) is not None, reason=f"{isa}: {cpu_kernels.unavailable(isa)}"))
+        for isa in cpu_kernels.ISAS]
+    return params + [pytest.param(name, id=name) for name in extra]

@@ -23,12 +23,12 @@ from actors.offline import generate
 from cluster.config import CacheConfig, SchedulerConfig, SpeculationConfig
 from cluster.request import SamplingParams
 from tests.fixtures.tiny_models import DRAFT_NOISE, build_tiny_model, perturbed_copy
-from tests.unit.helpers import text_prompts
+from tests.unit.helpers import isa_params, text_prompts
 
 ROWS = (*range(1, 17), 40)  # every M up to 16 (k+1 = 2..9 verifications among them), 8 requests of k = 4
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
-OURS = cpu_kernels.unavailable() is None
-needs_ours = pytest.mark.skipif(not OURS, reason=f"{cpu_kernels.unavailable()}")
+# bf16 on our int4 kernels: once per ISA of ours this CPU has (the others skipped, with the reason)
+OURS = [pytest.param("bf16", "int4", p.values[0], marks=p.marks, id=f"bf16-int4-{p.values[0]}") for p in isa_params()]
 
 
 def not_invariant(op, x: torch.Tensor) -> list[int]:
@@ -42,13 +42,23 @@ def pos(x: torch.Tensor) -> torch.Tensor:
     return (x[:, 0].float().abs() * 30).long() % max(ROWS)
 
 
-def ops(dtype: torch.dtype) -> dict[str, object]:
-    """Each op of the deterministic forward as the runner builds it, on widths the tiny models and SmolLM2 use."""
+def ops(dtype: torch.dtype, ours: bool) -> dict[str, object]:
+    """Each op of the deterministic forward as the runner builds it, on widths the tiny models and SmolLM2 use:
+    torch's, or (`ours`) those of our CPU kernels' chosen ISA."""
     g = torch.Generator().manual_seed(0)
     w = {shape: (torch.randn(*shape, generator=g) * 0.05).to(dtype) for shape in ((128, 256), (576, 1536))}
     table = torch.randn(100, 256, generator=g).to(dtype)
     norm = torch.randn(256, generator=g).to(dtype)
     cos, sin = (torch.randn(max(ROWS), 1, 32, generator=g).to(dtype) for _ in range(2))
+    if ours:
+        lib = cpu_kernels.ops()
+        assert lib is not None and dtype == torch.bfloat16
+        found = {"rms_norm (ours)": lambda x: lib.rms_norm(x, norm, 1e-6), "SiLU-gated product (ours)": lib.silu_mul}
+        for n, k in w:
+            mine = Int4Linear(rtn_int4(w[n, k].float()), None, torch.device("cpu"), dtype)
+            assert mine.own is not None and row_invariant(mine) is mine  # ours runs as it is
+            found[f"int4 (ours) {k} -> {n}"] = mine
+        return found
     found = {
         "embedding": lambda x: F.embedding(pos(x) % 100, table),
         "rms_norm (torch)": lambda x: F.rms_norm(x, (256,), norm, 1e-6),
@@ -64,23 +74,17 @@ def ops(dtype: torch.dtype) -> dict[str, object]:
         codes = rtn_int4(w[n, k].float())
         found[f"int4 (torch) {k} -> {n}, tiled"] = row_invariant(
             Int4Linear(codes, None, torch.device("cpu"), dtype, ours=False))
-        if OURS and dtype == torch.bfloat16:
-            mine = Int4Linear(codes, None, torch.device("cpu"), dtype)
-            assert row_invariant(mine) is mine  # ours runs as it is
-            found[f"int4 (ours) {k} -> {n}"] = mine
-    if OURS and dtype == torch.bfloat16:
-        lib = cpu_kernels.ops()
-        found["rms_norm (ours)"] = lambda x: lib.rms_norm(x, norm, 1e-6)
-        found["SiLU-gated product (ours)"] = lambda x: lib.silu_mul(x)
     return found
 
 
 @pytest.mark.heavy
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_each_op_of_the_deterministic_forward_gives_a_row_its_own_bits(dtype: str) -> None:
+@pytest.mark.parametrize("dtype,kernel_isa", [("bf16", "torch"), ("fp32", "torch")] + [
+    pytest.param("bf16", p.values[0], marks=p.marks, id=f"bf16-{p.values[0]}") for p in isa_params()],
+    indirect=["kernel_isa"])
+def test_each_op_of_the_deterministic_forward_gives_a_row_its_own_bits(dtype: str, kernel_isa: str) -> None:
     g = torch.Generator().manual_seed(1)
     bad = {}
-    for name, op in ops(DTYPES[dtype]).items():
+    for name, op in ops(DTYPES[dtype], ours=kernel_isa != "torch").items():
         width = op.in_features if hasattr(op, "in_features") else 256
         x = torch.randn(max(ROWS), width, generator=g).to(DTYPES[dtype])
         with torch.inference_mode():
@@ -107,10 +111,10 @@ def model(tmp_path: Path, dtype: str, weights: str, noise: float = 0.0):
     return load_model(str(path), dtype, weights=weights)
 
 
-@pytest.mark.parametrize("dtype,weights", [
-    pytest.param("bf16", "int4", marks=needs_ours), ("bf16", "dequantized"), ("fp32", "dequantized")])
+@pytest.mark.parametrize("dtype,weights,kernel_isa", [
+    *OURS, ("bf16", "dequantized", "auto"), ("fp32", "dequantized", "auto")], indirect=["kernel_isa"])
 def test_a_verification_among_other_requests_gives_the_logits_of_one_token_steps(
-        tmp_path: Path, dtype: str, weights: str) -> None:
+        tmp_path: Path, dtype: str, weights: str, kernel_isa: str) -> None:
     """k+1 positions verified beside another request's decode and another's prefill chunk give, bit for bit, the
     logits of k+1 one-token steps of the same tokens alone: the property that makes speculation exact."""
     m = model(tmp_path, dtype, weights)
@@ -130,9 +134,10 @@ def test_a_verification_among_other_requests_gives_the_logits_of_one_token_steps
 
 
 @pytest.mark.heavy
-@pytest.mark.parametrize("dtype,weights", [
-    pytest.param("bf16", "int4", marks=needs_ours), ("bf16", "dequantized")])
-def test_bf16_speculation_equals_plain_decoding_in_deterministic_mode(tmp_path: Path, dtype: str, weights: str) -> None:
+@pytest.mark.parametrize("dtype,weights,kernel_isa", [*OURS, ("bf16", "dequantized", "auto")],
+                         indirect=["kernel_isa"])
+def test_bf16_speculation_equals_plain_decoding_in_deterministic_mode(tmp_path: Path, dtype: str, weights: str,
+                                                                      kernel_isa: str) -> None:
     """Token for token, for n-gram and model drafts, fixed and goodput policies, one request and four at once
     (8 prompts of 48 tokens: without deterministic mode these differ from plain decoding on this CPU, both models)."""
     m = model(tmp_path, dtype, weights)

@@ -1,6 +1,7 @@
 """Our fused CPU kernels (actors/model/fused_cpu.cpp) against the torch ops they replace, op by op and through a
 whole bf16 model: each within bf16 rounding of the reference, and a model on them as close to its fp32 self as the
-same model on torch's ops."""
+same model on torch's ops. Every test runs on each ISA of ours this CPU has (avx512, avx2: `kernel_isa`); their
+bit-for-bit agreement is tests/unit/test_cpu_isa.py's."""
 
 from __future__ import annotations
 
@@ -18,17 +19,19 @@ from actors.model.metadata import AttentionMetadata, SeqChunk
 from actors.model.runner import ModelRunner
 from cluster.config import CacheConfig
 from tests.fixtures.tiny_models import build_tiny_model
-from tests.unit.helpers import text_prompts
+from tests.unit.helpers import isa_params, text_prompts
 
-# without AVX512-BF16, a compiler or ninja the model runs on torch's ops (tests/unit/test_qlinear.py covers that path)
-pytestmark = pytest.mark.skipif(cpu_kernels.unavailable() is not None, reason=f"{cpu_kernels.unavailable()}")
+# each ISA of ours, skipped where this CPU lacks it or the machine has no compiler or ninja (the model then runs on
+# torch's ops: tests/unit/test_qlinear.py covers that path)
+pytestmark = pytest.mark.parametrize("kernel_isa", isa_params(), indirect=True)
 BF16 = dict(rtol=2**-7, atol=1e-2)  # a bf16 rounding or two
 
 
-@pytest.fixture(scope="module")
-def ops():
+@pytest.fixture
+def ops(kernel_isa: str):  # noqa: ANN201 - torch's op namespace object
     lib = cpu_kernels.ops()
-    assert lib is not None, "AVX512-BF16, a C++ compiler and ninja: they build on this machine"
+    assert lib is not None, f"{kernel_isa}: this CPU has it, and a C++ compiler and ninja: it builds here"
+    assert lib is getattr(torch.ops, f"specfleet_{kernel_isa}")
     return lib
 
 
@@ -84,12 +87,12 @@ def test_span_attention_writes_kv_and_attends_like_the_torch_path(ops, window: i
     assert torch.equal(our_cache.k, torch_cache.k) and torch.equal(our_cache.v, torch_cache.v)
 
 
-def test_a_bf16_model_on_our_kernels_is_as_close_to_fp32_as_on_torchs_ops(tmp_path: Path) -> None:
+def test_a_bf16_model_on_our_kernels_is_as_close_to_fp32_as_on_torchs_ops(tmp_path: Path, kernel_isa: str) -> None:
     path = build_tiny_model("mistral", tmp_path / "m", hidden_size=128, head_dim=32, intermediate_size=256)
     exact = ModelRunner(load_model(str(path), "fp32"), range(4), CacheConfig(block_size=4, num_blocks=64))
     model = load_model(str(path), "bf16")
     ours = ModelRunner(model, range(4), CacheConfig(block_size=4, num_blocks=64))
-    assert ours.layers[0].fused is not None and ours.layers[0].ffn.fused is not None
+    assert ours.layers[0].fused is getattr(torch.ops, f"specfleet_{kernel_isa}") and ours.layers[0].ffn.fused is not None
     plain = ModelRunner(model, range(4), CacheConfig(block_size=4, num_blocks=64))
     for layer in plain.layers:
         layer.fused = layer.attn.fused = layer.ffn.fused = None
@@ -122,7 +125,7 @@ def _rotary(hd: int) -> torch.nn.Module:
     return LlamaRotaryEmbedding(LlamaConfig(hidden_size=hd * 4, num_attention_heads=4, head_dim=hd))
 
 
-def test_on_our_kernels_a_tokens_logits_do_not_depend_on_its_batch(tmp_path: Path) -> None:
+def test_on_our_kernels_a_tokens_logits_do_not_depend_on_its_batch(tmp_path: Path, kernel_isa: str) -> None:
     """Every kernel of the bf16 stored path computes each row alone (the int4 matmul's sums run per row in the
     same order whatever the tile), so k+1 verification positions give bit for bit the logits of k+1 one-token
     steps: speculation on this path is token-for-token lossless in bf16 too, not only in fp32."""
@@ -139,7 +142,8 @@ def test_on_our_kernels_a_tokens_logits_do_not_depend_on_its_batch(tmp_path: Pat
     assert torch.equal(together, one_by_one)
 
 
-def test_on_our_kernels_a_sequence_on_scattered_blocks_gets_the_logits_of_consecutive_ones(tmp_path: Path) -> None:
+def test_on_our_kernels_a_sequence_on_scattered_blocks_gets_the_logits_of_consecutive_ones(tmp_path: Path,
+                                                                                            kernel_isa: str) -> None:
     """The prefix cache shares a request's leading blocks, so its block table is not consecutive: attention then
     runs the same kernel over a copy of its slots, and the logits are bit for bit those of consecutive blocks (a
     prompt found cached gives the output it would have computed, in bf16 too)."""
@@ -163,7 +167,8 @@ def test_on_our_kernels_a_sequence_on_scattered_blocks_gets_the_logits_of_consec
 
 @pytest.mark.parametrize("activations", ["int8", "bf16"])
 def test_a_decode_step_in_one_call_per_layer_gives_the_op_by_op_logits(tmp_path: Path, activations: str,
-                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+                                                                       monkeypatch: pytest.MonkeyPatch,
+                                                                       kernel_isa: str) -> None:
     """Where every part of a layer's decode step runs on our kernels (a qwen2: q/k/v biases; weights re-quantized
     to int4), the step is one call per layer (layer_cpu.cpp), bit for bit the layer run op by op: for a decode, a
     verification of 4 drafts and the prefill chunks around them; a prefill above 16 rows stays op by op."""

@@ -20,7 +20,7 @@ from actors.model.quant import rtn_int4
 from actors.model.runner import ModelRunner
 from cluster.config import CacheConfig
 from tests.fixtures.tiny_models import build_tiny_model
-from tests.unit.helpers import text_prompts
+from tests.unit.helpers import isa_params, text_prompts
 from tests.unit.test_gguf_blocks import random_blocks
 
 CPU = torch.device("cpu")
@@ -62,7 +62,8 @@ def test_int4_kernel_computes_gguf_blocks_exactly_in_fp32(qtype: Q, n: int) -> N
 
 @pytest.mark.parametrize("qtype", [Q.Q4_1, Q.Q4_K, Q.Q5_0, Q.Q8_0], ids=lambda q: q.name)
 @pytest.mark.parametrize("m", [1, 5, 9, 17])  # one tile of 8 rows, and more than one
-def test_bf16_is_the_exact_result_rounded_once(qtype: Q, m: int) -> None:
+@pytest.mark.parametrize("kernel_isa", isa_params(), indirect=True)
+def test_bf16_is_the_exact_result_rounded_once(qtype: Q, m: int, kernel_isa: str) -> None:
     """bf16 inputs: on AVX512-BF16 CPUs our kernel (fp32 scales, sums in fp32: the exact result, rounded once to
     bf16; N = 40 ends in a partial block of rows), elsewhere torch's (its scales rounded to bf16: looser)."""
     w = read_blocks(random_blocks(qtype, 40, 512), qtype, (40, 512))
@@ -95,13 +96,12 @@ def int8_rows(x: torch.Tensor) -> torch.Tensor:
 
 @pytest.mark.parametrize("qtype", [Q.Q4_1, Q.Q4_K, Q.Q5_0, Q.Q8_0], ids=lambda q: q.name)
 @pytest.mark.parametrize("m", [1, 5, 9, 17])
-def test_int8_inputs_are_the_exact_result_of_the_rounded_rows(qtype: Q, m: int) -> None:
+@pytest.mark.parametrize("kernel_isa", isa_params(), indirect=True)
+def test_int8_inputs_are_the_exact_result_of_the_rounded_rows(qtype: Q, m: int, kernel_isa: str) -> None:
     """int8 inputs (the default): the weights as stored times each row rounded per group of 32 to int8, summed
     exactly: that result, rounded once to bf16. It stays within 2% of the largest output of the bf16 inputs' exact
     result (what the rounding of the inputs costs), and each row is computed alone. A prefill's dense GEMM takes the
     same rounded rows."""
-    if cpu_kernels.kernel() is None:
-        pytest.skip(f"our CPU kernels do not run here: {cpu_kernels.unavailable()}")  # the machine's limit
     w = read_blocks(random_blocks(qtype, 40, 512), qtype, (40, 512))
     b = torch.randn(40).bfloat16()
     lin = row_invariant(stored_linear(w, b, CPU, torch.bfloat16))
@@ -119,11 +119,11 @@ def test_int8_inputs_are_the_exact_result_of_the_rounded_rows(qtype: Q, m: int) 
 
 
 @pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q4_K, Q.Q5_0, Q.Q8_0], ids=lambda q: q.name)
-def test_a_prefill_expands_the_weights_once_and_deterministic_mode_keeps_every_row_on_the_kernel(qtype: Q) -> None:
+@pytest.mark.parametrize("kernel_isa", isa_params(), indirect=True)
+def test_a_prefill_expands_the_weights_once_and_deterministic_mode_keeps_every_row_on_the_kernel(qtype: Q,
+                                                                                              kernel_isa: str) -> None:
     """Above DENSE_ROWS input rows our kernel's layer expands its codes into bf16 weights (each the GGUF's value
     rounded once: equal to dequantizing and rounding) for a dense GEMM; in deterministic mode it never does."""
-    if cpu_kernels.kernel() is None:
-        pytest.skip(f"our CPU kernels do not run here: {cpu_kernels.unavailable()}")  # the machine's limit
     w = read_blocks(random_blocks(qtype, 40, 512), qtype, (40, 512))
     lin = stored_linear(w, None, CPU, torch.bfloat16)
     assert torch.equal(lin.dequantized(), w.dequantize().float().bfloat16())
@@ -137,12 +137,15 @@ def test_a_prefill_expands_the_weights_once_and_deterministic_mode_keeps_every_r
     assert torch.equal(rows[-1:], lin(x[-1:]).double()) and not torch.equal(rows, dense)
 
 
-def test_our_kernel_is_built_where_it_can_be() -> None:
-    """AVX512-BF16, a C++ compiler and ninja: built (a failed build would fall back with a warning); else not."""
+@pytest.mark.parametrize("kernel_isa", isa_params("torch"), indirect=True)
+def test_our_kernel_is_built_where_it_can_be(kernel_isa: str) -> None:
+    """The ISA's CPU features, a C++ compiler and ninja: built (a failed build would fall back with a warning);
+    torch: not."""
     assert (cpu_kernels.kernel() is not None) == (cpu_kernels.unavailable() is None)
 
 
-def test_q6_k_has_no_exact_int4_form_and_goes_to_int8() -> None:
+@pytest.mark.parametrize("kernel_isa", isa_params("torch"), indirect=True)
+def test_q6_k_has_no_exact_int4_form_and_goes_to_int8(kernel_isa: str) -> None:
     w = read_blocks(random_blocks(Q.Q6_K, 32, 256), Q.Q6_K, (32, 256))
     assert "groups of 16" in int4_unsupported(w, CPU, torch.bfloat16)
     lin = stored_linear(w, None, CPU, torch.bfloat16)
@@ -185,7 +188,8 @@ def test_cuda_branch_packs_for_tinygemm_and_refuses_what_it_cannot_run() -> None
 
 
 @pytest.mark.parametrize("activations", ["bf16", "int8"])
-def test_int8_codes_take_our_kernel_in_bf16_with_the_same_maths(activations: str) -> None:
+@pytest.mark.parametrize("kernel_isa", isa_params(), indirect=True)
+def test_int8_codes_take_our_kernel_in_bf16_with_the_same_maths(activations: str, kernel_isa: str) -> None:
     """Per-row int8 (Q6_K's fallback, `weights: int8`) as two 4-bit planes with the row's scale in each group; with
     int8 inputs, of the rows as the kernel rounds them."""
     torch.manual_seed(1)

@@ -22,7 +22,7 @@ from actors.offline import generate
 from cluster.config import CacheConfig, SpeculationConfig
 from cluster.request import SamplingParams
 from tests.fixtures.tiny_models import build_tiny_model, write_tiny_gguf
-from tests.unit.helpers import text_prompts
+from tests.unit.helpers import isa_params, text_prompts
 
 # q, k, gate, up, o and the head in Q4_0; v in Q8_0 (two planes, so qkv is two kernel calls); down in Q5_1
 MIXED = {"attn_v.weight": Q.Q8_0, "ffn_down.weight": Q.Q5_1, "weight": Q.Q4_0}
@@ -90,9 +90,11 @@ def test_a_converted_folder_computes_on_the_gguf_it_came_from(quantized_gguf: Pa
     assert load_model(str(folder), "fp32").stored is None  # the dequantized folder itself still loads
 
 
-@pytest.mark.parametrize("dtype", ["fp32", pytest.param("bf16", marks=pytest.mark.skipif(
-    not torch.cpu._is_avx512_bf16_supported(), reason="bf16 batch invariance is our AVX512-BF16 kernels'"))])
-def test_speculation_on_stored_weights_is_lossless(quantized_gguf: Path, dtype: str) -> None:
+# bf16 batch invariance is our kernels': bf16 on each ISA of ours this CPU has; fp32 on whatever runs by default
+@pytest.mark.parametrize("dtype,kernel_isa", [pytest.param("fp32", "auto", id="fp32")] + [
+    pytest.param("bf16", p.values[0], marks=p.marks, id=f"bf16-{p.values[0]}") for p in isa_params()],
+    indirect=["kernel_isa"])
+def test_speculation_on_stored_weights_is_lossless(quantized_gguf: Path, dtype: str, kernel_isa: str) -> None:
     """Speculative output equals the plain decoding of the same stored weights, with a self-draft of the target's
     layers sharing its projections and with that draft re-quantized to int8: in fp32, and in bf16 on the int4
     kernels (no near-tie flips where a token's logits do not depend on its batch: tests/unit/test_cpu_kernels.py)."""
