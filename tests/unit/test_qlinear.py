@@ -62,7 +62,7 @@ def test_int4_kernel_computes_gguf_blocks_exactly_in_fp32(qtype: Q, n: int) -> N
 
 @pytest.mark.parametrize("qtype", [Q.Q4_1, Q.Q4_K, Q.Q5_0, Q.Q8_0], ids=lambda q: q.name)
 @pytest.mark.parametrize("m", [1, 5, 9, 17])  # one tile of 8 rows, and more than one
-@pytest.mark.parametrize("kernel_isa", isa_params(), indirect=True)
+@pytest.mark.parametrize("kernel_isa", isa_params("torch"), indirect=True)
 def test_bf16_is_the_exact_result_rounded_once(qtype: Q, m: int, kernel_isa: str) -> None:
     """bf16 inputs: on AVX512-BF16 CPUs our kernel (fp32 scales, sums in fp32: the exact result, rounded once to
     bf16; N = 40 ends in a partial block of rows), elsewhere torch's (its scales rounded to bf16: looser)."""
@@ -188,7 +188,7 @@ def test_cuda_branch_packs_for_tinygemm_and_refuses_what_it_cannot_run() -> None
 
 
 @pytest.mark.parametrize("activations", ["bf16", "int8"])
-@pytest.mark.parametrize("kernel_isa", isa_params(), indirect=True)
+@pytest.mark.parametrize("kernel_isa", isa_params("torch"), indirect=True)
 def test_int8_codes_take_our_kernel_in_bf16_with_the_same_maths(activations: str, kernel_isa: str) -> None:
     """Per-row int8 (Q6_K's fallback, `weights: int8`) as two 4-bit planes with the row's scale in each group; with
     int8 inputs, of the rows as the kernel rounds them."""
