@@ -57,7 +57,7 @@ ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
 
 class FunctionCall(_Body):
     name: str = Field(max_length=64)
-    arguments: str = Field(max_length=1 << 20)  # JSON text, as OpenAI sends it
+    arguments: Annotated[str, Field(max_length=1 << 20)] | dict  # JSON text as OpenAI sends it (an object: LangChain)
 
 
 class ToolCall(_Body):
@@ -173,6 +173,9 @@ def template_tools(plan_: ToolPlan | None) -> list[dict] | None:
 
 def template_call(call: ToolCall, param: str) -> dict:
     """A history call as templates take it: its arguments as an object (templates write them with `tojson`)."""
+    if isinstance(call.function.arguments, dict):
+        return {"id": call.id, "type": "function", "function": {"name": call.function.name,
+                                                                  "arguments": call.function.arguments}}
     try:
         arguments = json.loads(call.function.arguments) if call.function.arguments.strip() else {}
     except ValueError as e:
