@@ -195,3 +195,54 @@ def test_peer_tool_fields_continuous_usage_content_parts_max_completion_tokens(c
     assert counts == sorted(counts) and chunks[-1].usage.completion_tokens == 30  # ignore_eos: past the script's end
     assert "".join(c.choices[0].delta.content or "" for c in with_choices).startswith(SCRIPT[3][2])
     assert {c.usage.prompt_tokens for c in chunks} == {chunks[-1].usage.prompt_tokens}
+
+
+# ---- the Responses API (stateless), through the same app --------------------------------------------------------
+FLAT_TOOLS = [{"type": "function", **WEATHER["function"]}]  # the Responses API writes tools flat
+
+
+def test_responses_api_call_then_answer_whole(client) -> None:
+    first = client.responses.create(model=MODEL, input=ASK_WEATHER[0]["content"], tools=FLAT_TOOLS, temperature=0,
+                                    max_output_tokens=120)
+    assert first.status == "completed" and [o.type for o in first.output] == ["function_call"]
+    call = first.output[0]
+    assert call.name == "get_weather" and json.loads(call.arguments) == {"city": "Paris"}
+    assert first.usage.output_tokens > 0 and first.usage.total_tokens == first.usage.input_tokens + first.usage.output_tokens
+    history = [{"role": "user", "content": ASK_WEATHER[0]["content"]}, call.model_dump(exclude_none=True),
+               {"type": "function_call_output", "call_id": call.call_id, "output": AFTER_RESULT[-1]["content"]}]
+    answer = client.responses.create(model=MODEL, input=history, tools=FLAT_TOOLS, temperature=0,
+                                     max_output_tokens=120)
+    assert [o.type for o in answer.output] == ["reasoning", "message"]
+    assert answer.output[0].content[0].text == "Sunny, 21."
+    assert answer.output_text == "It is sunny in Paris."
+
+
+def test_responses_api_streams_typed_events_in_order(client) -> None:
+    events = list(client.responses.create(model=MODEL, input=ASK_BOTH[0]["content"], tools=FLAT_TOOLS, temperature=0,
+                                          max_output_tokens=120, stream=True))
+    kinds = [e.type for e in events]
+    assert kinds[:2] == ["response.created", "response.in_progress"] and kinds[-1] == "response.completed"
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    per_call = [k for k in kinds if k.startswith("response.output_item") or k.endswith("arguments.done")]
+    assert per_call == ["response.output_item.added", "response.function_call_arguments.done",
+                        "response.output_item.done"] * 2
+    final = events[-1].response
+    assert [json.loads(o.arguments) for o in final.output] == [{"city": "Rome"}, {"city": "Oslo"}]
+    for i, item in enumerate(final.output):
+        fragments = [e.delta for e in events if e.type == "response.function_call_arguments.delta"
+                     and e.output_index == i]
+        assert len(fragments) > 1 and "".join(fragments) == item.arguments
+    assert final.usage.output_tokens > 0
+
+
+def test_responses_api_text_streams_and_previous_response_id_is_refused(client, agent_app: ServedApp) -> None:
+    events = list(client.responses.create(model=MODEL, input=ASK_CHAT[0]["content"], tools=FLAT_TOOLS,
+                                          temperature=0, stream=True))
+    text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert text == SCRIPT[3][2] == events[-1].response.output_text
+    with httpx.Client(base_url=agent_app.url, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=60) as h:
+        r = h.post("/v1/responses", json={"model": MODEL, "input": "hi", "previous_response_id": "resp_1"})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "previous_response_id"
+        r = h.post("/v1/responses", json={"model": MODEL, "input": [
+            {"type": "function_call_output", "call_id": "nope", "output": "x"}]})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "input[0].tool_call_id", r.text
