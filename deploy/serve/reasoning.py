@@ -10,8 +10,11 @@ rule the grammar builder puts before it (deploy/serve/tools.py).
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from typing import ClassVar
+
+from deploy.serve.tool_parsers import regex_literal
 
 
 def _partial_suffix(text: str, tag: str) -> int:
@@ -48,14 +51,21 @@ class Reasoner:
         return (reasoning if stream.reasoned else None), answer
 
     def lark_prefix(self, inside: bool, special: dict[str, int]) -> str:
-        """Lark rules `think` (the reasoning, optional unless the prompt opened it) for a grammar's `start`."""
-        lit = lambda tag: f"<[{special[tag]}]>" if tag in special else f'"{tag}"'  # noqa: E731
-        close = lit(self.close_tag)
-        escaped = "".join(f"\\{c}" if c in "/" else c for c in self.close_tag)
-        rules = f"THINK_TEXT: /(.|\\n)*/ & ~/(.|\\n)*{escaped}(.|\\n)*/\nTHINK_GAP: /\\n*/\n"
-        if inside:
-            return rules + f"think: THINK_TEXT {close} THINK_GAP\nstart: think body"
-        return rules + f"think: {lit(self.open_tag)} THINK_TEXT {close} THINK_GAP\nstart: think? body"
+        """Lark rules `think` (the reasoning, optional unless the prompt opened it) and `start` (think, then the
+        grammar's `body`). llguidance's lexer is greedy, so reasoning closed by `</think>` written as text is one
+        lexeme that ends at the first `</think>`; a closing tag that is its own token ends the text by itself."""
+        gap = "THINK_GAP: /\\n+/\n"
+        opening = "" if inside else (f"<[{special[self.open_tag]}]> " if self.open_tag in special
+                                     else json.dumps(self.open_tag) + " ")
+        start = "start: think body" if inside else "start: think? body"
+        if self.close_tag in special:
+            text = "THINK_TEXT: /(.|\\n)*/\n"
+            think = f"think: {opening}THINK_TEXT <[{special[self.close_tag]}]> THINK_GAP?"
+        else:
+            m = regex_literal(self.close_tag)
+            text = f"THINK_CLOSED: /(.|\\n)*{m}/ & ~/(.|\\n)*{m}(.|\\n)+/\n"
+            think = f"think: {opening}THINK_CLOSED THINK_GAP?"
+        return f"{gap}{text}{think}\n{start}"
 
 
 class DeepSeekR1(Reasoner):

@@ -167,26 +167,38 @@ class ToolParser:
         return lark_literal(text, special)
 
     def calls_rule(self, schemas: list[dict], parallel: bool, special: dict[str, int]) -> str:
-        """Lark rules defining `calls` (one call, or with `parallel` one or more) and `call` (any of the schemas)."""
+        """Lark rules defining `calls` (the marker, then `after_open`) and what they use."""
+        return f"calls: {self.literal(self.marker, special)} after_open\n" + self.after_open(schemas, parallel, special)
+
+    def after_open(self, schemas: list[dict], parallel: bool, special: dict[str, int]) -> str:
+        """Lark rules defining `after_open`: the calls after their opening marker (one call, or with `parallel`
+        one or more), each any of the schemas."""
         raise NotImplementedError
 
     def text_rule(self) -> str:
         """The Lark terminal TEXT: free text that does not open a call (auto mode)."""
-        m = _regex_escape(self.marker)
+        m = regex_literal(self.marker)
         return f"TEXT: /(.|\\n)+/ & ~/(.|\\n)*{m}(.|\\n)*/"
 
-    def auto_body(self) -> str:
-        """Auto mode's `body`: text, or text then calls."""
-        return "body: TEXT | TEXT? calls"
+    def auto_body(self, special: dict[str, int]) -> str:
+        """Auto mode's `body`: text, or text then calls. llguidance's lexer is greedy (a lexeme is not cut short to
+        let the next one start), so free text cannot be followed by a marker written as text: then the text and the
+        marker are one lexeme, TEXT_OPEN, which ends at the first marker. A marker that is its own token (Qwen's
+        `<tool_call>`) is no text at all, and ends TEXT by itself."""
+        if self.marker in special:
+            return "body: TEXT | TEXT? calls"
+        m = regex_literal(self.marker)
+        return f"body: TEXT | TEXT_OPEN after_open\nTEXT_OPEN: /(.|\\n)*{m}/ & ~/(.|\\n)*{m}(.|\\n)+/"
+
+
+def regex_literal(text: str) -> str:
+    """`text` matched literally inside a Lark `/regex/`."""
+    return "".join(f"\\{c}" if c in "\\/.^$*+?()[]{}|-" else c for c in text)
 
 
 def lark_literal(text: str, special: dict[str, int]) -> str:
     """`text` in Lark: its token (`<[id]>`) when the tokenizer has it as one added token, else the string."""
     return f"<[{special[text]}]>" if text in special else json.dumps(text)
-
-
-def _regex_escape(text: str) -> str:
-    return "".join(f"\\{c}" if c in r"\/.^$*+?()[]{}|-" else c for c in text)
 
 
 def _alternatives(schemas: list[dict]) -> str:
@@ -200,10 +212,10 @@ class HermesParser(ToolParser):
     marker = "<tool_call>"
     template_marks = ("<tool_call>",)
 
-    def calls_rule(self, schemas: list[dict], parallel: bool, special: dict[str, int]) -> str:
-        one = f'{self.literal("<tool_call>", special)} "\\n" call_json "\\n" {self.literal("</tool_call>", special)}'
-        calls = 'calls: tagged ("\\n" tagged)*' if parallel else "calls: tagged"
-        return f"{calls}\ntagged: {one}" + _alternatives(schemas).replace("call:", "call_json:")
+    def after_open(self, schemas: list[dict], parallel: bool, special: dict[str, int]) -> str:
+        close = self.literal("</tool_call>", special)
+        more = f' ("\\n" {self.literal(self.marker, special)} one)*' if parallel else ""
+        return f'after_open: one{more}\none: "\\n" call "\\n" {close}' + _alternatives(schemas)
 
 
 class MistralParser(ToolParser):
@@ -213,9 +225,9 @@ class MistralParser(ToolParser):
     marker = "[TOOL_CALLS]"
     template_marks = ("[TOOL_CALLS]",)
 
-    def calls_rule(self, schemas: list[dict], parallel: bool, special: dict[str, int]) -> str:
+    def after_open(self, schemas: list[dict], parallel: bool, special: dict[str, int]) -> str:
         items = '"[" call ("," " " call)* "]"' if parallel else '"[" call "]"'
-        return f"calls: {self.literal(self.marker, special)} {items}" + _alternatives(schemas)
+        return f"after_open: {items}" + _alternatives(schemas)
 
 
 class Llama3JsonParser(ToolParser):
@@ -241,7 +253,7 @@ class Llama3JsonParser(ToolParser):
     def text_rule(self) -> str:
         return "TEXT: /[^{\\s](.|\\n)*/"  # text never opens with a call's brace
 
-    def auto_body(self) -> str:
+    def auto_body(self, special: dict[str, int]) -> str:
         return "body: TEXT | calls"
 
 

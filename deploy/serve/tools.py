@@ -141,7 +141,7 @@ def grammar(plan_: ToolPlan, parser: ToolParser, special: dict[str, int], reason
     schemas = [parser.call_schema(t.function.name, parameters_of(t)) for t in plan_.callable_]
     rules = [parser.calls_rule(schemas, plan_.parallel, special)]
     if plan_.mode == "auto":
-        rules += [parser.auto_body(), parser.text_rule()]
+        rules += [parser.auto_body(special), parser.text_rule()]
     else:
         rules.append("body: calls")
     return StructuredOutput(lark=with_start(rules, reasoner, inside_reasoning, special))

@@ -10,14 +10,17 @@ import random
 import jsonschema
 import pytest
 
-from cluster.request import SamplingParams
+from actors.speculation.structured import GrammarCompiler
+from cluster.request import SamplingParams, StructuredOutput
 from deploy.serve.chat_output import ChatShape
 from deploy.serve.reasoning import Qwen3, ReasoningStream, reasoner_for
 from deploy.serve.tool_parsers import HermesParser, Llama3JsonParser, MistralParser, parser_for, scan
-from deploy.serve.tools import NamedToolChoice, Tool, ToolError, check_history, grammar, plan
+from deploy.serve.tools import NamedToolChoice, Tool, ToolError, after_reasoning, check_history, grammar, plan
 from deploy.serve.openai_api import ChatMessage
+from actors.engine import Engine
 from actors.offline import generate
-from tests.unit.helpers import load, text_prompts
+from cluster.config import SchedulerConfig, SpeculationConfig
+from tests.unit.helpers import load, runner, text_prompts
 from tests.unit.test_structured import SCHEMAS, make_engine
 
 
@@ -143,7 +146,15 @@ def test_tools_tool_choice_and_history_are_checked() -> None:
     assert e.value.param == "messages[3].tool_call_id"
 
 
-@pytest.mark.parametrize("draft", ["pair", "ngram"])
+def engine_with(tiny_models, tiny_draft_models, draft: str) -> Engine:
+    """test_structured's engines, and one drafting by suffix lookup."""
+    if draft != "suffix":
+        return make_engine(tiny_models, tiny_draft_models, draft)
+    spec = SpeculationConfig(policy="fixed", k=3, method="suffix")
+    return Engine(runner(load(tiny_models["llama"])), None, spec, SchedulerConfig())
+
+
+@pytest.mark.parametrize("draft", ["pair", "ngram", "suffix"])
 def test_required_calls_always_validate_and_equal_plain_constrained_decoding(tiny_models, tiny_draft_models,
                                                                             draft) -> None:
     """20 function schemas, `required` (parallel) and named: every output is calls in the hermes format whose
@@ -157,7 +168,7 @@ def test_required_calls_always_validate_and_equal_plain_constrained_decoding(tin
         specs.append(grammar(plan(tools, choice, i % 4 == 1), HermesParser(), {}))  # some may call in parallel
     params = [SamplingParams(temperature=0.0, max_tokens=160, structured=s) for s in specs]
     got = [(c.text, c.token_ids, c.finish_reason) for c in
-           generate(make_engine(tiny_models, tiny_draft_models, draft), [prompt] * len(specs), params)]
+           generate(engine_with(tiny_models, tiny_draft_models, draft), [prompt] * len(specs), params)]
     want = [(c.text, c.token_ids, c.finish_reason) for c in
             generate(make_engine(tiny_models, tiny_draft_models, "none"), [prompt] * len(specs), params)]
     assert [t for _, t, _ in got] == [t for _, t, _ in want]
@@ -187,3 +198,38 @@ def test_auto_lets_the_model_write_text_or_a_valid_call(tiny_models, tiny_draft_
         assert "<tool_call>" not in content or c.finish_reason.value == "length"
         for call in calls:
             jsonschema.validate(json.loads(call.final_arguments()), FUNCTION_SCHEMAS[0])
+
+
+def test_a_reasoning_model_reasons_before_its_grammar_applies(tiny_models) -> None:
+    """With a reasoning parser the grammar lets `<think>...</think>` come first, then holds the answer to the schema
+    (the tiny llama's tokenizer has no `<think>` token: the tags are matched as text)."""
+    tokenizer = load(tiny_models["llama"]).tokenizer
+    schema = FUNCTION_SCHEMAS[0]
+    specs = {"json": after_reasoning(StructuredOutput(json_schema=schema), Qwen3(), False, {}),
+             "tools": grammar(plan([tool("f", schema)], "required", False), HermesParser(), {}, Qwen3())}
+    answers = {"json": '{"v": {"a": 3}}',
+               "tools": '<tool_call>\n{"name": "f", "arguments": {"v": {"a": 3}}}\n</tool_call>'}
+    compiler = GrammarCompiler(tokenizer, len(tokenizer), [tokenizer.eos_token_id])
+    for kind, spec in specs.items():
+        for text, ok in ((f"<think>plan it</think>\n\n{answers[kind]}", True), (answers[kind], True),
+                         (f"<think>plan</think>\n\n{answers[kind][:-2]}x", False), ("<think>a</think>b", False)):
+            state = compiler.matcher(spec)
+            ids = tokenizer.encode(text)
+            assert (state.valid_prefix(ids) == len(ids)) == ok, (kind, text)
+    # a template that opens the reasoning in the prompt: the output starts inside it
+    inside = after_reasoning(StructuredOutput(json_schema=schema), Qwen3(), True, {})
+    state = compiler.matcher(inside)
+    ids = tokenizer.encode(f"thinking</think>\n{answers['json']}")
+    assert state.valid_prefix(ids) == len(ids)
+
+
+def test_mistral_calls_come_back_though_the_detokenizer_drops_the_marker() -> None:
+    """`[TOOL_CALLS]` is a control token whose text the detokenizer drops: its id in a step's tokens puts it back."""
+    shape = ChatShape(MistralParser(), None, marker_id=5)
+    text = '[{"name": "f", "arguments": {"x": 1}}]'
+    message, called = shape.message(text, [5, 9, 9])
+    assert called and json.loads(message["tool_calls"][0]["function"]["arguments"]) == {"x": 1}
+    assert shape.message(text, [9, 9]) == ({"role": "assistant", "content": text}, False)
+    stream = shape.stream()
+    deltas = stream.feed(text[:10], (5, 9)) + stream.feed(text[10:], (9,)) + stream.finish()
+    assert stream.called and not any("content" in d for d in deltas)
