@@ -9,11 +9,17 @@ fragments (their concatenation is the call's `function.arguments`, as in the who
 
 from __future__ import annotations
 
+import logging
 import uuid
 from dataclasses import dataclass, field
 
+from cluster.request import StructuredOutput
+from deploy.serve.openai_api import APIError
 from deploy.serve.reasoning import Reasoner, ReasoningStream, reasoner_for
 from deploy.serve.tool_parsers import RawCall, ToolParser, parser_for, scan
+from deploy.serve.tools import ToolPlan, after_reasoning, grammar
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -31,11 +37,40 @@ class ChatFormats:
         reasoner = reasoner_for(reasoning_parser, template)
         inside = False
         if reasoner is not None and template is not None:
-            probe = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True,
-                                                  tokenize=False)
+            try:
+                probe = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}],
+                                                      add_generation_prompt=True, tokenize=False)
+            except Exception as e:  # noqa: BLE001 - a template that refuses the probe: assume the output opens it
+                log.warning("the chat template refused a one-message probe (%s: %s); reading outputs as opening "
+                            "their own reasoning", type(e).__name__, e)
+                probe = ""
             inside = reasoner.starts_inside(probe)
         special = {text: id_ for text, id_ in tokenizer.get_added_vocab().items()}
         return cls(parser_for(tool_parser, template), reasoner, inside, special)
+
+    def shape(self, plan: ToolPlan | None, spec: StructuredOutput | None, spec_param: str | None,
+              model_name: str) -> tuple["ChatShape | None", StructuredOutput | None, str | None]:
+        """A chat request's answer shape (None: plain text) and the grammar it decodes under, with the field that
+        asked: its tools' (deploy/serve/tools.py) or its structured output's, after the reasoning of a reasoning
+        model."""
+        calls = plan is not None and plan.mode != "none"
+        if calls and spec is not None:
+            raise APIError(400, f"give tools (with tool_choice other than \"none\") or {spec_param}, not both",
+                           param=spec_param, code="invalid_value")
+        if calls and self.parser is None:
+            raise APIError(400, f"tool_choice {plan.mode!r} needs a tool-call parser, and the chat template of "
+                                f"{model_name!r} names no known format: set engine.model.tool_parser (hermes, "
+                                "llama3_json, mistral; docs/serving.md)", param="tool_choice", code="invalid_value")
+        if calls:
+            spec = grammar(plan, self.parser, self.special, self.reasoner, self.reasoning_in_prompt)
+            spec_param = "tools"
+        elif spec is not None and self.reasoner is not None:
+            spec = after_reasoning(spec, self.reasoner, self.reasoning_in_prompt, self.special)
+        if not calls and self.reasoner is None:
+            return None, spec, spec_param
+        shape = ChatShape(self.parser if calls else None, self.reasoner, self.reasoning_in_prompt,
+                          self.marker_id() if calls else None)
+        return shape, spec, spec_param
 
     def marker_id(self) -> int | None:
         """The id of the parser's marker when it is a special token the detokenizer drops (Mistral's

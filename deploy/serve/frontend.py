@@ -53,12 +53,11 @@ from cluster.request import (FinishReason, InvalidRequest, Request, RequestStatu
                              context_length)
 from cluster.router import Overloaded
 from cluster.router_client import RouterClient
-from deploy.serve.chat_output import ChatFormats, ChatShape
+from deploy.serve.chat_output import ChatFormats
 from deploy.serve.logprobs import TokenStrings
 from deploy.serve.metrics import Metrics
 from deploy.serve.openai_api import APIError, from_validation_error
 from deploy.serve.tokenizing import TokenizerPool, max_chars_per_token
-from deploy.serve.tools import ToolPlan, after_reasoning, grammar
 
 log = logging.getLogger(__name__)
 
@@ -165,27 +164,6 @@ class Frontend:
                            param="messages")
         self._check_chars(sum(len(m["content"].strip()) for m in messages), "messages")
         return await self.tokenizing.run(tenant, _encode_chat, messages, tools)
-
-    def chat_shape(self, plan: ToolPlan | None, spec: StructuredOutput | None,
-                   spec_param: str | None) -> tuple[ChatShape | None, StructuredOutput | None, str | None]:
-        """A chat request's answer shape and the grammar it decodes under: its tools' (deploy/serve/tools.py) or its
-        structured output's, after the reasoning of a reasoning model."""
-        fm = self.formats
-        calls = plan is not None and plan.mode != "none"
-        if calls and spec is not None:
-            raise APIError(400, f"give tools (with tool_choice other than \"none\") or {spec_param}, not both",
-                           param=spec_param, code="invalid_value")
-        if calls and fm.parser is None:
-            raise APIError(400, f"tool_choice {plan.mode!r} needs a tool-call parser, and the chat template of "
-                                f"{self.model_name!r} names no known format: set engine.model.tool_parser (hermes, "
-                                "llama3_json, mistral; docs/serving.md)", param="tool_choice", code="invalid_value")
-        if calls:
-            spec, spec_param = grammar(plan, fm.parser, fm.special, fm.reasoner, fm.reasoning_in_prompt), "tools"
-        elif spec is not None and fm.reasoner is not None:
-            spec = after_reasoning(spec, fm.reasoner, fm.reasoning_in_prompt, fm.special)
-        shape = ChatShape(fm.parser if calls else None, fm.reasoner, fm.reasoning_in_prompt,
-                          fm.marker_id() if calls else None) if calls or fm.reasoner is not None else None
-        return shape, spec, spec_param
 
     def check_completion_body(self, content_length: str) -> None:
         """Refuse, before reading it, a completion body whose declared size means a prompt that cannot fit."""

@@ -185,7 +185,7 @@ class HttpRoutes:
         self.edge.check_messages(len(body.messages))
         plan = body.tool_plan()  # tools, tool_choice and the history's calls checked (deploy/serve/tools.py)
         messages = body.template_messages()
-        shape, spec, spec_param = f.chat_shape(plan, *body.structured())
+        shape, spec, spec_param = f.formats.shape(plan, *body.structured(), f.model_name)
         call = await self._start_body(tenant, body, body.token_limit,
                                       lambda: f.encode_chat(messages, tenant.name, template_tools(plan)),
                                       structured=(spec, spec_param), prompt_param="messages", prefix="chatcmpl")

@@ -47,7 +47,7 @@ class ResponsesRoutes:
             self.edge.check_messages(len(chat.messages))
             plan = chat.tool_plan()
             messages = chat.template_messages()
-            shape, spec, spec_param = f.chat_shape(plan, *chat.structured())
+            shape, spec, spec_param = f.formats.shape(plan, *chat.structured(), f.model_name)
         except APIError as e:
             raise _renamed(e) from None
         shape = shape or ChatShape(None, None)

@@ -96,6 +96,8 @@ def check_tools(tools: list[Tool]) -> None:
             raise ToolError(f"{param}: not a valid JSON schema: {e.message[:300]}", param) from None
         except RecursionError:
             raise ToolError(f"{param}: the schema is nested too deeply", param) from None
+        except (TypeError, ValueError) as e:  # e.g. a `$schema` that is no string
+            raise ToolError(f"{param}: not a valid JSON schema: {str(e)[:300]}", param) from None
         if schema.get("type", "object") != "object":
             raise ToolError(f"{param}: a function's parameters are an object schema (\"type\": \"object\")", param)
         if tool.function.name in seen:
