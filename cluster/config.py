@@ -56,8 +56,8 @@ class ModelConfig(_Frozen):
     name: str | None = None  # the name clients use for the model; defaults to the target's
     # how the model writes tool calls and reasoning (deploy/serve/tool_parsers.py, reasoning.py; vLLM's
     # --tool-call-parser and --reasoning-parser): a format's name, "auto" (detected from the chat template) or "none"
-    tool_parser: str = "auto"
-    reasoning_parser: str = "auto"
+    tool_parser: Literal["auto", "none", "hermes", "llama3_json", "mistral"] = "auto"
+    reasoning_parser: Literal["auto", "none", "deepseek_r1", "qwen3"] = "auto"
 
     @model_validator(mode="after")
     def _one_draft(self) -> "ModelConfig":

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import random
+from typing import get_args
 
 import jsonschema
 import pytest
@@ -13,13 +14,13 @@ import pytest
 from actors.speculation.structured import GrammarCompiler
 from cluster.request import SamplingParams, StructuredOutput
 from deploy.serve.chat_output import ChatShape
-from deploy.serve.reasoning import Qwen3, ReasoningStream, reasoner_for
-from deploy.serve.tool_parsers import HermesParser, Llama3JsonParser, MistralParser, parser_for, scan
+from deploy.serve.reasoning import REASONERS, Qwen3, ReasoningStream, reasoner_for
+from deploy.serve.tool_parsers import PARSERS, HermesParser, Llama3JsonParser, MistralParser, parser_for, scan
 from deploy.serve.tools import NamedToolChoice, Tool, ToolError, after_reasoning, check_history, grammar, plan
 from deploy.serve.openai_api import ChatMessage
 from actors.engine import Engine
 from actors.offline import generate
-from cluster.config import SchedulerConfig, SpeculationConfig
+from cluster.config import ModelConfig, SchedulerConfig, SpeculationConfig
 from tests.unit.helpers import load, runner, text_prompts
 from tests.unit.test_structured import SCHEMAS, make_engine
 
@@ -115,6 +116,10 @@ def test_parsers_are_chosen_by_name_or_by_the_template() -> None:
     with pytest.raises(ValueError, match="unknown tool-call parser"):
         parser_for("nope", None)
     assert isinstance(reasoner_for("auto", "<think>"), Qwen3) and reasoner_for("auto", "plain") is None
+    # the config's choices are the registries' names (a wrong one is refused when the config loads)
+    fields = ModelConfig.model_fields
+    assert set(get_args(fields["tool_parser"].annotation)) == {"auto", "none", *PARSERS}
+    assert set(get_args(fields["reasoning_parser"].annotation)) == {"auto", "none", *REASONERS}
 
 
 def test_tools_tool_choice_and_history_are_checked() -> None:
