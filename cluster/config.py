@@ -54,6 +54,10 @@ class ModelConfig(_Frozen):
     draft_quantization: Literal["none", "int8", "int4"] = "none"
     max_model_len: int | None = Field(default=None, ge=2)
     name: str | None = None  # the name clients use for the model; defaults to the target's
+    # how the model writes tool calls and reasoning (deploy/serve/tool_parsers.py, reasoning.py; vLLM's
+    # --tool-call-parser and --reasoning-parser): a format's name, "auto" (detected from the chat template) or "none"
+    tool_parser: Literal["auto", "none", "hermes", "llama3_json", "mistral"] = "auto"
+    reasoning_parser: Literal["auto", "none", "deepseek_r1", "qwen3"] = "auto"
 
     @model_validator(mode="after")
     def _one_draft(self) -> "ModelConfig":

@@ -36,7 +36,8 @@ class InvalidRequest(ValueError):
 
 class StructuredOutput(BaseModel):
     """What a request's output must match (exactly one field set): a JSON schema, any JSON object, a regular
-    expression, or one of a list of strings (vLLM's guided_json / json_object / guided_regex / guided_choice)."""
+    expression, one of a list of strings (vLLM's guided_json / json_object / guided_regex / guided_choice), or a
+    grammar in llguidance's Lark syntax (built by the server for tool calls and reasoning: deploy/serve/tools.py)."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
@@ -44,12 +45,14 @@ class StructuredOutput(BaseModel):
     json_object: bool = False
     regex: str | None = Field(default=None, max_length=10_000)
     choice: tuple[str, ...] | None = Field(default=None, min_length=1, max_length=1_000)
+    lark: str | None = Field(default=None, max_length=4 << 20)
 
     @model_validator(mode="after")
     def _exactly_one(self) -> "StructuredOutput":
-        given = sum((self.json_schema is not None, self.json_object, self.regex is not None, self.choice is not None))
+        given = sum((self.json_schema is not None, self.json_object, self.regex is not None, self.choice is not None,
+                     self.lark is not None))
         if given != 1:
-            raise ValueError("a structured output takes exactly one of json_schema, json_object, regex, choice")
+            raise ValueError("a structured output takes exactly one of json_schema, json_object, regex, choice, lark")
         return self
 
 

@@ -15,10 +15,12 @@ def encode_text(tokenizer: PreTrainedTokenizerBase, text: str) -> list[int]:
     return tokenizer.encode(text)
 
 
-def encode_chat(tokenizer: PreTrainedTokenizerBase, messages: list[dict]) -> list[int]:
-    """A conversation through the model's chat template, ending with the assistant's turn to speak (the template's
-    own errors, for a conversation it rejects, reach the caller)."""
-    return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False))
+def encode_chat(tokenizer: PreTrainedTokenizerBase, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+    """A conversation through the model's chat template, ending with the assistant's turn to speak, with the
+    function tools the template shows the model (OpenAI's shape; the template's own errors, for a conversation it
+    rejects, reach the caller)."""
+    return list(tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=True,
+                                              return_dict=False))
 
 
 def encode_prompt(tokenizer: PreTrainedTokenizerBase, prompt: str, chat: bool = False) -> list[int]:

@@ -1,4 +1,4 @@
-"""Structured outputs: a request's grammar (JSON schema, JSON object, regex, choice) as a token mask per position.
+"""Structured outputs: a request's grammar (JSON schema, JSON object, regex, choice, Lark) as a token mask per position.
 
 Built on llguidance (Microsoft's Rust constrained-decoding engine; its masks cost tens of microseconds a token):
 the request's spec is compiled once per distinct spec and tokenizer (an LRU cache), and each request gets a
@@ -45,6 +45,8 @@ def grammar_of(spec: StructuredOutput) -> str:
         return llguidance.LLMatcher.grammar_from_regex(spec.regex)
     if spec.choice is not None:
         return llguidance.LLMatcher.grammar_from_regex("|".join(f"(?:{re.escape(c)})" for c in spec.choice))
+    if spec.lark is not None:  # tool calls, reasoning (deploy/serve/tools.py builds them)
+        return llguidance.LLMatcher.grammar_from_lark(spec.lark)
     raise InvalidRequest("a structured output needs a JSON schema, JSON object mode, a regex or choices",
                          param="response_format")
 

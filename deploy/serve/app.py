@@ -36,6 +36,7 @@ codegen.ensure()  # the gRPC modules, before deploy.serve.grpc_api imports them
 
 from deploy.serve.grpc_api import GrpcMethods  # noqa: E402
 from deploy.serve.http_api import http_app, HttpRoutes  # noqa: E402
+from deploy.serve.responses_routes import ResponsesRoutes  # noqa: E402
 
 log = logging.getLogger(__name__)
 APP_NAME = "specfleet"
@@ -174,7 +175,7 @@ class SpecfleetInstance:
 
 @serve.deployment(ray_actor_options={"num_cpus": 0}, max_ongoing_requests=1000)
 @serve.ingress(http_app)
-class SpecfleetAPI(HttpRoutes, GrpcMethods):
+class SpecfleetAPI(HttpRoutes, ResponsesRoutes, GrpcMethods):
     """The ingress: HTTP routes (FastAPI) and gRPC methods over one Frontend."""
 
     def __init__(self, cfg: SpecfleetConfig, instances: list[DeploymentHandle]) -> None:
@@ -207,6 +208,10 @@ class SpecfleetAPI(HttpRoutes, GrpcMethods):
     @http_app.post("/v1/chat/completions")
     async def chat_completions(self, request: Request) -> Response:
         return await self._chat_completions(request)
+
+    @http_app.post("/v1/responses")
+    async def responses(self, request: Request) -> Response:
+        return await self._responses(request)
 
     @http_app.get("/health")
     async def health(self) -> Response:

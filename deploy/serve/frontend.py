@@ -53,6 +53,7 @@ from cluster.request import (FinishReason, InvalidRequest, Request, RequestStatu
                              context_length)
 from cluster.router import Overloaded
 from cluster.router_client import RouterClient
+from deploy.serve.chat_output import ChatFormats
 from deploy.serve.logprobs import TokenStrings
 from deploy.serve.metrics import Metrics
 from deploy.serve.openai_api import APIError, from_validation_error
@@ -139,6 +140,8 @@ class Frontend:
         caching = cfg.engine.cache.prefix_caching and cfg.router.dispatch == "cache_aware"
         self.block_size = cfg.engine.cache.block_size if caching else None
         self.prefix_identity = cfg.engine.prefix_identity
+        # how the model writes tool calls and reasoning (deploy/serve/chat_output.py), found once
+        self.formats = ChatFormats.of(self.tokenizer, m.tool_parser, m.reasoning_parser)
 
     # ---- validation ---------------------------------------------------------------------------------
     def check_model(self, model: str) -> None:
@@ -153,13 +156,14 @@ class Frontend:
             return await self.tokenizing.run(tenant, encode_text, prompt)
         return list(prompt)
 
-    async def encode_chat(self, messages: list[dict], tenant: str = "") -> list[int]:
-        """The chat template applied and tokenized on the tokenizer pool."""
+    async def encode_chat(self, messages: list[dict], tenant: str = "", tools: list[dict] | None = None) -> list[int]:
+        """The chat template applied (with the function tools it shows the model) and tokenized on the tokenizer
+        pool."""
         if self.tokenizer.chat_template is None:
             raise APIError(400, f"the model {self.model_name!r} has no chat template; use /v1/completions",
                            param="messages")
         self._check_chars(sum(len(m["content"].strip()) for m in messages), "messages")
-        return await self.tokenizing.run(tenant, _encode_chat, messages)
+        return await self.tokenizing.run(tenant, _encode_chat, messages, tools)
 
     def check_completion_body(self, content_length: str) -> None:
         """Refuse, before reading it, a completion body whose declared size means a prompt that cannot fit."""
@@ -319,9 +323,9 @@ def _check_structured(_tokenizer, spec: StructuredOutput, param: str) -> None:
     check_structured(spec, param)
 
 
-def _encode_chat(tokenizer, messages: list[dict]) -> list[int]:
+def _encode_chat(tokenizer, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
     try:
-        return encode_chat(tokenizer, messages)
+        return encode_chat(tokenizer, messages, tools)
     except Exception as e:  # noqa: BLE001 - a template that rejects the conversation is the client's error
         raise APIError(400, f"the chat template rejected the messages: {str(e)[:300]}", param="messages") from None
 

@@ -24,6 +24,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from cluster.config import ServeConfig
 from cluster.request import FinishReason, SpecStats
 from deploy.serve.auth import Tenant
+from deploy.serve.chat_output import ChatShape, ChatStream, merge
+from deploy.serve.tools import template_tools
 from deploy.serve.frontend import Call
 from cluster.registry import NoInstanceAvailable
 from deploy.serve import logprobs, openapi
@@ -181,15 +183,20 @@ class HttpRoutes:
         f = self.frontend
         f.check_model(body.model)
         self.edge.check_messages(len(body.messages))
-        messages = [m.template_dict() for m in body.messages]
-        call = await self._start_body(tenant, body, body.token_limit, lambda: f.encode_chat(messages, tenant.name),
-                                 prompt_param="messages", prefix="chatcmpl")
-        return await self._respond(call, body, chat=True)
+        plan = body.tool_plan()  # tools, tool_choice and the history's calls checked (deploy/serve/tools.py)
+        messages = body.template_messages()
+        shape, spec, spec_param = f.formats.shape(plan, *body.structured(), f.model_name)
+        call = await self._start_body(tenant, body, body.token_limit,
+                                      lambda: f.encode_chat(messages, tenant.name, template_tools(plan)),
+                                      structured=(spec, spec_param), prompt_param="messages", prefix="chatcmpl")
+        return await self._respond(call, body, chat=True, shape=shape)
 
-    async def _start_body(self, tenant: Tenant, body, max_tokens: int | None, encode, **naming) -> Call:
-        """The body's request through the edge: its structured output is checked with the prompt's tokenization."""
+    async def _start_body(self, tenant: Tenant, body, max_tokens: int | None, encode, structured=None,
+                          **naming) -> Call:
+        """The body's request through the edge: its structured output (`structured`: the grammar and the field
+        that asked, when not the body's own) is checked with the prompt's tokenization."""
         f = self.frontend
-        spec, spec_param = body.structured()
+        spec, spec_param = structured if structured is not None else body.structured()
         sampling = {**body.sampling_args(), "logprobs": body.logprobs_count,
                     "prompt_logprobs": body.prompt_logprobs_count, "structured": spec}
 
@@ -201,13 +208,13 @@ class HttpRoutes:
             tenant, n=body.n, priority=body.priority, max_tokens=max_tokens, encode=checked_encode,
             prepare=lambda ids: f.prepare(ids, max_tokens=max_tokens, **sampling, tenant=tenant.name, **naming))
 
-    async def _respond(self, call: Call, body, chat: bool, prefix: str = "") -> Response:
+    async def _respond(self, call: Call, body, chat: bool, prefix: str = "", shape: ChatShape | None = None) -> Response:
         """The response of a started call; whatever goes wrong before the response owns the call closes it."""
         try:
             if body.stream:
-                return ClosingStreamingResponse(self._stream(call, body, chat, prefix), call,
+                return ClosingStreamingResponse(self._stream(call, body, chat, prefix, shape), call,
                                                 media_type="text/event-stream")
-            return await self._complete(call, body, chat, prefix)
+            return await self._complete(call, body, chat, prefix, shape)
         except BaseException:
             call.close()
             raise
@@ -222,7 +229,7 @@ class HttpRoutes:
         scored = list(zip(prompt_ids, prompt)) if prompt is not None else []
         return logprobs.completion(scored + [(lp.token_id, lp) for lp in generated], strings, offset)
 
-    async def _complete(self, call: Call, body, chat: bool, prefix: str) -> Response:
+    async def _complete(self, call: Call, body, chat: bool, prefix: str, shape: ChatShape | None = None) -> Response:
         rid, model, p = call.prep.request_id, self.frontend.model_name, len(call.prep.prompt_ids)
         choices = await call.collect()
         if all(c.finish_reason == FinishReason.ERROR for c in choices):
@@ -233,32 +240,45 @@ class HttpRoutes:
         total = SpecStats()
         for c in choices:
             total.merge(c.stats)
-        out = [choice(c.index, prefix + c.text, c.finish_reason.value if c.finish_reason else None, chat, c.stats,
-                      self._logprobs(body, chat, call.prep.prompt_ids, c.prompt_logprobs, c.logprobs)[0])
-               for c in choices]
+        out = []
+        for c in choices:
+            reason, message = c.finish_reason.value if c.finish_reason else None, None
+            if shape is not None:  # reasoning and tool calls (deploy/serve/chat_output.py)
+                message, called = shape.message(c.text, c.token_ids)
+                reason = "tool_calls" if called and reason == "stop" else reason
+            out.append(choice(c.index, prefix + c.text, reason, chat, c.stats,
+                              self._logprobs(body, chat, call.prep.prompt_ids, c.prompt_logprobs, c.logprobs)[0],
+                              message=message))
         return JSONResponse(completion_body(rid, model, out, usage(p, sum(len(c.token_ids) for c in choices)),
                                             total, chat))
 
-    async def _stream(self, call: Call, body, chat: bool, prefix: str) -> AsyncIterator[str]:
+    async def _stream(self, call: Call, body, chat: bool, prefix: str, shape: ChatShape | None = None
+                      ) -> AsyncIterator[str]:
         try:
-            async for event in self._events(call, body, chat, prefix):
+            async for event in self._events(call, body, chat, prefix, shape):
                 yield event
         finally:
             call.close()
 
-    async def _events(self, call: Call, body, chat: bool, prefix: str) -> AsyncIterator[str]:
+    async def _events(self, call: Call, body, chat: bool, prefix: str, shape: ChatShape | None = None
+                      ) -> AsyncIterator[str]:
         """Chunks as the tokens come; each carries its tokens' logprobs if asked. The echoed prompt comes first,
-        before any token, or (scoring the prompt) with the prompt's logprobs, which arrive with the first delta."""
+        before any token, or (scoring the prompt) with the prompt's logprobs, which arrive with the first delta. A
+        shaped chat answer's deltas (reasoning, tool calls) come as chat_output.ChatStream makes them; with
+        `continuous_usage_stats` every chunk carries the usage so far (vLLM's)."""
         rid, model, created = call.prep.request_id, self.frontend.model_name, int(time.time())
         prompt_ids = call.prep.prompt_ids
         started: set[int] = set()
         offsets = [0] * len(call.ids)  # completions' text_offset so far, per choice
         completion_tokens, total = 0, SpecStats()
         scoring = prefix and body.prompt_logprobs_count is not None
+        streams = [shape.stream() for _ in call.ids] if shape is not None else None
+        with_usage = (lambda c: {**c, "usage": usage(len(prompt_ids), completion_tokens)}) if body.continuous_usage \
+            else (lambda c: c)
         for index in range(len(call.ids)):  # the role (chat) or the echoed prompt first, so clients see the start
             if chat or (prefix and not scoring):
                 started.add(index)
-                yield _sse(chunk_body(rid, model, created, index, prefix, None, chat, first=True))
+                yield _sse(with_usage(chunk_body(rid, model, created, index, prefix, None, chat, first=True)))
         async for index, item in call:
             d = item.delta
             completion_tokens += len(d.token_ids)
@@ -271,12 +291,17 @@ class HttpRoutes:
                 lp, offsets[index] = self._logprobs(body, chat, prompt_ids, d.prompt_logprobs or None, (),
                                                     offsets[index])
                 started.add(index)
-                yield _sse(chunk_body(rid, model, created, index, prefix, None, chat, logprobs=lp))
-            if d.text or d.finished or d.logprobs:
+                yield _sse(with_usage(chunk_body(rid, model, created, index, prefix, None, chat, logprobs=lp)))
+            if streams is not None:
+                lp = self._logprobs(body, chat, prompt_ids, None, d.logprobs or (), 0)[0] if d.logprobs else None
+                for delta, reason, lp in _shaped(streams[index], d, lp):
+                    yield _sse(with_usage(chunk_body(rid, model, created, index, None, reason, chat, logprobs=lp,
+                                                     delta=delta)))
+            elif d.text or d.finished or d.logprobs:
                 lp, offsets[index] = self._logprobs(body, chat, prompt_ids, None, d.logprobs or (), offsets[index])
                 reason = d.finish_reason.value if d.finished else None
-                yield _sse(chunk_body(rid, model, created, index, d.text, reason, chat,
-                                      first=chat and index not in started, logprobs=lp))
+                yield _sse(with_usage(chunk_body(rid, model, created, index, d.text, reason, chat,
+                                                 first=chat and index not in started, logprobs=lp)))
                 started.add(index)
         if body.include_usage:
             yield _sse(usage_chunk(rid, model, created, usage(len(prompt_ids), completion_tokens), total, chat))
@@ -385,6 +410,22 @@ class HttpRoutes:
         except LookupError as e:
             raise APIError(409, _reason(e), param="instance_id", code="not_expert_parallel") from None
         return Response(data, media_type="application/octet-stream")
+
+
+def _shaped(stream: ChatStream, d, logprobs: dict | None) -> list[tuple[dict, str | None, dict | None]]:
+    """A delta's shaped chunks as (delta, finish_reason, logprobs): the tokens' logprobs ride on the first; the
+    last item of a choice ends with its finish reason (`tool_calls` when it called)."""
+    deltas = merge(stream.feed(d.text, d.token_ids))
+    if d.finished:
+        deltas += merge(stream.finish())
+    if not deltas and (d.finished or logprobs):
+        deltas = [{}]
+    out = [(delta, None, logprobs if i == 0 else None) for i, delta in enumerate(deltas)]
+    if d.finished:
+        reason = d.finish_reason.value
+        reason = "tool_calls" if stream.called and reason == "stop" else reason
+        out[-1] = (out[-1][0], reason, out[-1][2])
+    return out
 
 
 def _reason(e: BaseException) -> str:

@@ -3,8 +3,9 @@
 Fields are type-checked strictly (`"max_tokens": "12"` is a 400, not a conversion) and every integer is bounded,
 so a wrong one becomes a 400 that names it (`param`). A field the server does not implement is a 400 that names
 it too (`code: unsupported_parameter`), never silently dropped: the OpenAI fields that would change the output
-(`tools`, `best_of`, `min_p`...) are refused unless they carry their neutral value (`"tools": []`), and any
-other unknown field is refused outright. `user` is accepted and ignored, as it only labels the caller. The
+(`best_of`, `min_p`, the legacy `functions`...) are refused unless they carry their neutral value, and any
+other unknown field is refused outright. Chat bodies take OpenAI's function tools (deploy/serve/tools.py); the
+completions route refuses them. `user` is accepted and ignored, as it only labels the caller. The
 sampling fields' ranges are `SamplingParams`' (cluster/request.py), checked when the frontend builds it; the
 structured-output fields (`response_format`, vLLM's `guided_json` / `guided_regex` / `guided_choice`) become one
 `StructuredOutput`. Per-request speculation stats ride in an extension field, `spec_decode`; logprobs are built
@@ -23,6 +24,8 @@ from pydantic.json_schema import SkipJsonSchema
 
 from cluster.request import (DEFAULT_MAX_TOKENS, DEFAULT_TEMPERATURE, MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_SEED,
                              MAX_STOP_CHARS, MAX_STOPS, SpecStats, StructuredOutput)
+from deploy.serve.tools import (MAX_TOOLS, ToolCall, ToolChoice, ToolError, ToolPlan, Tools, check_history, plan,
+                                template_call)
 
 INT32_MAX = 2**31 - 1
 # OpenAI / vLLM fields this server does not implement, each with the values that ask for nothing (accepted)
@@ -32,7 +35,8 @@ UNSUPPORTED: dict[str, tuple] = {
     "min_p": (None, 0), "best_of": (None, 1), "suffix": (None, ""), "include_stop_str_in_output": (None, False),
     "skip_special_tokens": (None, True), "guided_grammar": (None,), "use_beam_search": (None, False),
 }
-TOOLS = ("tools", "tool_choice", "parallel_tool_calls", "functions", "function_call")
+TOOLS = ("tools", "tool_choice", "parallel_tool_calls")  # chat only (the completions route refuses them)
+LEGACY_TOOLS = ("functions", "function_call")
 MAX_STOP_TOKEN_IDS = 64
 MAX_CHOICES = 1_000  # guided_choice's strings (StructuredOutput's bound)
 
@@ -57,10 +61,13 @@ def from_validation_error(e: ValidationError) -> APIError:
     """The first problem of a request body, as a 400 naming the field."""
     err = e.errors(include_url=False)[0]
     param = ".".join(str(p) for p in err["loc"] if not _union_member(p)) or None
-    if param in TOOLS:
-        return APIError(400, f"{param}: tool calling is not supported by this server (docs/serving.md)",
+    if param in LEGACY_TOOLS:
+        return APIError(400, f"{param}: the legacy functions API is not supported; send `tools` (docs/serving.md)",
                         param=param, code="unsupported_parameter")
-    if err["type"] == "extra_forbidden" or (param in UNSUPPORTED):
+    if param in TOOLS and err["type"] == "value_error" and "not supported" in err["msg"]:
+        return APIError(400, f"{param}: tool calling is served by /v1/chat/completions", param=param,
+                        code="unsupported_parameter")
+    if err["type"] == "extra_forbidden" or (param in UNSUPPORTED and param not in TOOLS):
         return APIError(400, f"{param}: not supported by this server", param=param, code="unsupported_parameter")
     if err["type"].startswith("json_"):
         return APIError(400, f"the body is not valid JSON: {err['msg'][:200]}", code="invalid_json")
@@ -82,6 +89,7 @@ class _Body(BaseModel):
 
 class StreamOptions(_Body):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: usage so far in every chunk (guidellm asks for it)
 
 
 StopString = Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]
@@ -149,9 +157,6 @@ class _Sampling(_Body):
                              Field(min_length=1, max_length=MAX_CHOICES)] | None = None
     # not implemented: declared so that asking for them is a 400 naming the field (UNSUPPORTED)
     prompt_logprobs: Unsupported = None
-    tools: Unsupported = None
-    tool_choice: Unsupported = None
-    parallel_tool_calls: Unsupported = None
     functions: Unsupported = None
     function_call: Unsupported = None
     min_p: Unsupported = None
@@ -161,7 +166,7 @@ class _Sampling(_Body):
     guided_grammar: Unsupported = None
     use_beam_search: Unsupported = None
 
-    @field_validator(*(name for name in UNSUPPORTED if name != "suffix"), mode="before")
+    @field_validator(*(name for name in UNSUPPORTED if name != "suffix" and name not in TOOLS), mode="before")
     @classmethod
     def _unsupported(cls, v: object, info: ValidationInfo) -> object:
         if not any(v == neutral and isinstance(v, bool) == isinstance(neutral, bool)  # False is no 0 here
@@ -215,6 +220,10 @@ class _Sampling(_Body):
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
+    @property
+    def continuous_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.continuous_usage_stats)
+
 
 def _schema(v: dict | str) -> dict:
     """guided_json's schema, given as an object or as JSON text (vLLM takes both)."""
@@ -237,6 +246,9 @@ class CompletionRequest(_Sampling):
     echo: bool = False
     logprobs: TopLogprobs | None = None  # the top alternatives per token (0: the chosen token's own only)
     suffix: Unsupported = None
+    tools: Unsupported = None
+    tool_choice: Unsupported = None
+    parallel_tool_calls: Unsupported = None
 
     @property
     def logprobs_count(self) -> int | None:
@@ -247,7 +259,7 @@ class CompletionRequest(_Sampling):
         """echo with logprobs returns the prompt's logprobs too (how evaluation harnesses score a prompt)."""
         return self.logprobs if self.echo else None
 
-    @field_validator("suffix", mode="before")
+    @field_validator("suffix", *TOOLS, mode="before")
     @classmethod
     def _no_suffix(cls, v: object, info: ValidationInfo) -> object:
         return _Sampling._unsupported(v, info)
@@ -273,17 +285,28 @@ class ChatMessage(_Body):
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[TextPart] | None = None
     name: str | None = Field(default=None, max_length=256)
+    tool_calls: Annotated[list[ToolCall], Field(max_length=MAX_TOOLS)] | None = None  # an assistant's calls
+    tool_call_id: str | None = Field(default=None, max_length=256)  # the call a tool message answers
+    reasoning_content: str | None = None  # an assistant's reasoning, as this server returned it
+    refusal: None = None  # OpenAI's client sends it back with an assistant message
 
     def text(self) -> str:
         if isinstance(self.content, list):
             return "".join(p.text for p in self.content)
         return self.content or ""
 
-    def template_dict(self) -> dict:
-        """The message as the chat template takes it."""
-        out = {"role": self.role, "content": self.text()}
+    def template_dict(self, index: int) -> dict:
+        """The message as the chat template takes it (calls' arguments as objects: deploy/serve/tools.py)."""
+        out: dict = {"role": self.role, "content": self.text()}
         if self.name is not None:
             out["name"] = self.name
+        if self.tool_calls:
+            out["tool_calls"] = [template_call(c, f"messages[{index}].tool_calls[{j}]")
+                                 for j, c in enumerate(self.tool_calls)]
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        if self.reasoning_content is not None:
+            out["reasoning_content"] = self.reasoning_content
         return out
 
 
@@ -292,6 +315,23 @@ class ChatCompletionRequest(_Sampling):
     max_completion_tokens: int | None = Field(default=None, ge=1, le=INT32_MAX)
     logprobs: bool = False
     top_logprobs: TopLogprobs | None = None  # needs logprobs: true
+    tools: Tools | None = None
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+
+    def tool_plan(self) -> ToolPlan | None:
+        """The tools' plan (deploy/serve/tools.py), the history checked against it: a 400 naming the field."""
+        try:
+            check_history(self.messages)
+            return plan(self.tools, self.tool_choice, self.parallel_tool_calls)
+        except ToolError as e:
+            raise APIError(400, str(e), param=e.param, code="invalid_value") from None
+
+    def template_messages(self) -> list[dict]:
+        try:
+            return [m.template_dict(i) for i, m in enumerate(self.messages)]
+        except ToolError as e:
+            raise APIError(400, str(e), param=e.param, code="invalid_value") from None
 
     @field_validator("top_logprobs")
     @classmethod
@@ -333,10 +373,10 @@ def completion_body(rid: str, model: str, choices: list[dict], usage_: dict, sta
 
 
 def choice(index: int, text: str, finish_reason: str | None, chat: bool, stats: SpecStats | None = None,
-           logprobs: dict | None = None) -> dict:
+           logprobs: dict | None = None, message: dict | None = None) -> dict:
     body: dict = {"index": index, "finish_reason": finish_reason}
     if chat:
-        body.update(message={"role": "assistant", "content": text}, logprobs=logprobs)
+        body.update(message=message or {"role": "assistant", "content": text}, logprobs=logprobs)
     else:
         body.update(text=text, logprobs=logprobs)
     if stats is not None:
@@ -345,9 +385,11 @@ def choice(index: int, text: str, finish_reason: str | None, chat: bool, stats: 
 
 
 def chunk_body(rid: str, model: str, created: int, index: int, text: str | None, finish_reason: str | None,
-               chat: bool, first: bool = False, logprobs: dict | None = None) -> dict:
-    if chat:
-        delta: dict = {"role": "assistant", "content": text or ""} if first else ({"content": text} if text else {})
+               chat: bool, first: bool = False, logprobs: dict | None = None, delta: dict | None = None) -> dict:
+    if chat and delta is not None:  # a shaped delta (deploy/serve/chat_output.py): reasoning or tool calls
+        c = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+    elif chat:
+        delta = {"role": "assistant", "content": text or ""} if first else ({"content": text} if text else {})
         c = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
     else:
         c = {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": finish_reason}

@@ -13,8 +13,10 @@ from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 
 from deploy.serve.openai_api import ChatCompletionRequest, CompletionRequest
+from deploy.serve.responses_api import ResponsesRequest
 
-BODIES = {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest}
+BODIES = {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest,
+          "/v1/responses": ResponsesRequest}
 _BOOL = {"type": "string", "enum": ["true", "false", "1", "0", "yes", "no"]}
 QUERY = {
     ("/admin/requests", "get"): {"status": {"type": "string", "enum": ["running", "finished", "aborted", "failed"]}},

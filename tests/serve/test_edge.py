@@ -90,7 +90,7 @@ def test_bodies_that_break_a_parser_are_400s_not_500s(served_app: ServedApp, rou
     ({"n": 16, "max_tokens": 5000}, "max_tokens", "limit_exceeded"),  # n * max_tokens over serve.edge's bound
     ({"seed": 2**64}, "seed", "invalid_value"),
     ({"top_k": -(2**40)}, "top_k", "invalid_value"),
-    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools", "unsupported_parameter"),
+    ({"functions": [{"name": "f"}]}, "functions", "unsupported_parameter"),
     ({"min_p": 0.5}, "min_p", "unsupported_parameter"),
     ({"presence_penalty": 2.5}, "presence_penalty", "invalid_value"),
     ({"logit_bias": {"1": 101}}, "logit_bias", "invalid_value"),

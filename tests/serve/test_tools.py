@@ -1,0 +1,248 @@
+"""Tool calling and reasoning over real Ray Serve with the official client, speculation on (a draft model, k=3).
+
+The served model is tests/fixtures/agent_model.py's: a tiny hermes-style chat model fitted so that its greedy answers
+are a short agent script (call the weather tool; after the tool's result, think, then answer; call it twice in
+parallel; say hello). Every answer here is the engine's own greedy decoding under the request's grammar; that the
+script comes back token for token with a draft model proposing is speculation staying lossless on tool calls.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+
+import httpx
+import jsonschema
+import openai
+import pytest
+import yaml
+from transformers import AutoTokenizer
+
+from tests.fixtures.agent_model import (AFTER_RESULT, ASK_BOTH, ASK_CHAT, ASK_WEATHER, CALL_WEATHER, SCRIPT, TOOLS,
+                                        WEATHER, build_agent_model, encode)
+from tests.fixtures.tiny_models import DRAFT_NOISE, perturbed_copy
+from tests.serve.conftest import API_KEY, ServedApp, _free_port, _wait_healthy, specfleet
+from tests.unit.test_tool_calls import FUNCTION_SCHEMAS
+
+MODEL = "tiny-agent"
+
+
+@pytest.fixture(scope="module")
+def agent_app(ray_cluster, tmp_path_factory) -> Iterator[ServedApp]:
+    """`specfleet serve` of the agent model with a draft (k=3), one instance; parsers detected from the template."""
+    root = tmp_path_factory.mktemp("agent-models")
+    target = build_agent_model(root / "target")
+    draft = perturbed_copy(target, root / "draft", DRAFT_NOISE)
+    http_port, grpc_port = _free_port(), _free_port()
+    config = {
+        "engine": {"model": {"target": str(target), "draft": str(draft), "name": MODEL},
+                   "speculation": {"policy": "fixed", "k": 3},
+                   "scheduler": {"max_batch_size": 8},
+                   "cache": {"block_size": 4, "num_blocks": 2048}},
+        "router": {"instances": 1, "instance_num_cpus": 0.5, "stats_interval_s": 0.2},
+        "serve": {"http_port": http_port, "grpc_port": grpc_port, "auth": {"api_keys": [API_KEY]}},
+    }
+    path = tmp_path_factory.mktemp("agent-serve") / "config.yaml"
+    path.write_text(yaml.safe_dump(config))
+    out = specfleet("serve", "--config", str(path), "--state", str(ray_cluster.state_path), "--timeout", "240")
+    assert out.returncode == 0, out.stdout + out.stderr
+    app = ServedApp(f"http://127.0.0.1:{http_port}", f"127.0.0.1:{grpc_port}", path, ray_cluster.state_path, target)
+    _wait_healthy(app, instances=1)
+    yield app
+
+
+@pytest.fixture(scope="module")
+def client(agent_app: ServedApp) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{agent_app.url}/v1", api_key=API_KEY, timeout=120, max_retries=0)
+
+
+def chat(client: openai.OpenAI, messages: list[dict], **kw):
+    return client.chat.completions.create(model=MODEL, messages=messages, temperature=0, max_tokens=120, **kw)
+
+
+def streamed(client: openai.OpenAI, messages: list[dict], **kw) -> list:
+    return [c for c in chat(client, messages, stream=True, **kw)]
+
+
+def calls_of(chunks: list) -> tuple[list[dict], list[str]]:
+    """The calls a stream's deltas add up to, and the order of what came (role, reasoning, content, call ...)."""
+    calls: dict[int, dict] = {}
+    order: list[str] = []
+    for c in chunks:
+        if not c.choices:
+            continue
+        d = c.choices[0].delta
+        if d.role:
+            order.append("role")
+        if getattr(d, "reasoning_content", None):
+            order.append("reasoning")
+        if d.content:
+            order.append("content")
+        for t in d.tool_calls or ():
+            if t.index not in calls:  # its first fragment names it, with its id, and no arguments yet
+                assert t.id and t.type == "function" and t.function.name and not t.function.arguments
+                calls[t.index] = {"id": t.id, "name": t.function.name, "arguments": ""}
+                order.append(f"call{t.index}")
+            else:
+                assert t.id is None and t.function.name is None
+                calls[t.index]["arguments"] += t.function.arguments
+                order.append(f"args{t.index}")
+    return [calls[i] for i in sorted(calls)], order
+
+
+def test_auto_returns_the_scripted_call_whole_and_streamed(client) -> None:
+    done = chat(client, ASK_WEATHER, tools=TOOLS)
+    c = done.choices[0]
+    assert c.finish_reason == "tool_calls" and c.message.content is None
+    [call] = c.message.tool_calls
+    assert call.type == "function" and call.id.startswith("call_") and call.function.name == "get_weather"
+    assert json.loads(call.function.arguments) == {"city": "Paris"}  # the script, decoded with a draft proposing
+    chunks = streamed(client, ASK_WEATHER, tools=TOOLS, tool_choice="auto")
+    calls, order = calls_of(chunks)
+    assert [(x["name"], x["arguments"]) for x in calls] == [("get_weather", call.function.arguments)]
+    assert order[:2] == ["role", "call0"] and set(order[2:]) == {"args0"} and len(order) > 3  # fragments
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "tool_calls"
+
+
+def test_a_round_trip_call_result_answer_with_reasoning_split(client, agent_app: ServedApp) -> None:
+    first = chat(client, ASK_WEATHER, tools=TOOLS).choices[0].message
+    history = ASK_WEATHER + [first.model_dump(exclude_none=True),  # the client's own message object, sent back
+                             {"role": "tool", "tool_call_id": first.tool_calls[0].id,
+                              "content": AFTER_RESULT[-1]["content"]}]
+    done = chat(client, history, tools=TOOLS)
+    msg, want = done.choices[0].message, SCRIPT[1][2]
+    assert done.choices[0].finish_reason == "stop" and not msg.tool_calls
+    assert (msg.reasoning_content, msg.content) == ("Sunny, 21.", "It is sunny in Paris.")
+    assert want == f"<think>{msg.reasoning_content}</think>\n\n{msg.content}"
+    # the history went through the model's chat template with the tools (the prompt the script was fitted on)
+    tokenizer = AutoTokenizer.from_pretrained(agent_app.target)
+    history_ids = encode(tokenizer, ASK_WEATHER + [{"role": "assistant", "content": None, "tool_calls": [
+        {**CALL_WEATHER, "id": first.tool_calls[0].id}]}, {**AFTER_RESULT[-1], "tool_call_id": first.tool_calls[0].id}],
+        TOOLS)
+    assert done.usage.prompt_tokens == len(history_ids)
+    chunks = streamed(client, history, tools=TOOLS)
+    _, order = calls_of(chunks)
+    assert order[0] == "role" and order.index("content") > max(i for i, k in enumerate(order) if k == "reasoning")
+    deltas = [c.choices[0].delta for c in chunks if c.choices]
+    assert "".join(getattr(d, "reasoning_content", None) or "" for d in deltas) == msg.reasoning_content
+    assert "".join(d.content or "" for d in deltas) == msg.content
+
+
+def test_parallel_calls_and_parallel_tool_calls_false(client) -> None:
+    both = chat(client, ASK_BOTH, tools=TOOLS).choices[0]
+    assert both.finish_reason == "tool_calls"
+    assert [json.loads(c.function.arguments) for c in both.message.tool_calls] == [{"city": "Rome"}, {"city": "Oslo"}]
+    assert len({c.id for c in both.message.tool_calls}) == 2
+    calls, order = calls_of(streamed(client, ASK_BOTH, tools=TOOLS))
+    assert [x["arguments"] for x in calls] == [c.function.arguments for c in both.message.tool_calls]
+    assert order.index("call1") > max(i for i, k in enumerate(order) if k == "args0")  # one call after the other
+    one = chat(client, ASK_BOTH, tools=TOOLS, parallel_tool_calls=False).choices[0]
+    assert [json.loads(c.function.arguments) for c in one.message.tool_calls] == [{"city": "Rome"}]
+
+
+def test_none_auto_required_and_named_on_a_turn_the_model_answers_in_text(client) -> None:
+    text = SCRIPT[3][2]
+    for choice in ("none", "auto"):
+        c = chat(client, ASK_CHAT, tools=TOOLS, tool_choice=choice).choices[0]
+        assert (c.finish_reason, c.message.content, c.message.tool_calls) == ("stop", text, None)
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    for choice in ("required", named):
+        c = chat(client, ASK_CHAT, tools=TOOLS, tool_choice=choice, parallel_tool_calls=False).choices[0]
+        assert c.finish_reason == "tool_calls" and [t.function.name for t in c.message.tool_calls] == ["get_weather"]
+        jsonschema.validate(json.loads(c.message.tool_calls[0].function.arguments), WEATHER["function"]["parameters"])
+
+
+def test_required_arguments_validate_against_20_schemas(client, agent_app: ServedApp) -> None:
+    # the fitted model, shown tools it never saw, would reason first (the grammar lets it) at length: these requests
+    # ask it not to, by a logit bias on `<think>`
+    think = AutoTokenizer.from_pretrained(agent_app.target).convert_tokens_to_ids("<think>")
+    for i, schema in enumerate(FUNCTION_SCHEMAS):
+        tools = [{"type": "function", "function": {"name": f"fn_{i}", "parameters": schema}}]
+        c = chat(client, ASK_CHAT, tools=tools, tool_choice="required", parallel_tool_calls=False,
+                 logit_bias={str(think): -100}).choices[0]
+        assert c.finish_reason == "tool_calls", c.message
+        [call] = c.message.tool_calls
+        assert call.function.name == f"fn_{i}"
+        jsonschema.validate(json.loads(call.function.arguments), schema)
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"a": {"type": "no-such-type"}}}}}]}, "tools[0].function.parameters"),
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice.function.name"),
+    ({"tools": TOOLS, "messages": ASK_WEATHER + [{"role": "tool", "tool_call_id": "call_x", "content": "r"}]},
+     "messages[1].tool_call_id"),
+    ({"tools": TOOLS, "response_format": {"type": "json_object"}, "tool_choice": "required"}, "response_format"),
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"functions": [{"name": "f"}]}, "functions"),
+])
+def test_bad_tool_fields_are_400s_naming_the_field(agent_app: ServedApp, body: dict, param: str) -> None:
+    with httpx.Client(base_url=agent_app.url, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=60) as h:
+        r = h.post("/v1/chat/completions", json={"model": MODEL, "messages": ASK_WEATHER, **body})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param
+
+
+def test_peer_tool_fields_continuous_usage_content_parts_max_completion_tokens(client) -> None:
+    """What guidellm sends: usage in every chunk, content as text parts, max_completion_tokens, ignore_eos."""
+    parts = [{"role": "user", "content": [{"type": "text", "text": "Say "}, {"type": "text", "text": "hello."}]}]
+    chunks = list(client.chat.completions.create(
+        model=MODEL, messages=parts, tools=TOOLS, tool_choice="none", temperature=0, max_completion_tokens=30, stream=True,
+        stream_options={"include_usage": True, "continuous_usage_stats": True}, extra_body={"ignore_eos": True}))
+    with_choices = [c for c in chunks if c.choices]
+    assert all(c.usage is not None for c in chunks)
+    counts = [c.usage.completion_tokens for c in with_choices]
+    assert counts == sorted(counts) and chunks[-1].usage.completion_tokens == 30  # ignore_eos: past the script's end
+    assert "".join(c.choices[0].delta.content or "" for c in with_choices).startswith(SCRIPT[3][2])
+    assert {c.usage.prompt_tokens for c in chunks} == {chunks[-1].usage.prompt_tokens}
+
+
+# ---- the Responses API (stateless), through the same app --------------------------------------------------------
+FLAT_TOOLS = [{"type": "function", **WEATHER["function"]}]  # the Responses API writes tools flat
+
+
+def test_responses_api_call_then_answer_whole(client) -> None:
+    first = client.responses.create(model=MODEL, input=ASK_WEATHER[0]["content"], tools=FLAT_TOOLS, temperature=0,
+                                    max_output_tokens=120)
+    assert first.status == "completed" and [o.type for o in first.output] == ["function_call"]
+    call = first.output[0]
+    assert call.name == "get_weather" and json.loads(call.arguments) == {"city": "Paris"}
+    assert first.usage.output_tokens > 0 and first.usage.total_tokens == first.usage.input_tokens + first.usage.output_tokens
+    history = [{"role": "user", "content": ASK_WEATHER[0]["content"]}, call.model_dump(exclude_none=True),
+               {"type": "function_call_output", "call_id": call.call_id, "output": AFTER_RESULT[-1]["content"]}]
+    answer = client.responses.create(model=MODEL, input=history, tools=FLAT_TOOLS, temperature=0,
+                                     max_output_tokens=120)
+    assert [o.type for o in answer.output] == ["reasoning", "message"]
+    assert answer.output[0].content[0].text == "Sunny, 21."
+    assert answer.output_text == "It is sunny in Paris."
+
+
+def test_responses_api_streams_typed_events_in_order(client) -> None:
+    events = list(client.responses.create(model=MODEL, input=ASK_BOTH[0]["content"], tools=FLAT_TOOLS, temperature=0,
+                                          max_output_tokens=120, stream=True))
+    kinds = [e.type for e in events]
+    assert kinds[:2] == ["response.created", "response.in_progress"] and kinds[-1] == "response.completed"
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    per_call = [k for k in kinds if k.startswith("response.output_item") or k.endswith("arguments.done")]
+    assert per_call == ["response.output_item.added", "response.function_call_arguments.done",
+                        "response.output_item.done"] * 2
+    final = events[-1].response
+    assert [json.loads(o.arguments) for o in final.output] == [{"city": "Rome"}, {"city": "Oslo"}]
+    for i, item in enumerate(final.output):
+        fragments = [e.delta for e in events if e.type == "response.function_call_arguments.delta"
+                     and e.output_index == i]
+        assert len(fragments) > 1 and "".join(fragments) == item.arguments
+    assert final.usage.output_tokens > 0
+
+
+def test_responses_api_text_streams_and_previous_response_id_is_refused(client, agent_app: ServedApp) -> None:
+    events = list(client.responses.create(model=MODEL, input=ASK_CHAT[0]["content"], tools=FLAT_TOOLS,
+                                          temperature=0, stream=True))
+    text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert text == SCRIPT[3][2] == events[-1].response.output_text
+    with httpx.Client(base_url=agent_app.url, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=60) as h:
+        r = h.post("/v1/responses", json={"model": MODEL, "input": "hi", "previous_response_id": "resp_1"})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "previous_response_id"
+        r = h.post("/v1/responses", json={"model": MODEL, "input": [
+            {"type": "function_call_output", "call_id": "nope", "output": "x"}]})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "input[0].tool_call_id", r.text
