@@ -119,15 +119,68 @@ class GenericLayer:
     def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata,
                  cache: KVCache) -> torch.Tensor:
         """x (N, H); cos, sin (R, N, hd) -> (N, H)."""
-        out = self.module(
-            x[None],  # (1, N, H): the packed batch as one row; our attention reads the layout from the batch
-            attention_mask=None,
-            position_embeddings=(cos[self.rope][None], sin[self.rope][None]),  # (1, N, hd) each
-            position_ids=meta.positions[None],
-            past_key_values=None,
-            **{BATCH_KWARG: GenericBatch(meta, cache)},
-        )
-        return (out[0] if isinstance(out, tuple) else out)[0]
+        out = self.module(x[None], **self._inputs(cos, sin, meta, cache))  # the packed batch as one row (1, N, H)
+        return _first(out)[0]
+
+    def _inputs(self, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata, cache: KVCache) -> dict:
+        """The keywords transformers' decoder layer and attention take: our attention reads the layout from the
+        batch, so there is no mask and no transformers cache."""
+        return {"attention_mask": None, "position_embeddings": (cos[self.rope][None], sin[self.rope][None]),
+                "position_ids": meta.positions[None], "past_key_values": None,
+                BATCH_KWARG: GenericBatch(meta, cache)}  # position_embeddings: (1, N, hd) each
+
+    # ---- the two halves of the layer, for EasySpec's attention mode (actors/speculation/easyspec.py) -------------
+    def attention_update(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata,
+                         cache: KVCache) -> torch.Tensor:
+        """What the layer's attention half adds to the residual stream x (N, H) -> (N, H), its KV written."""
+        m, norms = self.module, self._norms()
+        h = x[None] if norms.pre_attn is None else norms.pre_attn(x[None])  # (1, N, H)
+        a = _first(m.self_attn(hidden_states=h, **self._inputs(cos, sin, meta, cache)))
+        a = a if norms.post_attn is None else norms.post_attn(a)
+        return (a * norms.residual)[0]
+
+    def ffn_update(self, h: torch.Tensor) -> torch.Tensor:
+        """What the layer's feed-forward half adds to the residual stream h (N, H) -> (N, H)."""
+        norms = self._norms()
+        y = _first(self.module.mlp(norms.pre_ffn(h[None]) if norms.pre_ffn is not None else h[None]))
+        y = y if norms.post_ffn is None else norms.post_ffn(y)
+        return (y * norms.residual)[0]
+
+    def _norms(self) -> "Halves":
+        """The norms around each half, by the layer's own module names (the three layouts transformers' decoder
+        layers use); a layer of another layout cannot be split (EasySpec's `mode: layer` runs it whole)."""
+        m = self.module
+        names = {n for n, _ in m.named_children()}
+        residual = float(getattr(m, "residual_multiplier", 1.0))  # Granite scales both updates
+        if {"input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
+                "post_feedforward_layernorm"} <= names:  # Gemma 2 and 3: a norm before and after each half
+            return Halves(m.input_layernorm, m.post_attention_layernorm, m.pre_feedforward_layernorm,
+                          m.post_feedforward_layernorm, residual)
+        if {"post_attention_layernorm", "post_feedforward_layernorm"} <= names and "input_layernorm" not in names:
+            return Halves(None, m.post_attention_layernorm, None, m.post_feedforward_layernorm, residual)  # OLMo 2
+        if {"input_layernorm", "post_attention_layernorm"} <= names and not names & {"pre_feedforward_layernorm",
+                                                                                        "post_feedforward_layernorm"}:
+            return Halves(m.input_layernorm, None, m.post_attention_layernorm, None, residual)  # Llama's pre-norm
+        raise ValueError(f"EasySpec mode attention: the {type(m).__name__} layout does not split into an attention "
+                         "and a feed-forward half here; use speculation.draft_parallel.mode: layer")
+
+
+@dataclass(frozen=True)
+class Halves:
+    """The norms before and after a decoder layer's attention and feed-forward halves (None: none there) and the
+    factor on each half's residual update."""
+
+    pre_attn: nn.Module | None
+    post_attn: nn.Module | None
+    pre_ffn: nn.Module | None
+    post_ffn: nn.Module | None
+    residual: float
+
+
+def _first(out: torch.Tensor | tuple) -> torch.Tensor:
+    """A module's main output: transformers' layers return (output, extras) where they have extras (attention
+    weights, router logits)."""
+    return out[0] if isinstance(out, tuple) else out
 
 
 def final_logits(config, logits: torch.Tensor) -> torch.Tensor:
