@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import gguf
 import pytest
 import torch
 from transformers import AutoConfig
@@ -16,7 +17,7 @@ from actors.model.loader import UnsupportedArchitecture, load_model, load_model_
 from actors.model.metadata import SeqChunk
 from actors.speculation import easyspec
 from cluster.config import CacheConfig, DraftParallelConfig
-from tests.fixtures.tiny_models import GENERIC_FAMILIES
+from tests.fixtures.tiny_models import GENERIC_FAMILIES, build_tiny_model, write_tiny_gguf
 from tests.unit.helpers import load, runner, text_prompts
 from tests.unit.test_runner import ATOL, hf_logits, run_in_two_chunks
 
@@ -167,3 +168,27 @@ def test_backend_native_refuses_a_family_without_hand_written_layers(tiny_generi
         load_model_config(str(tiny_generic_models["qwen3"]), backend="native")
     config = json.loads((tiny_generic_models["qwen3"] / "config.json").read_text())
     assert config["model_type"] == "qwen3"
+
+
+# ---- GGUF files of a generic-path family: transformers' loader dequantizes, the generic path runs them --------------
+@pytest.fixture(scope="module")
+def tiny_qwen3_128(tmp_path_factory) -> Path:
+    """A tiny qwen3 with transformers' default head_dim (qwen3's GGUF keys do not carry one)."""
+    return build_tiny_model("qwen3", tmp_path_factory.mktemp("qwen3-hd128") / "qwen3", head_dim=128)
+
+
+# Q8_0 blocks hold 32 weights: of the tiny qwen3's matrices (hidden 72), o_proj's rows (4 heads x 128) split into them
+@pytest.mark.parametrize("quant", [None, {"attn_output.weight": gguf.GGMLQuantizationType.Q8_0}], ids=["f32", "q8_0"])
+def test_a_gguf_file_of_a_generic_family_runs_on_the_generic_path(tiny_qwen3_128, tmp_path, quant) -> None:
+    path = write_tiny_gguf(tiny_qwen3_128, tmp_path / "tiny-qwen3.gguf", quant)
+    model = load_model(str(path), "fp32", weights="stored")  # stored: the generic path runs them dequantized
+    assert model.backend == "generic" and model.stored is None
+    source = load(tiny_qwen3_128)
+    prompts = prompts_of(source)
+
+    got = run_in_two_chunks([runner(model)], prompts, splits=[20, 5, 30])
+
+    for prompt, logits in zip(prompts, got):
+        torch.testing.assert_close(logits, hf_logits(model, prompt), rtol=0, atol=ATOL)  # its own forward
+        if quant is None:  # F32: the very weights of the folder it was written from
+            torch.testing.assert_close(logits, hf_logits(source, prompt), rtol=0, atol=ATOL)
