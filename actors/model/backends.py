@@ -21,6 +21,8 @@ BACKEND_CHOICES: tuple[BackendChoice, ...] = ("auto", "native", "generic")
 
 # model_type -> feed-forward kind of the hand-written layers (actors/model/layers.py)
 NATIVE_ARCHITECTURES = {"llama": "dense", "qwen2": "dense", "mistral": "dense", "mixtral": "moe", "qwen2_moe": "moe"}
+# where a base model keeps its final norm (Phi calls it final_layernorm)
+FINAL_NORMS = ("norm", "final_layernorm")
 # the layer types the generic path's attention covers (transformers' `config.layer_types` vocabulary)
 ATTENTION_LAYER_TYPES = frozenset({"full_attention", "sliding_attention"})
 
@@ -91,6 +93,8 @@ def generic_refusal(config: PretrainedConfig) -> None:
                           f"{config.num_hidden_layers} layers")
     if not all(hasattr(layer, "self_attn") and hasattr(layer.self_attn, "layer_idx") for layer in layers):
         raise Unsupported(f"{kind!r} has decoder layers without a `self_attn` attention (recurrent or mixed layers)")
-    for part, owner in (("embed_tokens", base), ("rotary_emb", base), ("norm", base), ("lm_head", model)):
+    for part, owner in (("embed_tokens", base), ("rotary_emb", base), ("lm_head", model)):
         if getattr(owner, part, None) is None:
             raise Unsupported(f"{kind!r} has no `{part}` where the generic path takes it from")
+    if not any(getattr(base, name, None) is not None for name in FINAL_NORMS):
+        raise Unsupported(f"{kind!r} has no final norm (`{'` or `'.join(FINAL_NORMS)}`) where the generic path takes it")

@@ -133,7 +133,7 @@ class GenericLayer:
     def attention_update(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata,
                          cache: KVCache) -> torch.Tensor:
         """What the layer's attention half adds to the residual stream x (N, H) -> (N, H), its KV written."""
-        m, norms = self.module, self._norms()
+        m, norms = self.module, self.halves()
         h = x[None] if norms.pre_attn is None else norms.pre_attn(x[None])  # (1, N, H)
         a = _first(m.self_attn(hidden_states=h, **self._inputs(cos, sin, meta, cache)))
         a = a if norms.post_attn is None else norms.post_attn(a)
@@ -141,14 +141,14 @@ class GenericLayer:
 
     def ffn_update(self, h: torch.Tensor) -> torch.Tensor:
         """What the layer's feed-forward half adds to the residual stream h (N, H) -> (N, H)."""
-        norms = self._norms()
+        norms = self.halves()
         y = _first(self.module.mlp(norms.pre_ffn(h[None]) if norms.pre_ffn is not None else h[None]))
         y = y if norms.post_ffn is None else norms.post_ffn(y)
         return (y * norms.residual)[0]
 
-    def _norms(self) -> "Halves":
+    def halves(self) -> "Halves":
         """The norms around each half, by the layer's own module names (the three layouts transformers' decoder
-        layers use); a layer of another layout cannot be split (EasySpec's `mode: layer` runs it whole)."""
+        layers use); ValueError for a layer of another layout (Phi's parallel attention and MLP, Cohere's)."""
         m = self.module
         names = {n for n, _ in m.named_children()}
         residual = float(getattr(m, "residual_multiplier", 1.0))  # Granite scales both updates
@@ -161,8 +161,8 @@ class GenericLayer:
         if {"input_layernorm", "post_attention_layernorm"} <= names and not names & {"pre_feedforward_layernorm",
                                                                                         "post_feedforward_layernorm"}:
             return Halves(m.input_layernorm, None, m.post_attention_layernorm, None, residual)  # Llama's pre-norm
-        raise ValueError(f"EasySpec mode attention: the {type(m).__name__} layout does not split into an attention "
-                         "and a feed-forward half here; use speculation.draft_parallel.mode: layer")
+        raise ValueError(f"EasySpec (speculation.draft_parallel) runs a layer's attention and feed-forward halves "
+                         f"apart, and the {type(m).__name__} layout does not split into them here")
 
 
 @dataclass(frozen=True)

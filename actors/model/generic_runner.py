@@ -15,6 +15,7 @@ from collections.abc import Sequence
 import torch
 
 from actors.kv_cache import KVCache
+from actors.model.backends import FINAL_NORMS
 from actors.model.generic import GenericLayer, Rotary, embedding_scale, final_logits
 from actors.model.loader import LoadedModel
 from actors.model.metadata import AttentionMetadata, SeqChunk
@@ -58,10 +59,10 @@ class GenericRunner(ModelRunner):
         self.deterministic = False
         hf = model.hf_model
         base = hf.model
+        final_norm = next((getattr(base, n) for n in FINAL_NORMS if getattr(base, n, None) is not None), None)
         if self.device != model.device:  # move only what this runner runs (a shared checkpoint keeps the rest)
-            for module in [base.layers[i] for i in layer_ids] + [base.rotary_emb] + ([base.embed_tokens] if first else
-                                                                                     []) + ([base.norm, hf.lm_head]
-                                                                                            if last else []):
+            ends = ([base.embed_tokens] if first else []) + ([final_norm, hf.lm_head] if last else [])
+            for module in [base.layers[i] for i in layer_ids] + [base.rotary_emb] + ends:
                 module.to(self.device)
         layer_types = getattr(cfg, "layer_types", None)
         self.rotary = Rotary(base.rotary_emb, layer_types)
@@ -69,7 +70,7 @@ class GenericRunner(ModelRunner):
                        for i in layer_ids]
         self.embed = base.embed_tokens if first else None
         self.embed_scale = embedding_scale(cfg)
-        self.final_norm = base.norm if last else None
+        self.final_norm = final_norm if last else None
         self.lm_head = hf.lm_head if last else None
         self.layer_parallel: LayerParallel | None = None  # EasySpec groups of a draft (actors/speculation/easyspec.py)
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads

@@ -85,6 +85,9 @@ class LocalMembers:
 def enable(runner, cfg: DraftParallelConfig, members: Members | None = None) -> None:
     """Give a draft runner (actors/model/runner.py) the layer-parallel schedule `cfg` asks for; nothing if group_size 1."""
     if cfg.enabled:
+        for layer in runner.layers:  # a generic-path layer must split into its halves (actors/model/generic.py)
+            if not isinstance(layer, DecoderLayer):
+                layer.halves()
         runner.layer_parallel = LayerParallel(len(runner.layers), cfg.group_size, cfg.sequential_head,
                                               cfg.sequential_tail, cfg.mode, members)
 

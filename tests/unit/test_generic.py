@@ -70,7 +70,10 @@ def test_two_pipeline_stages_give_the_whole_models_logits(tiny_generic_models, f
         torch.testing.assert_close(logits, hf_logits(model, prompt), rtol=0, atol=ATOL)
 
 
-@pytest.mark.parametrize("family", GENERIC_FAMILIES)
+SPLITTABLE = [f for f in GENERIC_FAMILIES if f != "phi"]  # Phi runs attention and MLP side by side on one norm
+
+
+@pytest.mark.parametrize("family", SPLITTABLE)
 def test_easyspec_halves_in_true_order_are_the_layer(tiny_generic_models, family: str) -> None:
     """EasySpec's attention mode splits each layer into its attention and feed-forward halves; run in true order
     (groups of one) they must give the whole model's logits, whatever the layer's norm layout (pre-norm, Gemma's
@@ -85,6 +88,16 @@ def test_easyspec_halves_in_true_order_are_the_layer(tiny_generic_models, family
 
     torch.testing.assert_close(exact, hf_logits(model, prompt), rtol=0, atol=ATOL)
     assert parallel.shape == exact.shape and not torch.allclose(parallel, exact)  # the groups do run in parallel
+
+
+@pytest.mark.parametrize("mode", ["attention", "layer"])
+def test_easyspec_refuses_a_layer_without_halves_when_it_is_enabled(tiny_generic_models, mode: str) -> None:
+    """EasySpec's steps run a layer's halves apart (its singletons too, in either mode): Phi's attention and MLP
+    read one norm side by side, so a draft of it is refused when the groups are set up, not in a forward."""
+    r = runner(load(tiny_generic_models["phi"]))
+    with pytest.raises(ValueError, match="PhiDecoderLayer layout does not split"):
+        easyspec.enable(r, DraftParallelConfig(group_size=2, sequential_head=1, sequential_tail=1, mode=mode))
+    assert r.layer_parallel is None
 
 
 def test_a_draft_by_layer_subset_shares_the_weights_and_keeps_its_own_cache(tiny_generic_models) -> None:
