@@ -50,8 +50,7 @@ def choose_backend(config: PretrainedConfig, requested: BackendChoice = "auto") 
     native = kind in NATIVE_ARCHITECTURES
     if requested == "native":
         if not native:
-            raise Unsupported(f"{kind!r} has no native path (hand-written: {', '.join(sorted(NATIVE_ARCHITECTURES))}); "
-                              "use backend: generic or auto")
+            raise Unsupported(f"{kind!r} has no native path; use backend: generic or auto")
         return BackendPlan("native", "forced by engine.model.backend")
     if requested == "auto" and native:
         return BackendPlan("native", f"hand-written layers for {kind}")
