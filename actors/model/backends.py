@@ -96,4 +96,5 @@ def generic_refusal(config: PretrainedConfig) -> None:
         if getattr(owner, part, None) is None:
             raise Unsupported(f"{kind!r} has no `{part}` where the generic path takes it from")
     if not any(getattr(base, name, None) is not None for name in FINAL_NORMS):
-        raise Unsupported(f"{kind!r} has no final norm (`{'` or `'.join(FINAL_NORMS)}`) where the generic path takes it")
+        names = "` or `".join(FINAL_NORMS)
+        raise Unsupported(f"{kind!r} has no final norm (`{names}`) where the generic path takes it")

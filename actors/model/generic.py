@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 from transformers import AttentionInterface
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, eager_mask
 
 from actors.kv_cache import KVCache
@@ -74,7 +75,7 @@ def _eager(module: nn.Module) -> Callable:
 
 def register() -> None:
     """Make "specfleet" a valid attention implementation (and its masks, for the reference forward, eager's)."""
-    if ATTENTION not in AttentionInterface._global_mapping:
+    if ATTENTION not in ALL_ATTENTION_FUNCTIONS:
         AttentionInterface.register(ATTENTION, specfleet_attention)
         ALL_MASK_ATTENTION_FUNCTIONS.register(ATTENTION, eager_mask)
 

@@ -144,7 +144,8 @@ def load_model(source: str, dtype: str = "fp32", device: torch.device | str = "c
     (actors/model/weights.py), `activations` how our CPU int4 kernel takes their inputs (actors/model/qlinear.py);
     `stored` reads a GGUF source's quantized tensors, from the file itself or from the file a converted folder names
     (actors/model/convert.py). `backend` picks the path (actors/model/backends.py): the generic one runs the
-    checkpoint's dense weights (a GGUF file's dequantized by transformers' loader), so `stored` reads no blocks there."""
+    checkpoint's dense weights (a GGUF file's dequantized by transformers' loader), so `stored` reads no blocks
+    there."""
     if dtype not in DTYPES:
         raise ModelLoadError(f"unsupported dtype {dtype!r}; supported: {', '.join(DTYPES)}")
     if weights not in WEIGHT_MODES:
