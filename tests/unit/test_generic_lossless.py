@@ -39,7 +39,7 @@ def check(engine, models, family: str, batch_size: int, draft: str) -> None:
         assert sum(c.stats.accepted for c in completions) > 0
 
 
-@pytest.mark.parametrize("family", ["gemma3_text", "gpt_oss"])
+@pytest.mark.parametrize("family", ["gemma3_text", pytest.param("gpt_oss", marks=pytest.mark.heavy)])
 def test_a_same_family_draft_batched_equals_greedy(tiny_generic_models, tiny_generic_drafts, family: str) -> None:
     engine = make_engine(tiny_generic_models, tiny_generic_drafts, family, "pair", k=3)
     assert engine.target.model.backend == engine.draft.model.backend == "generic"
@@ -66,6 +66,7 @@ def test_an_easyspec_self_draft_equals_greedy(tiny_generic_models, tiny_generic_
     check(engine, tiny_generic_models, family, 1, "layers")
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("split", [False, True], ids=["same split", "two-stage destination"])
 def test_a_migrated_generic_path_request_equals_the_targets_own(tiny_generic_models, tiny_generic_drafts,
                                                                 split: bool) -> None:
