@@ -5,7 +5,7 @@ What a layer passes is what transformers' attention interface hands an attention
 `sliding_window`, `softcap` as Gemma 2 does, `s_aux` sinks as gpt-oss does); the maths follows each family's own
 eager attention in transformers: scores = q k^T * scaling, softcap * tanh(scores / softcap), masked, a sink logit
 per head joined to the softmax and dropped after it (gpt-oss, arXiv 2508.10925; the "attention sink" of Xiao et al.,
-arXiv 2309.17453). Without softcap and sinks it is one SDPA call. Shape legend as in actors/model/layers.py:
+arXiv 2309.17453). A prefill chunk without softcap and sinks is one SDPA call. Shape legend as in actors/model/layers.py:
 N new tokens (packed), B sequences, T new tokens per sequence (padded), S cached slots per sequence (padded),
 nh query heads, kvh KV heads, hd head dim.
 """
@@ -19,6 +19,9 @@ import torch.nn.functional as F
 
 from actors.kv_cache import KVCache
 from actors.model.metadata import AttentionMetadata
+
+
+SMALL_T = 16  # at most this many query rows per sequence: the matmul path, not SDPA (see _attend)
 
 
 @dataclass(frozen=True)
@@ -60,14 +63,19 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: LayerAttenti
 
 def _attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None,
             spec: LayerAttention) -> torch.Tensor:
-    """q (B, nh, T, hd), keys and values (B, kvh, S, hd), mask (B, 1, T, S) boolean or None -> (B, nh, T, hd)."""
-    nh, kvh = q.shape[1], keys.shape[1]
-    if spec.softcap is None and spec.sinks is None:
+    """q (B, nh, T, hd), keys and values (B, kvh, S, hd), mask (B, 1, T, S) boolean or None -> (B, nh, T, hd).
+
+    A prefill chunk without softcap or sinks is one SDPA call. A few query rows (decodes, verifications), or a
+    layer with softcap or sinks, take two batched matmuls per KV head in fp32 with the query heads of a group as
+    rows (as the native path's span attention does: on the CPU several times faster than SDPA's flash kernel at a
+    few rows, docs/benchmarks.md), no copy of the keys per query head."""
+    b, nh, t, hd = q.shape
+    kvh, length = keys.shape[1], keys.shape[2]
+    if spec.softcap is None and spec.sinks is None and t > SMALL_T:
         return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=spec.scaling,
                                               enable_gqa=nh != kvh)
-    if nh != kvh:  # grouped-query attention: each KV head serves nh / kvh query heads
-        keys, values = keys.repeat_interleave(nh // kvh, dim=1), values.repeat_interleave(nh // kvh, dim=1)
-    scores = torch.matmul(q.float(), keys.float().transpose(-1, -2)) * spec.scaling  # (B, nh, T, S)
+    qg = q.reshape(b, kvh, (nh // kvh) * t, hd).float()  # query head h = kv * g + j reads KV head kv
+    scores = torch.matmul(qg, keys.float().transpose(-1, -2)).view(b, nh, t, length) * spec.scaling  # (B, nh, T, S)
     if spec.softcap is not None:
         scores = torch.tanh(scores / spec.softcap) * spec.softcap
     if mask is not None:
@@ -75,6 +83,7 @@ def _attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: tor
     if spec.sinks is None:
         probs = torch.softmax(scores, dim=-1)
     else:
-        sink = spec.sinks.float().view(1, nh, 1, 1).expand(*scores.shape[:-1], 1)  # (B, nh, T, 1)
+        sink = spec.sinks.float().view(1, nh, 1, 1).expand(b, nh, t, 1)  # (B, nh, T, 1)
         probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]  # the sink's share dropped
-    return torch.matmul(probs, values.float()).to(q.dtype)
+    out = torch.matmul(probs.reshape(b, kvh, (nh // kvh) * t, length), values.float())  # (B, kvh, g*T, hd)
+    return out.view(b, nh, t, hd).to(q.dtype)
