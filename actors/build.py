@@ -90,7 +90,7 @@ def shard_specs(cfg: EngineConfig, layout: ShardLayout) -> tuple[list[ShardSpec]
     """What each target stage (or expert rank) and the draft load; PlacementError if the layout does not fit the
     config."""
     m, ep = cfg.model, cfg.experts
-    num_layers = load_model_config(m.target).num_hidden_layers
+    num_layers = load_model_config(m.target, m.backend).num_hidden_layers
     layout.check(num_layers)
     last = len(layout.stages) - 1
     stages: list[ShardSpec] | list[ExpertSpec]
@@ -100,7 +100,7 @@ def shard_specs(cfg: EngineConfig, layout: ShardLayout) -> tuple[list[ShardSpec]
         stages = expert_rank_specs(cfg, num_layers)
     else:
         stages = [ShardSpec(m.target, m.dtype, s.layer_ids, first=i == 0, last=i == last, cache=cfg.cache,
-                            device=m.device, weights=m.weights, activations=m.activations,
+                            device=m.device, weights=m.weights, activations=m.activations, backend=m.backend,
                             deterministic=cfg.deterministic)
                   for i, s in enumerate(layout.stages)]
     draft = draft_spec(cfg)
@@ -125,12 +125,12 @@ def draft_spec(cfg: EngineConfig) -> ShardSpec | None:
     if cfg.speculation.policy == "off" or (m.draft is None and m.draft_layers is None):
         return None
     if m.draft is not None:
-        source, layer_ids = m.draft, tuple(range(load_model_config(m.draft).num_hidden_layers))
+        source, layer_ids = m.draft, tuple(range(load_model_config(m.draft, m.backend).num_hidden_layers))
     else:
         source, layer_ids = m.target, tuple(m.draft_layers or ())
     return ShardSpec(source, m.dtype, layer_ids, first=True, last=True, cache=cfg.cache,
-                     quantization=m.draft_quantization, weights=m.weights, activations=m.activations, device=m.device,
-                     draft_parallel=cfg.speculation.draft_parallel)
+                     quantization=m.draft_quantization, weights=m.weights, activations=m.activations,
+                     backend=m.backend, device=m.device, draft_parallel=cfg.speculation.draft_parallel)
 
 
 def member_specs(draft: ShardSpec) -> list[MemberSpec]:

@@ -26,7 +26,7 @@ def load_runners(cfg: EngineConfig, stages: Sequence[tuple[int, int]] | None = N
     """
     m = cfg.model
     device = resolve_device(m.device) if device is None else torch.device(device)
-    target_model = load_model(m.target, m.dtype, device, m.weights, m.activations)
+    target_model = load_model(m.target, m.dtype, device, m.weights, m.activations, m.backend)
     n = target_model.num_layers
     bounds = list(stages) if stages is not None else [(0, n)]
     last = len(bounds) - 1
@@ -36,7 +36,7 @@ def load_runners(cfg: EngineConfig, stages: Sequence[tuple[int, int]] | None = N
     if cfg.speculation.policy == "off" or cfg.speculation.method != "model":
         return target, None  # no draft model: plain decoding, or a model-free (lookup) drafter
     if m.draft is not None:
-        draft_model = load_model(m.draft, m.dtype, device, m.weights, m.activations)
+        draft_model = load_model(m.draft, m.dtype, device, m.weights, m.activations, m.backend)
         draft = ModelRunner(draft_model, range(draft_model.num_layers), cfg.cache)
     elif m.draft_layers is not None:
         if any(not 0 <= i < n for i in m.draft_layers):

@@ -48,6 +48,7 @@ class ShardSpec:
     cache: CacheConfig
     quantization: str = "none"  # "int8" / "int4": re-quantized at load (drafts only, see actors/model/quant.py)
     weights: str = "dequantized"  # engine.model.weights: how its linear maps compute (actors/model/weights.py)
+    backend: str = "auto"  # engine.model.backend: the native or the generic path (actors/model/backends.py)
     activations: str = "int8"  # engine.model.activations: how our CPU int4 kernel takes their inputs (qlinear.py)
     device: str = "auto"  # engine.model.device, resolved in the shard's process (actors/device.py)
     deterministic: bool = False  # engine.deterministic: the batch-invariant forward (actors/model/deterministic.py)
@@ -62,7 +63,8 @@ def load_shard(spec: ShardSpec, plan: ExpertPlan | None = None) -> ModelRunner:
     """Load the checkpoint, build the shard's runner, and drop every weight the shard does not run (`plan`: the
     expert plan an expert-parallel rank orders its experts by)."""
     # on the CPU: the runner moves only its own layers to its device
-    model = load_model(spec.source, spec.dtype, weights=spec.weights, activations=spec.activations)
+    model = load_model(spec.source, spec.dtype, weights=spec.weights, activations=spec.activations,
+                       backend=spec.backend)  # type: ignore[arg-type]  # checked by the config
     runner = ModelRunner(model, spec.layer_ids, spec.cache, first=spec.first, last=spec.last,
                          device=resolve_device(spec.device), deterministic=spec.deterministic)
     hf = model.hf_model.model

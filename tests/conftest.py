@@ -14,7 +14,14 @@ from deploy import DEFAULT_INVENTORY
 from deploy.infra import local_cluster, ray_node
 from deploy.infra.local_cluster import ClusterState
 from placement.inventory import Inventory, load_inventory
-from tests.fixtures.tiny_models import DRAFT_NOISE, FAMILIES, build_tiny_model, perturbed_copy, write_tiny_gguf
+from tests.fixtures.tiny_models import (
+    DRAFT_NOISE,
+    FAMILIES,
+    GENERIC_FAMILIES,
+    build_tiny_model,
+    perturbed_copy,
+    write_tiny_gguf,
+)
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -27,22 +34,23 @@ def pytest_configure(config: pytest.Config) -> None:
 class LazyModels(Mapping[str, Path]):
     """Family -> model folder, built by `build` on first access and cached."""
 
-    def __init__(self, build: Callable[[str], Path]) -> None:
+    def __init__(self, build: Callable[[str], Path], families: tuple[str, ...] = FAMILIES) -> None:
         self._build = build
+        self._families = families
         self._built: dict[str, Path] = {}
 
     def __getitem__(self, family: str) -> Path:
-        if family not in FAMILIES:
+        if family not in self._families:
             raise KeyError(family)
         if family not in self._built:
             self._built[family] = self._build(family)
         return self._built[family]
 
     def __iter__(self) -> Iterator[str]:
-        return iter(FAMILIES)
+        return iter(self._families)
 
     def __len__(self) -> int:
-        return len(FAMILIES)
+        return len(self._families)
 
 
 @pytest.fixture(scope="session")
@@ -50,6 +58,21 @@ def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> LazyModels:
     """`tiny_models["llama"]` -> folder of the tiny llama model (weights, config, generation config, tokenizer)."""
     root = tmp_path_factory.mktemp("tiny-models")
     return LazyModels(lambda family: build_tiny_model(family, root / family))
+
+
+@pytest.fixture(scope="session")
+def tiny_generic_models(tmp_path_factory: pytest.TempPathFactory) -> LazyModels:
+    """`tiny_generic_models["gemma3_text"]` -> folder of a tiny model of a family only the generic path runs."""
+    root = tmp_path_factory.mktemp("tiny-generic-models")
+    return LazyModels(lambda family: build_tiny_model(family, root / family), GENERIC_FAMILIES)
+
+
+@pytest.fixture(scope="session")
+def tiny_generic_drafts(tiny_generic_models: LazyModels, tmp_path_factory: pytest.TempPathFactory) -> LazyModels:
+    """`tiny_generic_drafts["qwen3"]` -> a noisy copy of the tiny generic-family model: a draft of its own family."""
+    root = tmp_path_factory.mktemp("tiny-generic-drafts")
+    return LazyModels(lambda family: perturbed_copy(tiny_generic_models[family], root / family, DRAFT_NOISE),
+                      GENERIC_FAMILIES)
 
 
 @pytest.fixture(scope="session")

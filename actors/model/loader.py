@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -16,14 +17,21 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
+from actors.model import generic
+from actors.model.backends import NATIVE_ARCHITECTURES, Backend, BackendChoice, BackendPlan, Unsupported, \
+    choose_backend
 from actors.model.convert import MANIFEST
 from actors.model.gguf_tensors import StoredTensors, source_of
 from actors.model.tokenize import encode_prompt
 from actors.model.qlinear import ACTIVATIONS, Activations
 from actors.model.weights import WEIGHT_MODES, WeightMode
 
-# model_type -> feed-forward kind; anything else is refused before weights are read.
-SUPPORTED_ARCHITECTURES = {"llama": "dense", "qwen2": "dense", "mistral": "dense", "mixtral": "moe", "qwen2_moe": "moe"}
+# model_type -> feed-forward kind of the hand-written (native) path; other decoder-only models run on the generic
+# path (actors/model/backends.py), and what neither runs is refused before weights are read.
+SUPPORTED_ARCHITECTURES = NATIVE_ARCHITECTURES
+GENERIC_SUMMARY = "any decoder-only transformers model with full/sliding attention through its attention interface"
+
+log = logging.getLogger(__name__)
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -52,12 +60,18 @@ class LoadedModel:
     weights: WeightMode = "dequantized"  # how runners compute its linear maps by default (actors/model/weights.py)
     activations: Activations = "int8"  # how our CPU int4 kernel takes their inputs by default (actors/model/qlinear.py)
     stored: StoredTensors | None = None  # the GGUF file's quantized tensors, for `weights: stored`
+    # the path its runners take (actors/model/backends.py) and why, as the load log and `specfleet generate` say it
+    plan: BackendPlan = field(default_factory=lambda: BackendPlan("native", "hand-written layers"))
     prepared: dict = field(default_factory=dict, repr=False)  # projections built for runners, shared by them
 
     @property
     def device(self) -> torch.device | None:
         """Where the weights are (None without weights)."""
         return None if self.hf_model is None else next(self.hf_model.parameters()).device
+
+    @property
+    def backend(self) -> Backend:
+        return self.plan.backend
 
     @property
     def num_layers(self) -> int:
@@ -103,33 +117,43 @@ def _location(source: str) -> tuple[str, dict]:
     return source, {}  # a hub id
 
 
-def load_model_config(source: str) -> PretrainedConfig:
-    """Read only the model's config, refusing unsupported architectures with the supported list."""
+def load_model_config(source: str, backend: BackendChoice = "auto") -> PretrainedConfig:
+    """Read only the model's config, refusing a model no path runs (under `backend`) with the reason in one line."""
+    return _config_and_plan(source, backend)[0]
+
+
+def _config_and_plan(source: str, backend: BackendChoice) -> tuple[PretrainedConfig, BackendPlan]:
     where, kwargs = _location(source)
     try:
         config = AutoConfig.from_pretrained(where, **kwargs)
     except (OSError, ValueError) as e:
         raise ModelLoadError(f"cannot read the config of {source}: {e}") from None
-    if config.model_type not in SUPPORTED_ARCHITECTURES:
-        supported = ", ".join(sorted(SUPPORTED_ARCHITECTURES))
-        raise UnsupportedArchitecture(f"unsupported architecture {config.model_type!r}; supported: {supported}")
-    return config
+    try:
+        return config, choose_backend(config, backend)
+    except Unsupported as e:
+        native = ", ".join(sorted(SUPPORTED_ARCHITECTURES))
+        raise UnsupportedArchitecture(f"unsupported architecture {config.model_type!r}: {e} "
+                                      f"(native: {native}; generic: {GENERIC_SUMMARY})") from None
 
 
 def load_model(source: str, dtype: str = "fp32", device: torch.device | str = "cpu",
-               weights: WeightMode = "dequantized", activations: Activations = "int8") -> LoadedModel:
+               weights: WeightMode = "dequantized", activations: Activations = "int8",
+               backend: BackendChoice = "auto") -> LoadedModel:
     """Load weights and tokenizer of `source` (a GGUF file, a local folder, or a hub id) in `dtype` onto `device`
     ("meta" allocates nothing: for checking where tensors go). `weights` is how runners compute its linear maps
     (actors/model/weights.py), `activations` how our CPU int4 kernel takes their inputs (actors/model/qlinear.py);
     `stored` reads a GGUF source's quantized tensors, from the file itself or from the file a converted folder names
-    (actors/model/convert.py)."""
+    (actors/model/convert.py). `backend` picks the path (actors/model/backends.py): the generic one runs the
+    checkpoint's dense weights (a GGUF file's dequantized by transformers' loader), so `stored` reads no blocks
+    there."""
     if dtype not in DTYPES:
         raise ModelLoadError(f"unsupported dtype {dtype!r}; supported: {', '.join(DTYPES)}")
     if weights not in WEIGHT_MODES:
         raise ModelLoadError(f"unsupported weights {weights!r}; supported: {', '.join(WEIGHT_MODES)}")
     if activations not in ACTIVATIONS:
         raise ModelLoadError(f"unsupported activations {activations!r}; supported: {', '.join(ACTIVATIONS)}")
-    config = load_model_config(source)
+    config, plan = _config_and_plan(source, backend)
+    log.info("%s: %s", source, plan.describe())
     where, kwargs = _location(source)
     try:
         tokenizer = AutoTokenizer.from_pretrained(where, **kwargs)
@@ -139,9 +163,11 @@ def load_model(source: str, dtype: str = "fp32", device: torch.device | str = "c
     model.eval().requires_grad_(False)
     if torch.device(device) != torch.device("cpu"):
         model.to(device)
-    stored = _stored_tensors(source, config) if weights == "stored" else None
+    if plan.backend == "generic":
+        generic.adopt(model)  # its attention through ours (actors/model/generic.py)
+    stored = _stored_tensors(source, config) if weights == "stored" and plan.backend == "native" else None
     return LoadedModel(source=source, config=config, hf_model=model, tokenizer=tokenizer, dtype=DTYPES[dtype],
-                       weights=weights, activations=activations, stored=stored)
+                       weights=weights, activations=activations, stored=stored, plan=plan)
 
 
 def _stored_tensors(source: str, config: PretrainedConfig) -> StoredTensors | None:
@@ -159,11 +185,11 @@ def _stored_tensors(source: str, config: PretrainedConfig) -> StoredTensors | No
     return StoredTensors(path, config.num_attention_heads, config.num_key_value_heads)
 
 
-def load_metadata(source: str, dtype: str = "fp32") -> LoadedModel:
+def load_metadata(source: str, dtype: str = "fp32", backend: BackendChoice = "auto") -> LoadedModel:
     """Config, tokenizer and generation config of `source`, no weights (`hf_model` None): what a driver needs."""
     if dtype not in DTYPES:
         raise ModelLoadError(f"unsupported dtype {dtype!r}; supported: {', '.join(DTYPES)}")
-    config = load_model_config(source)
+    config, plan = _config_and_plan(source, backend)
     where, kwargs = _location(source)
     try:
         tokenizer = AutoTokenizer.from_pretrained(where, **kwargs)
@@ -174,4 +200,4 @@ def load_metadata(source: str, dtype: str = "fp32") -> LoadedModel:
     except OSError:  # no generation_config.json: the model config's token ids stand in, as transformers does
         generation = GenerationConfig.from_model_config(config)
     return LoadedModel(source=source, config=config, hf_model=None, tokenizer=tokenizer, dtype=DTYPES[dtype],
-                       generation_config=generation)
+                       generation_config=generation, plan=plan)

@@ -13,9 +13,10 @@ import torch
 from transformers.activations import ACT2FN
 
 from actors.kv_cache import KVCache, KVExport, reshard
+from actors.model.backends import NATIVE_ARCHITECTURES
 from actors.model.deterministic import row_invariant
 from actors.model.layers import Attention, DecoderLayer, DenseMLP, MoE, RopeTable, fused_ops, rms_norm
-from actors.model.loader import SUPPORTED_ARCHITECTURES, LoadedModel
+from actors.model.loader import LoadedModel
 from actors.model.metadata import AttentionMetadata, SeqChunk
 from actors.model.qlinear import Activations
 from actors.model.weights import Part, WeightMode, fuse, head_projection, layer_projections
@@ -108,6 +109,15 @@ class ModelRunner:
     exports_kv = True  # the PipelineRunner interface: its KV can be exported and imported
     replicated_cache = True  # one cache: block sharing works
 
+    def __new__(cls, model: LoadedModel, *args, **kwargs) -> "ModelRunner":
+        """A model loaded on the generic path (actors/model/backends.py) gets the generic runner: every caller
+        builds runners the same way whichever path the model runs on."""
+        if cls is ModelRunner and model.backend == "generic":
+            from actors.model.generic_runner import GenericRunner
+
+            cls = GenericRunner
+        return super().__new__(cls)
+
     def __init__(
         self,
         model: LoadedModel,
@@ -121,7 +131,7 @@ class ModelRunner:
         activations: Activations | None = None,
     ) -> None:
         cfg = model.config
-        assert cfg.model_type in SUPPORTED_ARCHITECTURES, cfg.model_type
+        assert cfg.model_type in NATIVE_ARCHITECTURES, cfg.model_type
         bad = [i for i in layer_ids if not 0 <= i < cfg.num_hidden_layers]
         if bad or not layer_ids:
             raise ValueError(f"layers {list(layer_ids)} not within the model's {cfg.num_hidden_layers} layers")

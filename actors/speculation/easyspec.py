@@ -58,10 +58,20 @@ class Members(Protocol):
 
 def contribution(layer: DecoderLayer, x: torch.Tensor, what: Mode, cos: torch.Tensor, sin: torch.Tensor,
                  meta: AttentionMetadata, cache: KVCache) -> torch.Tensor:
-    """One layer's contribution on input x (N, H): attention output, or whole-layer residual update."""
+    """One layer's contribution on input x (N, H): attention output, or whole-layer residual update. A layer of the
+    generic path (actors/model/generic.py) splits itself into its halves."""
     if what == "attention":
+        if not isinstance(layer, DecoderLayer):
+            return layer.attention_update(x, cos, sin, meta, cache)
         return layer.attn(rms_norm(x, layer.input_norm, layer.eps), cos, sin, meta, cache, layer.index)
     return layer(x, cos, sin, meta, cache) - x
+
+
+def ffn_update(layer: DecoderLayer, h: torch.Tensor) -> torch.Tensor:
+    """What a layer's feed-forward half adds to the residual stream h (N, H) -> (N, H)."""
+    if not isinstance(layer, DecoderLayer):
+        return layer.ffn_update(h)
+    return layer.ffn(rms_norm(h, layer.post_norm, layer.eps))
 
 
 class LocalMembers:
@@ -75,6 +85,9 @@ class LocalMembers:
 def enable(runner, cfg: DraftParallelConfig, members: Members | None = None) -> None:
     """Give a draft runner (actors/model/runner.py) the layer-parallel schedule `cfg` asks for; nothing if group_size 1."""
     if cfg.enabled:
+        for layer in runner.layers:  # a generic-path layer must split into its halves (actors/model/generic.py)
+            if not isinstance(layer, DecoderLayer):
+                layer.halves()
         runner.layer_parallel = LayerParallel(len(runner.layers), cfg.group_size, cfg.sequential_head,
                                               cfg.sequential_tail, cfg.mode, members)
 
@@ -105,6 +118,6 @@ class LayerParallel:
             h = x
             for layer, a in zip(group, outs, strict=True):  # MLPs in order on the accumulated residual
                 h = h + a
-                h = h + layer.ffn(rms_norm(h, layer.post_norm, layer.eps))
+                h = h + ffn_update(layer, h)
             x = h
         return x

@@ -47,6 +47,10 @@ def add_engine_flags(p: argparse.ArgumentParser, *, default_dtype: str | None = 
     g.add_argument("--weights", choices=["stored", "dequantized", "int8", "int4"],
                    help="stored: compute on a GGUF file's quantized weights as stored; dequantized: on weights "
                         "expanded to --dtype; int8 / int4: quantized at load")
+    g.add_argument("--backend", choices=["auto", "native", "generic"],
+                   help="native: our hand-written layers (llama, mistral, mixtral, qwen2, qwen2_moe); generic: "
+                        "transformers' own decoder layers on our cache (any decoder-only model); auto: native where "
+                        "written, else generic")
     g.add_argument("--dtype", choices=["fp32", "bf16"], default=default_dtype)
     g.add_argument("--k", type=int, help="draft tokens per round, the most with --policy goodput (0 = none)")
     g.add_argument("--policy", choices=["fixed", "off", "goodput"], help="speculation length policy")
@@ -69,7 +73,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
             raw.setdefault("speculation", {})["policy"] = "off"
     if args.draft_layers is not None:
         model["draft_layers"], model["draft"] = args.draft_layers, None
-    for key in ("draft_quantization", "dtype", "weights"):
+    for key in ("draft_quantization", "dtype", "weights", "backend"):
         if getattr(args, key) is not None:
             model[key] = getattr(args, key)
     if args.k is not None:

@@ -60,6 +60,7 @@ def run(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     engine = Engine.from_config(resolved(cfg), calibration_dir=model_store.calibration_dir())
     load_s = time.perf_counter() - t0
+    print(f"[target {cfg.model.target}: {engine.target.model.plan.describe()}]", file=sys.stderr)
     token_ids = [engine.target.model.encode(p, chat=not args.no_chat) for p in prompts]  # raw where there is no template
     t0 = time.perf_counter()
     results = generate(engine, token_ids, params)

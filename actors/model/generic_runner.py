@@ -1,0 +1,126 @@
+"""GenericRunner: the ModelRunner of the generic path (actors/model/generic.py), transformers' decoder layers on our
+paged cache.
+
+The same runner as the native one to everything that drives it (engine, pipeline stages, self-speculative drafts,
+EasySpec groups, migration): a chosen set of layer ids, the first stage embeds, the last makes logits, its own KV
+cache; only the layers, the prologue (embeddings and the model's multiplier, the rotary tables per layer type) and
+the epilogue (final norm, head on the rows asked for, the config's logit scaling or softcap) are the model's own.
+Linear maps are the checkpoint's dense weights (a GGUF file's as transformers' loader dequantized them).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from actors.kv_cache import KVCache
+from actors.model.backends import FINAL_NORMS
+from actors.model.generic import GenericLayer, Rotary, embedding_scale, final_logits
+from actors.model.loader import LoadedModel
+from actors.model.metadata import AttentionMetadata, SeqChunk
+from actors.model.qlinear import Activations
+from actors.model.runner import CacheFull, ModelRunner
+from actors.model.weights import WeightMode
+from actors.speculation.easyspec import LayerParallel
+from cluster.config import CacheConfig
+
+DENSE_MODES = ("stored", "dequantized")  # the generic path computes on the weights as transformers holds them
+
+
+class GenericRunner(ModelRunner):
+    """Runs `layer_ids` of a generic-path model in order; embeds tokens if `first`, returns logits if `last`.
+    `ModelRunner(model, ...)` of a model loaded on the generic path builds one."""
+
+    def __init__(
+        self,
+        model: LoadedModel,
+        layer_ids: Sequence[int],
+        cache: CacheConfig,
+        first: bool = True,
+        last: bool = True,
+        device: torch.device | str | None = None,
+        weights: WeightMode | None = None,
+        deterministic: bool = False,
+        activations: Activations | None = None,
+    ) -> None:
+        cfg = model.config
+        bad = [i for i in layer_ids if not 0 <= i < cfg.num_hidden_layers]
+        if bad or not layer_ids:
+            raise ValueError(f"layers {list(layer_ids)} not within the model's {cfg.num_hidden_layers} layers")
+        if deterministic:
+            raise ValueError("deterministic mode runs on the native path only (engine.model.backend: native)")
+        self.model = model
+        self.device = torch.device(device) if device is not None else model.device
+        self.first, self.last = first, last
+        self.weights: WeightMode = weights or model.weights
+        self._dense_only(self.weights)
+        self.activations: Activations = activations or model.activations
+        self.deterministic = False
+        hf = model.hf_model
+        base = hf.model
+        final_norm = next((getattr(base, n) for n in FINAL_NORMS if getattr(base, n, None) is not None), None)
+        if self.device != model.device:  # move only what this runner runs (a shared checkpoint keeps the rest)
+            ends = ([base.embed_tokens] if first else []) + ([final_norm, hf.lm_head] if last else [])
+            for module in [base.layers[i] for i in layer_ids] + [base.rotary_emb] + ends:
+                module.to(self.device)
+        layer_types = getattr(cfg, "layer_types", None)
+        self.rotary = Rotary(base.rotary_emb, layer_types)
+        self.layers = [GenericLayer(i, base.layers[i], self.rotary.index(layer_types[i] if layer_types else None))
+                       for i in layer_ids]
+        self.embed = base.embed_tokens if first else None
+        self.embed_scale = embedding_scale(cfg)
+        self.final_norm = final_norm if last else None
+        self.lm_head = hf.lm_head if last else None
+        self.layer_parallel: LayerParallel | None = None  # EasySpec groups of a draft (actors/speculation/easyspec.py)
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        self.cache = KVCache(list(layer_ids), cache.num_blocks, cache.block_size, cfg.num_key_value_heads, head_dim,
+                             model.dtype, device=self.device)
+
+    @staticmethod
+    def _dense_only(weights: WeightMode) -> None:
+        if weights not in DENSE_MODES:
+            raise ValueError(f"weights {weights!r}: the generic path computes on the checkpoint's dense weights "
+                             f"({' or '.join(DENSE_MODES)}); quantized linear maps are on the native path")
+
+    def use_weights(self, weights: WeightMode) -> None:
+        """The ModelRunner interface: only the dense modes exist here (a draft quantized at load is refused)."""
+        self._dense_only(weights)
+        self.weights = weights
+
+    def begin(self, chunks: list[SeqChunk]) -> tuple[AttentionMetadata, torch.Tensor, torch.Tensor]:
+        """Open a forward over `chunks`: room in the cache for their new tokens, the batch's attention metadata and
+        the rotary tables cos, sin (R, N, hd) of its positions (each layer reads its type's)."""
+        for c in chunks:
+            if not self.cache.reserve(c.request_id, self.cache.length(c.request_id) + len(c.token_ids)):
+                raise CacheFull(f"no KV blocks for {c.request_id}")
+        meta = AttentionMetadata.build(chunks, self.cache)
+        probe = torch.empty(0, dtype=self.model.dtype, device=self.device)  # the tables' dtype and device
+        cos, sin = self.rotary(probe, meta.positions)  # (R, N, hd) each
+        return meta, cos, sin
+
+    @torch.inference_mode()
+    def forward(self, chunks: list[SeqChunk], hidden: torch.Tensor | None = None,
+                parallel: bool = False) -> torch.Tensor:
+        """As ModelRunner.forward: hidden (N, H) in unless first, logits (sum num_logits, V) fp32 out if last, else
+        hidden (N, H)."""
+        meta, cos, sin = self.begin(chunks)
+        if self.first:
+            x = self.embed(meta.token_ids)  # (N, H)
+            if self.embed_scale is not None:
+                x = x * self.embed_scale
+        else:
+            x = hidden
+        if self.layer_parallel is not None:
+            x = self.layer_parallel.run(self.layers, x, parallel, cos, sin, meta, self.cache)
+        else:
+            for layer in self.layers:
+                x = layer(x, cos, sin, meta, self.cache)
+        self.end(chunks)
+        if not self.last:
+            return x
+        h = x[meta.logits_index]  # (sum num_logits, H)
+        if h.shape[0] == 0:  # prefill chunks only: no logits wanted
+            return torch.empty(0, self.model.config.vocab_size, device=self.device)
+        return final_logits(self.model.config, self.lm_head(self.final_norm(h)).float())  # (M, V)
+
