@@ -49,7 +49,7 @@ from actors.step import Drafts, Scores, SpecPlan, Verdict
 from actors.verification import logprobs_of, verify
 from cluster.config import EngineConfig, SchedulerConfig, SpeculationConfig
 from cluster.migration_policy import InstanceLoad, RequestLoad
-from cluster.prefix import ChainNames, root_hash
+from cluster.prefix import ChainNames, request_root
 from cluster.request import FinishReason, InvalidRequest, Request, TokenDelta, check_prompt, context_length
 from cluster.stats import EngineStats
 
@@ -80,6 +80,7 @@ class Engine:
         prefix_caching: bool = False,
         prefix_identity: str | None = None,
         deterministic: bool = False,
+        share_across_tenants: bool = False,
     ) -> None:
         if draft is not None and draft.model.config.vocab_size != target.model.config.vocab_size:
             raise ValueError(
@@ -108,6 +109,7 @@ class Engine:
         self.prefix_caching = prefix_caching and target.replicated_cache
         # the root of the target's block names (EngineConfig.prefix_identity: the same in every instance of an app)
         self.prefix_identity = prefix_identity or model_identity(target)
+        self.share_across_tenants = share_across_tenants  # else a block's name includes its request's tenant
         if prefix_caching and not self.prefix_caching:
             log.info("prefix caching is off: the target's expert-parallel ranks each hold their own requests' "
                      "KV (engine.experts.attention: data), so a cached block is not where another request runs")
@@ -128,7 +130,7 @@ class Engine:
         return cls(target[0], draft, cfg.speculation, cfg.scheduler, cfg.model.max_model_len,
                    draft_quantized=cfg.model.draft_quantization != "none", calibration=calibration,
                    prefix_caching=cfg.cache.prefix_caching, prefix_identity=cfg.prefix_identity,
-                   deterministic=cfg.deterministic)
+                   deterministic=cfg.deterministic, share_across_tenants=cfg.cache.share_across_tenants)
 
     @property
     def policy(self) -> SpecPolicy:
@@ -170,10 +172,11 @@ class Engine:
             seq.grammar = self.grammars.matcher(params.structured)
             seq.grammar.consume(out.token_ids)  # a resumed request's tokens so far
         if self.prefix_caching and params.prompt_logprobs is None:  # scoring a prompt runs every position of it
-            seq.target_names = ChainNames(root_hash(self.prefix_identity, request.cache_salt),
+            share, tenant, salt = self.share_across_tenants, request.tenant, request.cache_salt
+            seq.target_names = ChainNames(request_root(self.prefix_identity, tenant, salt, share),
                                           self.target.cache.block_size)
             if isinstance(self.drafter, ModelDrafter) and self.draft.replicated_cache:
-                seq.draft_names = ChainNames(root_hash(model_identity(self.draft), request.cache_salt),
+                seq.draft_names = ChainNames(request_root(model_identity(self.draft), tenant, salt, share),
                                              self.draft.cache.block_size)
         if resume is not None and resume.stats is not None:
             seq.stats = copy.deepcopy(resume.stats)

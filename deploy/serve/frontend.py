@@ -46,7 +46,7 @@ from actors.model.loader import load_metadata
 from actors.model.tokenize import encode_chat, encode_text
 from actors.speculation.structured import check as check_structured
 from cluster.config import SpecfleetConfig
-from cluster.prefix import block_hashes, root_hash
+from cluster.prefix import block_hashes, request_root
 from cluster.registry import NoInstanceAvailable
 from cluster.request import (FinishReason, InvalidRequest, Request, RequestStatus, Resume, SamplingParams,
                              SpecStats, StreamItem, StructuredOutput, TokenDelta, TokenLogprob, check_prompt,
@@ -139,6 +139,7 @@ class Frontend:
         caching = cfg.engine.cache.prefix_caching and cfg.router.dispatch == "cache_aware"
         self.block_size = cfg.engine.cache.block_size if caching else None
         self.prefix_identity = cfg.engine.prefix_identity
+        self.share_across_tenants = cfg.engine.cache.share_across_tenants  # as the engine names the blocks
 
     # ---- validation ---------------------------------------------------------------------------------
     def check_model(self, model: str) -> None:
@@ -220,7 +221,7 @@ class Frontend:
         cache-aware router; none when the router does not route by them."""
         if self.block_size is None:
             return ()
-        root = root_hash(self.prefix_identity, prep.cache_salt)
+        root = request_root(self.prefix_identity, prep.tenant, prep.cache_salt, self.share_across_tenants)
         return tuple(block_hashes(prep.prompt_ids + tuple(tokens), self.block_size, root))
 
     # ---- dispatch -----------------------------------------------------------------------------------
