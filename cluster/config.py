@@ -152,6 +152,11 @@ class CacheConfig(_Frozen):
     # single-tenant fleet, where one system prompt shared by every key is worth caching once
     share_across_tenants: bool = False
 
+    @property
+    def capacity_tokens(self) -> int:
+        """The tokens one request may hold: every usable block (actors/kv_cache.py keeps the last as scratch)."""
+        return (self.num_blocks - 1) * self.block_size
+
 
 class SchedulerConfig(_Frozen):
     """Continuous batching limits per step: running requests, and target tokens (chunked prefill, Sarathi)."""

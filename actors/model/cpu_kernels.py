@@ -19,6 +19,8 @@ from pathlib import Path
 
 import torch
 
+from actors.model.kernel_build import build_lock
+
 log = logging.getLogger(__name__)
 
 SOURCES = [Path(__file__).with_name(name) for name in ("int4_cpu.cpp", "fused_cpu.cpp", "layer_cpu.cpp")]
@@ -36,10 +38,12 @@ def ops():
         return None
     from torch.utils.cpp_extension import load
 
+    name = f"specfleet_cpu_{build_id()}"
     try:
-        load(name=f"specfleet_cpu_{build_id()}", sources=[str(s) for s in SOURCES], extra_cflags=FLAGS,
-             is_python_module=False, verbose=False)
-    except (OSError, RuntimeError) as e:  # no compiler, or it refused the flags: torch's ops do the work
+        with build_lock(name):  # bounded, and never stuck on a killed build's lock (actors/model/kernel_build.py)
+            load(name=name, sources=[str(s) for s in SOURCES], extra_cflags=FLAGS, is_python_module=False,
+                 verbose=False)
+    except (OSError, RuntimeError) as e:  # no compiler, it refused the flags, or a build held past the bound
         log.warning("our AVX512 CPU kernels could not be built (%s); using torch's ops", e)
         return None
     _register_fake()

@@ -117,7 +117,8 @@ class Frontend:
         self.meta = load_metadata(resolve(m.target), m.dtype)  # tokenizer, chat template, context length
         self.tokenizer = self.meta.tokenizer
         self.token_strings = TokenStrings(self.tokenizer)  # what logprobs name each token by
-        self.max_model_len = context_length(self.meta.max_model_len, m.max_model_len)
+        self.max_model_len = context_length(self.meta.max_model_len, m.max_model_len,
+                                            cfg.engine.cache.capacity_tokens)  # as the engine caps it
         self.vocab_size = self.meta.config.vocab_size
         # a bare handle (tests, benchmarks with their own router) gets deadlines but is never replaced
         self.router = router if isinstance(router, RouterClient) else RouterClient(router,

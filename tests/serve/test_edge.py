@@ -96,6 +96,10 @@ def test_bodies_that_break_a_parser_are_400s_not_500s(served_app: ServedApp, rou
     ({"logit_bias": {"1": 101}}, "logit_bias", "invalid_value"),
     ({"logit_bias": {str(i): 1 for i in range(301)}}, "logit_bias", "invalid_value"),
     ({"turbo": True}, "turbo", "unsupported_parameter"),
+    # nested past Python's recursion limit: once a RecursionError and a 500
+    ({"guided_json": "[" * 2000 + "]" * 2000}, "guided_json", "invalid_value"),
+    ({"guided_choice": ["x" * 1001]}, "guided_choice.0", "invalid_value"),
+    ({"stop_token_ids": list(range(65))}, "stop_token_ids", "invalid_value"),
 ])
 def test_out_of_bounds_and_unimplemented_fields_are_400s_that_name_the_field(served_app: ServedApp, extra: dict,
                                                                               param: str, code: str) -> None:

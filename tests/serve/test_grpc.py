@@ -82,6 +82,13 @@ def test_list_models_and_health(stub) -> None:
                  grpc.StatusCode.INVALID_ARGUMENT, id="token id out of range"),
     pytest.param(AUTH, pb.GenerateRequest(model=MODEL, prompt="hi", cache_salt=""), grpc.StatusCode.INVALID_ARGUMENT,
                  id="empty cache_salt"),
+    pytest.param(AUTH, pb.GenerateRequest(model=MODEL, prompt="hi", structured=pb.StructuredOutput(
+        json_schema='{"type": "object", "properties": {"a": ' * 2000 + "{}" + "}}" * 2000)),
+        grpc.StatusCode.INVALID_ARGUMENT, id="schema nested 2000 deep"),
+    pytest.param(AUTH, pb.GenerateRequest(model=MODEL, prompt="hi", stop_token_ids=list(range(65))),
+                 grpc.StatusCode.INVALID_ARGUMENT, id="65 stop token ids"),
+    pytest.param(AUTH, pb.GenerateRequest(model=MODEL, prompt="hi", structured=pb.StructuredOutput(
+        choice=pb.Choices(choices=["x" * 1001]))), grpc.StatusCode.INVALID_ARGUMENT, id="a choice of 1001 chars"),
     pytest.param(AUTH, pb.GenerateRequest(model=MODEL, prompt="x" * (1 << 20)), grpc.StatusCode.RESOURCE_EXHAUSTED,
                  id="message over the size limit"),
 ])
