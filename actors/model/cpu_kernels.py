@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from actors.model.kernel_build import build_lock
+from actors.model.kernel_build import build_lock, ninja_on_path
 
 log = logging.getLogger(__name__)
 
@@ -75,6 +75,7 @@ def unavailable() -> str | None:
         return "no C++ compiler"
     from torch.utils.cpp_extension import is_ninja_available
 
+    ninja_on_path()  # the `ninja` package's, where the venv's bin is not on PATH
     return None if is_ninja_available() else "no ninja (torch's extension builder needs it)"
 
 

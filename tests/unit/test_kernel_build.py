@@ -61,3 +61,14 @@ def test_our_lock_is_bounded_in_time(tmp_path: Path) -> None:
         with pytest.raises(TimeoutError, match=str(path)):
             with file_lock(path, timeout_s=0.3):
                 pass
+
+
+def test_the_ninja_package_is_found_without_an_activated_venv(tmp_path: Path) -> None:
+    """The `ninja` dependency installs its executable beside the interpreter; a process started without the venv on
+    PATH (`.venv/bin/specfleet`, a Ray worker) still finds it, so the kernels build."""
+    pytest.importorskip("ninja", reason="the ninja package is not installed here (pip install -e .)")
+    code = ("from torch.utils.cpp_extension import is_ninja_available; from actors.model.kernel_build import "
+            "ninja_on_path; a = is_ninja_available(); ninja_on_path(); print(a, is_ninja_available())")
+    env = {**os.environ, "PATH": str(tmp_path), "PYTHONPATH": os.pathsep.join([os.getcwd()] + sys.path)}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert out.stdout.split() == ["False", "True"], out.stderr[-2000:]
