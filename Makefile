@@ -6,8 +6,6 @@ STAMP   := $(VENV)/.installed
 CONFIG  ?= deploy/configs/default.yaml
 PROMPT  ?= Explain speculative decoding in one sentence.
 
-export RAY_AUTH_MODE ?= disabled
-
 .PHONY: venv install test serve generate clean
 
 venv: $(PY)
