@@ -311,6 +311,12 @@ class Frontend:
             log.error("releasing %s failed", task.get_name(), exc_info=task.exception())
 
 
+def public_error(request_id: str, what: str = "the request failed on the server") -> str:
+    """What a client is told of a failure that is not its own: a fixed text and the request id. The detail (Ray's
+    error text: node addresses, actor ids, tracebacks) goes to the replica's log under the same id."""
+    return f"{what} (request id {request_id}; the cause is in the server's log)"
+
+
 def _cause(e: BaseException) -> str:
     """An error's own message: one raised in an actor arrives as Ray's RayTaskError, traceback included, which a
     client must not see."""
@@ -351,11 +357,11 @@ class Call:
         end the task silently and leave the client waiting, and the request pending, for good)."""
         try:
             await self._stream(index, out)
-        except Exception as e:  # noqa: BLE001 - the choice ends with the error, logged with its cause
+        except Exception:  # noqa: BLE001 - the choice ends with the error, logged with its cause
             log.exception("the stream of %s failed", self.ids[index])
             if index not in self._ended:
                 await self._put(out, index, TokenDelta(self.ids[index], (), "", FinishReason.ERROR,
-                                                       error=f"the request failed: {type(e).__name__}: {e}"))
+                                                       error=public_error(self.ids[index])))
 
     async def _stream(self, index: int, out: asyncio.Queue) -> None:
         """Stream one choice from its instance; follow it when it migrates, resume it elsewhere when its instance
@@ -382,6 +388,10 @@ class Call:
                         break
                     if item.delta.finished and item.delta.instance_failure:
                         raise InstanceFailed(item.delta.error or "the instance failed")
+                    if item.delta.error and not item.rejected:  # the server's failure: its detail stays here
+                        log.error("request %s failed on instance %s: %s", rid, instance_id, item.delta.error)
+                        item = dataclasses.replace(item, delta=dataclasses.replace(item.delta,
+                                                                                   error=public_error(rid)))
                     tokens.extend(item.delta.token_ids)
                     chars += len(item.delta.text)
                     if item.delta.finished:
@@ -393,18 +403,20 @@ class Call:
                     raise RuntimeError("the stream ended without a final item")
                 continue  # followed a migration: not a failure
             except (RayError, RuntimeError) as e:  # the instance died or failed mid-stream
-                error = f"the instance failed: {type(e).__name__}: {e}"
+                log.warning("request %s: instance %s failed (%s: %s)", rid, instance_id, type(e).__name__, e)
             if failovers == max_failovers:
-                await self._put(out, index, TokenDelta(rid, (), "", FinishReason.ERROR,
-                                                       error=f"{error}; gave up after {failovers} failovers"))
+                log.error("request %s: gave up after %d failovers", rid, failovers)
+                await self._put(out, index, TokenDelta(rid, (), "", FinishReason.ERROR, error=public_error(
+                    rid, f"the instance serving the request failed; gave up after {failovers} failovers")))
                 return
             failovers += 1
             try:
                 self.routed[index] = await self.f.failover(rid, (instance_id, handle), self.prep.priority,
                                                            self.f.block_names(self.prep, tokens))
             except (NoInstanceAvailable, RayError, KeyError, asyncio.TimeoutError) as e:
-                await self._put(out, index, TokenDelta(rid, (), "", FinishReason.ERROR,
-                                                       error=f"{error}; no instance to resume on: {e}"))
+                log.error("request %s: no instance to resume on (%s: %s)", rid, type(e).__name__, e)
+                await self._put(out, index, TokenDelta(rid, (), "", FinishReason.ERROR, error=public_error(
+                    rid, "the instance serving the request failed and no other could resume it")))
                 return
             resumed = dataclasses.replace(request, resume=Resume(tuple(tokens), chars))
             submit = lambda h, r=resumed: h.generate.options(num_returns="streaming").remote(r)  # noqa: E731

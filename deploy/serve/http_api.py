@@ -23,6 +23,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from cluster.config import ServeConfig
 from cluster.request import FinishReason, SpecStats
+from deploy.serve.admission import Ticket
 from deploy.serve.auth import Tenant
 from deploy.serve.frontend import Call
 from cluster.registry import NoInstanceAvailable
@@ -133,7 +134,11 @@ class ClosingStreamingResponse(StreamingResponse):
             await asyncio.gather(stream, watcher, return_exceptions=True)
             await self.body_iterator.aclose()
         error = None if stream.cancelled() else stream.exception()
-        if error is not None and not watcher.done() and not isinstance(error, TimeoutError):
+        if isinstance(error, TimeoutError) and not watcher.done():  # no [DONE] can reach a client that reads nothing
+            log.warning("request %s: the client read nothing for %g s; its stream is cut", self.call.prep.request_id,
+                        SEND_TIMEOUT_S)
+            self.call.f.metrics.failed("client_stopped_reading")
+        elif error is not None and not watcher.done():
             raise error
 
 
@@ -161,14 +166,18 @@ class HttpRoutes:
 
     async def _completions(self, request: Request) -> Response:
         tenant = self._auth(request)
-        self.edge.precheck(tenant)
-        declared = request.headers.get("content-length", "")
-        if not (declared.isdigit() and int(declared) > self.cfg.serve.max_request_bytes):  # that is a 413 (_read)
-            self.frontend.check_completion_body(declared)
-        body: CompletionRequest = await _body(request, CompletionRequest, self.cfg.serve)
-        f = self.frontend
-        f.check_model(body.model)
-        call = await self._start_body(tenant, body, body.max_tokens, lambda: f.encode_prompt(body.prompt, tenant.name))
+        held = self.edge.precheck(tenant)  # the body's read holds one of the key's slots (deploy/serve/edge.py)
+        try:
+            declared = request.headers.get("content-length", "")
+            if not (declared.isdigit() and int(declared) > self.cfg.serve.max_request_bytes):  # a 413 (_read)
+                self.frontend.check_completion_body(declared)
+            body: CompletionRequest = await _body(request, CompletionRequest, self.cfg.serve)
+            f = self.frontend
+            f.check_model(body.model)
+            call = await self._start_body(tenant, body, body.max_tokens,
+                                          lambda: f.encode_prompt(body.prompt, tenant.name), held=held)
+        finally:
+            held.release()  # passed to the request's admission, or the request ended before it
         prefix = ""
         if body.echo:
             prefix = body.prompt if isinstance(body.prompt, str) else f.tokenizer.decode(call.prep.prompt_ids)
@@ -176,17 +185,22 @@ class HttpRoutes:
 
     async def _chat_completions(self, request: Request) -> Response:
         tenant = self._auth(request)
-        self.edge.precheck(tenant)
-        body: ChatCompletionRequest = await _body(request, ChatCompletionRequest, self.cfg.serve)
-        f = self.frontend
-        f.check_model(body.model)
-        self.edge.check_messages(len(body.messages))
-        messages = [m.template_dict() for m in body.messages]
-        call = await self._start_body(tenant, body, body.token_limit, lambda: f.encode_chat(messages, tenant.name),
-                                 prompt_param="messages", prefix="chatcmpl")
+        held = self.edge.precheck(tenant)
+        try:
+            body: ChatCompletionRequest = await _body(request, ChatCompletionRequest, self.cfg.serve)
+            f = self.frontend
+            f.check_model(body.model)
+            self.edge.check_messages(len(body.messages))
+            messages = [m.template_dict() for m in body.messages]
+            call = await self._start_body(tenant, body, body.token_limit,
+                                          lambda: f.encode_chat(messages, tenant.name), held=held,
+                                          prompt_param="messages", prefix="chatcmpl")
+        finally:
+            held.release()
         return await self._respond(call, body, chat=True)
 
-    async def _start_body(self, tenant: Tenant, body, max_tokens: int | None, encode, **naming) -> Call:
+    async def _start_body(self, tenant: Tenant, body, max_tokens: int | None, encode, held: Ticket | None = None,
+                          **naming) -> Call:
         """The body's request through the edge: its structured output is checked with the prompt's tokenization."""
         f = self.frontend
         spec, spec_param = body.structured()
@@ -198,7 +212,7 @@ class HttpRoutes:
             return await encode()
 
         return await self.edge.start(
-            tenant, n=body.n, priority=body.priority, max_tokens=max_tokens, encode=checked_encode,
+            tenant, n=body.n, priority=body.priority, max_tokens=max_tokens, encode=checked_encode, held=held,
             prepare=lambda ids: f.prepare(ids, max_tokens=max_tokens, **sampling, tenant=tenant.name, **naming))
 
     async def _respond(self, call: Call, body, chat: bool, prefix: str = "") -> Response:
@@ -225,11 +239,14 @@ class HttpRoutes:
     async def _complete(self, call: Call, body, chat: bool, prefix: str) -> Response:
         rid, model, p = call.prep.request_id, self.frontend.model_name, len(call.prep.prompt_ids)
         choices = await call.collect()
-        if all(c.finish_reason == FinishReason.ERROR for c in choices):
-            first = choices[0]
+        failed = [c for c in choices if c.finish_reason == FinishReason.ERROR]
+        if failed:  # all or nothing: a 200 whose choices silently miss some would read as a whole answer
+            first = failed[0]
             if first.rejected:  # the engine refused it: the client's error
                 raise APIError(400, first.error or "the request was refused")
-            raise APIError(503, first.error or "the request failed", type_="service_unavailable")
+            self.frontend.metrics.failed("partial_failure" if len(failed) < len(choices) else "failure")
+            raise APIError(503, f"{len(failed)} of {len(choices)} choices failed: {first.error or 'the request failed'}",
+                           type_="service_unavailable", code="instance_failed")
         total = SpecStats()
         for c in choices:
             total.merge(c.stats)
@@ -266,6 +283,7 @@ class HttpRoutes:
                 total.merge(item.stats)
             if d.error:
                 err = APIError(503, d.error, type_="service_unavailable", code="instance_failed")
+                self.frontend.metrics.failed("stream_error")
                 yield _sse(err.body())
             if scoring and index not in started:
                 lp, offsets[index] = self._logprobs(body, chat, prompt_ids, d.prompt_logprobs or None, (),

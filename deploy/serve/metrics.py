@@ -81,11 +81,21 @@ class Metrics:
                            "MoE-layer seconds per token (over every MoE layer, all-to-all included)", inst, registry=r)
         self.healthy_instances = Gauge("specfleet:healthy_instances", "Instances the router dispatches to", m,
                                        registry=r)
+        # requests that did not end as asked, by outcome: `failure` (a non-streamed request that failed: a 503),
+        # `partial_failure` (one some of whose choices failed: a 503 too, not a 200 with holes), `stream_error` (an
+        # error event in a stream), `client_stopped_reading` (a stream cut after the client read nothing for
+        # SEND_TIMEOUT_S: no [DONE] can reach it)
+        self.failures = Counter("specfleet:request_failures", "Requests that ended in a failure, by outcome",
+                                ["model_name", "outcome"], registry=r)
         self.migration_figures: MigrationStats | None = None  # the router's, as of the last scrape
         self.routing_figures: RoutingStats | None = None  # the router's, as of the last scrape
         self.instance_rows: list[InstanceRow] = []  # the router's rows, as of the last scrape
         r.register(_MigrationCollector(self))
         r.register(_RoutingCollector(self))
+
+    def failed(self, outcome: str) -> None:
+        """A request ended in a failure (see `failures` for the outcomes)."""
+        self.failures.labels(self.model, outcome).inc()
 
     def finished(self, reason: str, prompt_tokens: int, stats: SpecStats | None) -> None:
         """A choice ended (its generated tokens were counted as they streamed, in the frontend's _Timer)."""

@@ -26,3 +26,16 @@ def test_no_per_instance_prefix_cache_figure_is_published() -> None:
     assert 'specfleet:num_requests_running{instance="i0",model_name="tiny"} 1.0' in text
     for name in ("prefix_cache_hits", "prefix_cache_queries", "kv_cache_cached_blocks"):
         assert name not in text, name
+
+
+def test_failures_are_counted_by_outcome_and_clients_get_no_internal_detail() -> None:
+    from deploy.serve.frontend import public_error
+
+    m = Metrics("tiny")
+    for outcome in ("partial_failure", "stream_error", "client_stopped_reading", "stream_error"):
+        m.failed(outcome)
+    text = m.render().decode()
+    assert 'specfleet:request_failures_total{model_name="tiny",outcome="stream_error"} 2.0' in text
+    assert 'specfleet:request_failures_total{model_name="tiny",outcome="client_stopped_reading"} 1.0' in text
+    message = public_error("cmpl-1")
+    assert "cmpl-1" in message and "log" in message
