@@ -207,7 +207,7 @@ class GrpcMethods:
         return pb.ListModelsResponse(models=[pb.Model(id=m, max_model_len=n) for m, n in sorted(models.items())])
 
     async def Health(self, request: pb.HealthRequest, grpc_context) -> pb.HealthResponse:  # noqa: N802
-        instances = await self.router.call(lambda r: r.instances.remote())
+        instances = await self.instances_view.get()  # reused for a second (deploy/serve/cached.py)
         healthy = sum(i.accepting for i in instances)
         if not healthy:
             grpc_context.set_code(grpc.StatusCode.UNAVAILABLE)

@@ -27,7 +27,7 @@ from deploy.serve.admission import Ticket
 from deploy.serve.auth import Tenant
 from deploy.serve.frontend import Call
 from cluster.registry import NoInstanceAvailable
-from deploy.serve import logprobs, openapi
+from deploy.serve import audit, logprobs, openapi
 from deploy.serve.metrics import CONTENT_TYPE
 from deploy.serve.openai_api import (APIError, ChatCompletionRequest, CompletionRequest, choice, chunk_body,
                                completion_body, from_validation_error, model_list, usage, usage_chunk)
@@ -158,6 +158,10 @@ class HttpRoutes:
             raise APIError(401, f"missing or invalid {what}: send `Authorization: Bearer <key>`",
                            type_="authentication_error", code="invalid_api_key")
         return tenant
+
+    def _audit(self, request: Request, admin: Tenant, action: str, target: str, outcome: str) -> None:
+        """An admin action in the audit log (deploy/serve/audit.py), with the admin key's id."""
+        audit.record(action, target, admin, request.client.host if request.client else None, outcome)
 
     # ---- OpenAI ---------------------------------------------------------------------------------------
     async def _models(self, request: Request) -> JSONResponse:
@@ -302,15 +306,13 @@ class HttpRoutes:
 
     # ---- health and metrics ---------------------------------------------------------------------------
     async def _health(self) -> JSONResponse:
-        instances = await self.router.call(lambda r: r.instances.remote())
+        instances = await self.instances_view.get()  # reused for a second (deploy/serve/cached.py)
         healthy = sum(i.accepting for i in instances)
         return JSONResponse({"status": "ok" if healthy else "unavailable", "healthy_instances": healthy},
                             status_code=200 if healthy else 503)
 
     async def _metrics(self) -> Response:
-        instances, migrations, routing = await asyncio.gather(
-            self.router.call(lambda r: r.instances.remote()), self.router.call(lambda r: r.migration_stats.remote()),
-            self.router.call(lambda r: r.routing_stats.remote()))
+        instances, migrations, routing = await self.fleet_view.get()  # reused for a second
         self.frontend.metrics.set_instances(instances)
         self.frontend.metrics.migration_figures = migrations
         self.frontend.metrics.routing_figures = routing
@@ -345,8 +347,10 @@ class HttpRoutes:
         return JSONResponse({"requests": [row.model_dump(mode="json") for row in rows]})
 
     async def _admin_abort(self, request_id: str, request: Request) -> JSONResponse:
-        self._auth(request, admin=True)
-        if not await self.router.call(lambda r: r.abort.remote(request_id)):
+        admin = self._auth(request, admin=True)
+        found = await self.router.call(lambda r: r.abort.remote(request_id))
+        self._audit(request, admin, "abort", request_id, "ok" if found else "not found")
+        if not found:
             raise APIError(404, f"no running request {request_id!r} (unknown, or it has just ended)", param="request_id",
                            code="request_not_found")
         return JSONResponse({"request_id": request_id, "aborted": True})
@@ -354,11 +358,13 @@ class HttpRoutes:
     async def _admin_drain(self, instance_id: str, request: Request) -> JSONResponse:
         """Stop dispatching to an instance; `migrate=true` moves its running requests to the others (live
         migration), `abort=true` aborts them, neither leaves them to finish there."""
-        self._auth(request, admin=True)
+        admin = self._auth(request, admin=True)
         flag = lambda name: request.query_params.get(name, "false").lower() in ("1", "true", "yes")  # noqa: E731
         abort, migrate = flag("abort"), flag("migrate")
         if abort and migrate:
             raise APIError(400, "choose migrate or abort, not both", param="migrate")
+        self._audit(request, admin, "drain", instance_id, "asked: " + ("migrate" if migrate else
+                                                                        "abort" if abort else "finish there"))
         try:
             if migrate:
                 moved = await self.router.call(lambda r: r.drain_migrate.remote(instance_id), retry=False,
@@ -371,9 +377,10 @@ class HttpRoutes:
 
     async def _admin_migrate(self, request_id: str, request: Request) -> JSONResponse:
         """Live-migrate a running request (`to`: the destination instance; default: where dispatch would send it)."""
-        self._auth(request, admin=True)
+        admin = self._auth(request, admin=True)
         try:
             to = request.query_params.get("to")
+            self._audit(request, admin, "migrate", request_id, f"asked: to {to or 'dispatch'}")
             result = await self.router.call(lambda r: r.migrate.remote(request_id, to), retry=False,
                                             timeout_s=ADMIN_TIMEOUT_S)
         except ValueError as e:
@@ -383,7 +390,7 @@ class HttpRoutes:
         return JSONResponse({**dataclasses.asdict(result), "status": result.status.value})
 
     async def _admin_undrain(self, instance_id: str, request: Request) -> JSONResponse:
-        self._auth(request, admin=True)
+        self._audit(request, self._auth(request, admin=True), "undrain", instance_id, "asked")
         try:
             await self.router.call(lambda r: r.undrain.remote(instance_id))
         except ValueError as e:
