@@ -100,10 +100,9 @@ class Engine:
         self.acceptance = Acceptance.prior(speculation.prior_acceptance, decay=speculation.acceptance_decay)
         self.scheduler = Scheduler(scheduler, target.cache, self.k, self.free)
         self.planner = SpeculationPlanner(policy, self.drafter, target, self.k, self.acceptance)
-        # capped at what the cache holds: a request that can never fit is refused when added (a 400), not failed
-        # after it started streaming
-        cache_tokens = min([target.cache.capacity_tokens] + ([draft.cache.capacity_tokens] if draft else []))
-        self.max_model_len = context_length(target.model.max_model_len, max_model_len, cache_tokens)
+        # capped at what the target's cache holds: a request that can never fit is refused when added (a 400), not
+        # failed after it started streaming (a draft without room only stops drafting: actors/speculation)
+        self.max_model_len = context_length(target.model.max_model_len, max_model_len, target.cache.capacity_tokens)
         if self.max_model_len < context_length(target.model.max_model_len, max_model_len):
             log.warning("the context is capped at %d tokens: what the KV cache holds (engine.cache.num_blocks - 1 "
                         "blocks of engine.cache.block_size)", self.max_model_len)
