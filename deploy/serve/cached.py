@@ -3,7 +3,8 @@
 Those routes need no key, and each used to call the single router actor on every hit: anyone who can reach the
 port could keep the router busy answering them. `Cached` makes one call per `ttl_s` per replica whatever the
 rate of hits; callers that arrive while a call is under way wait for it (a lock, no task of its own). An error is
-not kept: the next caller tries again.
+not kept: the next caller tries again. An admin action through this replica (drain, undrain, ...) `invalidate`s
+it, so the replica that made a change shows it at once; another replica may show the old state for up to `ttl_s`.
 """
 
 from __future__ import annotations
@@ -26,6 +27,10 @@ class Cached(Generic[T]):
         self._lock = asyncio.Lock()
         self._value: T | None = None
         self._at: float | None = None
+
+    def invalidate(self) -> None:
+        """The next `get` fetches anew (a change this replica made must show at once)."""
+        self._at = None
 
     async def get(self) -> T:
         async with self._lock:

@@ -162,6 +162,12 @@ class HttpRoutes:
     def _audit(self, request: Request, admin: Tenant, action: str, target: str, outcome: str) -> None:
         """An admin action in the audit log (deploy/serve/audit.py), with the admin key's id."""
         audit.record(action, target, admin, request.client.host if request.client else None, outcome)
+        self._changed()
+
+    def _changed(self) -> None:
+        """The fleet changed through this replica: its cached views (/health, /metrics) are read anew."""
+        self.instances_view.invalidate()
+        self.fleet_view.invalidate()
 
     # ---- OpenAI ---------------------------------------------------------------------------------------
     async def _models(self, request: Request) -> JSONResponse:
@@ -373,6 +379,8 @@ class HttpRoutes:
             running = await self.router.call(lambda r: r.drain.remote(instance_id, abort))
         except ValueError as e:
             raise APIError(404, _reason(e), param="instance_id", code="instance_not_found") from None
+        finally:
+            self._changed()
         return JSONResponse({"instance_id": instance_id, "draining": True, "running": running, "aborted": abort})
 
     async def _admin_migrate(self, request_id: str, request: Request) -> JSONResponse:
@@ -395,6 +403,8 @@ class HttpRoutes:
             await self.router.call(lambda r: r.undrain.remote(instance_id))
         except ValueError as e:
             raise APIError(404, _reason(e), param="instance_id", code="instance_not_found") from None
+        finally:
+            self._changed()
         return JSONResponse({"instance_id": instance_id, "draining": False})
 
 

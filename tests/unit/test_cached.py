@@ -32,3 +32,20 @@ def test_many_hits_make_one_router_call_per_ttl_and_errors_are_not_kept() -> Non
         assert await view.get() == 4  # the failure was not kept
 
     asyncio.run(run())
+
+
+def test_a_change_made_through_this_replica_shows_at_once() -> None:
+    state = {"healthy": 2}
+
+    async def fetch() -> int:
+        return state["healthy"]
+
+    async def run() -> None:
+        view = Cached(fetch, ttl_s=60.0)
+        assert await view.get() == 2
+        state["healthy"] = 1  # an undrain through this replica's /admin
+        assert await view.get() == 2  # within the second: the cached answer
+        view.invalidate()
+        assert await view.get() == 1
+
+    asyncio.run(run())
