@@ -6,8 +6,6 @@ STAMP   := $(VENV)/.installed
 CONFIG  ?= deploy/configs/default.yaml
 PROMPT  ?= Explain speculative decoding in one sentence.
 
-export RAY_AUTH_MODE ?= disabled
-
 .PHONY: venv install test serve generate clean
 
 venv: $(PY)
@@ -16,8 +14,14 @@ install: $(STAMP)
 $(PY):
 	python3 -m venv $(VENV)
 
+# torch's wheel for this machine: the CPU build from PyTorch's CPU index where no NVIDIA driver is found (the
+# default index's wheel is the CUDA build, gigabytes of libraries a CPU-only machine never uses), the default
+# index's CUDA build where `nvidia-smi` runs; `make TORCH_INDEX=https://download.pytorch.org/whl/cu128 install`
+# picks another (README, "Install")
+TORCH_INDEX ?= $(if $(shell nvidia-smi -L 2>/dev/null),,https://download.pytorch.org/whl/cpu)
+
 $(STAMP): pyproject.toml | $(PY)
-	$(PY) -m pip install torch==2.13.0
+	$(PY) -m pip install torch==2.13.0 $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
 	$(PY) -m pip install -e '.[test,bench]'
 	$(PY) -m deploy.rpc.codegen  # the gRPC modules from deploy/rpc/specfleet.proto (git-ignored)
 	touch $@

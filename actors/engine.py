@@ -49,7 +49,7 @@ from actors.step import Drafts, Scores, SpecPlan, Verdict
 from actors.verification import logprobs_of, verify
 from cluster.config import EngineConfig, SchedulerConfig, SpeculationConfig
 from cluster.migration_policy import InstanceLoad, RequestLoad
-from cluster.prefix import ChainNames, root_hash
+from cluster.prefix import ChainNames, request_root
 from cluster.request import FinishReason, InvalidRequest, Request, TokenDelta, check_prompt, context_length
 from cluster.stats import EngineStats
 
@@ -80,6 +80,7 @@ class Engine:
         prefix_caching: bool = False,
         prefix_identity: str | None = None,
         deterministic: bool = False,
+        share_across_tenants: bool = False,
     ) -> None:
         if draft is not None and draft.model.config.vocab_size != target.model.config.vocab_size:
             raise ValueError(
@@ -99,7 +100,12 @@ class Engine:
         self.acceptance = Acceptance.prior(speculation.prior_acceptance, decay=speculation.acceptance_decay)
         self.scheduler = Scheduler(scheduler, target.cache, self.k, self.free)
         self.planner = SpeculationPlanner(policy, self.drafter, target, self.k, self.acceptance)
-        self.max_model_len = context_length(target.model.max_model_len, max_model_len)
+        # capped at what the target's cache holds: a request that can never fit is refused when added (a 400), not
+        # failed after it started streaming (a draft without room only stops drafting: actors/speculation)
+        self.max_model_len = context_length(target.model.max_model_len, max_model_len, target.cache.capacity_tokens)
+        if self.max_model_len < context_length(target.model.max_model_len, max_model_len):
+            log.warning("the context is capped at %d tokens: what the KV cache holds (engine.cache.num_blocks - 1 "
+                        "blocks of engine.cache.block_size)", self.max_model_len)
         self.tokenizer: PreTrainedTokenizerBase = target.model.tokenizer
         self.eos_token_ids = target.model.eos_token_ids
         self._ids = itertools.count()
@@ -108,6 +114,7 @@ class Engine:
         self.prefix_caching = prefix_caching and target.replicated_cache
         # the root of the target's block names (EngineConfig.prefix_identity: the same in every instance of an app)
         self.prefix_identity = prefix_identity or model_identity(target)
+        self.share_across_tenants = share_across_tenants  # else a block's name includes its request's tenant
         if prefix_caching and not self.prefix_caching:
             log.info("prefix caching is off: the target's expert-parallel ranks each hold their own requests' "
                      "KV (engine.experts.attention: data), so a cached block is not where another request runs")
@@ -128,7 +135,7 @@ class Engine:
         return cls(target[0], draft, cfg.speculation, cfg.scheduler, cfg.model.max_model_len,
                    draft_quantized=cfg.model.draft_quantization != "none", calibration=calibration,
                    prefix_caching=cfg.cache.prefix_caching, prefix_identity=cfg.prefix_identity,
-                   deterministic=cfg.deterministic)
+                   deterministic=cfg.deterministic, share_across_tenants=cfg.cache.share_across_tenants)
 
     @property
     def policy(self) -> SpecPolicy:
@@ -170,10 +177,11 @@ class Engine:
             seq.grammar = self.grammars.matcher(params.structured)
             seq.grammar.consume(out.token_ids)  # a resumed request's tokens so far
         if self.prefix_caching and params.prompt_logprobs is None:  # scoring a prompt runs every position of it
-            seq.target_names = ChainNames(root_hash(self.prefix_identity, request.cache_salt),
+            share, tenant, salt = self.share_across_tenants, request.tenant, request.cache_salt
+            seq.target_names = ChainNames(request_root(self.prefix_identity, tenant, salt, share),
                                           self.target.cache.block_size)
             if isinstance(self.drafter, ModelDrafter) and self.draft.replicated_cache:
-                seq.draft_names = ChainNames(root_hash(model_identity(self.draft), request.cache_salt),
+                seq.draft_names = ChainNames(request_root(model_identity(self.draft), tenant, salt, share),
                                              self.draft.cache.block_size)
         if resume is not None and resume.stats is not None:
             seq.stats = copy.deepcopy(resume.stats)

@@ -62,7 +62,7 @@ class Instance:
         self.target, self.draft = target, draft
         self.engine = Engine(target, draft, cfg.speculation, cfg.scheduler, cfg.model.max_model_len,
                              prefix_caching=cfg.cache.prefix_caching, prefix_identity=cfg.prefix_identity,
-                             deterministic=cfg.deterministic)
+                             deterministic=cfg.deterministic, share_across_tenants=cfg.cache.share_across_tenants)
         self._moves = EngineMigration(self.engine)
         self._cache_events = EventLog()  # what the router's prefix index learns (cluster/prefix_index.py)
         self._release: Callable[[], None] | None = release

@@ -136,8 +136,11 @@ class InstanceServer:
                     self.loop.submit(request, lambda item: loop.call_soon_threadsafe(items.put_nowait, item)))
             except (RequestError, InstanceUnhealthy, RuntimeError) as e:
                 finished = True
-                yield StreamItem(TokenDelta(request.request_id, (), "", FinishReason.ERROR, error=str(e)),
-                                 rejected=isinstance(e, RequestError))
+                # an instance that is unhealthy, or whose loop stopped, fails as a dead one would: the API replica
+                # resumes the request elsewhere; only the engine's refusal (RequestError) is the request's own
+                refused = isinstance(e, RequestError)
+                yield StreamItem(TokenDelta(request.request_id, (), "", FinishReason.ERROR, error=str(e),
+                                            instance_failure=not refused), rejected=refused)
                 return
             while True:
                 item = await items.get()

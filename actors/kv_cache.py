@@ -82,6 +82,7 @@ class BlockPool:
         self._block: dict[int, int] = {}  # name -> the block that holds it
         self._cached: OrderedDict[int, None] = OrderedDict()  # named blocks no request holds, least recent first
         self.prefix = PrefixEvents()
+        self.capacity_tokens = self.num_blocks * block_size  # the most one request can hold (CacheConfig's)
         self.max_events = 4 * num_blocks  # changes kept for `take_events`; past it they are dropped (`lost`)
 
     # ---- accounting -------------------------------------------------------------------------

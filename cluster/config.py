@@ -155,6 +155,15 @@ class CacheConfig(_Frozen):
     # On by default, as measured to pay (`specfleet bench prefix`, docs/benchmarks.md): a single request of the
     # default app is no slower with it, and a chat's prompts share at least the chat template's header
     prefix_caching: bool = True
+    # whether requests of different tenants (API keys) share cached blocks: off by default, so no key can learn by
+    # its own hits what another key's prompts began with (cluster/prefix.py, docs/security.md); on for a
+    # single-tenant fleet, where one system prompt shared by every key is worth caching once
+    share_across_tenants: bool = False
+
+    @property
+    def capacity_tokens(self) -> int:
+        """The tokens one request may hold: every usable block (actors/kv_cache.py keeps the last as scratch)."""
+        return (self.num_blocks - 1) * self.block_size
 
 
 class SchedulerConfig(_Frozen):

@@ -10,7 +10,9 @@ from __future__ import annotations
 import enum
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Annotated
 
+import pydantic_core
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 
@@ -21,6 +23,12 @@ MAX_STOPS = 16
 MAX_STOP_CHARS = 256
 MAX_LOGPROBS = 20  # top logprobs per token (OpenAI's limit)
 MAX_LOGIT_BIAS = 300  # tokens a logit_bias may list (OpenAI's limit)
+MAX_STOP_TOKEN_IDS = 64
+MAX_CHOICES = 1_000  # a choice output's strings
+MAX_CHOICE_CHARS = 1_000  # each one's length
+# how deep a JSON schema may nest (objects and arrays): real schemas nest a few levels; deeper ones reach the
+# recursion limits of Python's json, pydantic's serializer and the grammar compiler, each a 500 if not refused here
+MAX_SCHEMA_DEPTH = 64
 # what a request that does not say samples with (OpenAI's defaults; the HTTP and gRPC surfaces take them from here)
 DEFAULT_TEMPERATURE = 1.0
 DEFAULT_MAX_TOKENS = 16  # a completion's (a chat's default is the room left in the context)
@@ -34,6 +42,35 @@ class InvalidRequest(ValueError):
         self.param, self.code = param, code
 
 
+def json_depth(value: object, limit: int = MAX_SCHEMA_DEPTH) -> int:
+    """How deep `value` nests (a scalar 0, `{}` 1), counted without recursion; stops counting past `limit`."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        v, depth = stack.pop()
+        if isinstance(v, dict | list | tuple):
+            deepest = max(deepest, depth)
+            if depth > limit:
+                return depth
+            stack.extend((c, depth + 1) for c in (v.values() if isinstance(v, dict) else v))
+    return deepest
+
+
+def parse_json_schema(text: str, param: str) -> dict:
+    """A JSON schema given as text (vLLM's guided_json string, gRPC's json_schema): parsed without Python's
+    recursion (pydantic-core's parser), an object nested at most MAX_SCHEMA_DEPTH deep; InvalidRequest naming
+    `param` otherwise."""
+    try:
+        schema = pydantic_core.from_json(text)
+    except ValueError as e:
+        if "recursion limit" in str(e):
+            raise InvalidRequest(f"{param}: the schema nests deeper than {MAX_SCHEMA_DEPTH} levels", param=param,
+                                 code="invalid_value") from None
+        raise InvalidRequest(f"{param}: not valid JSON: {str(e)[:200]}", param=param, code="invalid_value") from None
+    if not isinstance(schema, dict):
+        raise InvalidRequest(f"{param}: a JSON schema is an object", param=param, code="invalid_value")
+    return schema
+
+
 class StructuredOutput(BaseModel):
     """What a request's output must match (exactly one field set): a JSON schema, any JSON object, a regular
     expression, one of a list of strings (vLLM's guided_json / json_object / guided_regex / guided_choice), or a
@@ -44,8 +81,16 @@ class StructuredOutput(BaseModel):
     json_schema: dict | None = None
     json_object: bool = False
     regex: str | None = Field(default=None, max_length=10_000)
-    choice: tuple[str, ...] | None = Field(default=None, min_length=1, max_length=1_000)
+    choice: tuple[Annotated[str, Field(max_length=MAX_CHOICE_CHARS)], ...] | None = Field(
+        default=None, min_length=1, max_length=MAX_CHOICES)
     lark: str | None = Field(default=None, max_length=4 << 20)
+
+    @field_validator("json_schema")
+    @classmethod
+    def _shallow(cls, v: dict | None) -> dict | None:
+        if v is not None and json_depth(v) > MAX_SCHEMA_DEPTH:
+            raise ValueError(f"the schema nests deeper than {MAX_SCHEMA_DEPTH} levels")
+        return v
 
     @model_validator(mode="after")
     def _exactly_one(self) -> "StructuredOutput":
@@ -71,7 +116,7 @@ class SamplingParams(BaseModel):
     seed: int | None = Field(default=None, ge=0, le=MAX_SEED)
     max_tokens: int = Field(default=DEFAULT_MAX_TOKENS, ge=0)  # 0 only to score a prompt (with prompt_logprobs)
     stop: tuple[str, ...] = Field(default=(), max_length=MAX_STOPS)
-    stop_token_ids: tuple[int, ...] = ()
+    stop_token_ids: tuple[int, ...] = Field(default=(), max_length=MAX_STOP_TOKEN_IDS)
     ignore_eos: bool = False
     # logits processors, applied to the target's logits at every scored position and to the draft's while it
     # proposes (actors/speculation/processors.py): OpenAI's presence and frequency penalties, HF's repetition penalty,
@@ -130,10 +175,12 @@ class SamplingParams(BaseModel):
         return self.temperature == 0.0
 
 
-def context_length(model_max: int, configured: int | None) -> int:
+def context_length(model_max: int, configured: int | None, cache_tokens: int | None = None) -> int:
     """The context a served model gets: the config's `model.max_model_len` where it sets one, never more than the
-    model's own (`model_max`). The engine and the API surfaces check prompts against the same number."""
-    return min(configured or model_max, model_max)
+    model's own (`model_max`) nor than its KV cache holds (`cache_tokens`: usable blocks * block_size, where a
+    request alone in the cache can still run to its end). The engine and the API surfaces check prompts against
+    the same number, so a request that could never fit is a 400 before anything streams."""
+    return min(configured or model_max, model_max, model_max if cache_tokens is None else cache_tokens)
 
 
 def check_prompt(prompt_ids: Sequence[int], max_tokens: int | None, max_model_len: int, vocab_size: int) -> int:

@@ -132,6 +132,7 @@ def ray_driver(ray_cluster: RayCluster) -> Iterator[RayCluster]:
         for key, value in local_cluster.client_env(ray_cluster.state).items():
             mp.setenv(key, value)
         mp.delenv("RAY_ADDRESS", raising=False)
+        ray_node.reload_auth()  # the cluster's token auth, whatever this process's Ray read at import
         ray_node.keep_address()
         ray.init(address=ray_cluster.address, logging_level="ERROR", log_to_driver=False)
         try:

@@ -24,6 +24,8 @@ from pathlib import Path
 
 import torch
 
+from actors.model.kernel_build import build_lock, ninja_on_path
+
 log = logging.getLogger(__name__)
 
 HERE = Path(__file__).parent
@@ -123,11 +125,13 @@ ops.cache_clear = reset  # type: ignore[attr-defined]  # the name tests used whi
 def _load(name: str):  # noqa: ANN202 - torch's op namespace object
     from torch.utils.cpp_extension import load
 
+    build = f"specfleet_cpu_{build_id(name)}"
     try:
-        load(name=f"specfleet_cpu_{build_id(name)}", sources=[str(s) for s in SOURCES],
-             extra_cflags=[*COMMON_FLAGS, *FLAGS[name], f"-DSPECFLEET_NS={namespace(name)}"],
-             is_python_module=False, verbose=False)
-    except (OSError, RuntimeError) as e:  # no compiler, or it refused the flags: torch's ops do the work
+        with build_lock(build):  # bounded, and never stuck on a killed build's lock (actors/model/kernel_build.py)
+            load(name=build, sources=[str(s) for s in SOURCES],
+                 extra_cflags=[*COMMON_FLAGS, *FLAGS[name], f"-DSPECFLEET_NS={namespace(name)}"],
+                 is_python_module=False, verbose=False)
+    except (OSError, RuntimeError) as e:  # no compiler, it refused the flags, or a build held past the bound
         log.warning("our %s CPU kernels could not be built (%s); using torch's ops", name, e)
         return None
     _register_fake(namespace(name))
@@ -177,6 +181,7 @@ def unavailable(which: str | None = None) -> str | None:
         return "no C++ compiler"
     from torch.utils.cpp_extension import is_ninja_available
 
+    ninja_on_path()  # the `ninja` package's, where the venv's bin is not on PATH
     return None if is_ninja_available() else "no ninja (torch's extension builder needs it)"
 
 

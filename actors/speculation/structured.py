@@ -13,7 +13,6 @@ look ahead and step back:
 
 from __future__ import annotations
 
-import json
 import re
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -21,7 +20,7 @@ from functools import cached_property
 
 import torch
 
-from cluster.request import InvalidRequest, StructuredOutput
+from cluster.request import InvalidRequest, StructuredOutput, parse_json_schema
 
 try:  # an optional dependency until a request asks for structured output
     import llguidance
@@ -144,12 +143,9 @@ class GrammarState:
         return self.matcher.is_stopped()
 
 
-def parse_schema(text: str) -> dict:
-    """A JSON schema given as a string (gRPC carries it so)."""
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError as e:
-        raise InvalidRequest(f"the JSON schema is not valid JSON: {e}", param="response_format") from None
+def parse_schema(text: str, param: str = "structured") -> dict:
+    """A JSON schema given as a string (gRPC carries it so), bounded in depth (cluster/request.py)."""
+    return parse_json_schema(text, param)
 
 
 def check(spec: StructuredOutput, param: str) -> None:

@@ -32,7 +32,7 @@ import ray
 
 from cluster.config import SpecfleetConfig, parse_config
 from cluster.router import INSTANCE_ACTOR_PREFIX, NAMESPACE, ROUTER_NAME
-from deploy.infra import local_cluster, netns
+from deploy.infra import local_cluster, netns, ray_node
 from placement.inventory import Inventory, NodeSpec
 
 WORKERS = Inventory(nodes=[NodeSpec(name=f"w{i}", accelerator="l4-24g", count=1, memory_gb=24, speed=1.0)
@@ -91,8 +91,9 @@ class Hosts:
             except netns.FabricError as e:
                 self.why_not = str(e)
         self.state = netns.up(self.workers, self.state_path, self.fabric, num_cpus=2, timeout_s=180.0)
-        for key, value in local_cluster.RAY_ENV.items():
+        for key, value in local_cluster.client_env(self.state).items():  # its auth (none: a private fabric)
             os.environ[key] = value
+        ray_node.reload_auth()
         ray.init(address=self.state.address, namespace=NAMESPACE, logging_level="ERROR", log_to_driver=False)
         from ray import serve
 

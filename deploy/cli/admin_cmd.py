@@ -27,7 +27,7 @@ from deploy.cli.flags import UsageError
 from deploy.cli.tables import show, table
 from deploy.infra import local_cluster
 from deploy.infra.local_cluster import ClusterError
-from deploy.serve.auth import KeyFileError, listed_keys
+from deploy.serve.auth import KeyFileError, KeyFileExposed, listed_keys, read_key_file
 
 REQUEST_STATUSES = ("running", "finished", "aborted", "failed")
 
@@ -45,8 +45,11 @@ def add_endpoint_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--config", type=Path, default=DEFAULT_CONFIG,
                    help="the app's config: default port and key files (default: the embedded one)")
     g.add_argument("--url", help="the app's base URL (default: http://127.0.0.1:<serve.http_port of --config>)")
-    g.add_argument("--admin-key", help="admin key (default: $SPECFLEET_ADMIN_KEYS, else the config's admin keys)")
+    g.add_argument("--admin-key", help="admin key (default: $SPECFLEET_ADMIN_KEYS, else the config's admin keys); "
+                                       "on the command line every user sees it in `ps`: prefer --admin-key-file")
+    g.add_argument("--admin-key-file", type=Path, help="a file (mode 600) whose first line is the admin key")
     g.add_argument("--api-key", help="API key for /v1 (default: $SPECFLEET_API_KEYS, else the config's API keys)")
+    g.add_argument("--api-key-file", type=Path, help="a file (mode 600) whose first line is the API key")
     g.add_argument("--timeout", type=float, default=30.0, help="seconds to wait for each answer")
 
 
@@ -57,6 +60,8 @@ def first_key(auth: AuthConfig, admin: bool) -> str | None:
     keys = listed_keys(auth, admin)
     try:
         return next(keys, None)
+    except KeyFileExposed as e:  # readable here, and by others: say so rather than use it
+        raise UsageError(str(e)) from None
     except KeyFileError:
         return None
 
@@ -66,8 +71,22 @@ def endpoint(args: argparse.Namespace) -> Endpoint:
     url = args.url or f"http://127.0.0.1:{cfg.serve.http_port}"
     if not url.startswith(("http://", "https://")):
         raise UsageError(f"--url must start with http:// or https://, got {url!r}")
-    return Endpoint(url, args.admin_key or first_key(cfg.serve.auth, admin=True),
-                    args.api_key or first_key(cfg.serve.auth, admin=False))
+    admin_file, api_file = getattr(args, "admin_key_file", None), getattr(args, "api_key_file", None)
+    return Endpoint(url, args.admin_key or _key_file(admin_file, "admin") or first_key(cfg.serve.auth, admin=True),
+                    args.api_key or _key_file(api_file, "API") or first_key(cfg.serve.auth, admin=False))
+
+
+def _key_file(path: Path | None, what: str) -> str | None:
+    """The first key of a --*-key-file (UsageError if it cannot be read, is empty or others can read it)."""
+    if path is None:
+        return None
+    try:
+        keys = read_key_file(str(path), what)
+    except KeyFileError as e:
+        raise UsageError(str(e)) from None
+    if not keys:
+        raise UsageError(f"the {what} key file {path} holds no key")
+    return keys[0]
 
 
 def client(args: argparse.Namespace) -> AdminClient:

@@ -29,9 +29,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     up.add_argument("--timeout", type=float, default=120.0, help="seconds to wait for every node to be alive")
     up.add_argument("--host", default="127.0.0.1",
                     help="the address every node's ports are bound to (default 127.0.0.1: this machine only); "
-                         "another address turns Ray token auth on (see --auth)")
+                         "Ray token auth is on either way (see --auth)")
     up.add_argument("--auth", choices=["auto", "token", "disabled"], default="auto",
-                    help="Ray token auth: auto (on unless --host is loopback), token, or disabled")
+                    help="Ray token auth: auto or token (on, the default, loopback included), or disabled (anyone "
+                         "who reaches --host, another local user included, can run code in the cluster)")
     up.add_argument("--client-server", action="store_true",
                     help="also start Ray's client server on the head (ray://; off by default: it runs code for "
                          "anyone who reaches it)")

@@ -7,8 +7,9 @@ sweeps any process with the marker (Ray workers leave the group), so it stops ex
 It never runs `ray stop`, which would stop every Ray process on the host.
 
 Closed by default (deploy/infra/ray_node.py): every node and every port of it is bound to `host` (127.0.0.1
-unless asked), the dashboard is off and so is the Ray client server (`client_server` turns it on); a cluster on
-any other address runs with Ray token auth, its token in a file of mode 600 in the cluster's temp folder.
+unless asked), the dashboard is off and so is the Ray client server (`client_server` turns it on); every cluster,
+on loopback too, runs with Ray token auth, its token in a file of mode 600 in the cluster's private temp folder
+(another user of this machine reaches 127.0.0.1 as well, and a driver can run code as the server's user).
 Clients connect with `connect(state)`.
 """
 
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import ctypes
 import json
+import logging
 import os
 import random
 import shutil
@@ -38,6 +40,7 @@ from deploy.cli.flags import UsageError
 from deploy.infra import ray_node
 from placement.inventory import LABEL_PREFIX, Inventory, NodeSpec, ray_labels, ray_resources
 
+log = logging.getLogger(__name__)
 DEFAULT_STATE = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "specfleet" / "cluster.json"
 MARKER = "SPECFLEET_LOCAL_CLUSTER"  # env var: the cluster id, inherited by every process of the cluster
 # Every process started, and every client, uses these (plus the auth of client_env). No drain on SIGTERM: a local
@@ -293,7 +296,8 @@ def up(inventory: Inventory, state_path: Path = DEFAULT_STATE, *, num_cpus: int 
        auth: str = "auto") -> ClusterState:
     """Start one Ray node per inventory node (the first is the head), bound to `host`; return once all are alive.
 
-    `auth`: "token" (Ray token auth), "disabled", or "auto": token unless `host` is a loopback address.
+    `auth`: "token" (Ray token auth) or "auto" (the same), or "disabled" (no token: anyone who reaches `host`,
+    another local user on loopback included, can run code in the cluster; for debugging only, and said so).
 
     If anything fails, every process started so far is stopped and the temp folder removed before the error
     propagates. The state file is written as soon as every process is launched, so `down` can clean up even
@@ -311,7 +315,9 @@ def up(inventory: Inventory, state_path: Path = DEFAULT_STATE, *, num_cpus: int 
     cluster_id = uuid.uuid4().hex[:12]
     root = make_temp_root()
     token = None
-    if auth == "token" or (auth == "auto" and not ray_node.is_loopback(host)):
+    if auth == "disabled":
+        log.warning("Ray token auth is off (--auth disabled): anyone who reaches %s can run code in the cluster", host)
+    else:
         token = str(ray_node.new_token(Path(root) / "ray-auth-token"))
     env = ray_env(cluster_id, token)
     ports = _allocate_ports(len(inventory.nodes))

@@ -8,9 +8,9 @@ join the cluster or run code in it. `keep_address` makes Ray keep the address it
 own `ray start`), and every local client connects through `connect` (which applies it, then calls `ray.init`).
 
 Ray's client server (port 10001 on a head by default) runs arbitrary code for whoever connects: `main` starts a
-head without it unless `--client-server` is given. A cluster bound to an address other hosts can reach runs with
-Ray token auth (`RAY_AUTH_MODE=token`, the token in a file of mode 600, `auth_env`), as Ray documents for
-clusters on a network; one on loopback keeps it off, since only this machine reaches it.
+head without it unless `--client-server` is given. Every cluster runs with Ray token auth (`RAY_AUTH_MODE=token`,
+the token in a file of mode 600, `auth_env`), as Ray documents for clusters on a network, and on loopback too:
+every user of this machine reaches 127.0.0.1, and a driver runs code as the server's user.
 
     python -m deploy.infra.ray_node [--client-server] start --block --head ...   # what local_cluster runs
 """
@@ -68,8 +68,20 @@ def connect(address: str, env: dict[str, str], **init_kwargs) -> None:
     import ray
 
     os.environ.update(env)
+    reload_auth()
     keep_address()
     ray.init(address=address, **init_kwargs)
+
+
+def reload_auth() -> None:
+    """Make this process's Ray read its auth settings (RAY_AUTH_MODE, RAY_AUTH_TOKEN_PATH) from the environment
+    again: Ray reads them once, when its config is first loaded, so a process that imported Ray before it knew
+    which cluster (and token) it joins would connect with the old ones. The reset Ray's own tests use between
+    auth modes (ray/_private/authentication_test_utils.py): the config first, then the token cache."""
+    from ray._raylet import AuthenticationTokenLoader, Config
+
+    Config.initialize("")
+    AuthenticationTokenLoader.instance().reset_cache()
 
 
 def main(argv: list[str]) -> int:

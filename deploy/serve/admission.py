@@ -81,11 +81,19 @@ class Admission:
             raise APIError(400, f"priority {priority} is above this API key's max_priority "
                                 f"({tenant.limits.max_priority})", param="priority", code="priority_not_allowed")
 
-    def precheck(self, tenant: Tenant) -> None:
+    def precheck(self, tenant: Tenant) -> Ticket:
         """429 at once, before the body is even read, when no request of this key could be admitted now: the key
-        or the replica has no room for one more choice, or the key's token bucket is empty."""
+        or the replica has no room for one more choice, or the key's token bucket is empty. Otherwise the body's
+        read holds one choice of the key's and the replica's room until it is released or passed to the request
+        (`admit(held=)`): a key reads at most `max_concurrent` bodies at once, however slowly they arrive."""
         self._room(tenant, 1)
         self._check_tokens(tenant, 1, take=False)
+        return self._take(tenant, 1)
+
+    def _take(self, tenant: Tenant, n: int) -> Ticket:
+        self.in_flight += n
+        self.by_tenant[tenant.name] = self.by_tenant.get(tenant.name, 0) + n
+        return Ticket(tenant, n, self._give_back)
 
     def _room(self, tenant: Tenant, n: int) -> None:
         limits = tenant.limits
@@ -97,9 +105,12 @@ class Admission:
             raise too_many(f"the server is busy: {self.in_flight} choices pending, of max_pending_requests "
                            f"{self.max_pending}", "too_many_pending_requests", self.retry_after_s)
 
-    def admit(self, tenant: Tenant, n: int, min_tokens: int = 0) -> Ticket:
+    def admit(self, tenant: Tenant, n: int, min_tokens: int = 0, held: Ticket | None = None) -> Ticket:
         """Admit a request of `n` choices that will cost at least `min_tokens` (known before tokenizing), or raise
-        APIError: 400 if it can never be admitted under the key's limits, 429 if not now."""
+        APIError: 400 if it can never be admitted under the key's limits, 429 if not now. `held`, the ticket its
+        body's read held (`precheck`), is released first: its slot passes to the request."""
+        if held is not None:
+            held.release()
         limits = tenant.limits
         if n > limits.max_concurrent:
             raise APIError(400, f"n = {n} choices exceed this API key's max_concurrent ({limits.max_concurrent})",
@@ -107,9 +118,7 @@ class Admission:
         self._room(tenant, n)
         if min_tokens:
             self._check_tokens(tenant, min_tokens, take=False)
-        self.in_flight += n
-        self.by_tenant[tenant.name] = self.by_tenant.get(tenant.name, 0) + n
-        return Ticket(tenant, n, self._give_back)
+        return self._take(tenant, n)
 
     def charge(self, ticket: Ticket, tokens: int) -> None:
         """Take a request's cost (prompt + n * max_tokens) from its tenant's bucket; APIError 429 / 400 if it

@@ -181,6 +181,7 @@ class SpecfleetAPI(HttpRoutes, ResponsesRoutes, GrpcMethods):
     def __init__(self, cfg: SpecfleetConfig, instances: list[DeploymentHandle]) -> None:
         from deploy.model_store import resolve_model
         from deploy.serve.auth import KeySet
+        from deploy.serve.cached import Cached
         from deploy.serve.edge import Edge
         from deploy.serve.frontend import Frontend
 
@@ -190,6 +191,11 @@ class SpecfleetAPI(HttpRoutes, ResponsesRoutes, GrpcMethods):
         self.router.call_blocking(lambda r: r.configure.remote(cfg.router), timeout_s=30)
         self.frontend = Frontend(cfg, self.router, resolve=lambda s: resolve_model(s, cfg.engine.model.dtype))
         self.edge = Edge(cfg.serve, self.frontend)
+        # what the unauthenticated /health, /metrics and gRPC Health read: one router call a second per replica
+        self.instances_view = Cached(lambda: self.router.call(lambda r: r.instances.remote()))
+        self.fleet_view = Cached(lambda: asyncio.gather(
+            self.router.call(lambda r: r.instances.remote()), self.router.call(lambda r: r.migration_stats.remote()),
+            self.router.call(lambda r: r.routing_stats.remote())))
         self.api_keys = KeySet.load(cfg.serve.auth)
         self.admin_keys = KeySet.load(cfg.serve.auth, admin=True)
         log.info("API keys: %d for /v1 and gRPC, %d for /admin (from %s)", len(self.api_keys), len(self.admin_keys),

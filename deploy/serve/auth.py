@@ -81,6 +81,10 @@ class KeyFileError(ValueError):
     """A key file the config names cannot be read."""
 
 
+class KeyFileExposed(KeyFileError):
+    """A key file other users may read or write (refused by the app and the CLI alike)."""
+
+
 def listed_keys(cfg: AuthConfig, admin: bool = False) -> Iterator[str]:
     """The keys of the API set (or the admin set) that `cfg` lists without a name, in lookup order: the environment
     variable's (comma-separated), the config's own, then the key file's (one a line, or commas; read only when
@@ -93,12 +97,32 @@ def listed_keys(cfg: AuthConfig, admin: bool = False) -> Iterator[str]:
         yield from _read_keys(file, "admin" if admin else "API")
 
 
+def read_key_file(file: str, what: str) -> list[str]:
+    """The keys of a key file (one a line, or commas); KeyFileError if it cannot be read or others may read it."""
+    return _read_keys(file, what)
+
+
 def _read_keys(file: str, what: str) -> list[str]:
+    path = Path(file).expanduser()
     try:
-        text = Path(file).expanduser().read_text()
+        _check_private(path, what)
+        text = path.read_text()
     except OSError as e:
         raise KeyFileError(f"cannot read the {what} key file {file}: {e.strerror}") from None
     return [k.strip() for k in text.replace(",", "\n").splitlines() if k.strip()]  # one per line, or commas
+
+
+def _check_private(path: Path, what: str) -> None:
+    """KeyFileError if users other than the file's owner may read or write it (mode wider than 0600), as ssh refuses
+    such a private key. Group read is allowed on a file someone else owns: a Kubernetes Secret mounted read-only
+    (root's, mode 0440, readable by the pod's fsGroup: docs/security.md)."""
+    st = path.stat()
+    loose = st.st_mode & 0o077
+    if st.st_uid != os.getuid():
+        loose &= ~0o040
+    if loose:
+        raise KeyFileExposed(f"the {what} key file {path} has mode {st.st_mode & 0o777:o}: other users of this machine "
+                           f"may read or change it; run `chmod 600 {path}` (and make new keys if others read it)")
 
 
 def _anonymous_name(key: str) -> str:

@@ -1,10 +1,12 @@
 """The API replica's edge: what a request passes, in order, before any work is done for it (HTTP and gRPC alike).
 
-    edge.precheck(tenant)            # before the body is read
-    call = await edge.start(tenant, n=..., priority=..., max_tokens=..., encode=..., prepare=...)
+    held = edge.precheck(tenant)     # before the body is read; released however the request goes on
+    call = await edge.start(tenant, n=..., priority=..., max_tokens=..., encode=..., prepare=..., held=held)
 
 0. before the body is read: 429 if the key or the replica has no room for even one more choice, or the key's
-   tokens-per-minute bucket is empty (a key at its limit costs no body transfer or parsing);
+   tokens-per-minute bucket is empty (a key at its limit costs no body transfer or parsing); else the read holds
+   one choice of the key's room (`held`), so a key with slow bodies holds at most `max_concurrent` connections
+   reading them, and passes it to the request's admission;
 1. the key's priority cap, and n * max_tokens when max_tokens is given (400);
 2. admission (deploy/serve/admission.py): the key's concurrency, the replica's pending limit, and whether the
    key's tokens-per-minute bucket could take even the tokens known so far (429 with Retry-After);
@@ -21,7 +23,7 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable
 
 from cluster.config import EdgeConfig, ServeConfig
-from deploy.serve.admission import Admission
+from deploy.serve.admission import Admission, Ticket
 from deploy.serve.auth import Tenant
 from deploy.serve.frontend import Call, Frontend, Prepared
 from deploy.serve.openai_api import APIError
@@ -35,8 +37,9 @@ class Edge:
         self.frontend = frontend
         self.admission = Admission(cfg.max_pending_requests, cfg.retry_after_s)
 
-    def precheck(self, tenant: Tenant) -> None:
-        self.admission.precheck(tenant)
+    def precheck(self, tenant: Tenant) -> Ticket:
+        """The body's ticket (admission.py `precheck`): release it if the request ends before `start`."""
+        return self.admission.precheck(tenant)
 
     def check_messages(self, count: int) -> None:
         if count > self.cfg.max_messages:
@@ -51,12 +54,18 @@ class Edge:
                            param="max_tokens", code="limit_exceeded")
 
     async def start(self, tenant: Tenant, *, n: int, priority: int, max_tokens: int | None,
-                    encode: Callable[[], Awaitable[list[int]]], prepare: Callable[[list[int]], Prepared]) -> Call:
-        """Admit, tokenize, check and route one request; see the module docstring for the order."""
-        self.admission.check_priority(tenant, priority)
-        if max_tokens is not None:
-            self._check_generated(n, max_tokens)
-        ticket = self.admission.admit(tenant, n, min_tokens=n * (max_tokens or 1))
+                    encode: Callable[[], Awaitable[list[int]]], prepare: Callable[[list[int]], Prepared],
+                    held: Ticket | None = None) -> Call:
+        """Admit, tokenize, check and route one request; see the module docstring for the order. `held` (its
+        body's ticket) is released whatever happens."""
+        try:
+            self.admission.check_priority(tenant, priority)
+            if max_tokens is not None:
+                self._check_generated(n, max_tokens)
+            ticket = self.admission.admit(tenant, n, min_tokens=n * (max_tokens or 1), held=held)
+        finally:
+            if held is not None:
+                held.release()
         try:
             ids = await encode()
             prep = prepare(ids)

@@ -46,7 +46,7 @@ from actors.model.loader import load_metadata
 from actors.model.tokenize import encode_chat, encode_text
 from actors.speculation.structured import check as check_structured
 from cluster.config import SpecfleetConfig
-from cluster.prefix import block_hashes, root_hash
+from cluster.prefix import block_hashes, request_root
 from cluster.registry import NoInstanceAvailable
 from cluster.request import (FinishReason, InvalidRequest, Request, RequestStatus, Resume, SamplingParams,
                              SpecStats, StreamItem, StructuredOutput, TokenDelta, TokenLogprob, check_prompt,
@@ -118,7 +118,8 @@ class Frontend:
         self.meta = load_metadata(resolve(m.target), m.dtype)  # tokenizer, chat template, context length
         self.tokenizer = self.meta.tokenizer
         self.token_strings = TokenStrings(self.tokenizer)  # what logprobs name each token by
-        self.max_model_len = context_length(self.meta.max_model_len, m.max_model_len)
+        self.max_model_len = context_length(self.meta.max_model_len, m.max_model_len,
+                                            cfg.engine.cache.capacity_tokens)  # as the engine caps it
         self.vocab_size = self.meta.config.vocab_size
         # a bare handle (tests, benchmarks with their own router) gets deadlines but is never replaced
         self.router = router if isinstance(router, RouterClient) else RouterClient(router,
@@ -142,6 +143,7 @@ class Frontend:
         self.prefix_identity = cfg.engine.prefix_identity
         # how the model writes tool calls and reasoning (deploy/serve/chat_output.py), found once
         self.formats = ChatFormats.of(self.tokenizer, m.tool_parser, m.reasoning_parser)
+        self.share_across_tenants = cfg.engine.cache.share_across_tenants  # as the engine names the blocks
 
     # ---- validation ---------------------------------------------------------------------------------
     def check_model(self, model: str) -> None:
@@ -224,7 +226,7 @@ class Frontend:
         cache-aware router; none when the router does not route by them."""
         if self.block_size is None:
             return ()
-        root = root_hash(self.prefix_identity, prep.cache_salt)
+        root = request_root(self.prefix_identity, prep.tenant, prep.cache_salt, self.share_across_tenants)
         return tuple(block_hashes(prep.prompt_ids + tuple(tokens), self.block_size, root))
 
     # ---- dispatch -----------------------------------------------------------------------------------
@@ -313,6 +315,12 @@ class Frontend:
             log.error("releasing %s failed", task.get_name(), exc_info=task.exception())
 
 
+def public_error(request_id: str, what: str = "the request failed on the server") -> str:
+    """What a client is told of a failure that is not its own: a fixed text and the request id. The detail (Ray's
+    error text: node addresses, actor ids, tracebacks) goes to the replica's log under the same id."""
+    return f"{what} (request id {request_id}; the cause is in the server's log)"
+
+
 def _cause(e: BaseException) -> str:
     """An error's own message: one raised in an actor arrives as Ray's RayTaskError, traceback included, which a
     client must not see."""
@@ -353,11 +361,11 @@ class Call:
         end the task silently and leave the client waiting, and the request pending, for good)."""
         try:
             await self._stream(index, out)
-        except Exception as e:  # noqa: BLE001 - the choice ends with the error, logged with its cause
+        except Exception:  # noqa: BLE001 - the choice ends with the error, logged with its cause
             log.exception("the stream of %s failed", self.ids[index])
             if index not in self._ended:
                 await self._put(out, index, TokenDelta(self.ids[index], (), "", FinishReason.ERROR,
-                                                       error=f"the request failed: {type(e).__name__}: {e}"))
+                                                       error=public_error(self.ids[index])))
 
     async def _stream(self, index: int, out: asyncio.Queue) -> None:
         """Stream one choice from its instance; follow it when it migrates, resume it elsewhere when its instance
@@ -384,6 +392,10 @@ class Call:
                         break
                     if item.delta.finished and item.delta.instance_failure:
                         raise InstanceFailed(item.delta.error or "the instance failed")
+                    if item.delta.error and not item.rejected:  # the server's failure: its detail stays here
+                        log.error("request %s failed on instance %s: %s", rid, instance_id, item.delta.error)
+                        item = dataclasses.replace(item, delta=dataclasses.replace(item.delta,
+                                                                                   error=public_error(rid)))
                     tokens.extend(item.delta.token_ids)
                     chars += len(item.delta.text)
                     if item.delta.finished:
@@ -395,18 +407,20 @@ class Call:
                     raise RuntimeError("the stream ended without a final item")
                 continue  # followed a migration: not a failure
             except (RayError, RuntimeError) as e:  # the instance died or failed mid-stream
-                error = f"the instance failed: {type(e).__name__}: {e}"
+                log.warning("request %s: instance %s failed (%s: %s)", rid, instance_id, type(e).__name__, e)
             if failovers == max_failovers:
-                await self._put(out, index, TokenDelta(rid, (), "", FinishReason.ERROR,
-                                                       error=f"{error}; gave up after {failovers} failovers"))
+                log.error("request %s: gave up after %d failovers", rid, failovers)
+                await self._put(out, index, TokenDelta(rid, (), "", FinishReason.ERROR, error=public_error(
+                    rid, f"the instance serving the request failed; gave up after {failovers} failovers")))
                 return
             failovers += 1
             try:
                 self.routed[index] = await self.f.failover(rid, (instance_id, handle), self.prep.priority,
                                                            self.f.block_names(self.prep, tokens))
             except (NoInstanceAvailable, RayError, KeyError, asyncio.TimeoutError) as e:
-                await self._put(out, index, TokenDelta(rid, (), "", FinishReason.ERROR,
-                                                       error=f"{error}; no instance to resume on: {e}"))
+                log.error("request %s: no instance to resume on (%s: %s)", rid, type(e).__name__, e)
+                await self._put(out, index, TokenDelta(rid, (), "", FinishReason.ERROR, error=public_error(
+                    rid, "the instance serving the request failed and no other could resume it")))
                 return
             resumed = dataclasses.replace(request, resume=Resume(tuple(tokens), chars))
             submit = lambda h, r=resumed: h.generate.options(num_returns="streaming").remote(r)  # noqa: E731

@@ -17,6 +17,7 @@ from pydantic import ValidationError
 from actors.speculation.structured import parse_schema
 from cluster.request import (DEFAULT_MAX_TOKENS, DEFAULT_TEMPERATURE, FinishReason, InvalidRequest, SpecStats,
                              StructuredOutput)
+from deploy.serve.admission import Ticket
 from deploy.serve.auth import Tenant
 from deploy.serve.frontend import Call
 from deploy.serve.openai_api import APIError
@@ -77,6 +78,11 @@ class GrpcMethods:
             raise APIError(401, "missing or invalid API key: send metadata `authorization: Bearer <key>`")
         return tenant
 
+    def _grpc_admin(self, grpc_context) -> None:
+        """An admin key in the metadata (the operator's figures are not a tenant's), else 401 / UNAUTHENTICATED."""
+        if not self.admin_keys.check(dict(grpc_context.invocation_metadata()).get("authorization")):
+            raise APIError(401, "FleetStats needs an admin key: send metadata `authorization: Bearer <admin key>`")
+
     def _fail(self, grpc_context, e: APIError) -> None:
         grpc_context.set_code(STATUS.get(e.status, grpc.StatusCode.INTERNAL))
         grpc_context.set_details(e.message)
@@ -85,7 +91,13 @@ class GrpcMethods:
         """The request through the edge (deploy/serve/edge.py). Serve's gRPC proxy already refused a message over
         serve.max_request_bytes (RAY_SERVE_GRPC_MAX_MESSAGE_SIZE, deploy/serve/serve_env.py); the check here
         covers a proxy started without it."""
-        self.edge.precheck(tenant)
+        held = self.edge.precheck(tenant)  # one of the key's slots until admission (deploy/serve/edge.py)
+        try:
+            return await self._admit(request, tenant, held)
+        finally:
+            held.release()
+
+    async def _admit(self, request: pb.GenerateRequest, tenant: Tenant, held: Ticket) -> Call:
         f = self.frontend
         limit = self.cfg.serve.max_request_bytes
         if request.ByteSize() > limit:
@@ -128,7 +140,7 @@ class GrpcMethods:
             return await encode()
 
         return await self.edge.start(
-            tenant, n=1, priority=request.priority, max_tokens=max_tokens, encode=checked_encode,
+            tenant, n=1, priority=request.priority, max_tokens=max_tokens, encode=checked_encode, held=held,
             prepare=lambda ids: f.prepare(ids, max_tokens=max_tokens, seed=request.seed if request.HasField("seed")
                                           else None, n=1, priority=request.priority, prompt_param=param,
                                           tenant=tenant.name, cache_salt=salt, **sampling))
@@ -195,7 +207,7 @@ class GrpcMethods:
         return pb.ListModelsResponse(models=[pb.Model(id=m, max_model_len=n) for m, n in sorted(models.items())])
 
     async def Health(self, request: pb.HealthRequest, grpc_context) -> pb.HealthResponse:  # noqa: N802
-        instances = await self.router.call(lambda r: r.instances.remote())
+        instances = await self.instances_view.get()  # reused for a second (deploy/serve/cached.py)
         healthy = sum(i.accepting for i in instances)
         if not healthy:
             grpc_context.set_code(grpc.StatusCode.UNAVAILABLE)
@@ -203,8 +215,9 @@ class GrpcMethods:
         return pb.HealthResponse(healthy=healthy > 0, healthy_instances=healthy)
 
     async def FleetStats(self, request: pb.FleetStatsRequest, grpc_context) -> pb.FleetStatsResponse:  # noqa: N802
+        """The fleet's migration and failover figures: an admin key's, as `GET /admin/migrations`."""
         try:
-            self._grpc_auth(grpc_context)
+            self._grpc_admin(grpc_context)
         except APIError as e:
             self._fail(grpc_context, e)
             return pb.FleetStatsResponse()

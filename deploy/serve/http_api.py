@@ -23,12 +23,13 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from cluster.config import ServeConfig
 from cluster.request import FinishReason, SpecStats
+from deploy.serve.admission import Ticket
 from deploy.serve.auth import Tenant
 from deploy.serve.chat_output import ChatShape, ChatStream, merge
 from deploy.serve.tools import template_tools
 from deploy.serve.frontend import Call
 from cluster.registry import NoInstanceAvailable
-from deploy.serve import logprobs, openapi
+from deploy.serve import audit, logprobs, openapi
 from deploy.serve.metrics import CONTENT_TYPE
 from deploy.serve.openai_api import (APIError, ChatCompletionRequest, CompletionRequest, choice, chunk_body,
                                completion_body, from_validation_error, model_list, usage, usage_chunk)
@@ -135,7 +136,11 @@ class ClosingStreamingResponse(StreamingResponse):
             await asyncio.gather(stream, watcher, return_exceptions=True)
             await self.body_iterator.aclose()
         error = None if stream.cancelled() else stream.exception()
-        if error is not None and not watcher.done() and not isinstance(error, TimeoutError):
+        if isinstance(error, TimeoutError) and not watcher.done():  # no [DONE] can reach a client that reads nothing
+            log.warning("request %s: the client read nothing for %g s; its stream is cut", self.call.prep.request_id,
+                        SEND_TIMEOUT_S)
+            self.call.f.metrics.failed("client_stopped_reading")
+        elif error is not None and not watcher.done():
             raise error
 
 
@@ -156,6 +161,16 @@ class HttpRoutes:
                            type_="authentication_error", code="invalid_api_key")
         return tenant
 
+    def _audit(self, request: Request, admin: Tenant, action: str, target: str, outcome: str) -> None:
+        """An admin action in the audit log (deploy/serve/audit.py), with the admin key's id."""
+        audit.record(action, target, admin, request.client.host if request.client else None, outcome)
+        self._changed()
+
+    def _changed(self) -> None:
+        """The fleet changed through this replica: its cached views (/health, /metrics) are read anew."""
+        self.instances_view.invalidate()
+        self.fleet_view.invalidate()
+
     # ---- OpenAI ---------------------------------------------------------------------------------------
     async def _models(self, request: Request) -> JSONResponse:
         self._auth(request)
@@ -163,14 +178,18 @@ class HttpRoutes:
 
     async def _completions(self, request: Request) -> Response:
         tenant = self._auth(request)
-        self.edge.precheck(tenant)
-        declared = request.headers.get("content-length", "")
-        if not (declared.isdigit() and int(declared) > self.cfg.serve.max_request_bytes):  # that is a 413 (_read)
-            self.frontend.check_completion_body(declared)
-        body: CompletionRequest = await _body(request, CompletionRequest, self.cfg.serve)
-        f = self.frontend
-        f.check_model(body.model)
-        call = await self._start_body(tenant, body, body.max_tokens, lambda: f.encode_prompt(body.prompt, tenant.name))
+        held = self.edge.precheck(tenant)  # the body's read holds one of the key's slots (deploy/serve/edge.py)
+        try:
+            declared = request.headers.get("content-length", "")
+            if not (declared.isdigit() and int(declared) > self.cfg.serve.max_request_bytes):  # a 413 (_read)
+                self.frontend.check_completion_body(declared)
+            body: CompletionRequest = await _body(request, CompletionRequest, self.cfg.serve)
+            f = self.frontend
+            f.check_model(body.model)
+            call = await self._start_body(tenant, body, body.max_tokens,
+                                          lambda: f.encode_prompt(body.prompt, tenant.name), held=held)
+        finally:
+            held.release()  # passed to the request's admission, or the request ended before it
         prefix = ""
         if body.echo:
             prefix = body.prompt if isinstance(body.prompt, str) else f.tokenizer.decode(call.prep.prompt_ids)
@@ -178,23 +197,28 @@ class HttpRoutes:
 
     async def _chat_completions(self, request: Request) -> Response:
         tenant = self._auth(request)
-        self.edge.precheck(tenant)
-        body: ChatCompletionRequest = await _body(request, ChatCompletionRequest, self.cfg.serve)
-        f = self.frontend
-        f.check_model(body.model)
-        self.edge.check_messages(len(body.messages))
-        plan = body.tool_plan()  # tools, tool_choice and the history's calls checked (deploy/serve/tools.py)
-        messages = body.template_messages()
-        shape, spec, spec_param = f.formats.shape(plan, *body.structured(), f.model_name)
-        call = await self._start_body(tenant, body, body.token_limit,
-                                      lambda: f.encode_chat(messages, tenant.name, template_tools(plan)),
-                                      structured=(spec, spec_param), prompt_param="messages", prefix="chatcmpl")
+        held = self.edge.precheck(tenant)
+        try:
+            body: ChatCompletionRequest = await _body(request, ChatCompletionRequest, self.cfg.serve)
+            f = self.frontend
+            f.check_model(body.model)
+            self.edge.check_messages(len(body.messages))
+            plan = body.tool_plan()  # tools, tool_choice and the history's calls checked (deploy/serve/tools.py)
+            messages = body.template_messages()
+            shape, spec, spec_param = f.formats.shape(plan, *body.structured(), f.model_name)
+            call = await self._start_body(tenant, body, body.token_limit,
+                                          lambda: f.encode_chat(messages, tenant.name, template_tools(plan)),
+                                          structured=(spec, spec_param), held=held, prompt_param="messages",
+                                          prefix="chatcmpl")
+        finally:
+            held.release()
         return await self._respond(call, body, chat=True, shape=shape)
 
     async def _start_body(self, tenant: Tenant, body, max_tokens: int | None, encode, structured=None,
-                          **naming) -> Call:
+                          held: Ticket | None = None, **naming) -> Call:
         """The body's request through the edge: its structured output (`structured`: the grammar and the field
-        that asked, when not the body's own) is checked with the prompt's tokenization."""
+        that asked, when not the body's own) is checked with the prompt's tokenization; `held`: the key's slot taken
+        before the body was read (admission's precheck), handed to the request's ticket."""
         f = self.frontend
         spec, spec_param = structured if structured is not None else body.structured()
         sampling = {**body.sampling_args(), "logprobs": body.logprobs_count,
@@ -205,7 +229,7 @@ class HttpRoutes:
             return await encode()
 
         return await self.edge.start(
-            tenant, n=body.n, priority=body.priority, max_tokens=max_tokens, encode=checked_encode,
+            tenant, n=body.n, priority=body.priority, max_tokens=max_tokens, encode=checked_encode, held=held,
             prepare=lambda ids: f.prepare(ids, max_tokens=max_tokens, **sampling, tenant=tenant.name, **naming))
 
     async def _respond(self, call: Call, body, chat: bool, prefix: str = "", shape: ChatShape | None = None) -> Response:
@@ -232,11 +256,14 @@ class HttpRoutes:
     async def _complete(self, call: Call, body, chat: bool, prefix: str, shape: ChatShape | None = None) -> Response:
         rid, model, p = call.prep.request_id, self.frontend.model_name, len(call.prep.prompt_ids)
         choices = await call.collect()
-        if all(c.finish_reason == FinishReason.ERROR for c in choices):
-            first = choices[0]
+        failed = [c for c in choices if c.finish_reason == FinishReason.ERROR]
+        if failed:  # all or nothing: a 200 whose choices silently miss some would read as a whole answer
+            first = failed[0]
             if first.rejected:  # the engine refused it: the client's error
                 raise APIError(400, first.error or "the request was refused")
-            raise APIError(503, first.error or "the request failed", type_="service_unavailable")
+            self.frontend.metrics.failed("partial_failure" if len(failed) < len(choices) else "failure")
+            raise APIError(503, f"{len(failed)} of {len(choices)} choices failed: {first.error or 'the request failed'}",
+                           type_="service_unavailable", code="instance_failed")
         total = SpecStats()
         for c in choices:
             total.merge(c.stats)
@@ -286,6 +313,7 @@ class HttpRoutes:
                 total.merge(item.stats)
             if d.error:
                 err = APIError(503, d.error, type_="service_unavailable", code="instance_failed")
+                self.frontend.metrics.failed("stream_error")
                 yield _sse(err.body())
             if scoring and index not in started:
                 lp, offsets[index] = self._logprobs(body, chat, prompt_ids, d.prompt_logprobs or None, (),
@@ -309,15 +337,13 @@ class HttpRoutes:
 
     # ---- health and metrics ---------------------------------------------------------------------------
     async def _health(self) -> JSONResponse:
-        instances = await self.router.call(lambda r: r.instances.remote())
+        instances = await self.instances_view.get()  # reused for a second (deploy/serve/cached.py)
         healthy = sum(i.accepting for i in instances)
         return JSONResponse({"status": "ok" if healthy else "unavailable", "healthy_instances": healthy},
                             status_code=200 if healthy else 503)
 
     async def _metrics(self) -> Response:
-        instances, migrations, routing = await asyncio.gather(
-            self.router.call(lambda r: r.instances.remote()), self.router.call(lambda r: r.migration_stats.remote()),
-            self.router.call(lambda r: r.routing_stats.remote()))
+        instances, migrations, routing = await self.fleet_view.get()  # reused for a second
         self.frontend.metrics.set_instances(instances)
         self.frontend.metrics.migration_figures = migrations
         self.frontend.metrics.routing_figures = routing
@@ -354,8 +380,10 @@ class HttpRoutes:
         return JSONResponse({"requests": [row.model_dump(mode="json") for row in rows]})
 
     async def _admin_abort(self, request_id: str, request: Request) -> JSONResponse:
-        self._auth(request, admin=True)
-        if not await self.router.call(lambda r: r.abort.remote(request_id)):
+        admin = self._auth(request, admin=True)
+        found = await self.router.call(lambda r: r.abort.remote(request_id))
+        self._audit(request, admin, "abort", request_id, "ok" if found else "not found")
+        if not found:
             raise APIError(404, f"no running request {request_id!r} (unknown, or it has just ended)", param="request_id",
                            code="request_not_found")
         return JSONResponse({"request_id": request_id, "aborted": True})
@@ -363,11 +391,13 @@ class HttpRoutes:
     async def _admin_drain(self, instance_id: str, request: Request) -> JSONResponse:
         """Stop dispatching to an instance; `migrate=true` moves its running requests to the others (live
         migration), `abort=true` aborts them, neither leaves them to finish there."""
-        self._auth(request, admin=True)
+        admin = self._auth(request, admin=True)
         flag = lambda name: request.query_params.get(name, "false").lower() in ("1", "true", "yes")  # noqa: E731
         abort, migrate = flag("abort"), flag("migrate")
         if abort and migrate:
             raise APIError(400, "choose migrate or abort, not both", param="migrate")
+        self._audit(request, admin, "drain", instance_id, "asked: " + ("migrate" if migrate else
+                                                                        "abort" if abort else "finish there"))
         try:
             if migrate:
                 moved = await self.router.call(lambda r: r.drain_migrate.remote(instance_id), retry=False,
@@ -376,13 +406,16 @@ class HttpRoutes:
             running = await self.router.call(lambda r: r.drain.remote(instance_id, abort))
         except ValueError as e:
             raise APIError(404, _reason(e), param="instance_id", code="instance_not_found") from None
+        finally:
+            self._changed()
         return JSONResponse({"instance_id": instance_id, "draining": True, "running": running, "aborted": abort})
 
     async def _admin_migrate(self, request_id: str, request: Request) -> JSONResponse:
         """Live-migrate a running request (`to`: the destination instance; default: where dispatch would send it)."""
-        self._auth(request, admin=True)
+        admin = self._auth(request, admin=True)
         try:
             to = request.query_params.get("to")
+            self._audit(request, admin, "migrate", request_id, f"asked: to {to or 'dispatch'}")
             result = await self.router.call(lambda r: r.migrate.remote(request_id, to), retry=False,
                                             timeout_s=ADMIN_TIMEOUT_S)
         except ValueError as e:
@@ -392,11 +425,13 @@ class HttpRoutes:
         return JSONResponse({**dataclasses.asdict(result), "status": result.status.value})
 
     async def _admin_undrain(self, instance_id: str, request: Request) -> JSONResponse:
-        self._auth(request, admin=True)
+        self._audit(request, self._auth(request, admin=True), "undrain", instance_id, "asked")
         try:
             await self.router.call(lambda r: r.undrain.remote(instance_id))
         except ValueError as e:
             raise APIError(404, _reason(e), param="instance_id", code="instance_not_found") from None
+        finally:
+            self._changed()
         return JSONResponse({"instance_id": instance_id, "draining": False})
 
 

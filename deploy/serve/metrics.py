@@ -6,8 +6,12 @@ end-to-end latency, and queue time (submission to first scheduling, as the engin
 load come from the router's latest stats of each instance when /metrics is scraped, beside the router's own
 request table (its pending count and each instance's requests in flight), so a divergence between what the
 router counts and what the instances run shows. Migration and failover counts are the router's own
-(cluster-wide, since the router started), exposed as counters and a downtime histogram; prefix cache queries and
-hits (in tokens) are each instance's own counts since it started.
+(cluster-wide, since the router started), exposed as counters and a downtime histogram.
+
+/metrics needs no key (Prometheus scrapes it without one), so it publishes no per-instance prefix cache figure
+(queries, hits, cached blocks): a tenant reading an instance's hits before and after a guessed prompt would learn
+what the cache held. Those figures are behind the admin key: `/admin/instances` and `specfleet status`
+(docs/security.md).
 """
 
 from __future__ import annotations
@@ -77,14 +81,21 @@ class Metrics:
                            "MoE-layer seconds per token (over every MoE layer, all-to-all included)", inst, registry=r)
         self.healthy_instances = Gauge("specfleet:healthy_instances", "Instances the router dispatches to", m,
                                        registry=r)
-        self.cached_blocks = Gauge("specfleet:kv_cache_cached_blocks",
-                                   "Free target KV blocks that still hold a cached prefix (reusable)", inst, registry=r)
+        # requests that did not end as asked, by outcome: `failure` (a non-streamed request that failed: a 503),
+        # `partial_failure` (one some of whose choices failed: a 503 too, not a 200 with holes), `stream_error` (an
+        # error event in a stream), `client_stopped_reading` (a stream cut after the client read nothing for
+        # SEND_TIMEOUT_S: no [DONE] can reach it)
+        self.failures = Counter("specfleet:request_failures", "Requests that ended in a failure, by outcome",
+                                ["model_name", "outcome"], registry=r)
         self.migration_figures: MigrationStats | None = None  # the router's, as of the last scrape
         self.routing_figures: RoutingStats | None = None  # the router's, as of the last scrape
         self.instance_rows: list[InstanceRow] = []  # the router's rows, as of the last scrape
         r.register(_MigrationCollector(self))
-        r.register(_PrefixCacheCollector(self))
         r.register(_RoutingCollector(self))
+
+    def failed(self, outcome: str) -> None:
+        """A request ended in a failure (see `failures` for the outcomes)."""
+        self.failures.labels(self.model, outcome).inc()
 
     def finished(self, reason: str, prompt_tokens: int, stats: SpecStats | None) -> None:
         """A choice ended (its generated tokens were counted as they streamed, in the frontend's _Timer)."""
@@ -102,7 +113,7 @@ class Metrics:
         """Refresh the load gauges from the router's `instances()` rows."""
         for g in (self.running, self.waiting, self.kv_usage, self.preemptions, self.router_in_flight,
                   self.draft_s_per_token, self.calibration_tokens, self.calibration_s, self.moe_local_rate,
-                  self.moe_bytes, self.moe_s, self.cached_blocks):
+                  self.moe_bytes, self.moe_s):
             g.clear()
         self.instance_rows = list(instances)
         healthy = 0
@@ -121,7 +132,6 @@ class Metrics:
             self.draft_s_per_token.labels(*labels).set(s.draft_s_per_token)
             self.calibration_tokens.labels(*labels).set(s.calibration_tokens)
             self.calibration_s.labels(*labels).set(s.calibration_s)
-            self.cached_blocks.labels(*labels).set(s.kv_blocks_cached)
             if s.moe_alltoall_bytes_per_token or s.moe_local_rate:  # an expert-parallel instance
                 self.moe_local_rate.labels(*labels).set(s.moe_local_rate)
                 self.moe_bytes.labels(*labels).set(s.moe_alltoall_bytes_per_token)
@@ -180,21 +190,3 @@ class _RoutingCollector(_ScrapeCollector):
         yield decisions
         yield GaugeMetricFamily("specfleet:router_prefix_index_entries",
                                 "(instance, KV block) pairs the router's prefix index holds", value=s.index_entries)
-
-
-class _PrefixCacheCollector(_ScrapeCollector):
-    """specfleet:prefix_cache_queries and specfleet:prefix_cache_hits per instance, in tokens (vLLM's names): each
-    instance's own cumulative counts, as its latest stats report them."""
-
-    def collect(self):
-        labels = ["model_name", "instance"]
-        queries = CounterMetricFamily("specfleet:prefix_cache_queries",
-                                      "Prefix cache queries, in prompt tokens looked up", labels=labels)
-        hits = CounterMetricFamily("specfleet:prefix_cache_hits", "Prefix cache hits, in prompt tokens found cached",
-                                   labels=labels)
-        for row in self.metrics.instance_rows:
-            if row.stats is not None:
-                queries.add_metric([row.model, row.instance_id], row.stats.prefix_cache_queries)
-                hits.add_metric([row.model, row.instance_id], row.stats.prefix_cache_hits)
-        yield queries
-        yield hits

@@ -14,7 +14,6 @@ in deploy/serve/logprobs.py.
 
 from __future__ import annotations
 
-import json
 import time
 from typing import Annotated, Any, Literal
 
@@ -22,8 +21,9 @@ from pydantic import (BaseModel, ConfigDict, Field, ValidationError, ValidationI
                       model_validator)
 from pydantic.json_schema import SkipJsonSchema
 
-from cluster.request import (DEFAULT_MAX_TOKENS, DEFAULT_TEMPERATURE, MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_SEED,
-                             MAX_STOP_CHARS, MAX_STOPS, SpecStats, StructuredOutput)
+from cluster.request import (DEFAULT_MAX_TOKENS, DEFAULT_TEMPERATURE, MAX_CHOICE_CHARS, MAX_CHOICES, MAX_LOGIT_BIAS,
+                             MAX_LOGPROBS, MAX_SEED, MAX_STOP_CHARS, MAX_STOP_TOKEN_IDS, MAX_STOPS, InvalidRequest,
+                             SpecStats, StructuredOutput, parse_json_schema)
 from deploy.serve.tools import (MAX_TOOLS, ToolCall, ToolChoice, ToolError, ToolPlan, Tools, check_history, plan,
                                 template_call)
 
@@ -37,8 +37,6 @@ UNSUPPORTED: dict[str, tuple] = {
 }
 TOOLS = ("tools", "tool_choice", "parallel_tool_calls")  # chat only (the completions route refuses them)
 LEGACY_TOOLS = ("functions", "function_call")
-MAX_STOP_TOKEN_IDS = 64
-MAX_CHOICES = 1_000  # guided_choice's strings (StructuredOutput's bound)
 
 
 class APIError(Exception):
@@ -153,7 +151,7 @@ class _Sampling(_Body):
     response_format: ResponseFormat | None = None
     guided_json: dict | Annotated[str, Field(max_length=1 << 20)] | None = None
     guided_regex: str | None = Field(default=None, max_length=10_000)
-    guided_choice: Annotated[list[Annotated[str, Field(max_length=1000)]],
+    guided_choice: Annotated[list[Annotated[str, Field(max_length=MAX_CHOICE_CHARS)]],
                              Field(min_length=1, max_length=MAX_CHOICES)] | None = None
     # not implemented: declared so that asking for them is a 400 naming the field (UNSUPPORTED)
     prompt_logprobs: Unsupported = None
@@ -230,13 +228,9 @@ def _schema(v: dict | str) -> dict:
     if isinstance(v, dict):
         return v
     try:
-        schema = json.loads(v)
-    except ValueError as e:
-        raise APIError(400, f"guided_json: not valid JSON: {str(e)[:200]}", param="guided_json",
-                       code="invalid_value") from None
-    if not isinstance(schema, dict):
-        raise APIError(400, "guided_json: a JSON schema is an object", param="guided_json", code="invalid_value")
-    return schema
+        return parse_json_schema(v, "guided_json")  # bounded in depth: no RecursionError
+    except InvalidRequest as e:
+        raise APIError(400, str(e), param=e.param, code=e.code) from None
 
 
 class CompletionRequest(_Sampling):

@@ -113,6 +113,18 @@ def test_ray_ports_admit_only_the_clusters_own_pods_and_the_operator(overlay):
     operator = [r for r in rules if any(p.get("podSelector", {}).get("matchLabels", {}).get("app.kubernetes.io/name")
                                         == "kuberay-operator" for p in r.get("from", []))]
     assert operator and {p["port"] for p in operator[0]["ports"]} == {8265, 52365}
+    # no rule admits a label from any namespace (anyone who can label a pod in their own namespace would match):
+    # each namespace is chosen by the name Kubernetes sets on it, which its users cannot change
+    for peer in peers:
+        if "namespaceSelector" in peer:
+            assert set(peer["namespaceSelector"]["matchLabels"]) == {"kubernetes.io/metadata.name"}, peer
+            assert peer.get("podSelector", {}).get("matchLabels"), peer  # and a pod within it, by its labels
+    assert operator[0]["from"][0]["namespaceSelector"]["matchLabels"] == {"kubernetes.io/metadata.name":
+                                                                          "kuberay-system"}
+    # Ray's metrics (8080): the cluster's own pods (the rule for every port) and Prometheus's pods only
+    metrics = [r for r in rules if r.get("from") and 8080 in {p["port"] for p in r.get("ports", [])}]
+    assert [[p["podSelector"]["matchLabels"] for p in r["from"]] for r in metrics] == [
+        [{"app.kubernetes.io/name": "prometheus"}]]
 
 
 def test_ray_token_auth_is_on_and_no_client_port_is_declared(rayservice):

@@ -161,7 +161,20 @@ def test_every_port_of_the_cluster_listens_on_loopback_and_no_client_server_runs
     assert ray_driver.state.nodes[0].ports["gcs"] in {port for _, port, _ in listening}
     assert {(ip, port, name) for ip, port, name in listening if ip not in LOOPBACK} == set()
     client = [p for p in running_processes(ray_driver.state) if "ray.util.client.server" in " ".join(p.cmdline())]
-    assert client == [] and ray_driver.state.auth_token_path is None  # loopback: this machine only, no token
+    assert client == []
+    # token auth on loopback too: another user of this machine reaches 127.0.0.1 as well
+    assert ray_driver.state.auth_token_path and os.stat(ray_driver.state.auth_token_path).st_mode & 0o777 == 0o600
+    without = _driver_without_token(ray_driver.state.address)
+    assert without.returncode != 0 and "token" in without.stderr.lower(), without.stderr[-2000:]
+
+
+def _driver_without_token(address: str) -> subprocess.CompletedProcess:
+    """A driver that connects to `address` without the cluster's token (as another local user would)."""
+    probe = ("import sys, ray; from deploy.infra import ray_node; ray_node.keep_address(); "
+             "ray.init(address=sys.argv[1], logging_level='ERROR'); print(len(ray.nodes()))")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_AUTH")}
+    return subprocess.run([sys.executable, "-c", probe, address], capture_output=True, text=True, timeout=180,
+                          env={**env, **local_cluster.RAY_ENV})
 
 
 def _network_address() -> str:
@@ -182,10 +195,7 @@ def test_a_cluster_on_a_network_address_runs_with_ray_token_auth(tmp_path: Path)
     try:
         assert state.address.startswith(f"{host}:") and state.auth_token_path
         assert os.stat(state.auth_token_path).st_mode & 0o777 == 0o600
-        probe = ("import sys, ray; from deploy.infra import ray_node; ray_node.keep_address(); "
-                 "ray.init(address=sys.argv[1], logging_level='ERROR'); print(len(ray.nodes()))")
-        without = subprocess.run([sys.executable, "-c", probe, state.address], capture_output=True, text=True,
-                                 timeout=180, env={**os.environ, **local_cluster.RAY_ENV})
+        without = _driver_without_token(state.address)
         assert without.returncode != 0 and "token" in without.stderr.lower()  # refused: no token
         nodes = local_cluster.query_nodes(state.address, expect=1, auth_token_path=state.auth_token_path)
         assert [n.alive for n in nodes] == [True]  # with the cluster's token

@@ -73,6 +73,7 @@ def served_app(ray_cluster, tmp_path_factory) -> Iterator[ServedApp]:
     keys = []
     for name, (key, limits) in LIMITED_KEYS.items():
         (keys_dir / name).write_text(key + "\n")
+        (keys_dir / name).chmod(0o600)  # a key file others can read is refused
         keys.append({"name": name, "key_file": str(keys_dir / name), **limits})
     config = {
         "engine": {"model": {"target": str(target), "draft": str(draft), "name": MODEL},

@@ -96,6 +96,10 @@ def test_bodies_that_break_a_parser_are_400s_not_500s(served_app: ServedApp, rou
     ({"logit_bias": {"1": 101}}, "logit_bias", "invalid_value"),
     ({"logit_bias": {str(i): 1 for i in range(301)}}, "logit_bias", "invalid_value"),
     ({"turbo": True}, "turbo", "unsupported_parameter"),
+    # nested past Python's recursion limit: once a RecursionError and a 500
+    ({"guided_json": "[" * 2000 + "]" * 2000}, "guided_json", "invalid_value"),
+    ({"guided_choice": ["x" * 1001]}, "guided_choice.0", "invalid_value"),
+    ({"stop_token_ids": list(range(65))}, "stop_token_ids", "invalid_value"),
 ])
 def test_out_of_bounds_and_unimplemented_fields_are_400s_that_name_the_field(served_app: ServedApp, extra: dict,
                                                                               param: str, code: str) -> None:
@@ -155,6 +159,36 @@ def test_a_body_that_trickles_in_is_cut_off_with_408(served_app: ServedApp) -> N
         waited = time.monotonic() - t0
     assert reply.startswith("HTTP/1.1 408"), reply[:300]
     assert '"request_timeout"' in reply and waited >= BODY_TIMEOUT_S * 0.9
+
+
+def test_a_keys_slow_bodies_hold_its_own_slots_only(served_app: ServedApp) -> None:
+    """A body being read holds one of its key's `max_concurrent` slots from before its first byte: a key that opens
+    slow bodies on every connection it may hold gets 429 on the next at once (not one more connection and 1 MB
+    buffer per try), and another key is served meanwhile."""
+    host, port = served_app.url.removeprefix("http://").rsplit(":", 1)
+    narrow = key("narrow").encode()  # max_concurrent 2
+    head = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Authorization: Bearer " + narrow + b"\r\nContent-Length: 2000\r\n\r\n{")
+    slow = [socket.create_connection((host, int(port)), timeout=BODY_TIMEOUT_S + 60) for _ in range(2)]
+    try:
+        for s in slow:
+            s.sendall(head)  # and never the rest: each holds its read until the body timeout
+        time.sleep(0.5)
+        with socket.create_connection((host, int(port)), timeout=30) as s:
+            t0 = time.monotonic()
+            s.sendall(head)
+            reply = read_http_reply(s)
+        assert reply.startswith("HTTP/1.1 429") and "too_many_concurrent_requests" in reply, reply[:300]
+        assert time.monotonic() - t0 < BODY_TIMEOUT_S / 2  # refused before its body, not after the timeout
+        with served_app.client() as c:  # another key
+            assert c.post("/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 2}).status_code == 200
+        for s in slow:
+            assert read_http_reply(s).startswith("HTTP/1.1 408")
+    finally:
+        for s in slow:
+            s.close()
+    with served_app.client(key("narrow")) as c:  # the timed-out reads gave their slots back
+        assert c.post("/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 2}).status_code == 200
 
 
 def test_a_keys_concurrency_limit_counts_choices_and_is_checked_first(served_app: ServedApp) -> None:

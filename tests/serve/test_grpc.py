@@ -11,7 +11,7 @@ codegen.ensure()
 
 from deploy.rpc import specfleet_pb2 as pb  # noqa: E402
 from deploy.rpc import specfleet_pb2_grpc as pb_grpc  # noqa: E402
-from tests.serve.conftest import API_KEY, CONTEXT, MODEL, ServedApp  # noqa: E402
+from tests.serve.conftest import ADMIN_KEY, API_KEY, CONTEXT, MODEL, ServedApp  # noqa: E402
 from tests.serve.test_openai_surface import log_softmax as reference_logprobs  # noqa: E402
 from tests.unit.helpers import load, reference_greedy, text_prompts  # noqa: E402
 
@@ -49,11 +49,12 @@ def test_list_models_and_health(stub) -> None:
     assert [(m.id, m.max_model_len) for m in models.models] == [(MODEL, CONTEXT)]
     health = stub.Health(pb.HealthRequest(), timeout=30)
     assert health.healthy and health.healthy_instances == 2
-    fleet = stub.FleetStats(pb.FleetStatsRequest(), metadata=AUTH, timeout=30)
+    fleet = stub.FleetStats(pb.FleetStatsRequest(), metadata=(("authorization", f"Bearer {ADMIN_KEY}"),), timeout=30)
     assert fleet.healthy_instances == 2 and set(fleet.migrations) == {"finished", "aborted_src", "aborted_dst"}
-    with pytest.raises(grpc.RpcError) as err:
-        stub.FleetStats(pb.FleetStatsRequest(), timeout=30)
-    assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    for metadata in ((), AUTH):  # no key, and a tenant's key: the fleet's figures are the operator's
+        with pytest.raises(grpc.RpcError) as err:
+            stub.FleetStats(pb.FleetStatsRequest(), metadata=metadata, timeout=30)
+        assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
 
 
 @pytest.mark.parametrize(("metadata", "request_", "code"), [
@@ -82,6 +83,13 @@ def test_list_models_and_health(stub) -> None:
                  grpc.StatusCode.INVALID_ARGUMENT, id="token id out of range"),
     pytest.param(AUTH, pb.GenerateRequest(model=MODEL, prompt="hi", cache_salt=""), grpc.StatusCode.INVALID_ARGUMENT,
                  id="empty cache_salt"),
+    pytest.param(AUTH, pb.GenerateRequest(model=MODEL, prompt="hi", structured=pb.StructuredOutput(
+        json_schema='{"type": "object", "properties": {"a": ' * 2000 + "{}" + "}}" * 2000)),
+        grpc.StatusCode.INVALID_ARGUMENT, id="schema nested 2000 deep"),
+    pytest.param(AUTH, pb.GenerateRequest(model=MODEL, prompt="hi", stop_token_ids=list(range(65))),
+                 grpc.StatusCode.INVALID_ARGUMENT, id="65 stop token ids"),
+    pytest.param(AUTH, pb.GenerateRequest(model=MODEL, prompt="hi", structured=pb.StructuredOutput(
+        choice=pb.Choices(choices=["x" * 1001]))), grpc.StatusCode.INVALID_ARGUMENT, id="a choice of 1001 chars"),
     pytest.param(AUTH, pb.GenerateRequest(model=MODEL, prompt="x" * (1 << 20)), grpc.StatusCode.RESOURCE_EXHAUSTED,
                  id="message over the size limit"),
 ])

@@ -12,7 +12,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.serve.conftest import ADMIN_KEY, API_KEY, CONTEXT, MAX_PENDING, MODEL, ServedApp, specfleet
+from tests.serve.conftest import ADMIN_KEY, API_KEY, CONTEXT, LIMITED_KEYS, MAX_PENDING, MODEL, ServedApp, specfleet
 from tests.unit.helpers import load, reference_greedy, text_prompts
 
 
@@ -313,16 +313,18 @@ def test_health_and_metrics_parse_and_their_counters_move(served_app: ServedApp)
 
 
 def _prefix_tokens(app: ServedApp, at_least: float) -> tuple[float, float]:
-    """The fleet's prefix cache (queries, hits) in tokens from /metrics, once the instances' stats count at least
-    `at_least` queries (they reach the router with its next poll)."""
+    """The fleet's prefix cache (queries, hits) in tokens from `/admin/instances` (not on the unauthenticated
+    /metrics: docs/security.md), once the instances' stats count at least `at_least` queries (they reach the router
+    with its next poll)."""
     deadline = time.monotonic() + 30
-    while True:
-        now = _samples(httpx.get(f"{app.url}/metrics").text)
-        queries = sum(v for k, v in now.items() if k.startswith("specfleet:prefix_cache_queries_total,"))
-        if queries >= at_least:
-            return queries, sum(v for k, v in now.items() if k.startswith("specfleet:prefix_cache_hits_total,"))
-        assert time.monotonic() < deadline, now
-        time.sleep(0.2)
+    with app.client(ADMIN_KEY) as c:
+        while True:
+            stats = [r["stats"] for r in c.get("/admin/instances").json()["instances"] if r["stats"]]
+            queries = sum(s["prefix_cache_queries"] for s in stats)
+            if queries >= at_least:
+                return queries, sum(s["prefix_cache_hits"] for s in stats)
+            assert time.monotonic() < deadline, stats
+            time.sleep(0.2)
 
 
 def _idle(app: ServedApp) -> None:
@@ -341,18 +343,18 @@ def _idle(app: ServedApp) -> None:
 
 def test_cache_salt_keeps_its_own_prefix_cache_and_changes_no_output(served_app: ServedApp) -> None:
     """A prompt served again finds its blocks cached, unless it comes with another cache_salt (vLLM's field; also in
-    the OpenAPI schema); every output is the target's greedy one; a bad salt is a 400 naming it. The router's
-    decisions by reason are on /metrics and in `specfleet status`."""
+    the OpenAPI schema) or from another API key (tenant); every output is the target's greedy one; a bad salt is a
+    400 naming it. The router's decisions by reason are on /metrics and in `specfleet status`."""
     prompt = text_prompts(load(served_app.target), 1, offset=5)[0]  # 35 tokens: 8 full blocks of 4
     expected = load(served_app.target).tokenizer.decode(reference_greedy(served_app.target, prompt, 8),
                                                         skip_special_tokens=True)
     body = {"model": MODEL, "prompt": prompt, "max_tokens": 8, "temperature": 0, "ignore_eos": True}
     queries, hit = _prefix_tokens(served_app, 0)
     hits = [hit]
-    with served_app.client() as c:
-        for salt in (None, "tenant-a", "tenant-a", None):  # least load sends each to the same idle instance
-            _idle(served_app)
-            r = c.post("/v1/completions", json={**body, **({"cache_salt": salt} if salt else {})})
+    with served_app.client() as c, served_app.client(LIMITED_KEYS["vip"][0]) as other_tenant:
+        for client, salt in ((c, None), (c, "tenant-a"), (c, "tenant-a"), (c, None), (other_tenant, None)):
+            _idle(served_app)  # least load sends each to the same idle instance
+            r = client.post("/v1/completions", json={**body, **({"cache_salt": salt} if salt else {})})
             assert r.status_code == 200 and r.json()["choices"][0]["text"] == expected, r.text
             queries, hit = _prefix_tokens(served_app, queries + len(prompt))
             hits.append(hit)
@@ -362,7 +364,7 @@ def test_cache_salt_keeps_its_own_prefix_cache_and_changes_no_output(served_app:
         assert "cache_salt" in schema
     # 32 tokens (8 blocks) of the prompt could come from the cache: the first salted request found none cached
     steps = [b - a for a, b in zip(hits, hits[1:])]
-    assert steps[1:] == [0, 32, 32] and steps[0] in (0, 32), hits
+    assert steps[1:] == [0, 32, 32, 0] and steps[0] in (0, 32), hits  # the other key's found none of them
     report = json.loads(specfleet("status", "--json", "--config", str(served_app.config_path)).stdout)
     assert report["dispatch"]["policy"] == "least_load" and report["dispatch"]["decisions"]["load"] >= 4
     text = httpx.get(f"{served_app.url}/metrics").text

@@ -48,6 +48,22 @@ def test_a_keys_concurrency_counts_choices_and_is_given_back_once() -> None:
     adm.precheck(a)
 
 
+def test_a_body_being_read_holds_a_slot_of_its_key_until_its_request_is_admitted() -> None:
+    """A slow body holds its key's slot from before its first byte (precheck's ticket), so one key cannot hold more
+    connections reading bodies than its max_concurrent; the slot passes to its request's ticket at admission."""
+    adm = Admission(max_pending=100, retry_after_s=1)
+    a = tenant("a", max_concurrent=2)
+    h1, h2 = adm.precheck(a), adm.precheck(a)
+    assert status(adm.precheck, a)[:2] == (429, "too_many_concurrent_requests")
+    adm.precheck(tenant("b"))  # another key still reads its bodies
+    h1.release()
+    h1.release()  # idempotent
+    t = adm.admit(a, 2, held=h2)  # the body's slot passes to its request: n = 2 fits a limit of 2
+    assert h2.released and adm.by_tenant["a"] == 2
+    t.release()
+    assert adm.by_tenant.get("a", 0) == 0 and adm.in_flight == 1  # b's read
+
+
 def test_the_replicas_pending_limit_holds_for_all_keys_together() -> None:
     adm = Admission(max_pending=5, retry_after_s=3)
     adm.admit(tenant("a"), 3)
@@ -177,6 +193,8 @@ def test_the_length_bound_is_sound_for_byte_level_bpe(tiny_models) -> None:
 def test_keys_map_to_tenants_with_their_limits(tmp_path, monkeypatch) -> None:
     (tmp_path / "vip").write_text("sk-vip\n")
     (tmp_path / "bulk").write_text("sk-1, sk-2\nsk-3\n")  # commas or lines (a Kubernetes Secret mounted as a file)
+    for name in ("vip", "bulk"):
+        (tmp_path / name).chmod(0o600)
     monkeypatch.setenv("TEAM_KEY", "sk-team")
     cfg = AuthConfig(api_keys_file=str(tmp_path / "bulk"), limits=KeyLimits(max_concurrent=8),
                      keys=({"name": "vip", "key_file": str(tmp_path / "vip"), "max_priority": 5},

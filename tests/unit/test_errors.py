@@ -12,7 +12,7 @@ from actors.engine import Engine, RequestError
 from actors.model.loader import SUPPORTED_ARCHITECTURES, ModelLoadError, UnsupportedArchitecture, load_model
 from actors.offline import generate
 from cluster.config import SpeculationConfig
-from cluster.request import InvalidRequest, Request, SamplingParams, check_prompt
+from cluster.request import InvalidRequest, Request, SamplingParams, check_prompt, context_length
 from tests.fixtures.tiny_models import build_tiny_model
 from tests.unit.helpers import load, runner
 
@@ -52,6 +52,20 @@ def test_engine_max_model_len_caps_the_context(tiny_models) -> None:
     engine = Engine(runner(load(tiny_models["llama"])), None, SpeculationConfig(k=0), max_model_len=32)
     with pytest.raises(RequestError, match="context of 32"):
         engine.add_request(request([5] * 30, max_tokens=3))
+
+
+def test_a_request_the_kv_cache_can_never_hold_is_refused_before_it_runs(tiny_models) -> None:
+    """The context is capped at what the cache holds (usable blocks * block_size): a request that fits the model's
+    context but not the cache is refused when it is added (a 400 before anything streams), not failed mid-run."""
+    small = Engine(runner(load(tiny_models["llama"]), num_blocks=17), None, SpeculationConfig(k=0))  # 16 usable
+    assert small.max_model_len == 16 * 4 < CONTEXT
+    with pytest.raises(RequestError, match="context") as e:
+        small.add_request(request([1] * 40, max_tokens=40))
+    assert e.value.param == "max_tokens" and not small.has_unfinished()
+    out = generate(small, [[1] * 40], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))[0]
+    assert len(out.token_ids) == 24  # the whole cache, served
+    assert context_length(CONTEXT, None, cache_tokens=64) == 64 and context_length(CONTEXT, 32, 64) == 32
+    assert context_length(CONTEXT, None) == CONTEXT
 
 
 @pytest.mark.parametrize("bad", [360, 10_000, -1])

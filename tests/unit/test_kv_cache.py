@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from actors.engine import Engine
+from actors.engine import Engine, RequestError
 from actors.model.metadata import SeqChunk
 from actors.model.runner import CacheFull, ModelRunner
 from actors.kv_cache import KVCache
@@ -246,25 +246,28 @@ def test_forward_without_room_raises_cache_full_and_changes_nothing(tiny_models)
 
 
 @pytest.mark.parametrize("draft", [False, True])
-def test_a_request_too_big_for_the_cache_ends_with_an_error(tiny_models, tiny_draft_models, draft: bool) -> None:
+def test_a_request_too_big_for_the_cache_is_refused_before_it_runs(tiny_models, tiny_draft_models,
+                                                                   draft: bool) -> None:
+    """The context is capped at what the cache holds (issue 39): a request that could never fit, or would outgrow the
+    cache, is refused when it is added (a 400 at the API), where it used to start and then end with an error."""
     target = load(tiny_models["llama"])
     d = runner(load(tiny_draft_models["llama"]), num_blocks=6) if draft else None
     engine = Engine(runner(target, num_blocks=6), d, SpeculationConfig(k=3))  # 5 usable blocks: 20 tokens
+    assert engine.max_model_len == 20
     small, big, grows = (text_prompts(target, 1, offset=i)[0] for i in (8, 4, 1))  # 3, 26 and 9 tokens
     engine.add_request(Request("small", tuple(small), SamplingParams(temperature=0, max_tokens=6)))
-    engine.add_request(Request("big", tuple(big), SamplingParams(temperature=0, max_tokens=3)))  # never fits
-    engine.add_request(Request("grows", tuple(grows), SamplingParams(temperature=0, max_tokens=20)))  # outgrows it
+    with pytest.raises(RequestError, match="context is 20"):
+        engine.add_request(Request("big", tuple(big), SamplingParams(temperature=0, max_tokens=3)))  # never fits
+    with pytest.raises(RequestError, match="context of 20"):
+        engine.add_request(Request("grows", tuple(grows), SamplingParams(temperature=0, max_tokens=20)))
+    engine.add_request(Request("fills", tuple(grows), SamplingParams(temperature=0, max_tokens=11,
+                                                                       ignore_eos=True)))  # the whole cache
 
     results = drain(engine)
 
     assert results["small"].finish_reason == FinishReason.LENGTH
     assert results["small"].token_ids == reference_greedy(tiny_models["llama"], small, 6)
-    for rid, prompt in (("big", big), ("grows", grows)):
-        assert results[rid].finish_reason == FinishReason.ERROR
-        assert results[rid].error and "KV cache" in results[rid].error
-        generated = results[rid].token_ids
-        assert generated == reference_greedy(tiny_models["llama"], prompt, 20)[: len(generated)]
-    assert results["grows"].token_ids, "it was served until it outgrew the cache"
+    assert results["fills"].finish_reason == FinishReason.LENGTH and len(results["fills"].token_ids) == 11
     assert not engine.has_unfinished()
     assert engine.target.cache.num_used_blocks == 0
     assert d is None or d.cache.num_used_blocks == 0

@@ -188,3 +188,19 @@ def _check(pool: BlockPool, tokens: dict[str, list[int]]) -> None:
     assert all(pool._refs[b] == held.get(b, 0) for b in range(pool.num_blocks))
     assert cached <= pool._name.keys() and not free & pool._name.keys()
     assert {pool._block[n]: n for n in pool._block} == pool._name
+
+
+def test_names_are_128_bits_and_the_tenant_is_part_of_the_root() -> None:
+    """A 64-bit name could be collided by a crafted prompt (a birthday search of 2^32 blocks) to poison another
+    request's cache: names are 128 bits. The root names the tenant unless the fleet shares its cache."""
+    from cluster.config import CacheConfig
+    from cluster.prefix import request_root
+
+    chain = block_hashes(list(range(64)), BS, root_hash("m"))
+    assert max(h.bit_length() for h in chain) > 64 and all(h < 2**128 for h in chain)
+    assert root_hash("m").bit_length() > 64 or root_hash("n").bit_length() > 64
+    assert CacheConfig().share_across_tenants is False
+    alice, bob = (request_root("m", t, None, share_across_tenants=False) for t in ("alice", "bob"))
+    assert alice != bob and alice == request_root("m", "alice", None, share_across_tenants=False)
+    assert request_root("m", "alice", None, True) == request_root("m", "bob", None, True) == root_hash("m")
+    assert request_root("m", "alice", "s", False) not in (alice, request_root("m", "bob", "s", False))

@@ -29,7 +29,8 @@ def prompts(model) -> list[list[int]]:
 
 
 def make_engine(tiny_models, tiny_draft_models, draft: str, caching: bool, num_blocks: int = 256,
-                max_num_batched_tokens: int = 256, stages: bool = False) -> Engine:
+                max_num_batched_tokens: int = 256, stages: bool = False,
+                share: bool = False) -> Engine:
     path = tiny_models["llama"]
     target = pipeline(path, [[0, 1], [2, 3]]) if stages else runner(load(path), num_blocks=num_blocks)
     draft_runner = None
@@ -44,7 +45,7 @@ def make_engine(tiny_models, tiny_draft_models, draft: str, caching: bool, num_b
                              if draft == "easyspec" else DraftParallelConfig())
     return Engine(target, draft_runner, spec, SchedulerConfig(max_batch_size=8,
                                                               max_num_batched_tokens=max_num_batched_tokens),
-                  prefix_caching=caching)
+                  prefix_caching=caching, share_across_tenants=share)
 
 
 def outputs(engine: Engine, ps: list[list[int]], together: bool) -> list[list[int]]:
@@ -103,3 +104,18 @@ def test_a_salt_keeps_tenants_apart(tiny_models, tiny_draft_models) -> None:
         while engine.has_unfinished():
             engine.step()
     assert engine.stats().prefix_cache_hits == 36  # only the third, salted like the first, found it
+
+
+def test_tenants_do_not_share_cached_blocks_unless_the_fleet_says_so(tiny_models, tiny_draft_models) -> None:
+    """The tenant (an API key's name) is part of a block's name by default: a prompt another key sent finds nothing
+    cached, one its own key sent finds its blocks; `share_across_tenants` (a single-tenant fleet) shares them."""
+    from cluster.request import Request
+
+    for share, expected in ((False, 36), (True, 72)):
+        engine = make_engine(tiny_models, tiny_draft_models, "none", True, share=share)
+        p = prompts(engine.target.model)[0]
+        for i, tenant in enumerate(("alice", "bob", "alice")):
+            engine.add_request(Request(f"r{i}", tuple(p), GREEDY, tenant=tenant))
+            while engine.has_unfinished():
+                engine.step()
+        assert engine.stats().prefix_cache_hits == expected, share

@@ -11,11 +11,12 @@ import re
 
 import jsonschema
 import pytest
+from pydantic import ValidationError
 
 from actors.engine import Engine, RequestError
 from actors.offline import generate
 from cluster.config import SchedulerConfig, SpeculationConfig
-from cluster.request import Request, SamplingParams, StructuredOutput
+from cluster.request import InvalidRequest, Request, SamplingParams, StructuredOutput
 from tests.unit.helpers import load, runner, text_prompts
 
 SCHEMAS = [
@@ -114,3 +115,38 @@ def test_sampled_structured_output_still_matches(tiny_models, tiny_draft_models)
               for s in range(8)]
     for c in generate(engine, [prompt] * 8, params):
         jsonschema.validate(json.loads(c.text), schema)
+
+
+DEEP = 2_000  # levels: past Python's recursion limit (json.loads) and pydantic's serializer
+
+
+def _deep_schema(levels: int) -> str:
+    return '{"type": "object", "properties": {"a": ' * levels + '{"type": "string"}' + "}}" * levels
+
+
+def test_a_schema_nested_past_any_recursion_limit_is_a_clear_error_not_a_recursion_error() -> None:
+    """A guided_json string or a gRPC schema nested 2,000 deep is a 400 naming the field, never a RecursionError
+    (a 500 with a traceback); a schema object within pydantic's parser but nested past MAX_SCHEMA_DEPTH too."""
+    from actors.speculation.structured import parse_schema
+    from cluster.request import MAX_SCHEMA_DEPTH
+    from deploy.serve.openai_api import APIError, _schema
+
+    with pytest.raises(InvalidRequest, match="nest"):
+        parse_schema(_deep_schema(DEEP))
+    with pytest.raises(APIError) as e:
+        _schema(_deep_schema(DEEP))
+    assert e.value.status == 400 and e.value.param == "guided_json"
+    deep = json.loads(_deep_schema(MAX_SCHEMA_DEPTH))  # within json.loads' limit, past ours
+    with pytest.raises(ValidationError, match="nest"):
+        StructuredOutput(json_schema=deep)
+    StructuredOutput(json_schema=json.loads(_deep_schema(MAX_SCHEMA_DEPTH // 2 - 1)))  # 2 levels a step: fine
+
+
+def test_choices_and_stop_token_ids_have_the_same_bounds_whichever_api_brings_them() -> None:
+    from cluster.request import MAX_CHOICE_CHARS, MAX_STOP_TOKEN_IDS
+
+    with pytest.raises(ValidationError, match="choice"):
+        StructuredOutput(choice=("x" * (MAX_CHOICE_CHARS + 1),))
+    with pytest.raises(ValidationError, match="stop_token_ids"):
+        SamplingParams(stop_token_ids=tuple(range(MAX_STOP_TOKEN_IDS + 1)))
+    SamplingParams(stop_token_ids=tuple(range(MAX_STOP_TOKEN_IDS)))
