@@ -30,7 +30,7 @@ $(STAMP): pyproject.toml | $(PY)
 # without our kernels runs it: torch's ops, with torch's own kernels held to AVX2 (ATEN_CPU_CAPABILITY, oneDNN's
 # DNNL_MAX_CPU_ISA), so the fallback an AVX2-only machine takes is tested on every machine
 test: $(STAMP)
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q --durations=30 tests
 	SPECFLEET_CPU_KERNELS=torch ATEN_CPU_CAPABILITY=avx2 DNNL_MAX_CPU_ISA=AVX2 \
 		$(PY) -m pytest -q -m "not slow and not heavy" tests/unit
 
