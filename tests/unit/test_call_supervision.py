@@ -24,7 +24,7 @@ class _Raises:
     generate = _Method()
 
 
-def test_a_choice_whose_task_raises_ends_with_an_error_and_is_released(tiny_models) -> None:
+def test_a_choice_whose_task_raises_ends_with_an_error_and_is_released(tiny_models, caplog) -> None:
     frontend = Frontend(SpecfleetConfig(engine=EngineConfig(model=ModelConfig(target=str(tiny_models["llama"])))),
                         router=None)
     released = []
@@ -39,7 +39,9 @@ def test_a_choice_whose_task_raises_ends_with_an_error_and_is_released(tiny_mode
     items = asyncio.run(asyncio.wait_for(consume(), 30))  # it used to wait forever
 
     assert sorted(i for i, _ in items) == [0, 1]
-    for _, item in items:
-        assert item.delta.finish_reason is FinishReason.ERROR and "TypeError" in item.delta.error
+    for _, item in items:  # the client reads a request id, never the server's own error text (issue 39)
+        assert item.delta.finish_reason is FinishReason.ERROR and "TypeError" not in item.delta.error
+        assert f"request id {item.delta.request_id}" in item.delta.error
+    assert "TypeError: an unexpected argument" in caplog.text  # the cause is in the server's log
     assert sorted(r[0][0] for r in released) == sorted(call.ids)
     assert {r[1] for r in released} == {RequestStatus.FAILED}
