@@ -18,7 +18,7 @@ def test_bench_prefix_runs_every_mode_with_identical_outputs(ray_cluster, tmp_pa
     report_path = tmp_path / "prefix.json"
     model = build_tiny_model("llama", tmp_path / "model", max_position_embeddings=2048)  # streams that outlast a migration
     args = ["--model", str(model), "--conversations", "4", "--rate", "20", "--max-tokens", "8",
-            "--system-prompt-tokens", "96", "--block-size", "4", "--num-blocks", "256", "--num-cpus", "0.5",
+            "--system-prompt-tokens", "96", "--block-size", "4", "--num-blocks", "512", "--num-cpus", "0.5",
             "--migration-tokens", "1200", "--state", str(ray_cluster.state_path), "--json", str(report_path)]
     out = subprocess.run([sys.executable, "-m", "deploy.cli", "bench", "prefix", *args], capture_output=True,
                          text=True, timeout=600, env={**os.environ, **local_cluster.RAY_ENV})

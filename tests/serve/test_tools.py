@@ -21,19 +21,21 @@ from transformers import AutoTokenizer
 from tests.fixtures.agent_model import (AFTER_RESULT, ASK_BOTH, ASK_CHAT, ASK_WEATHER, CALL_WEATHER, SCRIPT, TOOLS,
                                         WEATHER, build_agent_model, encode)
 from tests.fixtures.tiny_models import DRAFT_NOISE, perturbed_copy
-from tests.serve.conftest import API_KEY, ServedApp, _free_port, _wait_healthy, specfleet
+from tests.serve.conftest import API_KEY, ServedApp, _wait_healthy, specfleet
 from tests.unit.test_tool_calls import FUNCTION_SCHEMAS
 
 MODEL = "tiny-agent"
 
 
 @pytest.fixture(scope="module")
-def agent_app(ray_cluster, tmp_path_factory) -> Iterator[ServedApp]:
-    """`specfleet serve` of the agent model with a draft (k=3), one instance; parsers detected from the template."""
+def agent_app(served_app, ray_cluster, tmp_path_factory) -> Iterator[ServedApp]:
+    """`specfleet serve` of the agent model with a draft (k=3), one instance; parsers detected from the template.
+    Serve's proxies listen on the ports of the cluster's first app (the session's `served_app`), so this app takes
+    its place on them for the module, and the session's app is served again afterwards."""
     root = tmp_path_factory.mktemp("agent-models")
     target = build_agent_model(root / "target")
     draft = perturbed_copy(target, root / "draft", DRAFT_NOISE)
-    http_port, grpc_port = _free_port(), _free_port()
+    http_port, grpc_port = int(served_app.url.rsplit(":", 1)[1]), int(served_app.grpc_target.rsplit(":", 1)[1])
     config = {
         "engine": {"model": {"target": str(target), "draft": str(draft), "name": MODEL},
                    "speculation": {"policy": "fixed", "k": 3},
@@ -48,7 +50,13 @@ def agent_app(ray_cluster, tmp_path_factory) -> Iterator[ServedApp]:
     assert out.returncode == 0, out.stdout + out.stderr
     app = ServedApp(f"http://127.0.0.1:{http_port}", f"127.0.0.1:{grpc_port}", path, ray_cluster.state_path, target)
     _wait_healthy(app, instances=1)
-    yield app
+    try:
+        yield app
+    finally:
+        out = specfleet("serve", "--config", str(served_app.config_path), "--state", str(ray_cluster.state_path),
+                        "--timeout", "240")
+        assert out.returncode == 0, out.stdout + out.stderr
+        _wait_healthy(served_app, instances=2)
 
 
 @pytest.fixture(scope="module")
