@@ -48,7 +48,7 @@ class StartHistory:
     window: int = 8
     durations: deque[float] = field(default_factory=deque)
     _lost_at: dict[str, float] = field(default_factory=dict)  # instance id -> when it was removed as failed
-    _seen: set[tuple[str, str]] = field(default_factory=set)  # (instance id, incarnation) whose start is recorded
+    _recorded: dict[str, str] = field(default_factory=dict)  # instance id -> the incarnation last recorded
     _starting: dict[str, float] = field(default_factory=dict)  # instance id -> when its start was announced
 
     def __post_init__(self) -> None:
@@ -74,9 +74,9 @@ class StartHistory:
         """An incarnation of `instance_id` registered at `now`, `start_s` seconds after its replica began (None: not
         reported). A repeated registration of one incarnation (the router restarted) adds nothing."""
         self._starting.pop(instance_id, None)
-        if (instance_id, incarnation) in self._seen:
+        if self._recorded.get(instance_id) == incarnation:
             return
-        self._seen.add((instance_id, incarnation))
+        self._recorded[instance_id] = incarnation
         if start_s is not None and start_s >= 0:
             self._add(start_s)
         lost = self._lost_at.pop(instance_id, None)

@@ -20,7 +20,7 @@ from actors.model.generic import GenericLayer, Rotary, embedding_scale, final_lo
 from actors.model.loader import LoadedModel
 from actors.model.metadata import AttentionMetadata, SeqChunk
 from actors.model.qlinear import Activations
-from actors.model.runner import CacheFull, ModelRunner
+from actors.model.runner import CacheFull, ModelRunner, check_layers
 from actors.model.weights import WeightMode
 from actors.speculation.easyspec import LayerParallel
 from cluster.config import CacheConfig
@@ -45,9 +45,7 @@ class GenericRunner(ModelRunner):
         activations: Activations | None = None,
     ) -> None:
         cfg = model.config
-        bad = [i for i in layer_ids if not 0 <= i < cfg.num_hidden_layers]
-        if bad or not layer_ids:
-            raise ValueError(f"layers {list(layer_ids)} not within the model's {cfg.num_hidden_layers} layers")
+        check_layers(layer_ids, cfg.num_hidden_layers)
         if deterministic:
             raise ValueError("deterministic mode runs on the native path only (engine.model.backend: native)")
         self.model = model

@@ -98,6 +98,12 @@ def _dense_part(layer: torch.nn.Module, weights: WeightMode) -> torch.nn.Module:
     return torch.nn.ModuleList(keep)
 
 
+def check_layers(layer_ids: Sequence[int], num_layers: int) -> None:
+    """A runner's layer ids: at least one, each one of the model's `num_layers`; ValueError naming them otherwise."""
+    if not layer_ids or any(not 0 <= i < num_layers for i in layer_ids):
+        raise ValueError(f"layers {list(layer_ids)} not within the model's {num_layers} layers")
+
+
 class ModelRunner:
     """Runs `layer_ids` of a loaded model in order; embeds tokens if `first`, returns logits if `last`.
 
@@ -132,9 +138,7 @@ class ModelRunner:
     ) -> None:
         cfg = model.config
         assert cfg.model_type in NATIVE_ARCHITECTURES, cfg.model_type
-        bad = [i for i in layer_ids if not 0 <= i < cfg.num_hidden_layers]
-        if bad or not layer_ids:
-            raise ValueError(f"layers {list(layer_ids)} not within the model's {cfg.num_hidden_layers} layers")
+        check_layers(layer_ids, cfg.num_hidden_layers)
         self.model = model
         # weights of this runner, its KV cache and every tensor of a forward live here (default: the weights')
         self.device = torch.device(device) if device is not None else model.device
