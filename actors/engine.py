@@ -22,7 +22,6 @@ The draft's KV is optional: when its cache is out of blocks a request simply dra
 from __future__ import annotations
 
 import copy
-import functools
 import itertools
 import logging
 import time
@@ -44,10 +43,10 @@ from actors.speculation.drafters import Drafter, ModelDrafter, make_drafter
 from actors.speculation.plan import SpeculationPlanner
 from actors.speculation.policy import Acceptance, SpecPolicy, make_policy
 from actors.speculation.sampling import make_generator
-from actors.speculation.structured import GrammarCompiler
+from actors.speculation.structured import CompiledGrammar, GrammarCompiler
 from actors.step import Drafts, Scores, SpecPlan, Verdict
 from actors.verification import logprobs_of, verify
-from cluster.config import EngineConfig, SchedulerConfig, SpeculationConfig
+from cluster.config import EngineConfig, GrammarConfig, SchedulerConfig, SpeculationConfig
 from cluster.migration_policy import InstanceLoad, RequestLoad
 from cluster.prefix import ChainNames, request_root
 from cluster.request import FinishReason, InvalidRequest, Request, TokenDelta, check_prompt, context_length
@@ -81,6 +80,7 @@ class Engine:
         prefix_identity: str | None = None,
         deterministic: bool = False,
         share_across_tenants: bool = False,
+        grammar: GrammarConfig = GrammarConfig(),
     ) -> None:
         if draft is not None and draft.model.config.vocab_size != target.model.config.vocab_size:
             raise ValueError(
@@ -115,6 +115,10 @@ class Engine:
         # the root of the target's block names (EngineConfig.prefix_identity: the same in every instance of an app)
         self.prefix_identity = prefix_identity or model_identity(target)
         self.share_across_tenants = share_across_tenants  # else a block's name includes its request's tenant
+        # structured outputs' grammars for this tokenizer (llguidance's view of it built on the first that asks); an
+        # instance's server compiles them off this loop (actors/grammar_pool.py) and hands them in with the request
+        self.grammars = GrammarCompiler(self.tokenizer, target.model.config.vocab_size, sorted(self.eos_token_ids),
+                                        cache_bytes=grammar.cache_bytes)
         if prefix_caching and not self.prefix_caching:
             log.info("prefix caching is off: the target's expert-parallel ranks each hold their own requests' "
                      "KV (engine.experts.attention: data), so a cached block is not where another request runs")
@@ -135,7 +139,8 @@ class Engine:
         return cls(target[0], draft, cfg.speculation, cfg.scheduler, cfg.model.max_model_len,
                    draft_quantized=cfg.model.draft_quantization != "none", calibration=calibration,
                    prefix_caching=cfg.cache.prefix_caching, prefix_identity=cfg.prefix_identity,
-                   deterministic=cfg.deterministic, share_across_tenants=cfg.cache.share_across_tenants)
+                   deterministic=cfg.deterministic, share_across_tenants=cfg.cache.share_across_tenants,
+                   grammar=cfg.grammar)
 
     @property
     def policy(self) -> SpecPolicy:
@@ -155,12 +160,13 @@ class Engine:
         return self.scheduler.running
 
     # ---- requests ---------------------------------------------------------------------------
-    def add_request(self, request: Request) -> Sequence:
-        """Queue a request (RequestError if it can never be served); its sequence, whose stats fill in as it runs."""
-        self.check_request(request)
-        return self._enqueue(request)
+    def add_request(self, request: Request, grammar: CompiledGrammar | None = None) -> Sequence:
+        """Queue a request (RequestError if it can never be served); its sequence, whose stats fill in as it runs.
+        `grammar`: its structured output's grammar compiled beforehand (else compiled here, on the caller's thread)."""
+        grammar = self.check_request(request, grammar)
+        return self._enqueue(request, grammar)
 
-    def _enqueue(self, request: Request) -> Sequence:
+    def _enqueue(self, request: Request, grammar: CompiledGrammar | None = None) -> Sequence:
         """Queue an already checked request (one that resumes carries on from its tokens, text and sampler)."""
         params, resume = request.params, request.resume
         out = RequestOutput(self.tokenizer, params, self.eos_token_ids, params.max_tokens)
@@ -174,7 +180,7 @@ class Engine:
         seq = Sequence(request, tokens, out, gen, seqno=next(self._ids),
                        acceptance=Acceptance(0.0, 0.0, self.acceptance.decay))  # its own rounds only
         if params.structured is not None:
-            seq.grammar = self.grammars.matcher(params.structured)
+            seq.grammar = (grammar or self.grammars.compile(params.structured)).start()
             seq.grammar.consume(out.token_ids)  # a resumed request's tokens so far
         if self.prefix_caching and params.prompt_logprobs is None:  # scoring a prompt runs every position of it
             share, tenant, salt = self.share_across_tenants, request.tenant, request.cache_salt
@@ -188,8 +194,9 @@ class Engine:
         self.scheduler.add(seq)
         return seq
 
-    def check_request(self, request: Request) -> None:
-        """Raise RequestError if the request can never be served; changes nothing."""
+    def check_request(self, request: Request, grammar: CompiledGrammar | None = None) -> CompiledGrammar | None:
+        """Raise RequestError if the request can never be served; changes nothing. Returns its structured output's
+        compiled grammar (`grammar` if given, else compiled here: an invalid spec is a 400 here)."""
         params, vocab = request.params, self.target.model.config.vocab_size
         check_prompt(request.prompt_token_ids, params.max_tokens, self.max_model_len, vocab)
         if self.sequence(request.request_id) is not None:
@@ -198,13 +205,9 @@ class Engine:
             raise RequestError(f"logit_bias token ids must be in [0, {vocab})", param="logit_bias")
         if any(not 0 <= t < vocab for t in params.stop_token_ids):
             raise RequestError(f"stop_token_ids must be in [0, {vocab})", param="stop_token_ids")
-        if params.structured is not None:
-            self.grammars.grammar(params.structured)  # compiled once per spec: an invalid one is a 400 here
-
-    @functools.cached_property
-    def grammars(self) -> GrammarCompiler:
-        """Structured outputs' grammars for this tokenizer (built on the first request that asks)."""
-        return GrammarCompiler(self.tokenizer, self.target.model.config.vocab_size, sorted(self.eos_token_ids))
+        if params.structured is None:
+            return None
+        return grammar or self.grammars.compile(params.structured)
 
     def abort(self, request_id: str) -> TokenDelta | None:
         """Cancel a request and free its KV; returns its final delta, or None if it is unknown."""

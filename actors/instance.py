@@ -24,6 +24,7 @@ from actors.kv_links import MigratedKV
 from actors.moe.profile import RoutingStats
 from actors.pipeline import PipelineRunner
 from actors.sequence import Sequence
+from actors.speculation.structured import CompiledGrammar
 from cluster.config import EngineConfig
 from cluster.migration import BlockNames, Link, Reservation
 from cluster.migration_policy import InstanceLoad
@@ -62,7 +63,8 @@ class Instance:
         self.target, self.draft = target, draft
         self.engine = Engine(target, draft, cfg.speculation, cfg.scheduler, cfg.model.max_model_len,
                              prefix_caching=cfg.cache.prefix_caching, prefix_identity=cfg.prefix_identity,
-                             deterministic=cfg.deterministic, share_across_tenants=cfg.cache.share_across_tenants)
+                             deterministic=cfg.deterministic, share_across_tenants=cfg.cache.share_across_tenants,
+                             grammar=cfg.grammar)
         self._moves = EngineMigration(self.engine)
         self._cache_events = EventLog()  # what the router's prefix index learns (cluster/prefix_index.py)
         self._release: Callable[[], None] | None = release
@@ -81,15 +83,16 @@ class Instance:
     def has_unfinished(self) -> bool:
         return bool(self._undelivered) or self.engine.has_unfinished()
 
-    def check_request(self, request: Request) -> None:
+    def check_request(self, request: Request, grammar: CompiledGrammar | None = None) -> CompiledGrammar | None:
         """RequestError if the request can never be served, InstanceUnhealthy after a shard failure; changes nothing."""
         self._check_healthy()
-        self.engine.check_request(request)
+        return self.engine.check_request(request, grammar)
 
-    def add_request(self, request: Request) -> Sequence:
-        """Queue a request; RequestError if it can never be served, InstanceUnhealthy after a shard failure."""
+    def add_request(self, request: Request, grammar: CompiledGrammar | None = None) -> Sequence:
+        """Queue a request; RequestError if it can never be served, InstanceUnhealthy after a shard failure.
+        `grammar`: its structured output compiled beforehand (actors/grammar_pool.py), else compiled here."""
         self._check_healthy()
-        return self.engine.add_request(request)
+        return self.engine.add_request(request, grammar)
 
     def abort(self, request_id: str) -> TokenDelta | None:
         return self.engine.abort(request_id)

@@ -32,12 +32,14 @@ from actors.build import local_instance, ray_instance
 from actors.engine import RequestError
 from actors.instance import Instance, InstanceUnhealthy
 from actors.executor import KVLinks
+from actors.grammar_pool import GrammarPool
 from actors.kv_links import LinkedKV, MigratedKV, kv_span
 from actors.leases import Leases
 from actors.p2p import use_node_interface
 from actors.pipeline import PipelineRunner
 from actors.sequence import Sequence
 from actors.serving import ServingLoop
+from actors.speculation.structured import CompiledGrammar
 from cluster.instances import InstancePlace
 from cluster.request import FinishReason, Request, RequestStatus, StreamItem, TokenDelta
 from cluster.migration import BlockNames, Link, Reservation
@@ -117,6 +119,8 @@ class InstanceServer:
         self.instance = build(spec)
         self.start_s = time.monotonic() - began  # a restarted router's failover wait learns from it (registration)
         self.loop = ServingLoop(self.instance, name=f"engine-loop-{spec.instance_id}")
+        # structured outputs' grammars, compiled on a pool of their own (never on the loop thread that steps)
+        self.grammars = GrammarPool(self.instance.engine.grammars, spec.engine.grammar)
         self._detached: dict[str, Sequence] = {}  # migrating out: stopped here, KV kept until the commit
         self._handed_in: dict[str, asyncio.Queue[StreamItem]] = {}  # migrated in: items until the client follows
         self._links: dict[str, dict[str, list[Link]]] = {}  # each migration's open links: channel -> pipeline -> links
@@ -132,8 +136,9 @@ class InstanceServer:
         finished = False
         try:
             try:
+                grammar = await self._grammar(request)
                 await asyncio.wrap_future(
-                    self.loop.submit(request, lambda item: loop.call_soon_threadsafe(items.put_nowait, item)))
+                    self.loop.submit(request, lambda item: loop.call_soon_threadsafe(items.put_nowait, item), grammar))
             except (RequestError, InstanceUnhealthy, RuntimeError) as e:
                 finished = True
                 # an instance that is unhealthy, or whose loop stopped, fails as a dead one would: the API replica
@@ -151,6 +156,11 @@ class InstanceServer:
         finally:
             if not finished:  # the consumer went away (client disconnect, cancellation): free its KV
                 self.loop.abort(request.request_id)
+
+    async def _grammar(self, request: Request) -> CompiledGrammar | None:
+        """The request's structured output compiled off the loop (actors/grammar_pool.py); None without one."""
+        spec = request.params.structured
+        return None if spec is None else await self.grammars.compile(request.tenant, spec)
 
     async def resume_stream(self, request_id: str):
         """The stream of a request that migrated here (cluster/migration.py), from its first token here on: what the
@@ -276,8 +286,9 @@ class InstanceServer:
         items: asyncio.Queue[StreamItem] = asyncio.Queue()  # held until the client's stream comes (resume_stream)
         self._handed_in[rid] = items
         try:
+            grammar = await self._grammar(request)
             await asyncio.wrap_future(
-                self.loop.submit(request, lambda item: loop.call_soon_threadsafe(items.put_nowait, item)))
+                self.loop.submit(request, lambda item: loop.call_soon_threadsafe(items.put_nowait, item), grammar))
         except BaseException:
             self._handed_in.pop(rid, None)
             raise
@@ -401,6 +412,7 @@ class InstanceServer:
 
     def shutdown(self) -> None:
         self.loop.close()
+        self.grammars.shutdown()
         self.instance.shutdown()
 
     @staticmethod

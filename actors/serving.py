@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from actors.sequence import Sequence, SeqStatus
+from actors.speculation.structured import CompiledGrammar
 from cluster.request import FinishReason, Request, RequestStatus, SpecStats, StreamItem, TokenDelta
 
 
@@ -30,10 +31,11 @@ Sink = Callable[[StreamItem], None]
 # ---- what other threads post to the loop, applied between two steps (by type, in `ServingLoop._apply`)
 @dataclass(frozen=True)
 class Add:
-    """Queue `request`, its stream going to `sink`."""
+    """Queue `request`, its stream going to `sink`; `grammar`: its structured output, compiled off the loop."""
 
     request: Request
     sink: Sink
+    grammar: CompiledGrammar | None = None
 
 
 @dataclass(frozen=True)
@@ -81,7 +83,7 @@ class Steppable(Protocol):
     waiting: list[Sequence]
     running: list[Sequence]
 
-    def add_request(self, request: Request) -> Sequence: ...
+    def add_request(self, request: Request, grammar: CompiledGrammar | None = None) -> Sequence: ...
     def abort(self, request_id: str) -> TokenDelta | None: ...
     def step(self) -> list[TokenDelta]: ...
     def has_unfinished(self) -> bool: ...
@@ -120,9 +122,10 @@ class ServingLoop:
         self._thread.start()
 
     # ---- called from other threads --------------------------------------------------------------
-    def submit(self, request: Request, sink: Sink) -> Future:
-        """Queue `request`; the future resolves once the engine took it (or carries its RequestError)."""
-        return self._post(Add(request, sink))
+    def submit(self, request: Request, sink: Sink, grammar: CompiledGrammar | None = None) -> Future:
+        """Queue `request`; the future resolves once the engine took it (or carries its RequestError). `grammar`: its
+        structured output compiled beforehand (actors/grammar_pool.py), so the loop only copies it."""
+        return self._post(Add(request, sink, grammar))
 
     def abort(self, request_id: str) -> Future:
         """Cancel a request; the future resolves to whether it was in flight. Its sink gets a final ABORT item."""
@@ -229,8 +232,8 @@ class ServingLoop:
 
     def _apply(self, command: Command) -> object:
         match command:
-            case Add(request, sink):
-                return self._add(request, sink)
+            case Add(request, sink, grammar):
+                return self._add(request, sink, grammar)
             case Call(fn):
                 return fn()
             case HandOver(rid, destination):
@@ -245,9 +248,9 @@ class ServingLoop:
                 return None
         raise TypeError(f"not a serving loop command: {command!r}")
 
-    def _add(self, request: Request, sink: Sink) -> None:
+    def _add(self, request: Request, sink: Sink, grammar: CompiledGrammar | None) -> None:
         try:
-            seq = self.engine.add_request(request)  # raises RequestError (or InstanceUnhealthy) to the caller
+            seq = self.engine.add_request(request, grammar)  # raises RequestError (or InstanceUnhealthy) to the caller
         except Exception:
             self._record_end(request.request_id, RequestStatus.FAILED)
             raise

@@ -166,6 +166,18 @@ class CacheConfig(_Frozen):
         return (self.num_blocks - 1) * self.block_size
 
 
+class GrammarConfig(_Frozen):
+    """Structured outputs' and tool calls' grammars at an instance (actors/grammar_pool.py): compiled off the engine's
+    loop on `compile_workers` threads, one tenant on at most all but one of them, at most `compile_queue` waiting
+    (refused beyond); a grammar that takes longer than `compile_timeout_s` to compile is refused (a 400), and the
+    compiled grammars kept for reuse hold at most `cache_bytes` of grammar text."""
+
+    compile_workers: int = Field(default=2, ge=1, le=64)
+    compile_queue: int = Field(default=256, ge=0, le=100_000)
+    compile_timeout_s: float = Field(default=10.0, gt=0.0, le=3600.0)
+    cache_bytes: int = Field(default=64 * 2**20, ge=0, le=2**40)
+
+
 class SchedulerConfig(_Frozen):
     """Continuous batching limits per step: running requests, and target tokens (chunked prefill, Sarathi)."""
 
@@ -217,6 +229,7 @@ class EngineConfig(_Frozen):
     scheduler: SchedulerConfig = SchedulerConfig()
     cache: CacheConfig = CacheConfig()
     experts: ExpertParallelConfig = ExpertParallelConfig()
+    grammar: GrammarConfig = GrammarConfig()
     # batch-invariant target forward (actors/model/deterministic.py, docs/determinism.md): a token's logits do not
     # depend on its batch, so speculation in bf16 equals plain decoding token for token and runs repeat exactly
     deterministic: bool = False

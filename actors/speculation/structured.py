@@ -1,9 +1,9 @@
 """Structured outputs: a request's grammar (JSON schema, JSON object, regex, choice, Lark) as a token mask per position.
 
 Built on llguidance (Microsoft's Rust constrained-decoding engine; its masks cost tens of microseconds a token):
-the request's spec is compiled once per distinct spec and tokenizer (an LRU cache), and each request gets a
-matcher that has consumed exactly the tokens it emitted. Speculation goes through the same matcher, which can
-look ahead and step back:
+the request's spec is compiled once per distinct spec and tokenizer (off the engine's loop, actors/grammar_pool.py;
+kept in a cache bounded in bytes), and each request gets a matcher that has consumed exactly the tokens it emitted.
+Speculation goes through the same matcher, which can look ahead and step back:
 - a draft model proposes under the mask of the state after its own earlier drafts (so it proposes only allowed
   tokens); a lookup drafter's proposal is cut at its first token the grammar refuses (`valid_prefix`);
 - verification masks position j of the target's k + 1 with the state after the round's first j drafts, then
@@ -13,10 +13,12 @@ look ahead and step back:
 
 from __future__ import annotations
 
+import hashlib
 import re
+import threading
 from collections import OrderedDict
 from collections.abc import Sequence
-from functools import cached_property
+from dataclasses import dataclass
 
 import torch
 
@@ -50,43 +52,110 @@ def grammar_of(spec: StructuredOutput) -> str:
                          param="response_format")
 
 
-class GrammarCompiler:
-    """Grammars of one tokenizer, compiled once per distinct spec (at most `cache_size` kept)."""
+@dataclass(frozen=True)
+class CompiledGrammar:
+    """A spec's grammar compiled for one tokenizer: a matcher at its start state, never advanced (each request gets a
+    copy of it, a millisecond where compiling took up to seconds), and what it counts against the cache."""
 
-    def __init__(self, hf_tokenizer, vocab_size: int, eos_token_ids: Sequence[int], cache_size: int = 256) -> None:
+    key: str  # sha256 of the spec
+    matcher: object  # llguidance.LLMatcher at the grammar's start
+    nbytes: int  # the grammar's text, what the cache's byte bound counts
+    vocab_size: int
+    eos: tuple[int, ...]
+
+    def start(self) -> "GrammarState":
+        """A request's own matcher, at the grammar's start."""
+        return GrammarState(self.matcher.deep_copy(), self.vocab_size, self.eos)
+
+
+def spec_key(spec: StructuredOutput) -> str:
+    return hashlib.sha256(spec.model_dump_json().encode()).hexdigest()
+
+
+class GrammarCompiler:
+    """Grammars of one tokenizer, compiled once per distinct spec and kept while they hold at most `cache_bytes`.
+
+    Safe to call from several threads (actors/grammar_pool.py compiles on a pool, the engine's loop looks up): the
+    cache and the refusals are read and written under a lock, a compile runs outside it (llguidance releases the
+    GIL while it builds a matcher). A spec refused once (invalid, or too slow to compile: `refuse`) is refused
+    again at once, with the same message, while it is remembered (the last REFUSALS_KEPT)."""
+
+    REFUSALS_KEPT = 1024
+
+    def __init__(self, hf_tokenizer, vocab_size: int, eos_token_ids: Sequence[int],
+                 cache_bytes: int = 64 * 2**20) -> None:
+        self.hf_tokenizer, self.vocab_size, self.eos = hf_tokenizer, vocab_size, tuple(eos_token_ids)
+        self.cache_bytes = cache_bytes
+        self._lock = threading.Lock()
+        self._tokenizer = None
+        self._grammars: OrderedDict[str, CompiledGrammar] = OrderedDict()  # least recently used first
+        self._refused: OrderedDict[str, str] = OrderedDict()  # key -> its message
+        self.held_bytes = 0  # what the cache holds now, <= cache_bytes
+
+    @property
+    def tokenizer(self):
+        """llguidance's view of the tokenizer (about a second to build: once, on the first structured request)."""
         if llguidance is None:
             raise InvalidRequest("structured outputs need the llguidance package, which is not installed here",
                                  param="response_format")
-        self.hf_tokenizer, self.vocab_size, self.eos = hf_tokenizer, vocab_size, list(eos_token_ids)
-        self.cache_size = cache_size
-        self._grammars: OrderedDict[str, str] = OrderedDict()
+        with self._lock:
+            if self._tokenizer is None:
+                self._tokenizer = llguidance.hf.from_tokenizer(self.hf_tokenizer, n_vocab=self.vocab_size,
+                                                               eos_token=list(self.eos))
+            return self._tokenizer
 
-    @cached_property
-    def tokenizer(self):
-        """llguidance's view of the tokenizer (about a second to build: once, on the first structured request)."""
-        return llguidance.hf.from_tokenizer(self.hf_tokenizer, n_vocab=self.vocab_size, eos_token=self.eos)
+    def cached(self, spec: StructuredOutput, key: str | None = None) -> CompiledGrammar | None:
+        """The spec's compiled grammar if it is kept (InvalidRequest if the spec was refused); None otherwise."""
+        key = key or spec_key(spec)
+        with self._lock:
+            if (message := self._refused.get(key)) is not None:
+                raise InvalidRequest(message, param="response_format")
+            hit = self._grammars.get(key)
+            if hit is not None:
+                self._grammars.move_to_end(key)
+            return hit
 
-    def grammar(self, spec: StructuredOutput) -> str:
-        """The checked grammar of `spec`; InvalidRequest (a 400) naming what is wrong with it."""
-        key = spec.model_dump_json()
-        if key in self._grammars:
-            self._grammars.move_to_end(key)
-            return self._grammars[key]
+    def compile(self, spec: StructuredOutput, key: str | None = None) -> CompiledGrammar:
+        """The spec's compiled grammar, from the cache or compiled now; InvalidRequest (a 400) naming what is wrong."""
+        key = key or spec_key(spec)
+        if (hit := self.cached(spec, key)) is not None:
+            return hit
+        tokenizer = self.tokenizer
         try:
             grammar = grammar_of(spec)
         except (ValueError, TypeError) as e:
-            raise InvalidRequest(f"invalid structured output: {e}", param="response_format") from None
-        error = llguidance.LLMatcher.validate_grammar(grammar, self.tokenizer)
-        if error:
-            raise InvalidRequest(f"invalid structured output: {error}", param="response_format")
-        self._grammars[key] = grammar
-        while len(self._grammars) > self.cache_size:
-            self._grammars.popitem(last=False)
-        return grammar
+            raise self.refuse(key, f"invalid structured output: {e}") from None
+        matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
+        if matcher.is_error():
+            raise self.refuse(key, f"invalid structured output: {matcher.get_error()[:500]}")
+        compiled = CompiledGrammar(key, matcher, len(grammar), self.vocab_size, self.eos)
+        self._keep(compiled)
+        return compiled
 
     def matcher(self, spec: StructuredOutput) -> "GrammarState":
-        return GrammarState(llguidance.LLMatcher(self.tokenizer, self.grammar(spec), log_level=0), self.vocab_size,
-                            self.eos)
+        """A request's matcher for `spec` (compiled here if it is not kept: the offline path, tests)."""
+        return self.compile(spec).start()
+
+    def refuse(self, key: str, message: str) -> InvalidRequest:
+        """Remember `key` as refused with `message`; the error to raise."""
+        with self._lock:
+            self._refused[key] = message
+            self._refused.move_to_end(key)
+            while len(self._refused) > self.REFUSALS_KEPT:
+                self._refused.popitem(last=False)
+        return InvalidRequest(message, param="response_format")
+
+    def _keep(self, compiled: CompiledGrammar) -> None:
+        if compiled.nbytes > self.cache_bytes:
+            return  # larger than the whole cache: used by its request only
+        with self._lock:
+            if compiled.key in self._grammars or compiled.key in self._refused:
+                return
+            self._grammars[compiled.key] = compiled
+            self.held_bytes += compiled.nbytes
+            while self.held_bytes > self.cache_bytes:
+                _, old = self._grammars.popitem(last=False)
+                self.held_bytes -= old.nbytes
 
 
 class GrammarState:

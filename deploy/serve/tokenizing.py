@@ -5,11 +5,9 @@ tenant's requests behind them; on an unbounded queue, a flood of them holds memo
 
 - `workers` threads, each job with a tokenizer copy of its own (a fast tokenizer's state is not safe to share
   between threads: padding and truncation settings live in it);
-- one tenant runs on at most `workers - 1` of them (all, with one worker), so a thread stays free for the others;
-- at most `queue` jobs wait for a thread, served round-robin by tenant; one more is refused with 429 and
-  Retry-After (deploy/serve/admission.py, `too_many`);
-- the bookkeeping runs on the event loop; a thread's slot is given back when its job ends, even if the request
-  that waited for it was cancelled meanwhile (the job still holds its tokenizer copy until then).
+- shared among tenants by cluster/fair_share.py's rules (one tenant on at most `workers - 1` threads, at most
+  `queue` jobs waiting, round-robin by tenant); one more is refused with 429 and Retry-After
+  (deploy/serve/admission.py, `too_many`); a job holds its tokenizer copy until it ends.
 
 transformers' `encode` and `apply_chat_template` release the GIL while the Rust tokenizer runs, so these
 threads do not stall the replica's event loop.
@@ -26,11 +24,11 @@ import asyncio
 import copy
 import json
 import queue
-from collections import deque
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
+from cluster.fair_share import FairSlots
 from deploy.serve.admission import too_many
 
 T = TypeVar("T")
@@ -41,78 +39,26 @@ class TokenizerPool:
 
     def __init__(self, tokenizer: Any, workers: int, queue_limit: int, retry_after_s: int) -> None:
         self.workers, self.queue_limit, self.retry_after_s = workers, queue_limit, retry_after_s
-        self.share = max(1, workers - 1)  # threads one tenant may hold at once
+        self.slots = FairSlots(workers, queue_limit, self._full)  # cluster/fair_share.py: the sharing rules
         self._copies: queue.SimpleQueue = queue.SimpleQueue()
         for i in range(workers):
             self._copies.put(tokenizer if i == 0 else copy.deepcopy(tokenizer))
         self._executor = ThreadPoolExecutor(workers, thread_name_prefix="tokenize")
-        self._running: dict[str, int] = {}
-        self._waiting: dict[str, deque[asyncio.Future]] = {}  # tenant -> its jobs' gates, in arrival order
-        self._queued = 0
-        self._turn: deque[str] = deque()  # tenants in round-robin order
 
     @property
     def busy(self) -> int:
-        return sum(self._running.values())
+        return self.slots.busy
 
     @property
     def queued(self) -> int:
-        return self._queued
+        return self.slots.queued
 
     async def run(self, tenant: str, fn: Callable[..., T], *args: Any) -> T:
-        loop = asyncio.get_running_loop()
-        if self._may_start(tenant):
-            self._running[tenant] = self._running.get(tenant, 0) + 1
-        else:
-            await self._wait_turn(tenant, loop)
-        job = self._executor.submit(self._call, fn, args)
-        job.add_done_callback(lambda _: loop.call_soon_threadsafe(self._finished, tenant))
-        return await asyncio.wrap_future(job)
+        return await asyncio.wrap_future(await self.slots.submit(self._executor, tenant, self._call, fn, args))
 
-    def _may_start(self, tenant: str) -> bool:
-        return self.busy < self.workers and self._running.get(tenant, 0) < self.share
-
-    async def _wait_turn(self, tenant: str, loop: asyncio.AbstractEventLoop) -> None:
-        if self._queued >= self.queue_limit:
-            raise too_many(f"{self.busy} prompts are being tokenized and {self._queued} wait (serve.edge."
-                           f"tokenizer_queue)", "tokenizer_queue_full", self.retry_after_s)
-        gate = loop.create_future()
-        self._waiting.setdefault(tenant, deque()).append(gate)
-        if tenant not in self._turn:
-            self._turn.append(tenant)
-        self._queued += 1
-        try:
-            await gate
-        except asyncio.CancelledError:
-            if gate.done() and not gate.cancelled():  # a thread was given to us just now: hand it on
-                self._finished(tenant)
-            else:
-                self._waiting[tenant].remove(gate)
-                self._queued -= 1
-            raise
-
-    def _finished(self, tenant: str) -> None:
-        """A job of `tenant` ended: give its thread to the next waiting tenant in turn that may take one."""
-        self._running[tenant] -= 1
-        if not self._running[tenant]:
-            del self._running[tenant]
-        for _ in range(len(self._turn)):
-            if self.busy >= self.workers:
-                return
-            who = self._turn[0]
-            self._turn.rotate(-1)
-            gates = self._waiting.get(who)
-            if not gates:
-                self._turn.remove(who)
-                self._waiting.pop(who, None)
-                continue
-            if self._running.get(who, 0) >= self.share:
-                continue
-            gate = gates.popleft()
-            self._queued -= 1
-            self._running[who] = self._running.get(who, 0) + 1
-            gate.set_result(None)
-            return
+    def _full(self, busy: int, queued: int) -> Exception:
+        return too_many(f"{busy} prompts are being tokenized and {queued} wait (serve.edge.tokenizer_queue)",
+                        "tokenizer_queue_full", self.retry_after_s)
 
     def _call(self, fn: Callable[..., T], args: tuple) -> T:
         tokenizer = self._copies.get_nowait()  # never empty: at most `workers` jobs run
