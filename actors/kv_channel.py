@@ -8,7 +8,8 @@ each process's default group, the pipeline's (actors/p2p.py), alone): NCCL when 
 on GPUs, gloo otherwise. The KV's tensors go over it in order; their headers (request, layers, token range,
 shape, dtype) go with the coordinator's calls, so the receiver knows what to allocate. Every operation is
 bounded by the channel's timeout: a peer that died fails the transfer, never hangs it. The store and gloo's
-pairs listen only on the addresses the two ends use (actors/rendezvous.py).
+pairs listen only on the addresses the two ends use, and both ends prove the cluster's link secret before any
+KV crosses (actors/rendezvous.py).
 
 Tensors cross on the backend's wire device: NCCL sends them GPU to GPU from where the cache holds them; gloo
 carries host memory, so only a GPU instance migrating to or from a CPU instance stages its KV on the host.
@@ -50,7 +51,9 @@ class KVHeader:
 class KVChannel:
     """One end of a two-rank group; `send` and `recv` block (run them off the event loop)."""
 
-    def __init__(self, address: str, rank: int, timeout_s: float, backend: str = "gloo") -> None:
+    def __init__(self, address: str, rank: int, timeout_s: float, backend: str = "gloo",
+                 secret: bytes | None = None) -> None:
+        """`secret`: the link secret both ends must prove (default: the cluster's, rendezvous.link_secret)."""
         if backend not in ("gloo", "nccl"):
             raise ChannelError(f"unknown KV channel backend {backend!r} (gloo or nccl)")
         host, port = address.removeprefix("tcp://").rsplit(":", 1)
@@ -68,6 +71,12 @@ class KVChannel:
                 self.group = dist.ProcessGroupGloo(self.store, rank, 2, rendezvous.gloo_options(local, self.timeout))
         except (RuntimeError, OSError) as e:
             raise ChannelError(f"opening the KV channel at {address} as rank {rank} failed: {e}") from None
+        try:  # before any KV crosses: both ends hold the cluster's secret
+            rendezvous.authenticate(self.group, rank, 2, secret if secret is not None else rendezvous.link_secret(),
+                                    self.timeout, self.wire, f"the KV channel at {address}")
+        except (RuntimeError, OSError) as e:
+            self.group = self.store = None  # torn down: nothing is sent on a link whose peer is unknown
+            raise ChannelError(f"the KV channel at {address} refused as rank {rank}: {e}") from None
         self._lock = threading.Lock()  # one transfer at a time, in the order they were asked for
 
     def send(self, exports: list[KVExport]) -> int:

@@ -3,7 +3,8 @@
 The group's backend is NCCL when every stage computes on a GPU (tensors go GPU to GPU) and gloo otherwise,
 through host memory (a GPU stage beside a CPU stage copies to and from it). Each instance has its own process
 group, one rank per target stage (rank = stage index), joined through a
-private TCP rendezvous address (its store listening there only: actors/rendezvous.py) and bounded by a timeout: a transfer whose peer died fails (gloo sees the
+private TCP rendezvous address (its store listening there only, every rank proving the cluster's link secret before
+anything crosses: actors/rendezvous.py) and bounded by a timeout: a transfer whose peer died fails (gloo sees the
 connection close) or times out, never hangs. One shard process belongs to one instance, so the group is the
 process's default group.
 """
@@ -72,7 +73,8 @@ class P2P:
     """This process's rank in an instance's process group; moves (N, H) activations to and from its neighbours."""
 
     def __init__(self, init_method: str, rank: int, world_size: int, timeout_s: float,
-                 device: torch.device | str = "cpu", backend: str | None = None) -> None:
+                 device: torch.device | str = "cpu", backend: str | None = None, secret: bytes | None = None) -> None:
+        """`secret`: the link secret every rank must prove (default: the cluster's, rendezvous.link_secret)."""
         self.device = torch.device(device)  # the stage's compute device: received tensors land on it
         self.backend = backend or backend_for(self.device)  # the group's: "gloo" if any stage computes on a CPU
         # what the wire carries: the GPU itself under NCCL; host memory under gloo (mixed or CPU-only groups)
@@ -82,6 +84,13 @@ class P2P:
         host, port = init_method.removeprefix("tcp://").rsplit(":", 1)
         store = rendezvous.store(host, int(port), world_size, rank == 0, self.timeout)
         dist.init_process_group(self.backend, store=store, rank=rank, world_size=world_size, timeout=self.timeout)
+        try:  # before any activation crosses: every stage holds the cluster's secret
+            rendezvous.authenticate(dist.distributed_c10d._get_default_group(), rank, world_size,
+                                    secret if secret is not None else rendezvous.link_secret(), self.timeout,
+                                    self.wire, f"the pipeline group at {init_method}")
+        except RuntimeError as e:
+            self.close()
+            raise TransferError(f"rank {rank}: {e}") from None
 
     def send(self, x: torch.Tensor, dst: int) -> Transfer:
         """Send x (N, H) to rank `dst`; returns when it is sent."""

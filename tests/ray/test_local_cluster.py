@@ -62,6 +62,21 @@ def test_tasks_pinned_by_resource_or_label_run_on_the_named_node(ray_driver) -> 
     assert set(ray.get(on_l4, timeout=60)) <= {node_ids["l4-0"], node_ids["l4-1"]}
 
 
+def test_every_nodes_workers_hold_the_same_link_secret_and_another_cluster_does_not(ray_driver) -> None:
+    """KV links and pipeline groups authenticate with a secret derived from the cluster's Ray token
+    (actors/rendezvous.py): a worker on every node finds it, the same, and it is not the token itself."""
+    from actors.rendezvous import link_secret
+
+    @ray.remote(num_cpus=0)
+    def secret() -> bytes | None:
+        return link_secret()
+
+    nodes = [name for name in live_nodes()]
+    got = ray.get([secret.options(resources={NODE_RESOURCE.format(name=n): 1}).remote() for n in nodes], timeout=60)
+    token = Path(ray_driver.state.auth_token_path).read_text().strip().encode()
+    assert got[0] is not None and len(set(got)) == 1 and token not in got[0]
+
+
 def test_cli_up_status_down_stops_exactly_its_own_cluster(ray_driver, tmp_path: Path) -> None:
     state_path = tmp_path / "second.json"
     res = specfleet("cluster", "up", "--nodes", "1", "--num-cpus", "1", "--state", str(state_path))
