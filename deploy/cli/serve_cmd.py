@@ -75,8 +75,11 @@ def deploy(cfg: SpecfleetConfig, address: str, timeout_s: float = 900.0, env: di
     from deploy.serve import serve_env
 
     codegen.ensure()
+    # exposed on a cluster on loopback (a container's, a local one): the replicas' servers stay on loopback
+    gcs_host = address.rpartition(":")[0].strip("[]")
+    replica_host = gcs_host if ray_node.is_loopback(gcs_host) else None
     ray_node.connect(address, env or {}, namespace="specfleet", log_to_driver=False, logging_level="ERROR",
-                     runtime_env=serve_env.runtime_env(cfg.serve))
+                     runtime_env=serve_env.runtime_env(cfg.serve, replica_host))
     try:
         serve.start(proxy_location="HeadOnly", http_options={"host": cfg.serve.http_host, "port": cfg.serve.http_port},
                     grpc_options=gRPCOptions(port=cfg.serve.grpc_port,

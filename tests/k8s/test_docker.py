@@ -3,6 +3,7 @@ generate the gRPC code at build time, run as a non-root user and carry a health 
 
 from __future__ import annotations
 
+import json
 import re
 import shlex
 
@@ -41,7 +42,9 @@ def test_dockerfile(path):
     users = [v for k, v in steps if k == "USER"]
     assert users and users[-1] not in ("root", "0") and kinds.index("USER") < kinds.index("COPY")
     assert "HEALTHCHECK" in kinds and "/health" in dict(steps)["HEALTHCHECK"]
-    assert "deploy.app:build_app" in dict(steps)["CMD"]
+    # the entrypoint serves: a cluster on loopback, the app on 0.0.0.0 (tests/k8s/test_container.py runs it)
+    assert json.loads(dict(steps)["ENTRYPOINT"]) == ["python", "-m", "deploy.infra.container"]
+    assert dict(steps)["EXPOSE"].split() == ["8000", "9000"]  # never Ray's GCS (6379) or dashboard (8265)
     for _, args in (s for s in steps if s[0] == "COPY"):
         sources = [w for w in shlex.split(args) if not w.startswith("--")][:-1]
         for src in sources:

@@ -48,3 +48,6 @@ def test_serves_other_servers_move_from_every_interface_to_the_serve_host() -> N
     assert env["worker_process_setup_hook"] == "deploy.serve.serve_env.bind_servers"
     assert env["env_vars"] == {"SPECFLEET_BIND_HOST": "127.0.0.1", "RAY_SERVE_GRPC_MAX_MESSAGE_SIZE": "4096"}
     assert ServeConfig().http_host == "127.0.0.1"  # closed unless asked
+    exposed = serve_env.runtime_env(ServeConfig(http_host="0.0.0.0"), replica_host="127.0.0.1")["env_vars"]
+    assert exposed["SPECFLEET_BIND_HOST"] == "0.0.0.0" and exposed["SPECFLEET_REPLICA_HOST"] == "127.0.0.1"
+    assert "SPECFLEET_REPLICA_HOST" not in serve_env.runtime_env(ServeConfig(), replica_host="127.0.0.1")["env_vars"]
