@@ -51,6 +51,7 @@ def compile_seconds(tiny_models, salt: int) -> float:
     return time.perf_counter() - t0
 
 
+@pytest.mark.heavy  # several seconds of compiles
 def test_a_flooding_key_holds_one_thread_and_another_keys_grammar_compiles_meanwhile(tiny_models) -> None:
     async def scenario() -> None:
         pool = GrammarPool(compiler(tiny_models), GrammarConfig(compile_workers=2, compile_timeout_s=600))
@@ -101,6 +102,7 @@ def test_the_compiled_cache_stays_under_its_byte_bound(tiny_models) -> None:
     assert c.cached(big_schema(0, properties=300)) is None
 
 
+@pytest.mark.heavy  # several seconds of compiles
 def test_one_keys_distinct_large_schemas_do_not_stall_another_keys_stream(tiny_models, tiny_draft_models) -> None:
     """The ordinary key's stream keeps its tokens coming while the hostile key's schemas compile: no gap between two
     of its items comes near one compile's time (on the engine's loop each compile held every stream for all of it)."""
