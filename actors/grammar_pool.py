@@ -1,4 +1,4 @@
-"""Structured outputs' grammars compiled off the engine's loop: a bounded pool, fair among tenants, a compile time bound.
+"""Structured outputs' grammars compiled off the engine's loop: a bounded pool, fair among tenants, a time bound.
 
 Compiling a grammar costs up to seconds (llguidance builds a megabyte JSON schema's matcher in about two on one
 core), and the engine's loop thread is every stream's: a compile there stalls each of them for as long. An
