@@ -37,8 +37,8 @@ def choose_dtype(asked: str, gpu: bool) -> tuple[str, str]:
     """(dtype, why) for `engine.model.dtype` = `asked` on a fleet that computes on GPUs (`gpu`) or on this CPU.
 
     "fp32" / "bf16" stand as configured. "auto" (vLLM's `--dtype auto`, resolved for the hardware): bf16 on a GPU
-    that computes in it, and on a CPU where our int4 kernels run (their bf16 path reads the stored 4-bit weights,
-    measured 10x fp32's dense weights on an AVX2 and 2x on an AVX512 machine: docs/benchmarks.md) or that has bf16
+    that computes in it, and on a CPU where our int4 kernels run (their bf16 path reads the stored 4-bit weights:
+    on the AVX2 path measured 2.3x fp32's decoding and 1.7x its prefill, docs/benchmarks.md) or that has bf16
     arithmetic (AVX512-BF16, AMX); fp32 elsewhere, where torch emulates bf16 and dense fp32 runs faster.
     """
     if asked != "auto":
