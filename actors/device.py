@@ -31,3 +31,28 @@ def device_name(device: torch.device) -> str:
     if device.type == "cuda":
         return f"cuda:{torch.cuda.get_device_name(device)}"
     return device.type
+
+
+def choose_dtype(asked: str, gpu: bool) -> tuple[str, str]:
+    """(dtype, why) for `engine.model.dtype` = `asked` on a fleet that computes on GPUs (`gpu`) or on this CPU.
+
+    "fp32" / "bf16" stand as configured. "auto" (vLLM's `--dtype auto`, resolved for the hardware): bf16 on a GPU
+    that computes in it, and on a CPU where our int4 kernels run (their bf16 path reads the stored 4-bit weights:
+    on the AVX2 path measured 2.3x fp32's decoding and 1.7x its prefill, docs/benchmarks.md) or that has bf16
+    arithmetic (AVX512-BF16, AMX); fp32 elsewhere, where torch emulates bf16 and dense fp32 runs faster.
+    """
+    if asked != "auto":
+        return asked, "engine.model.dtype"
+    if gpu:
+        if torch.cuda.is_available() and not torch.cuda.is_bf16_supported():
+            return "fp32", "auto: this GPU has no bf16"
+        return "bf16", "auto: GPUs compute in bf16"
+    from actors.model import cpu_kernels  # here: a CUDA-only caller never builds or probes the CPU kernels
+
+    isa, why = cpu_kernels.choice()
+    if isa != "torch":
+        return "bf16", f"auto: our {isa} kernels run the weights in bf16 ({why})"
+    native = sorted(f for f in cpu_kernels.cpu_flags() if f in ("avx512_bf16", "amx_bf16"))
+    if native:
+        return "bf16", f"auto: this CPU computes in bf16 ({'+'.join(native)})"
+    return "fp32", f"auto: no bf16 kernels here ({why}) and no bf16 arithmetic on this CPU"

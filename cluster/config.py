@@ -35,7 +35,9 @@ class ModelConfig(_Frozen):
     target: str
     draft: str | None = None
     draft_layers: tuple[int, ...] | None = None
-    dtype: Literal["fp32", "bf16"] = "fp32"
+    # "auto" is resolved where the app is built, for the hardware it runs on (actors/device.py choose_dtype): bf16
+    # on GPUs and on CPUs where our kernels or bf16 arithmetic run, fp32 elsewhere; the start-up line says which
+    dtype: Literal["auto", "fp32", "bf16"] = "fp32"
     # where weights, KV cache and sampling live: "auto" is the GPU Ray assigned to the process if any (outside
     # Ray: any visible GPU), else the CPU; "cuda" requires one (actors/device.py)
     device: Literal["auto", "cpu", "cuda"] = "auto"

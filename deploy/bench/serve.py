@@ -369,10 +369,10 @@ def _prompts(args: argparse.Namespace, context: int) -> list[list[int]]:
     """The dataset's prompts as token ids (the served model's tokenizer, its chat template if any), cut to fit."""
     from actors.model.loader import load_metadata
     from cluster.config import load_config
-    from deploy.model_store import resolve_model
+    from deploy.serve.fleet import resolved
 
-    m = load_config(args.config).engine.model
-    meta = load_metadata(resolve_model(m.target, m.dtype), m.dtype)
+    m = resolved(load_config(args.config).engine).model
+    meta = load_metadata(m.target, m.dtype)
     room = min(args.max_prompt_tokens, context - args.max_tokens - 1) if context else args.max_prompt_tokens
     if room < 1:
         raise UsageError(f"--max-tokens {args.max_tokens} leaves no room for a prompt in a {context}-token context")

@@ -276,6 +276,9 @@ def compose(cfg: SpecfleetConfig, replica_resources: dict[str, float] | None = N
     `instance_env`: environment variables of the instance replicas, inherited by their instance actors (the fault
     kit's actors.instance_server.START_DELAY_ENV)."""
     specs = fleet_specs(cfg)
+    if specs:  # the API reads the model (tokenizer, template) in the dtype the instances chose (`dtype: auto`)
+        model = cfg.engine.model.model_copy(update={"dtype": specs[0].engine.model.dtype})
+        cfg = cfg.model_copy(update={"engine": cfg.engine.model_copy(update={"model": model})})
     extra = dict(replica_resources or {})
     actor_opts: dict = {"num_cpus": 0, "resources": extra} if extra else {}
     if instance_env:

@@ -12,6 +12,11 @@ Catalog names are fetched here, on the node that builds the app; on a multi-node
 
 from __future__ import annotations
 
+import logging
+
+import torch
+
+from actors.device import choose_dtype
 from actors.model.loader import load_model_config
 from cluster.config import EngineConfig, RouterConfig, SpecfleetConfig
 from deploy.model_store import resolve_model
@@ -19,15 +24,24 @@ from placement.fleet import InstanceSpec, plan_fleet, plan_instance
 from placement.inventory import ACCELERATOR_RESOURCE, LABEL_PREFIX, Inventory, inventory_from_labels
 from placement.model_size import model_size_from_config
 
+log = logging.getLogger(__name__)
+
 DTYPE_BYTES = {"fp32": 4, "bf16": 2}
 
 
-def resolved(engine: EngineConfig) -> EngineConfig:
-    """`engine` with its models resolved: catalog names fetched, GGUF files converted once to safetensors folders.
-    The name clients use stays the configured one (`model.name`, else the catalog name or file stem)."""
+def resolved(engine: EngineConfig, gpu: bool | None = None) -> EngineConfig:
+    """`engine` with its models resolved: `dtype: auto` chosen for the hardware (`gpu`: the fleet computes on GPUs;
+    default: whether `engine.model.device` or this machine says so), catalog names fetched, GGUF files converted
+    once to safetensors folders. The name clients use stays the configured one (`model.name`, else the catalog name
+    or file stem)."""
     m = engine.model
-    model = m.model_copy(update={"target": resolve_model(m.target, m.dtype), "name": m.served_name,
-                                 "draft": resolve_model(m.draft, m.dtype) if m.draft else None})
+    if gpu is None:
+        gpu = m.device == "cuda" or (m.device == "auto" and torch.cuda.is_available())
+    dtype, why = choose_dtype(m.dtype, gpu)
+    if m.dtype == "auto":
+        log.info("dtype %s (%s)", dtype, why)
+    model = m.model_copy(update={"target": resolve_model(m.target, dtype), "name": m.served_name, "dtype": dtype,
+                                 "draft": resolve_model(m.draft, dtype) if m.draft else None})
     return engine.model_copy(update={"model": model})
 
 
@@ -65,7 +79,8 @@ def fleet_specs(cfg: SpecfleetConfig, inventory: Inventory | None = None, pins: 
     """Every instance's spec for `cfg` over `inventory` (default: the running cluster's, with its pins and GPUs)."""
     if inventory is None:
         inventory, pins, gpu_nodes = cluster_inventory()
-    engine = resolved(cfg.engine)
+    device = cfg.engine.model.device
+    engine = resolved(cfg.engine, gpu=device == "cuda" or (device == "auto" and bool(gpu_nodes)))
     m = engine.model
     dtype_bytes = DTYPE_BYTES[m.dtype]
     target = model_size_from_config(load_model_config(m.target), dtype_bytes=dtype_bytes)

@@ -36,9 +36,10 @@ def test_default_config_loads() -> None:
     cfg = load_config(DEFAULT)
     model = cfg.engine.model
     assert model.target in CATALOG
-    # the draft kind and dtype measured to pay on this model at batch 1 and 8: a model-free n-gram lookup, bf16
+    # the draft kind and dtype measured to pay on this model at batch 1 and 8: a model-free n-gram lookup; the dtype
+    # chosen for the machine (bf16 where our kernels run: tests/unit/test_dtype_auto.py)
     assert model.draft is None and model.draft_layers is None
-    assert model.dtype == "bf16"
+    assert model.dtype == "auto"
     assert cfg.engine.speculation == SpeculationConfig(method="ngram", policy="goodput", k=4)
     assert cfg.engine.cache == CacheConfig(block_size=16, num_blocks=1024)
 
