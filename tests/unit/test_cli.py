@@ -166,11 +166,11 @@ def test_bench_default_wants_a_target_for_its_draft(pair):
 
 
 def test_generate_says_which_path_runs_the_model_and_a_generic_one_is_the_targets_greedy(tiny_generic_models):
-    target = tiny_generic_models["gemma3_text"]
+    target = tiny_generic_models["gemma2"]
     res = specfleet("generate", "--target", str(target), "--draft-layers", "0,3", "--prompt", "The quick brown fox",
                     "--max-tokens", "12", "--k", "3", "--no-chat", "--json")
     assert res.returncode == 0, res.stderr
-    assert "generic path (transformers' gemma3_text decoder layers" in res.stderr
+    assert "generic path (transformers' gemma2 decoder layers" in res.stderr
     row = json.loads(res.stdout)
     tok = AutoTokenizer.from_pretrained(target)
     model = AutoModelForCausalLM.from_pretrained(target).eval()
@@ -189,6 +189,6 @@ def test_generate_backend_flag_forces_a_path_or_names_why_not(pair, tiny_generic
         assert res.returncode == 0 and says in res.stderr, res.stderr
         outs.append(json.loads(res.stdout)["token_ids"])
     assert outs[0] == outs[1] and len(outs[0]) > 0
-    res = specfleet("generate", "--target", str(tiny_generic_models["qwen3"]), "--backend", "native", "--prompt", "Hi")
-    assert res.returncode != 0 and "'qwen3' has no native path" in res.stderr
+    res = specfleet("generate", "--target", str(tiny_generic_models["gemma2"]), "--backend", "native", "--prompt", "Hi")
+    assert res.returncode != 0 and "'gemma2' has no native path" in res.stderr
     assert len([line for line in res.stderr.splitlines() if "error" in line]) == 1, res.stderr
