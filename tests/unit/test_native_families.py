@@ -1,7 +1,7 @@
 """Qwen3, Qwen3-MoE and Gemma 3 on the hand-written layers (the native path, which `backend: auto` now picks for them):
 transformers' own logits in fp32 (q/k norms, Gemma's sandwich of (1 + w) norms, GeGLU, sqrt(H) embeddings, local and
 global RoPE, sliding windows crossing blocks, its score scale and final softcap), the same as the generic path's, and
-speculation on them lossless."""
+speculation on them lossless (in bf16 on our CPU kernels too)."""
 
 from __future__ import annotations
 
@@ -9,17 +9,19 @@ import gguf
 import pytest
 import torch
 
+from actors.engine import Engine
 from actors.model.generic_runner import GenericRunner
 from actors.model.layers import DecoderLayer
 from actors.model.loader import load_model
 from actors.model.metadata import SeqChunk
 from actors.model.runner import ModelRunner
 from actors.speculation import easyspec
-from cluster.config import DraftParallelConfig
+from cluster.config import DraftParallelConfig, SpeculationConfig
 from tests.fixtures.tiny_models import build_tiny_model, write_tiny_gguf
-from tests.unit.helpers import load, runner, text_prompts
+from tests.unit.helpers import isa_params, load, runner, text_prompts
 from tests.unit.test_generic_lossless import check
 from tests.unit.test_lossless import make_engine
+from tests.unit.test_stored_weights import CACHE, greedy
 from tests.unit.test_runner import ATOL, hf_logits, run_in_two_chunks
 
 NEW_NATIVE = ("qwen3", "qwen3_moe", "gemma3_text")
@@ -107,3 +109,24 @@ def test_a_qwen3_gguf_runs_native_on_its_stored_blocks(tmp_path_factory) -> None
 
     for prompt, logits in zip(prompts, got):
         torch.testing.assert_close(logits, hf_logits(model, prompt), rtol=0, atol=ATOL)
+
+
+@pytest.mark.parametrize("kernel_isa", isa_params("torch"), indirect=True)
+@pytest.mark.parametrize("family", ["qwen3", "gemma3_text"])
+def test_bf16_on_our_kernels_speculation_equals_plain_decoding(tmp_path_factory, family: str,
+                                                               kernel_isa: str) -> None:
+    """Widths our CPU kernels take (hidden 64, head dim 32), weights int4 at load, bf16: the q/k norms ahead of the
+    in-place RoPE kernel, Gemma's fp32 norms and GELU around the int4 projections; a self-draft of the target's own
+    layers (sharing its projections) gives the plain greedy output."""
+    folder = build_tiny_model(family, tmp_path_factory.mktemp(f"{family}-wide") / family, hidden_size=64,
+                              head_dim=32, intermediate_size=128)
+    model = load_model(str(folder), "bf16", weights="int4")
+    assert model.backend == "native"
+    target = ModelRunner(model, range(model.num_layers), CACHE)
+    assert (target.layers[0].attn.fused is not None) == (kernel_isa != "torch")
+    prompts = text_prompts(model, 4, offset=2)
+    plain = greedy(Engine(target, None, SpeculationConfig(policy="off")), prompts)
+
+    spec = greedy(Engine(target, ModelRunner(model, [0, 3], CACHE), SpeculationConfig(policy="fixed", k=3)), prompts)
+
+    assert spec == plain
