@@ -192,3 +192,17 @@ def test_generate_backend_flag_forces_a_path_or_names_why_not(pair, tiny_generic
     res = specfleet("generate", "--target", str(tiny_generic_models["gemma2"]), "--backend", "native", "--prompt", "Hi")
     assert res.returncode != 0 and "'gemma2' has no native path" in res.stderr
     assert len([line for line in res.stderr.splitlines() if "error" in line]) == 1, res.stderr
+
+
+def test_bench_models_runs_one_model_on_both_paths_and_checks_their_tokens(tiny_generic_models, tmp_path):
+    out = tmp_path / "models.json"
+    res = specfleet("bench", "models", "--model", str(tiny_generic_models["qwen3"]), "--num-prompts", "2",
+                    "--max-tokens", "6", "--check-tokens", "6", "--dtype", "fp32", "--no-llama", "--json", str(out))
+    assert res.returncode == 0, res.stdout + res.stderr
+    report = json.loads(out.read_text())
+    assert report["check_fp32"]["same_tokens"] == [True, True]
+    assert report["plans"]["native"].startswith("native path") and report["plans"]["generic"].startswith("generic path")
+    rows = {r["name"]: r for r in report["rows"]}
+    assert {"native stored plain", "native dequantized plain", "generic plain", "generic spec (ngram k=4)"} <= set(rows)
+    assert all(r["tok_s"] > 0 for r in rows.values()) and rows["generic plain"]["vs_generic_plain"] == 1.0
+    assert len(report["load_before"]) == 3 and "native == generic greedy on 2/2 prompts" in res.stdout

@@ -15,11 +15,13 @@ from actors.model.layers import DecoderLayer
 from actors.model.loader import load_model
 from actors.model.metadata import SeqChunk
 from actors.model.runner import ModelRunner
+from actors.moe import ep, shuffle
 from actors.speculation import easyspec
 from cluster.config import DraftParallelConfig, SpeculationConfig
 from tests.fixtures.tiny_models import build_tiny_model, write_tiny_gguf
 from tests.unit.helpers import isa_params, load, runner, text_prompts
 from tests.unit.test_generic_lossless import check
+from tests.unit.test_expert_parallel import ep_forward
 from tests.unit.test_lossless import make_engine
 from tests.unit.test_stored_weights import CACHE, greedy
 from tests.unit.test_runner import ATOL, hf_logits, run_in_two_chunks
@@ -130,3 +132,18 @@ def test_bf16_on_our_kernels_speculation_equals_plain_decoding(tmp_path_factory,
     spec = greedy(Engine(target, ModelRunner(model, [0, 3], CACHE), SpeculationConfig(policy="fixed", k=3)), prompts)
 
     assert spec == plain
+
+
+@pytest.mark.parametrize("enable", [ep.enable, shuffle.enable], ids=["expert parallel", "token shuffle"])
+def test_qwen3_moe_expert_parallel_ranks_give_the_whole_models_logits(tiny_generic_models, enable) -> None:
+    """Expert parallelism stays a native-path feature and Qwen3-MoE now has it: each rank's tokens (or, token
+    shuffling, each rank's slice of the heads, q/k norms per head included) give the whole model's logits."""
+    path = tiny_generic_models["qwen3_moe"]
+    model = load(path)
+    chunks = [SeqChunk(f"r{i}", tuple(p), 2) for i, p in enumerate(text_prompts(model, 4))]
+    with torch.inference_mode():
+        want = runner(model).forward(chunks)  # (4 * 2, V)
+    shuffled = enable is shuffle.enable
+    got, _, _ = ep_forward(path, 2, [chunks] * 2 if shuffled else [chunks[:2], chunks[2:]], enable=enable)
+    for logits in got if shuffled else [torch.cat(got)]:  # shuffled: every rank runs every token
+        torch.testing.assert_close(logits, want, rtol=1e-5, atol=1e-5)
