@@ -195,8 +195,10 @@ def test_generate_backend_flag_forces_a_path_or_names_why_not(pair, tiny_generic
 
 
 def test_bench_models_runs_one_model_on_both_paths_and_checks_their_tokens(tiny_generic_models, tmp_path):
-    out = tmp_path / "models.json"
-    res = specfleet("bench", "models", "--model", str(tiny_generic_models["qwen3"]), "--num-prompts", "2",
+    out, prompts = tmp_path / "models.json", tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"turns": [t]}) + "\n" for t in ("Tell me about lighthouses.", "def add(a, b):")))
+    res = specfleet("bench", "models", "--model", str(tiny_generic_models["qwen3"]), "--prompts", str(prompts),
+                    "--num-prompts", "2",
                     "--max-tokens", "6", "--check-tokens", "6", "--dtype", "fp32", "--no-llama", "--json", str(out))
     assert res.returncode == 0, res.stdout + res.stderr
     report = json.loads(out.read_text())
