@@ -216,7 +216,7 @@ def draft_group_runner(cfg: EngineConfig, *, num_cpus: float = 1.0, timeout_s: f
         if len(actors) > 1:
             _join(actors, names, timeout_s, timeout_s)
         group = (DraftGroup if member else StageGroup)(tuple(actors), tuple(names), (spec.layer_ids,))
-        model = load_metadata(m.draft, m.dtype) if m.draft is not None else load_metadata(m.target, m.dtype)
+        model = load_metadata(m.draft if m.draft is not None else m.target, m.dtype, m.backend)
         return PipelineRunner(model, cfg.cache, group.executor(model, step_timeout_s)), stop
     except BaseException:
         stop()
@@ -230,7 +230,7 @@ def expert_parallel_runner(cfg: EngineConfig, *, num_cpus: float = 1.0, timeout_
     Engine in this process, and the function that stops the actors."""
     if not cfg.experts.enabled:
         raise ValueError("the config asks for no expert parallelism (experts.ranks is 1)")
-    model = load_metadata(cfg.model.target, cfg.model.dtype)
+    model = load_metadata(cfg.model.target, cfg.model.dtype, cfg.model.backend)
     specs = expert_rank_specs(cfg, model.num_layers)
     actors = [ExpertActor.spawn(s, None, 0, num_cpus=num_cpus) for s in specs]
     names = [f"expert rank {i}" for i in range(len(specs))]
@@ -286,11 +286,11 @@ def ray_instance(cfg: EngineConfig, layout: ShardLayout, *, num_cpus: float = 1.
                           group_timeout_s=group_timeout_s, name=name)
     try:
         m = cfg.model
-        target_model = load_metadata(m.target, m.dtype)
+        target_model = load_metadata(m.target, m.dtype, m.backend)
         target = PipelineRunner(target_model, cfg.cache, shards.target.executor(target_model, step_timeout_s))
         draft = None
         if shards.draft is not None:
-            draft_model = load_metadata(m.draft, m.dtype) if m.draft is not None else target_model
+            draft_model = load_metadata(m.draft, m.dtype, m.backend) if m.draft is not None else target_model
             draft = PipelineRunner(draft_model, cfg.cache, shards.draft.executor(draft_model, step_timeout_s))
         return Instance(cfg, target, draft, release=shards.kill)
     except BaseException:

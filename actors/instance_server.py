@@ -66,6 +66,7 @@ class InstanceInfo:
     policy: str
     num_stages: int  # target pipeline stages
     actor_id: str = ""  # this incarnation: a replacement registers under the same instance id with another
+    backend: str = ""  # the path its target model runs on and why (actors/model/backends.py BackendPlan.describe)
 
 
 @dataclass(frozen=True)
@@ -383,7 +384,7 @@ class InstanceServer:
             inst, health = self.instance, self.instance.health()
             return InstanceInfo(self.spec.instance_id, self.spec.engine.model.served_name, inst.max_model_len,
                                 _runtime_id("node"), health.has_draft, inst.k, inst.policy, health.num_stages,
-                                _runtime_id("actor"))
+                                _runtime_id("actor"), inst.engine.target.model.plan.describe())
         return await self._on_loop(read)
 
     async def registration(self) -> Registration:

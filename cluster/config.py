@@ -51,9 +51,10 @@ class ModelConfig(_Frozen):
     # speculation stays lossless against plain decoding on the same path), "bf16" takes them as given (the exact
     # result of the stored weights, rounded once). Elsewhere (fp32, CUDA, other CPUs) it changes nothing.
     activations: Literal["int8", "bf16"] = "int8"
-    # which path runs the model (actors/model/backends.py, docs/weights.md): "auto" the hand-written layers for the
-    # families they cover (llama, mistral, mixtral, qwen2, qwen2_moe) and transformers' own decoder layers on our
-    # paged cache (the generic path) for any other decoder-only model; "native" / "generic" force one
+    # which path runs the model (actors/model/backends.py, docs/models.md): "auto" the hand-written layers for the
+    # families they cover (llama, mistral, mixtral, qwen2, qwen2_moe, qwen3, qwen3_moe, gemma3_text) and
+    # transformers' own decoder layers on our paged cache (the generic path) for any other decoder-only model;
+    # "native" / "generic" force one
     backend: Literal["auto", "native", "generic"] = "auto"
     # the draft re-quantized at load, whatever `weights` is (gpt-fast style); cheaper drafting, the output stays
     # the target's

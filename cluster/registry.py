@@ -50,6 +50,7 @@ class InstanceEntry:
     last_seen: float = 0.0
     place: InstancePlace = InstancePlace()
     incarnation: str = ""  # its actor's id: a replacement registers under the same instance id with another
+    backend: str = ""  # the path its target model runs on and why (actors/model/backends.py BackendPlan.describe)
 
     @property
     def accepting(self) -> bool:
@@ -64,7 +65,7 @@ class InstanceEntry:
                            error=self.error, draining=self.draining, accepting=self.accepting,
                            in_flight=len(self.in_flight), stats=self.stats,
                            age_s=round(time.time() - self.registered_at, 3), place=self.place, removed_at=removed_at,
-                           incarnation=self.incarnation)
+                           incarnation=self.incarnation, backend=self.backend)
 
 
 @dataclass
@@ -161,11 +162,11 @@ class Registry:
 
     # ---- instances --------------------------------------------------------------------------
     def register(self, instance_id: str, model: str, node: str, now: float,
-                 place: InstancePlace = InstancePlace(), incarnation: str = "") -> InstanceEntry:
+                 place: InstancePlace = InstancePlace(), incarnation: str = "", backend: str = "") -> InstanceEntry:
         """Add an instance (or revive one that registers again after a router restart, or its replacement: the
         requests routed to the one it replaces stay counted until they fail over or are reconciled)."""
         entry = InstanceEntry(instance_id, model, node, registered_at=now, last_seen=now, place=place,
-                              incarnation=incarnation)
+                              incarnation=incarnation, backend=backend)
         self.prefix.drop_instance(instance_id)  # what it holds comes again with its first batch: a snapshot
         old = self.instances.get(instance_id)
         if old is not None:

@@ -106,7 +106,8 @@ class Router:
                 continue
             i = reg.info
             self.starts.registered(i.instance_id, i.actor_id, time.monotonic(), reg.start_s)  # the wait it needed
-            self._register(i.instance_id, handle, i.model, i.max_model_len, i.node_id, reg.place, i.actor_id)
+            self._register(i.instance_id, handle, i.model, i.max_model_len, i.node_id, reg.place, i.actor_id,
+                           i.backend)
             for rid, priority in reg.requests:
                 self.registry.adopt(rid, i.instance_id, priority, now)
         log.warning("router started: rebuilt %d instances and %d requests from the instances",
@@ -124,16 +125,17 @@ class Router:
     # ---- instances ----------------------------------------------------------------------------------
     @_after_start
     async def register(self, instance_id: str, handle: ActorHandle, model: str, max_model_len: int, node: str,
-                       place: InstancePlace = InstancePlace(), incarnation: str = "", start_s: float | None = None
-                       ) -> None:
+                       place: InstancePlace = InstancePlace(), incarnation: str = "", start_s: float | None = None,
+                       backend: str = "") -> None:
         """Add an instance, or its replacement (another `incarnation` under the same id); idempotent. `start_s`: how
-        long this incarnation took to start (its replica's construction to now), which the failover wait learns."""
+        long this incarnation took to start (its replica's construction to now), which the failover wait learns;
+        `backend`: the path its target model runs on and why, as operators see it in `specfleet status`."""
         self.starts.registered(instance_id, incarnation, time.monotonic(), start_s)
-        self._register(instance_id, handle, model, max_model_len, node, place, incarnation)
+        self._register(instance_id, handle, model, max_model_len, node, place, incarnation, backend)
 
     def _register(self, instance_id: str, handle: ActorHandle, model: str, max_model_len: int, node: str,
-                  place: InstancePlace, incarnation: str) -> None:
-        self.registry.register(instance_id, model, node, time.time(), place, incarnation)
+                  place: InstancePlace, incarnation: str, backend: str = "") -> None:
+        self.registry.register(instance_id, model, node, time.time(), place, incarnation, backend)
         self.handles[instance_id] = handle
         self.max_model_len[model] = max_model_len
         self._replan.set()

@@ -19,8 +19,10 @@ Backend = Literal["native", "generic"]
 BackendChoice = Literal["auto", "native", "generic"]
 BACKEND_CHOICES: tuple[BackendChoice, ...] = ("auto", "native", "generic")
 
-# model_type -> feed-forward kind of the hand-written layers (actors/model/layers.py)
-NATIVE_ARCHITECTURES = {"llama": "dense", "qwen2": "dense", "mistral": "dense", "mixtral": "moe", "qwen2_moe": "moe"}
+# model_type -> feed-forward kind of the hand-written layers (actors/model/layers.py): Qwen3 is Qwen2 with a q/k
+# RMSNorm per head; Gemma 3 adds sandwich norms (1 + w), GeGLU, sqrt(H) embeddings and local/global RoPE
+NATIVE_ARCHITECTURES = {"llama": "dense", "qwen2": "dense", "mistral": "dense", "mixtral": "moe", "qwen2_moe": "moe",
+                        "qwen3": "dense", "qwen3_moe": "moe", "gemma3_text": "dense"}
 # where a base model keeps its final norm (Phi calls it final_layernorm)
 FINAL_NORMS = ("norm", "final_layernorm")
 # the layer types the generic path's attention covers (transformers' `config.layer_types` vocabulary)
@@ -47,16 +49,30 @@ def choose_backend(config: PretrainedConfig, requested: BackendChoice = "auto") 
     kind = config.model_type
     if requested not in BACKEND_CHOICES:
         raise Unsupported(f"unknown backend {requested!r}; choose one of {', '.join(BACKEND_CHOICES)}")
-    native = kind in NATIVE_ARCHITECTURES
+    refusal = native_refusal(config)
     if requested == "native":
-        if not native:
-            raise Unsupported(f"{kind!r} has no native path; use backend: generic or auto")
+        if refusal is not None:
+            raise Unsupported(f"{kind!r} has no native path ({refusal}); use backend: generic or auto")
         return BackendPlan("native", "forced by engine.model.backend")
-    if requested == "auto" and native:
+    if requested == "auto" and refusal is None:
         return BackendPlan("native", f"hand-written layers for {kind}")
     generic_refusal(config)
-    why = "forced by engine.model.backend" if requested == "generic" else f"no hand-written layers for {kind}"
+    why = "forced by engine.model.backend" if requested == "generic" else refusal
     return BackendPlan("generic", f"transformers' {kind} decoder layers on our paged cache, {why}")
+
+
+def native_refusal(config: PretrainedConfig) -> str | None:
+    """Why the hand-written layers cannot run a model of `config` (None where they can): a family not written by
+    hand, or a setting of a written family they do not implement."""
+    kind = config.model_type
+    if kind not in NATIVE_ARCHITECTURES:
+        return f"no hand-written layers for {kind}"
+    if getattr(config, "attn_logit_softcapping", None):
+        return "attn_logit_softcapping set, which the hand-written layers do not apply"
+    other = sorted(set(getattr(config, "layer_types", None) or []) - ATTENTION_LAYER_TYPES)
+    if other:
+        return f"layer types {', '.join(other)}, which the hand-written layers do not run"
+    return None
 
 
 def generic_refusal(config: PretrainedConfig) -> None:

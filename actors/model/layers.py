@@ -20,10 +20,19 @@ from actors.model.metadata import AttentionMetadata
 from actors.model.qlinear import DENSE_ROWS, Int4Linear
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, fp32: bool = False) -> torch.Tensor:
     """RMSNorm (Zhang & Sennrich 2019), one fused kernel accumulating in fp32 (in fp32 identical to Llama's
-    reference; in bf16 it rounds once, after the weight, where the reference rounds before it)."""
+    reference; in bf16 it rounds once, after the weight, where the reference rounds before it). `fp32`: Gemma's form,
+    x taken to fp32, scaled by an fp32 gain (its 1 + w, see gemma_gain) and rounded to x's dtype once, at the end."""
+    if fp32:
+        return F.rms_norm(x.float(), weight.shape, weight, eps).to(x.dtype)
     return F.rms_norm(x, weight.shape, weight, eps)
+
+
+def gemma_gain(weight: torch.Tensor) -> torch.Tensor:
+    """Gemma's RMSNorm scales by 1 + w, computed in fp32 (transformers' Gemma3RMSNorm): the gain (D,) rms_norm takes
+    with fp32=True."""
+    return 1.0 + weight.detach().float()
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -39,8 +48,9 @@ class RopeTable:
     """cos and signed sin of every position up to the longest seen, computed once by the model's own rotary
     module (so any rope scaling it applies is kept) and then indexed per forward."""
 
-    def __init__(self, rotary: nn.Module, dtype: torch.dtype, device: torch.device) -> None:
-        self.rotary, self.dtype, self.device = rotary, dtype, device
+    def __init__(self, rotary: nn.Module, dtype: torch.dtype, device: torch.device,
+                 layer_type: str | None = None) -> None:
+        self.rotary, self.dtype, self.device, self.layer_type = rotary, dtype, device, layer_type
         self.cos = self.sin = torch.empty(0, 1, 0, dtype=dtype, device=device)
 
     def __call__(self, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
@@ -52,7 +62,9 @@ class RopeTable:
     def _grow(self, n: int) -> None:
         n = max(n, 2 * self.cos.shape[0], 256)
         pos = torch.arange(n, device=self.device)[None]  # (1, P)
-        cos, sin = self.rotary(torch.empty(0, dtype=self.dtype, device=self.device), pos)  # (1, P, hd) each
+        x = torch.empty(0, dtype=self.dtype, device=self.device)
+        kind = () if self.layer_type is None else (self.layer_type,)  # Gemma 3's table of one layer type
+        cos, sin = self.rotary(x, pos, *kind)  # (1, P, hd) each
         half = sin.shape[-1] // 2
         self.cos = cos[0, :, None]  # (P, 1, hd)
         self.sin = torch.cat([-sin[0, :, :half], sin[0, :, half:]], dim=-1)[:, None]  # (P, 1, hd)
@@ -73,6 +85,13 @@ class Attention:
     kv_map: torch.Tensor | None = None
     fused: object | None = None  # our CPU kernels (torch.ops.specfleet_<isa>) where they run this layer (fused_ops)
     deterministic: bool = False  # batch-invariant attention (actors/model/deterministic.py)
+    # an RMSNorm over each head of q and of k before RoPE (Qwen3, Gemma 3: their q_norm, k_norm): gains (hd,) each
+    qk_norm: tuple[torch.Tensor, torch.Tensor] | None = None
+    qk_norm_fp32: bool = False  # Gemma's form of those norms (rms_norm's fp32)
+    eps: float = 1e-6  # of the q/k norms
+    # the score scale over the default hd ** -0.5, applied to q after RoPE (Gemma's query_pre_attn_scalar ** -0.5
+    # where it is not hd ** -0.5): every attention kernel then keeps its own hd ** -0.5; None where it is 1
+    q_scale: float | None = None
 
     def qkv(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
@@ -80,11 +99,17 @@ class Attention:
         """x: (N, H) -> q (N, nh, hd), k and v (N, kvh, hd), RoPE applied to q and k (in one call)."""
         n, nh, kvh, hd = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
         qkv = self.qkv_proj(x).view(n, nh + 2 * kvh, hd)  # (N, nh + 2 kvh, hd)
+        qk = qkv[:, :nh + kvh]  # (N, nh + kvh, hd)
+        if self.qk_norm is not None:  # per head, before RoPE
+            q_gain, k_gain = self.qk_norm
+            qk = torch.cat([rms_norm(qk[:, :nh], q_gain, self.eps, self.qk_norm_fp32),
+                            rms_norm(qk[:, nh:], k_gain, self.eps, self.qk_norm_fp32)], dim=1)
         if self.fused is not None:
-            self.fused.rope_(qkv[:, :nh + kvh], cos, sin)  # in place, one call
-            return qkv[:, :nh], qkv[:, nh:nh + kvh], qkv[:, nh + kvh:]
-        qk = apply_rope(qkv[:, :nh + kvh], cos, sin)  # (N, nh + kvh, hd)
-        return qk[:, :nh], qk[:, nh:], qkv[:, nh + kvh:]
+            self.fused.rope_(qk, cos, sin)  # in place, one call
+        else:
+            qk = apply_rope(qk, cos, sin)
+        q = qk[:, :nh] if self.q_scale is None else qk[:, :nh] * self.q_scale
+        return q, qk[:, nh:], qkv[:, nh + kvh:]
 
     def __call__(
         self,
@@ -220,15 +245,20 @@ class MoE:
 
 @dataclass
 class DecoderLayer:
-    """Pre-norm decoder layer: x + attn(norm(x)), then h + ffn(norm(h))."""
+    """Pre-norm decoder layer: x + attn(norm(x)), then h + ffn(norm(h)). Gemma 2 and 3 ("sandwich" norms) also norm
+    each half's output before its residual add: x + norm(attn(norm(x))), then h + norm(ffn(norm(h)))."""
 
     index: int
     input_norm: torch.Tensor  # (H,)
-    post_norm: torch.Tensor  # (H,)
+    post_norm: torch.Tensor  # (H,) the norm before the feed-forward
     eps: float
     attn: Attention
     ffn: DenseMLP | MoE
     fused: object | None = None  # our CPU kernels where they run this layer's norms (fused_ops)
+    # Gemma's norms after the attention and after the feed-forward (their gains, (H,) each); None: pre-norm only
+    sandwich: tuple[torch.Tensor, torch.Tensor] | None = None
+    norm_fp32: bool = False  # Gemma's RMSNorm: every gain is its 1 + w in fp32 (rms_norm's fp32)
+    rope: int | None = None  # which of the forward's rotary tables it reads (Gemma 3: local, global); None: the one
     # the decode step in one call (layer_cpu.cpp) where every part runs on our kernels: (projections it was made
     # for, their operands); rebuilt when a projection is swapped (a draft's weights, deterministic wrappers)
     _one_call: tuple | None = field(default=None, init=False, repr=False, compare=False)
@@ -236,6 +266,9 @@ class DecoderLayer:
     def __call__(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata, cache: KVCache
     ) -> torch.Tensor:
+        if self.sandwich is not None or self.norm_fp32 or self.rope is not None:
+            h = x + self.attention_update(x, cos, sin, meta, cache)
+            return h + self.ffn_update(h)
         if meta.span is not None and x.shape[0] <= DENSE_ROWS and self.fused is not None:
             args = self._decode_args()
             if args is not None:  # one sequence on consecutive blocks, every projection on our int4 kernel
@@ -249,6 +282,20 @@ class DecoderLayer:
         h = x + self.attn(rms_norm(x, self.input_norm, self.eps), cos, sin, meta, cache, self.index)
         return h + self.ffn(rms_norm(h, self.post_norm, self.eps))
 
+    def attention_update(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata,
+                         cache: KVCache) -> torch.Tensor:
+        """What the attention half adds to the residual stream x (N, H) -> (N, H), its KV written (EasySpec's
+        attention mode runs the halves apart). cos, sin: (N, 1, hd), or (R, N, 1, hd) where the layer picks one."""
+        if self.rope is not None:
+            cos, sin = cos[self.rope], sin[self.rope]
+        a = self.attn(rms_norm(x, self.input_norm, self.eps, self.norm_fp32), cos, sin, meta, cache, self.index)
+        return a if self.sandwich is None else rms_norm(a, self.sandwich[0], self.eps, self.norm_fp32)
+
+    def ffn_update(self, h: torch.Tensor) -> torch.Tensor:
+        """What the feed-forward half adds to the residual stream h (N, H) -> (N, H)."""
+        y = self.ffn(rms_norm(h, self.post_norm, self.eps, self.norm_fp32))
+        return y if self.sandwich is None else rms_norm(y, self.sandwich[1], self.eps, self.norm_fp32)
+
     def _decode_args(self) -> tuple | None:
         """`decode_layer`'s weights for this layer (its projections' operands, widths, input form and heads), or None
         where a part of its decode step does not run on our kernels (then the layer runs op by op)."""
@@ -256,7 +303,8 @@ class DecoderLayer:
         projs = (a.qkv_proj, a.o_proj, getattr(ffn, "gate_up_proj", None), getattr(ffn, "down_proj", None))
         if self._one_call is not None and all(p is q for p, q in zip(self._one_call[0], projs)):
             return self._one_call[1]
-        ours = (a.fused is not None and a.kv_map is None and isinstance(ffn, DenseMLP) and ffn.fused is not None
+        ours = (a.fused is not None and a.kv_map is None and a.qk_norm is None and a.q_scale is None
+                and isinstance(ffn, DenseMLP) and ffn.fused is not None
                 and all(isinstance(p, Int4Linear) and p.own is not None for p in projs)
                 and len({p.activations for p in projs}) == 1)
         args = None if not ours else (*(p.operands() for p in projs), [p.out_features for p in projs],
@@ -267,13 +315,17 @@ class DecoderLayer:
 
 def fused_ops(layer: DecoderLayer, act: str, device: torch.device, dtype: torch.dtype) -> None:
     """Hand our CPU kernels (actors/model/cpu_kernels.py) to the parts of `layer` they can run: bf16 on a CPU where
-    they are built, widths in whole vectors (hidden size and MLP width multiples of 16, head dim of 32), SiLU."""
+    they are built, widths in whole vectors (hidden size and MLP width multiples of 16, head dim of 32), SiLU. The
+    layer's own norms (and with them the one-call decode step) only where they are Llama's form (not Gemma's
+    sandwich of fp32 norms); the one-call decode step also takes no q/k norms (Qwen3's layers run op by op)."""
     from actors.model import cpu_kernels
 
     ops = cpu_kernels.ops() if (device.type, dtype) == ("cpu", torch.bfloat16) else None
     a = layer.attn
     if ops is None or layer.input_norm.shape[0] % 16 or a.head_dim % 32 or a.head_dim > 256:
         return
-    layer.fused = a.fused = ops
+    a.fused = ops
+    if layer.sandwich is None and not layer.norm_fp32 and layer.rope is None:
+        layer.fused = ops
     if isinstance(layer.ffn, DenseMLP) and act == "silu" and layer.ffn.down_proj.in_features % 16 == 0:
         layer.ffn.fused = ops

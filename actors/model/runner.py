@@ -15,7 +15,8 @@ from transformers.activations import ACT2FN
 from actors.kv_cache import KVCache, KVExport, reshard
 from actors.model.backends import NATIVE_ARCHITECTURES
 from actors.model.deterministic import row_invariant
-from actors.model.layers import Attention, DecoderLayer, DenseMLP, MoE, RopeTable, fused_ops, rms_norm
+from actors.model.generic import final_logits
+from actors.model.layers import Attention, DecoderLayer, DenseMLP, MoE, RopeTable, fused_ops, gemma_gain, rms_norm
 from actors.model.loader import LoadedModel
 from actors.model.metadata import AttentionMetadata, SeqChunk
 from actors.model.qlinear import Activations
@@ -43,12 +44,22 @@ def build_layer(model: LoadedModel, index: int, device: torch.device, weights: W
     hf = model.hf_model.model.layers[index]
     proj = layer_projections(model, index, device, weights, activations or model.activations)
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    gemma = gemma_norms(cfg)
+    gain = gemma_gain if gemma else (lambda w: w)
+    sa = hf.self_attn
+    qk_norm = (gain(sa.q_norm.weight), gain(sa.k_norm.weight)) if hasattr(sa, "q_norm") else None
+    scalar = getattr(cfg, "query_pre_attn_scalar", None)  # Gemma scales scores by its ** -0.5, not hd ** -0.5
+    q_scale = None if scalar is None or scalar == head_dim else (head_dim / scalar) ** 0.5
     attn = Attention(
         proj.qkv, proj.o,
         num_heads=cfg.num_attention_heads,
         num_kv_heads=cfg.num_key_value_heads,
         head_dim=head_dim,
         sliding_window=_sliding_window(cfg, index),
+        qk_norm=qk_norm,
+        qk_norm_fp32=gemma,
+        eps=cfg.rms_norm_eps,
+        q_scale=q_scale,
     )
     mlp = hf.mlp
     ffn: DenseMLP | MoE
@@ -61,22 +72,41 @@ def build_layer(model: LoadedModel, index: int, device: torch.device, weights: W
             top_k=cfg.num_experts_per_tok,
             normalize_top_k=getattr(cfg, "norm_topk_prob", True),
             act=ACT2FN[cfg.hidden_act],
-            weights_in_input_dtype=cfg.model_type == "qwen2_moe",
+            weights_in_input_dtype=cfg.model_type in ("qwen2_moe", "qwen3_moe"),
             shared=shared_expert_mlp(model, index, device) if shared is not None else None,
             shared_gate=getattr(mlp, "shared_expert_gate", None),
         )
     else:
         ffn = DenseMLP(proj.gate_up, proj.down, mlp.act_fn)
-    layer = DecoderLayer(
-        index=index,
-        input_norm=hf.input_layernorm.weight,
-        post_norm=hf.post_attention_layernorm.weight,
-        eps=cfg.rms_norm_eps,
-        attn=attn,
-        ffn=ffn,
-    )
-    fused_ops(layer, cfg.hidden_act, device, model.dtype)
+    if gemma:  # a norm before and after each half, 1 + w in fp32; RoPE tables by layer type (local, global)
+        layer = DecoderLayer(index=index, input_norm=gain(hf.input_layernorm.weight),
+                             post_norm=gain(hf.pre_feedforward_layernorm.weight), eps=cfg.rms_norm_eps, attn=attn,
+                             ffn=ffn, sandwich=(gain(hf.post_attention_layernorm.weight),
+                                                gain(hf.post_feedforward_layernorm.weight)),
+                             norm_fp32=True, rope=rope_kinds(model).index(cfg.layer_types[index]))
+    else:
+        layer = DecoderLayer(index=index, input_norm=hf.input_layernorm.weight,
+                             post_norm=hf.post_attention_layernorm.weight, eps=cfg.rms_norm_eps, attn=attn, ffn=ffn)
+    fused_ops(layer, activation(cfg), device, model.dtype)
     return layer
+
+
+def activation(config) -> str:
+    """The MLP's activation by name (Gemma's config calls it hidden_activation)."""
+    return getattr(config, "hidden_activation", None) or config.hidden_act
+
+
+def gemma_norms(config) -> bool:
+    """Whether the model's norms are Gemma's (1 + w in fp32, a norm before and after each half of a layer)."""
+    return config.model_type == "gemma3_text"
+
+
+def rope_kinds(model: LoadedModel) -> list[str | None]:
+    """The rotary tables a forward computes: one per layer type where the model's rotary embedding takes the layer
+    type (Gemma 3: a local base for sliding layers, a global base with its scaling for full ones), else one."""
+    rotary = model.hf_model.model.rotary_emb
+    types = getattr(rotary, "layer_types", None)
+    return list(types) if types else [None]
 
 
 def shared_expert_mlp(model: LoadedModel, index: int, device: torch.device) -> DenseMLP:
@@ -93,7 +123,7 @@ def _dense_part(layer: torch.nn.Module, weights: WeightMode) -> torch.nn.Module:
     with quantized ones, its norms and MoE feed-forward (the projections are built on the device from the source)."""
     if weights == "dequantized":
         return layer
-    keep = [layer.input_layernorm, layer.post_attention_layernorm] + (
+    keep = [m for name, m in layer.named_modules() if name.endswith("norm")] + (  # Gemma's four, q/k norms
         [layer.mlp] if hasattr(layer.mlp, "experts") else [])
     return torch.nn.ModuleList(keep)
 
@@ -151,12 +181,13 @@ class ModelRunner:
                     + ([hf.model.embed_tokens] if first else []) + ([hf.model.norm] if last else []):
                 module.to(self.device)
         self.layers = [build_layer(model, i, self.device, self.weights, self.activations) for i in layer_ids]
-        self.embed = hf.model.embed_tokens if first else None
-        self.norm = hf.model.norm.weight if last else None
+        self.embed = hf.model.embed_tokens if first else None  # (Gemma's scales by sqrt(H) itself)
+        self.gemma = gemma_norms(cfg)
+        self.norm = (gemma_gain(hf.model.norm.weight) if self.gemma else hf.model.norm.weight) if last else None
         self.lm_head = head_projection(model, self.device, self.weights, self.activations) if last else None
         self.deterministic = deterministic
         self._invariant()
-        self.rope = RopeTable(hf.model.rotary_emb, model.dtype, self.device)
+        self.ropes = [RopeTable(hf.model.rotary_emb, model.dtype, self.device, kind) for kind in rope_kinds(model)]
         attn = self.layers[0].attn
         self.layer_parallel: LayerParallel | None = None  # EasySpec groups of a draft (actors/speculation/easyspec.py)
         self.cache = KVCache(
@@ -223,7 +254,11 @@ class ModelRunner:
             if not self.cache.reserve(c.request_id, self.cache.length(c.request_id) + len(c.token_ids)):
                 raise CacheFull(f"no KV blocks for {c.request_id}")
         meta = AttentionMetadata.build(chunks, self.cache)
-        cos, sin = self.rope(meta)  # (N, 1, hd) each
+        if self.ropes[0].layer_type is None:
+            cos, sin = self.ropes[0](meta)  # (N, 1, hd) each
+        else:  # a table per layer type, each layer picks its own (DecoderLayer.rope)
+            tables = [rope(meta) for rope in self.ropes]
+            cos, sin = torch.stack([c for c, _ in tables]), torch.stack([s for _, s in tables])  # (R, N, 1, hd)
         return meta, cos, sin
 
     def end(self, chunks: list[SeqChunk]) -> None:
@@ -258,5 +293,5 @@ class ModelRunner:
             return torch.empty(0, self.model.config.vocab_size, device=self.device)
         fused = self.layers[-1].fused  # our CPU kernels, where they run this model's norms
         eps = self.model.config.rms_norm_eps
-        normed = fused.rms_norm(h, self.norm, eps) if fused is not None else rms_norm(h, self.norm, eps)
-        return self.lm_head(normed).float()  # (N, V)
+        normed = fused.rms_norm(h, self.norm, eps) if fused is not None else rms_norm(h, self.norm, eps, self.gemma)
+        return final_logits(self.model.config, self.lm_head(normed).float())  # (N, V)

@@ -99,7 +99,8 @@ def slice_attention(attn: Attention, rank: int, world_size: int) -> Attention:
     return Attention(
         qkv, _columns(attn.o_proj, q_lo * hd, q_hi * hd, rank == 0),
         num_heads=q_hi - q_lo, num_kv_heads=kv_hi - kv_lo, head_dim=hd, sliding_window=attn.sliding_window,
-        kv_map=kv_map,
+        kv_map=kv_map, qk_norm=attn.qk_norm, qk_norm_fp32=attn.qk_norm_fp32, eps=attn.eps,  # per head: any slice
+        q_scale=attn.q_scale,
     )
 
 

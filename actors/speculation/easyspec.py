@@ -27,7 +27,7 @@ from typing import Literal, Protocol
 import torch
 
 from actors.kv_cache import KVCache
-from actors.model.layers import DecoderLayer, rms_norm
+from actors.model.layers import DecoderLayer
 from actors.model.metadata import AttentionMetadata
 from cluster.config import DraftParallelConfig
 
@@ -58,20 +58,16 @@ class Members(Protocol):
 
 def contribution(layer: DecoderLayer, x: torch.Tensor, what: Mode, cos: torch.Tensor, sin: torch.Tensor,
                  meta: AttentionMetadata, cache: KVCache) -> torch.Tensor:
-    """One layer's contribution on input x (N, H): attention output, or whole-layer residual update. A layer of the
-    generic path (actors/model/generic.py) splits itself into its halves."""
+    """One layer's contribution on input x (N, H): what its attention half adds to the residual stream, or its
+    whole-layer residual update. Each layer splits itself into its halves (its own norms around each)."""
     if what == "attention":
-        if not isinstance(layer, DecoderLayer):
-            return layer.attention_update(x, cos, sin, meta, cache)
-        return layer.attn(rms_norm(x, layer.input_norm, layer.eps), cos, sin, meta, cache, layer.index)
+        return layer.attention_update(x, cos, sin, meta, cache)
     return layer(x, cos, sin, meta, cache) - x
 
 
 def ffn_update(layer: DecoderLayer, h: torch.Tensor) -> torch.Tensor:
     """What a layer's feed-forward half adds to the residual stream h (N, H) -> (N, H)."""
-    if not isinstance(layer, DecoderLayer):
-        return layer.ffn_update(h)
-    return layer.ffn(rms_norm(h, layer.post_norm, layer.eps))
+    return layer.ffn_update(h)
 
 
 class LocalMembers:

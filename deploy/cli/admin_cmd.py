@@ -401,6 +401,7 @@ def _print_instances(inst: Instances, names: dict[str, str]) -> None:
                 f"{s.step_time_ema_s * 1e3:.1f}", hit) if s else ("-", "-", kv, "-", "-", "-", "-")
         t.add_row(i.instance_id, i.model[:24], names.get(i.node, i.node[:12]), state, str(i.in_flight), *cols)
         notes += [f"{i.instance_id} place: {_place(i.place)}"] if i.place.stages else []
+        notes += [f"{i.instance_id} model: {i.backend}"] if i.backend else []
         notes += [f"{i.instance_id} error: {i.error}"] if i.error else []
     if inst.instances:
         show(t)

@@ -53,6 +53,9 @@ COMMANDS: list[tuple[tuple[str, ...], str, str, str]] = [
     (("bench", "prefix"), "prefix caching off vs on with least-load vs cache-aware dispatch on a multi-turn chat "
      "workload (and a long shared system prompt), and a migration's bytes with its prefix cached, on the local cluster",
      "deploy.bench.prefix", "add_arguments"),
+    (("bench", "models"), "one model on the native and the generic path side by side: the same greedy tokens in "
+     "fp32, then tok/s plain and speculative (and llama.cpp if installed), batch 1", "deploy.bench.models",
+     "add_arguments"),
     (("bench", "start"), "time to first token from a fresh process: cold (converting GGUF) vs warm (cached)",
      "deploy.bench.start", "add_arguments"),
     (("train-moe",), "train a small MoE model on CPU for the expert-parallel benchmarks", "deploy.bench.train_moe",

@@ -83,6 +83,7 @@ class SpecfleetInstance:
             log.warning("%s: could not tell the router it starts (%s: %s)", self.instance_id, type(e).__name__, e)
         self.spec, self.server, self.info = self._start(index, spec, began + LOAD_TIMEOUT_S)
         self.start_s = time.monotonic() - began  # what the router's failover wait learns from (cluster/start_times.py)
+        log.info("%s: %s runs on the %s", self.instance_id, spec.engine.model.target, self.info.backend)
         self.router.call_blocking(self._register)
         self._registering: asyncio.Task | None = None
 
@@ -140,7 +141,7 @@ class SpecfleetInstance:
     def _register(self, router):
         i = self.info
         return router.register.remote(self.instance_id, self.server, i.model, i.max_model_len, i.node_id,
-                                      self.spec.place, i.actor_id, self.start_s)
+                                      self.spec.place, i.actor_id, self.start_s, i.backend)
 
     async def check_health(self) -> None:
         """Serve calls this every few seconds; raising makes Serve replace the replica (and so the instance). Only

@@ -49,6 +49,8 @@ def server(request, ray_driver, tiny_models, tiny_draft_models):
     handle = InstanceServer.spawn(spec)
     info = ray.get(handle.info.remote(), timeout=300)
     assert info.num_stages == len(layout.stages) and info.has_draft
+    # the path its target runs on and why, whichever executor holds the weights (the router shows it in status)
+    assert info.backend == "native path (hand-written layers for llama)", info.backend
     yield handle
     ray.get(handle.shutdown.remote(), timeout=60)
     ray.kill(handle)

@@ -45,6 +45,7 @@ def test_instances_and_requests(served_app: ServedApp, capsys: pytest.CaptureFix
     rows = json.loads(out)["instances"]
     assert len(rows) == 2 and all(r["healthy"] and not r["draining"] and r["model"] == MODEL for r in rows)
     assert all(r["stats"] is not None and r["stats"]["kv_blocks_free"] > 0 for r in rows)
+    assert all(r["backend"].startswith("native path (hand-written layers for ") for r in rows), rows
     places = [{(p["node"], p["device"]) for p in [*r["place"]["stages"], r["place"]["draft"]]} for r in rows]
     assert all(r["place"]["stages"][0]["layers"][0] == 0 for r in rows) and not places[0] & places[1]
 
@@ -71,6 +72,8 @@ def test_status(served_app: ServedApp) -> None:
     text = specfleet("status", "--config", str(served_app.config_path), "--state", str(served_app.state_path))
     assert text.returncode == 0 and "the router holds 0 pending" in text.stdout, text.stdout + text.stderr
     assert "failover: with no instance up a request waits up to" in text.stdout, text.stdout
+    assert all(f"{i['instance_id']} model: native path (hand-written layers for " in text.stdout
+               for i in report["instances"]), text.stdout
 
 
 def stream_in_background(app: ServedApp, body: dict, begun: threading.Event | None = None

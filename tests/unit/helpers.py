@@ -52,9 +52,10 @@ TEST_DEVICE = torch.device(os.environ.get("SPECFLEET_TEST_DEVICE", "cpu"))
 
 
 @functools.cache
-def load(path: str | Path) -> LoadedModel:
-    """load_model(path, "fp32") onto TEST_DEVICE, once per path per session (tests never modify a loaded model)."""
-    return load_model(str(path), "fp32", device=TEST_DEVICE)
+def load(path: str | Path, backend: str = "auto") -> LoadedModel:
+    """load_model(path, "fp32") onto TEST_DEVICE on the `backend` path, once per path and path per session (tests never
+    modify a loaded model)."""
+    return load_model(str(path), "fp32", device=TEST_DEVICE, backend=backend)  # type: ignore[arg-type]
 
 
 @functools.cache

@@ -166,11 +166,11 @@ def test_bench_default_wants_a_target_for_its_draft(pair):
 
 
 def test_generate_says_which_path_runs_the_model_and_a_generic_one_is_the_targets_greedy(tiny_generic_models):
-    target = tiny_generic_models["gemma3_text"]
+    target = tiny_generic_models["gemma2"]
     res = specfleet("generate", "--target", str(target), "--draft-layers", "0,3", "--prompt", "The quick brown fox",
                     "--max-tokens", "12", "--k", "3", "--no-chat", "--json")
     assert res.returncode == 0, res.stderr
-    assert "generic path (transformers' gemma3_text decoder layers" in res.stderr
+    assert "generic path (transformers' gemma2 decoder layers" in res.stderr
     row = json.loads(res.stdout)
     tok = AutoTokenizer.from_pretrained(target)
     model = AutoModelForCausalLM.from_pretrained(target).eval()
@@ -189,6 +189,22 @@ def test_generate_backend_flag_forces_a_path_or_names_why_not(pair, tiny_generic
         assert res.returncode == 0 and says in res.stderr, res.stderr
         outs.append(json.loads(res.stdout)["token_ids"])
     assert outs[0] == outs[1] and len(outs[0]) > 0
-    res = specfleet("generate", "--target", str(tiny_generic_models["qwen3"]), "--backend", "native", "--prompt", "Hi")
-    assert res.returncode != 0 and "'qwen3' has no native path" in res.stderr
+    res = specfleet("generate", "--target", str(tiny_generic_models["gemma2"]), "--backend", "native", "--prompt", "Hi")
+    assert res.returncode != 0 and "'gemma2' has no native path" in res.stderr
     assert len([line for line in res.stderr.splitlines() if "error" in line]) == 1, res.stderr
+
+
+def test_bench_models_runs_one_model_on_both_paths_and_checks_their_tokens(tiny_generic_models, tmp_path):
+    out, prompts = tmp_path / "models.json", tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"turns": [t]}) + "\n" for t in ("Tell me about lighthouses.", "def add(a, b):")))
+    res = specfleet("bench", "models", "--model", str(tiny_generic_models["qwen3"]), "--prompts", str(prompts),
+                    "--num-prompts", "2",
+                    "--max-tokens", "6", "--check-tokens", "6", "--dtype", "fp32", "--no-llama", "--json", str(out))
+    assert res.returncode == 0, res.stdout + res.stderr
+    report = json.loads(out.read_text())
+    assert report["check_fp32"]["same_tokens"] == [True, True]
+    assert report["plans"]["native"].startswith("native path") and report["plans"]["generic"].startswith("generic path")
+    rows = {r["name"]: r for r in report["rows"]}
+    assert {"native stored plain", "native dequantized plain", "generic plain", "generic spec (ngram k=4)"} <= set(rows)
+    assert all(r["tok_s"] > 0 for r in rows.values()) and rows["generic plain"]["vs_generic_plain"] == 1.0
+    assert len(report["load_before"]) == 3 and "native == generic greedy on 2/2 prompts" in res.stdout

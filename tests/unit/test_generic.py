@@ -18,8 +18,14 @@ from actors.model.metadata import SeqChunk
 from actors.speculation import easyspec
 from cluster.config import CacheConfig, DraftParallelConfig
 from tests.fixtures.tiny_models import GENERIC_FAMILIES, build_tiny_model, write_tiny_gguf
-from tests.unit.helpers import load, runner, text_prompts
+from tests.unit.helpers import load as load_any
+from tests.unit.helpers import runner, text_prompts
 from tests.unit.test_runner import ATOL, hf_logits, run_in_two_chunks
+
+
+def load(path):
+    """The model on the generic path (Qwen3, Qwen3-MoE and Gemma 3 take the native one by default)."""
+    return load_any(path, "generic")
 
 
 def prompts_of(model, n: int = 3) -> list[list[int]]:
@@ -114,7 +120,7 @@ def test_a_draft_by_layer_subset_shares_the_weights_and_keeps_its_own_cache(tiny
 
 
 def test_a_native_family_forced_onto_the_generic_path_matches_the_native_runner(tiny_models) -> None:
-    native = load(tiny_models["mistral"])
+    native = load_any(tiny_models["mistral"])
     forced = load_model(str(tiny_models["mistral"]), "fp32", backend="generic")
     assert (native.backend, forced.backend) == ("native", "generic") and "forced" in forced.plan.reason
     prompts = prompts_of(native)
@@ -177,10 +183,10 @@ def test_an_architecture_the_generic_path_cannot_run_is_refused_with_its_reason(
 
 
 def test_backend_native_refuses_a_family_without_hand_written_layers(tiny_generic_models) -> None:
-    with pytest.raises(UnsupportedArchitecture, match="'qwen3' has no native path"):
-        load_model_config(str(tiny_generic_models["qwen3"]), backend="native")
-    config = json.loads((tiny_generic_models["qwen3"] / "config.json").read_text())
-    assert config["model_type"] == "qwen3"
+    with pytest.raises(UnsupportedArchitecture, match="'gemma2' has no native path .no hand-written layers for gemma2"):
+        load_model_config(str(tiny_generic_models["gemma2"]), backend="native")
+    config = json.loads((tiny_generic_models["gemma2"] / "config.json").read_text())
+    assert config["model_type"] == "gemma2"
 
 
 # ---- GGUF files of a generic-path family: transformers' loader dequantizes, the generic path runs them --------------
@@ -194,9 +200,9 @@ def tiny_qwen3_128(tmp_path_factory) -> Path:
 @pytest.mark.parametrize("quant", [None, {"attn_output.weight": gguf.GGMLQuantizationType.Q8_0}], ids=["f32", "q8_0"])
 def test_a_gguf_file_of_a_generic_family_runs_on_the_generic_path(tiny_qwen3_128, tmp_path, quant) -> None:
     path = write_tiny_gguf(tiny_qwen3_128, tmp_path / "tiny-qwen3.gguf", quant)
-    model = load_model(str(path), "fp32", weights="stored")  # stored: the generic path runs them dequantized
+    model = load_model(str(path), "fp32", weights="stored", backend="generic")  # the generic path: dequantized
     assert model.backend == "generic" and model.stored is None
-    source = load(tiny_qwen3_128)
+    source = load_any(tiny_qwen3_128)  # the native path, from the folder
     prompts = prompts_of(source)
 
     got = run_in_two_chunks([runner(model)], prompts, splits=[20, 5, 30])

@@ -12,7 +12,8 @@ from actors.speculation import easyspec
 from cluster.config import DraftParallelConfig, SchedulerConfig, SpeculationConfig
 from cluster.migration import MigrationStatus
 from tests.fixtures.tiny_models import GENERIC_FAMILIES
-from tests.unit.helpers import load, reference_greedy, runner, text_prompts
+from tests.unit.helpers import load as load_any
+from tests.unit.helpers import reference_greedy, runner, text_prompts
 from tests.unit.test_lossless import (
     GREEDY,
     NEW_TOKENS,
@@ -24,6 +25,11 @@ from tests.unit.test_lossless import (
 from tests.unit.test_migration import GREEDY as MIGRATION_GREEDY
 from tests.unit.test_migration import TOKENS, assert_no_kv_left, run_migration
 from tests.unit.test_pipeline import pipeline
+
+
+def load(path):
+    """The model on the generic path (Qwen3 and Gemma 3 would take the native one)."""
+    return load_any(path, "generic")
 
 
 def check(engine, models, family: str, batch_size: int, draft: str) -> None:
@@ -41,7 +47,7 @@ def check(engine, models, family: str, batch_size: int, draft: str) -> None:
 
 @pytest.mark.parametrize("family", ["gemma3_text", pytest.param("gpt_oss", marks=pytest.mark.heavy)])
 def test_a_same_family_draft_batched_equals_greedy(tiny_generic_models, tiny_generic_drafts, family: str) -> None:
-    engine = make_engine(tiny_generic_models, tiny_generic_drafts, family, "pair", k=3)
+    engine = make_engine(tiny_generic_models, tiny_generic_drafts, family, "pair", k=3, backend="generic")
     assert engine.target.model.backend == engine.draft.model.backend == "generic"
     check(engine, tiny_generic_models, family, 4, "pair")
 
@@ -51,7 +57,7 @@ def test_a_same_family_draft_batched_equals_greedy(tiny_generic_models, tiny_gen
 @pytest.mark.parametrize("family", GENERIC_FAMILIES)
 def test_greedy_output_equals_the_targets_own(tiny_generic_models, tiny_generic_drafts, family: str,
                                                draft: str) -> None:
-    engine = make_engine(tiny_generic_models, tiny_generic_drafts, family, draft, k=3)
+    engine = make_engine(tiny_generic_models, tiny_generic_drafts, family, draft, k=3, backend="generic")
     check(engine, tiny_generic_models, family, 4, draft)
 
 
@@ -61,7 +67,7 @@ def test_greedy_output_equals_the_targets_own(tiny_generic_models, tiny_generic_
 def test_an_easyspec_self_draft_equals_greedy(tiny_generic_models, tiny_generic_drafts, family: str,
                                               mode: str) -> None:
     """The self-draft's two layers run as one EasySpec group (fuzzy KV, calibrated after each verification)."""
-    engine = make_engine(tiny_generic_models, tiny_generic_drafts, family, "layers", k=3)
+    engine = make_engine(tiny_generic_models, tiny_generic_drafts, family, "layers", k=3, backend="generic")
     easyspec.enable(engine.draft, DraftParallelConfig(group_size=2, sequential_head=0, sequential_tail=0, mode=mode))
     check(engine, tiny_generic_models, family, 1, "layers")
 
@@ -75,7 +81,7 @@ def test_a_migrated_generic_path_request_equals_the_targets_own(tiny_generic_mod
     path = tiny_generic_models["gemma3_text"]
 
     def engine(two_stages: bool) -> Engine:
-        target = pipeline(path, [[0, 1], [2, 3]]) if two_stages else runner(load(path))
+        target = pipeline(path, [[0, 1], [2, 3]], "generic") if two_stages else runner(load(path))
         return Engine(target, runner(load(tiny_generic_drafts["gemma3_text"])), SpeculationConfig(policy="fixed", k=3),
                       SchedulerConfig(max_batch_size=4))
 

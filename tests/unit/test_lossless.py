@@ -19,12 +19,13 @@ PROMPT_OFFSET = {1: 13, 4: 10, 8: 2}
 
 
 def make_engine(tiny_models, tiny_draft_models, family: str, draft: str, k: int, num_blocks: int = 256,
-                max_batch_size: int = 8, max_num_batched_tokens: int = 256, policy: str = "fixed") -> Engine:
+                max_batch_size: int = 8, max_num_batched_tokens: int = 256, policy: str = "fixed",
+                backend: str = "auto") -> Engine:
     """The target alone, with its perturbed copy as draft, with its layers [0, 3] as a self-speculative draft, or
-    with a model-free drafter (n-gram prompt lookup, suffix tree)."""
-    target = load(tiny_models[family])
+    with a model-free drafter (n-gram prompt lookup, suffix tree); `backend` picks the path both run on."""
+    target = load(tiny_models[family], backend)
     draft_runner = {
-        "pair": lambda: runner(load(tiny_draft_models[family]), num_blocks=num_blocks),
+        "pair": lambda: runner(load(tiny_draft_models[family], backend), num_blocks=num_blocks),
         "layers": lambda: runner(target, [0, 3], num_blocks=num_blocks),
         "none": lambda: None, "ngram": lambda: None, "suffix": lambda: None,
     }[draft]()

@@ -26,10 +26,10 @@ from tests.unit.helpers import load, reference_greedy, runner, text_prompts
 CACHE = CacheConfig(block_size=4, num_blocks=256)
 
 
-def pipeline(path, groups: list[list[int]]) -> PipelineRunner:
-    model, last = load(path), len(groups) - 1
+def pipeline(path, groups: list[list[int]], backend: str = "auto") -> PipelineRunner:
+    model, last = load(path, backend), len(groups) - 1
     stages = [ModelRunner(model, g, CACHE, first=i == 0, last=i == last) for i, g in enumerate(groups)]
-    return PipelineRunner(load_metadata(str(path)), CACHE, LocalStages(stages))
+    return PipelineRunner(load_metadata(str(path), backend=backend), CACHE, LocalStages(stages))  # type: ignore[arg-type]
 
 
 def test_a_pool_replaying_the_ledgers_ops_has_the_same_block_tables() -> None:

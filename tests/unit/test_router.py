@@ -98,6 +98,14 @@ def test_re_registration_keeps_the_requests_in_flight() -> None:
     assert reg.instances["i0"].row().stats.kv_blocks_used == 3
 
 
+def test_an_instance_row_says_which_path_its_model_runs_on() -> None:
+    reg = Registry(make_dispatch("least_load"))
+    reg.register("i0", "m", "n0", now=0.0, backend="generic path (transformers' gemma3_text decoder layers)")
+    reg.register("i1", "m", "n1", now=0.0)  # an instance of an older build says nothing
+    rows = {i: e.row() for i, e in reg.instances.items()}
+    assert rows["i0"].backend.startswith("generic path (transformers' gemma3_text") and rows["i1"].backend == ""
+
+
 def test_reconcile_closes_what_the_instance_no_longer_holds_with_the_instances_status() -> None:
     reg = Registry(make_dispatch("round_robin"))
     reg.register("i0", "m", "n0", now=0.0)
