@@ -56,3 +56,16 @@ def choose_dtype(asked: str, gpu: bool) -> tuple[str, str]:
     if native:
         return "bf16", f"auto: this CPU computes in bf16 ({'+'.join(native)})"
     return "fp32", f"auto: no bf16 kernels here ({why}) and no bf16 arithmetic on this CPU"
+
+
+def describe_compute(dtype: torch.dtype, device: torch.device) -> str:
+    """How a model computes, as `specfleet status` and the start-up line say it: its dtype, its device and, on the
+    CPU, which of our kernel builds runs (or torch's ops) and why, e.g. "bf16 on the CPU, our avx2 kernels (auto:
+    this CPU has avx2+fma+f16c)"."""
+    name = {torch.float32: "fp32", torch.bfloat16: "bf16"}.get(dtype, str(dtype).removeprefix("torch."))
+    if device.type != "cpu":
+        return f"{name} on {device_name(device)}"
+    from actors.model import cpu_kernels  # here: a CUDA-only caller never probes the CPU kernels
+
+    isa, why = cpu_kernels.choice()
+    return f"{name} on the CPU, {f'our {isa} kernels' if isa != 'torch' else 'torch ops'} ({why})"

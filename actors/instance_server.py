@@ -29,6 +29,7 @@ import torch
 from ray.actor import ActorHandle
 
 from actors.build import local_instance, ray_instance
+from actors.device import describe_compute
 from actors.engine import RequestError
 from actors.instance import Instance, InstanceUnhealthy
 from actors.executor import KVLinks
@@ -66,7 +67,9 @@ class InstanceInfo:
     policy: str
     num_stages: int  # target pipeline stages
     actor_id: str = ""  # this incarnation: a replacement registers under the same instance id with another
-    backend: str = ""  # the path its target model runs on and why (actors/model/backends.py BackendPlan.describe)
+    # the path its target model runs on and why (actors/model/backends.py BackendPlan.describe), then how it computes
+    # (actors/device.py describe_compute: dtype, device, our CPU kernels' ISA and why)
+    backend: str = ""
 
 
 @dataclass(frozen=True)
@@ -382,9 +385,11 @@ class InstanceServer:
     async def info(self) -> InstanceInfo:
         def read() -> InstanceInfo:
             inst, health = self.instance, self.instance.health()
+            target = inst.engine.target
             return InstanceInfo(self.spec.instance_id, self.spec.engine.model.served_name, inst.max_model_len,
                                 _runtime_id("node"), health.has_draft, inst.k, inst.policy, health.num_stages,
-                                _runtime_id("actor"), inst.engine.target.model.plan.describe())
+                                _runtime_id("actor"), f"{target.model.plan.describe()}; "
+                                f"{describe_compute(target.model.dtype, target.device)}")
         return await self._on_loop(read)
 
     async def registration(self) -> Registration:

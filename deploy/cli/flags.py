@@ -51,7 +51,7 @@ def add_engine_flags(p: argparse.ArgumentParser, *, default_dtype: str | None = 
                    help="native: our hand-written layers (llama, mistral, mixtral, qwen2, qwen2_moe); generic: "
                         "transformers' own decoder layers on our cache (any decoder-only model); auto: native where "
                         "written, else generic")
-    g.add_argument("--dtype", choices=["fp32", "bf16"], default=default_dtype)
+    g.add_argument("--dtype", choices=["auto", "fp32", "bf16"], default=default_dtype)
     g.add_argument("--k", type=int, help="draft tokens per round, the most with --policy goodput (0 = none)")
     g.add_argument("--policy", choices=["fixed", "off", "goodput"], help="speculation length policy")
     g.add_argument("--method", choices=["model", "ngram", "suffix"],

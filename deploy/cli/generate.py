@@ -8,6 +8,7 @@ import sys
 import time
 from pathlib import Path
 
+from actors.device import describe_compute
 from actors.engine import Engine
 from actors.offline import generate
 from cluster.request import SamplingParams, SpecStats
@@ -60,7 +61,9 @@ def run(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     engine = Engine.from_config(resolved(cfg), calibration_dir=model_store.calibration_dir())
     load_s = time.perf_counter() - t0
-    print(f"[target {cfg.model.target}: {engine.target.model.plan.describe()}]", file=sys.stderr)
+    target = engine.target
+    print(f"[target {cfg.model.target}: {target.model.plan.describe()}; "
+          f"{describe_compute(target.model.dtype, target.device)}]", file=sys.stderr)
     token_ids = [engine.target.model.encode(p, chat=not args.no_chat) for p in prompts]  # raw where there is no template
     t0 = time.perf_counter()
     results = generate(engine, token_ids, params)

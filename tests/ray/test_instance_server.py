@@ -50,7 +50,10 @@ def server(request, ray_driver, tiny_models, tiny_draft_models):
     info = ray.get(handle.info.remote(), timeout=300)
     assert info.num_stages == len(layout.stages) and info.has_draft
     # the path its target runs on and why, whichever executor holds the weights (the router shows it in status)
-    assert info.backend == "native path (hand-written layers for llama)", info.backend
+    # and how it computes: dtype, device and which CPU kernels (the build this CPU runs, or torch's ops) and why
+    path, compute = info.backend.split("; ")
+    assert path == "native path (hand-written layers for llama)", info.backend
+    assert compute.startswith("fp32 on the CPU, ") and ("kernels (" in compute or "torch ops (" in compute), compute
     yield handle
     ray.get(handle.shutdown.remote(), timeout=60)
     ray.kill(handle)

@@ -64,3 +64,16 @@ def test_the_resolved_engine_names_the_chosen_dtype_and_logs_why(cpu, tiny_model
     assert resolved(engine).model.dtype == "bf16"
     assert resolved(engine.model_copy(update={"model": engine.model.model_copy(update={"dtype": "fp32"})})
                     ).model.dtype == "fp32"
+
+
+def test_the_compute_line_names_dtype_device_and_kernels(cpu) -> None:
+    """What `specfleet status` prints after an instance's path (actors/instance_server.py InstanceInfo.backend)."""
+    import torch
+
+    from actors.device import describe_compute
+
+    cpu({"avx2", "fma", "f16c"})
+    assert describe_compute(torch.bfloat16, torch.device("cpu")) == \
+        "bf16 on the CPU, our avx2 kernels (auto: this CPU has avx2+fma+f16c)"
+    cpu(set(), "torch")
+    assert describe_compute(torch.float32, torch.device("cpu")) == "fp32 on the CPU, torch ops (SPECFLEET_CPU_ISA=torch)"
