@@ -154,6 +154,8 @@ class ModelRunner:
         self.embed = hf.model.embed_tokens if first else None
         self.norm = hf.model.norm.weight if last else None
         self.lm_head = head_projection(model, self.device, self.weights, self.activations) if last else None
+        if model.stored is not None:  # what was packed for our kernels, kept for the next start
+            model.stored.layout.flush()
         self.deterministic = deterministic
         self._invariant()
         self.rope = RopeTable(hf.model.rotary_emb, model.dtype, self.device)
