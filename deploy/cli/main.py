@@ -51,7 +51,7 @@ COMMANDS: list[tuple[tuple[str, ...], str, str, str]] = [
     (("bench", "prefix"), "prefix caching off vs on with least-load vs cache-aware dispatch on a multi-turn chat "
      "workload (and a long shared system prompt), and a migration's bytes with its prefix cached, on the local cluster",
      "deploy.bench.prefix", "add_arguments"),
-    (("bench", "start"), "time to first token from a fresh process: cold (converting GGUF) vs warm (cached)",
+    (("bench", "start"), "a start from a fresh process to the first token, phase by phase: cold vs warm (cached)",
      "deploy.bench.start", "add_arguments"),
     (("train-moe",), "train a small MoE model on CPU for the expert-parallel benchmarks", "deploy.bench.train_moe",
      "add_arguments"),

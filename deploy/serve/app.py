@@ -87,6 +87,7 @@ class SpecfleetInstance:
             log.warning("%s: could not tell the router it starts (%s: %s)", self.instance_id, type(e).__name__, e)
         self.spec, self.server, self.info = self._start(index, spec, began + LOAD_TIMEOUT_S)
         self.start_s = time.monotonic() - began  # what the router's failover wait learns from (cluster/start_times.py)
+        self.phases = self._phases()
         self.router.call_blocking(self._register)
         self._registering: asyncio.Task | None = None
 
@@ -141,10 +142,20 @@ class SpecfleetInstance:
                 log.warning("%s: planned again over the nodes alive now: %s", self.instance_id, placed.place)
             return placed
 
+    def _phases(self) -> tuple[tuple[str, float], ...]:
+        """Where the start went: the replica's own part (asking the router, placing) and its instance's phases
+        (actors/start_phases.py); () if the instance does not say within the health timeout."""
+        try:
+            got = ray.get(self.server.start_phases.remote(), timeout=HEALTH_TIMEOUT_S)
+        except (ray.exceptions.RayError, TimeoutError) as e:  # the start counts; only its breakdown is missing
+            log.warning("%s: no start phases from the instance (%s: %s)", self.instance_id, type(e).__name__, e)
+            return ()
+        return (("replica", round(max(0.0, self.start_s - got.total_s), 3)),) + got.phases
+
     def _register(self, router):
         i = self.info
         return router.register.remote(self.instance_id, self.server, i.model, i.max_model_len, i.node_id,
-                                      self.spec.place, i.actor_id, self.start_s)
+                                      self.spec.place, i.actor_id, self.start_s, self.phases)
 
     async def check_health(self) -> None:
         """Serve calls this every few seconds; raising makes Serve replace the replica (and so the instance). Only
