@@ -293,7 +293,8 @@ def ray_instance(cfg: EngineConfig, layout: ShardLayout, *, num_cpus: float = 1.
         if shards.draft is not None:
             draft_model = load_metadata(m.draft, m.dtype) if m.draft is not None else target_model
             draft = PipelineRunner(draft_model, cfg.cache, shards.draft.executor(draft_model, step_timeout_s))
-        return Instance(cfg, target, draft, release=shards.kill, calibration_dir=calibration_dir)
+        return Instance(cfg, target, draft, release=shards.kill, calibration_dir=calibration_dir,
+                        placement=layout.model_dump(mode="json"))  # remote stages: their times depend on where
     except BaseException:
         shards.kill()
         raise

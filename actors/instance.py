@@ -60,13 +60,17 @@ class Instance:
     """
 
     def __init__(self, cfg: EngineConfig, target: PipelineRunner, draft: PipelineRunner | None,
-                 release: Callable[[], None] = lambda: None, calibration_dir: Path | None = None) -> None:
+                 release: Callable[[], None] = lambda: None, calibration_dir: Path | None = None,
+                 placement: object = None) -> None:
         """`calibration_dir`: where a goodput engine's calibration is kept between starts; with it, one that must
-        be timed is timed after the instance takes requests (`idle_work`), off its start."""
+        be timed is timed after the instance takes requests (`idle_work`), off its start. `placement`: where
+        stages in other processes run (JSON-able), part of the calibration's key (their forwards' times depend on
+        it)."""
         self.target, self.draft = target, draft
         calibration = None
         if calibration_dir is not None and cfg.speculation.policy == "goodput":
-            calibration = CalibrationFile(calibration_dir, setup_of(cfg, target.device))
+            setup = setup_of(cfg, target.device) | ({"placement": placement} if placement is not None else {})
+            calibration = CalibrationFile(calibration_dir, setup)
         self.engine = Engine(target, draft, cfg.speculation, cfg.scheduler, cfg.model.max_model_len,
                              prefix_caching=cfg.cache.prefix_caching, prefix_identity=cfg.prefix_identity,
                              deterministic=cfg.deterministic, share_across_tenants=cfg.cache.share_across_tenants,
