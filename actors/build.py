@@ -33,6 +33,7 @@ from actors.ray_stages import GroupStages, RayStages
 from actors.shard import ShardSpec
 from actors.shard_actor import ExpertActor, LeaderActor, MemberActor, StageActor
 from actors.speculation import draft_group
+from actors.start_phases import phase
 from cluster.config import DraftParallelConfig, EngineConfig, ExpertParallelConfig
 from placement import realize
 from placement.layout import ShardLayout
@@ -283,8 +284,9 @@ def ray_instance(cfg: EngineConfig, layout: ShardLayout, *, num_cpus: float = 1.
     Shards get `num_cpus` CPUs each and the GPUs their layout slot names (`gpus`). A shard that does not answer
     a step within `step_timeout_s` counts as failed; a transfer between stages gives up after `group_timeout_s`.
     """
-    shards = build_shards(cfg, layout, num_cpus=num_cpus, ready_timeout_s=ready_timeout_s,
-                          group_timeout_s=group_timeout_s, name=name)
+    with phase("shards"):  # their actors started, each loading its layers in its own process
+        shards = build_shards(cfg, layout, num_cpus=num_cpus, ready_timeout_s=ready_timeout_s,
+                              group_timeout_s=group_timeout_s, name=name)
     try:
         m = cfg.model
         target_model = load_metadata(m.target, m.dtype)

@@ -118,13 +118,12 @@ class InstanceServer:
             use_node_interface(ray.util.get_node_ip_address())
         self.spec = spec
         delay = float(os.environ.get(START_DELAY_ENV) or 0)
-        if delay > 0:
-            log.warning("%s: start slowed by %.1f s on purpose (%s)", spec.instance_id, delay, START_DELAY_ENV)
-            time.sleep(delay)
         with StartClock().current() as clock:  # what the loading code below marks (actors/start_phases.py)
+            if delay > 0:
+                log.warning("%s: start slowed by %.1f s on purpose (%s)", spec.instance_id, delay, START_DELAY_ENV)
+                with clock.phase("injected delay"):
+                    time.sleep(delay)
             self.instance = build(spec)
-        if delay > 0:
-            clock.add("injected delay", delay)
         self.phases = _with_process(clock.result(), began, spawned_at)
         self.start_s = time.monotonic() - began  # a restarted router's failover wait learns from it (registration)
         log.info("%s started in %.1f s: %s", spec.instance_id, self.start_s,

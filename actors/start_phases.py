@@ -13,6 +13,8 @@ add up to the start's wall time, less what no phase covers ("other"). The vocabu
   kernels      our CPU kernels built (a first start on a machine) or loaded (actors/model/cpu_kernels.py)
   layout       the stored weights laid out for our kernels (actors/model/qlinear.py), or read from their cache
   calibration  the goodput policy's forward times, timed or read back (actors/speculation/calibration.py)
+  shards       an instance over shard actors: theirs started, each loading its layers in its own process
+  injected delay  a start slowed on purpose by the fault tests (actors/instance_server.py)
   first forward  the first engine step (measured by whoever sends the first request)
 """
 
@@ -24,7 +26,6 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-ORDER = ("process", "imports", "tokenizer", "weights", "kernels", "layout", "calibration", "first forward")
 
 
 @dataclass(frozen=True)
