@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
+from pathlib import Path
 
 import ray
 import torch
@@ -32,6 +33,7 @@ from actors.ray_stages import GroupStages, RayStages
 from actors.shard import ShardSpec
 from actors.shard_actor import ExpertActor, LeaderActor, MemberActor, StageActor
 from actors.speculation import draft_group
+from actors.start_phases import phase
 from cluster.config import DraftParallelConfig, EngineConfig, ExpertParallelConfig
 from placement import realize
 from placement.layout import ShardLayout
@@ -275,15 +277,16 @@ def _spawn_members(members: list[MemberSpec], layout: ShardLayout, pg: Placement
 
 def ray_instance(cfg: EngineConfig, layout: ShardLayout, *, num_cpus: float = 1.0,
                  ready_timeout_s: float = 300.0, group_timeout_s: float = 60.0, step_timeout_s: float = 60.0,
-                 name: str = "") -> Instance:
+                 name: str = "", calibration_dir: Path | None = None) -> Instance:
     """An Instance of `cfg`'s model pair (files, already resolved) whose stages and draft are actors laid out as
-    `layout`; the engine runs in the calling process.
+    `layout`; the engine runs in the calling process (its calibration kept in `calibration_dir`: Instance).
 
     Shards get `num_cpus` CPUs each and the GPUs their layout slot names (`gpus`). A shard that does not answer
     a step within `step_timeout_s` counts as failed; a transfer between stages gives up after `group_timeout_s`.
     """
-    shards = build_shards(cfg, layout, num_cpus=num_cpus, ready_timeout_s=ready_timeout_s,
-                          group_timeout_s=group_timeout_s, name=name)
+    with phase("shards"):  # their actors started, each loading its layers in its own process
+        shards = build_shards(cfg, layout, num_cpus=num_cpus, ready_timeout_s=ready_timeout_s,
+                              group_timeout_s=group_timeout_s, name=name)
     try:
         m = cfg.model
         target_model = load_metadata(m.target, m.dtype, m.backend)
@@ -292,19 +295,21 @@ def ray_instance(cfg: EngineConfig, layout: ShardLayout, *, num_cpus: float = 1.
         if shards.draft is not None:
             draft_model = load_metadata(m.draft, m.dtype, m.backend) if m.draft is not None else target_model
             draft = PipelineRunner(draft_model, cfg.cache, shards.draft.executor(draft_model, step_timeout_s))
-        return Instance(cfg, target, draft, release=shards.kill)
+        return Instance(cfg, target, draft, release=shards.kill, calibration_dir=calibration_dir,
+                        placement=layout.model_dump(mode="json"))  # remote stages: their times depend on where
     except BaseException:
         shards.kill()
         raise
 
 
 def local_instance(cfg: EngineConfig, stages: Sequence[tuple[int, int]] | None = None,
-                   device: torch.device | str | None = None) -> Instance:
-    """An Instance whose stages (and draft) all run in this process, on `device` (default: the config's)."""
+                   device: torch.device | str | None = None, calibration_dir: Path | None = None) -> Instance:
+    """An Instance whose stages (and draft) all run in this process, on `device` (default: the config's); its
+    goodput calibration kept in `calibration_dir` (Instance)."""
     target, draft = load_runners(cfg, stages, device)
     pipeline = PipelineRunner(target[0].model, cfg.cache, LocalStages(target), target[-1].device)
     draft_pipeline = None
     if draft is not None:
         draft_pipeline = PipelineRunner(draft.model, cfg.cache, LocalStages([draft], ["draft (in process)"]),
                                         draft.device)
-    return Instance(cfg, pipeline, draft_pipeline)
+    return Instance(cfg, pipeline, draft_pipeline, calibration_dir=calibration_dir)

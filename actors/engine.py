@@ -37,13 +37,14 @@ from actors.model.runner import ModelRunner
 from actors.output import RequestOutput
 from actors.scheduler import Failed, Scheduler
 from actors.sequence import Sequence, SeqStatus
-from actors.speculation.calibration import CalibrationFile, calibrate, setup_of
+from actors.speculation.calibration import CalibrationFile, Pending, calibrate, seed, setup_of
 from actors.speculation.cost_model import ATTENTION_UNIT, ForwardShape, StepCostModel
 from actors.speculation.drafters import Drafter, ModelDrafter, make_drafter
 from actors.speculation.plan import SpeculationPlanner
 from actors.speculation.policy import Acceptance, SpecPolicy, make_policy
 from actors.speculation.sampling import make_generator
 from actors.speculation.structured import CompiledGrammar, GrammarCompiler
+from actors.start_phases import phase
 from actors.step import Drafts, Scores, SpecPlan, Verdict
 from actors.verification import logprobs_of, verify
 from cluster.config import EngineConfig, GrammarConfig, SchedulerConfig, SpeculationConfig
@@ -81,6 +82,7 @@ class Engine:
         deterministic: bool = False,
         share_across_tenants: bool = False,
         grammar: GrammarConfig = GrammarConfig(),
+        calibrate_later: bool = False,
     ) -> None:
         if draft is not None and draft.model.config.vocab_size != target.model.config.vocab_size:
             raise ValueError(
@@ -123,8 +125,10 @@ class Engine:
             log.info("prefix caching is off: the target's expert-parallel ranks each hold their own requests' "
                      "KV (engine.experts.attention: data), so a cached block is not where another request runs")
         self.calibration = calibration  # where this setup's calibration is saved (None: time it at every start)
+        # `calibrate_later`: a calibration that must be timed is, by `idle_work`, after the engine takes requests
+        self.pending_calibration: Pending | None = None
         if self.policy.name == "goodput" and not self.cost_model.fitted:
-            self.calibrate()
+            self.calibrate(later=calibrate_later)
 
     @classmethod
     def from_config(cls, cfg: EngineConfig, device: torch.device | str | None = None,
@@ -378,11 +382,30 @@ class Engine:
         return TokenDelta(seq.request_id, (), "", FinishReason.ERROR, error=failure.message)
 
     # ---- cost model and stats ---------------------------------------------------------------
-    def calibrate(self) -> None:
+    def calibrate(self, later: bool = False) -> None:
         """Seed the step-time model with timed forwards at a few sizes, or with the points saved for this setup by
-        an earlier start (`self.calibration`; actors/speculation/calibration.py)."""
+        an earlier start (`self.calibration`; actors/speculation/calibration.py). `later`: forwards that must be
+        timed are left to `idle_work` (the engine serves meanwhile on the steps it has seen)."""
         runners = [("target", self.target)] + ([("draft", self.draft)] if self.draft is not None else [])
-        calibrate(self.cost_model, runners, self.max_model_len, self.calibration)
+        with phase("calibration"):
+            if not later:
+                calibrate(self.cost_model, runners, self.max_model_len, self.calibration)
+                return
+            saved = self.calibration.load() if self.calibration is not None else None
+            if saved is not None:
+                seed(self.cost_model, saved)
+            else:
+                self.pending_calibration = Pending(self.cost_model, runners, self.max_model_len, self.calibration)
+
+    def idle_work(self) -> bool:
+        """Work done while no request runs (the serving loop calls it then, between commands): one forward of a
+        calibration left for later. True while more remains."""
+        pending = self.pending_calibration
+        if pending is None:
+            return False
+        if not pending.step():
+            self.pending_calibration = None
+        return self.pending_calibration is not None
 
     def load(self, instance_id: str) -> InstanceLoad:
         """This engine's load in target KV blocks, per request, for the router's migration policies."""

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TypeVar
 
 from actors.engine import Engine
@@ -24,6 +25,7 @@ from actors.kv_links import MigratedKV
 from actors.moe.profile import RoutingStats
 from actors.pipeline import PipelineRunner
 from actors.sequence import Sequence
+from actors.speculation.calibration import CalibrationFile, setup_of
 from actors.speculation.structured import CompiledGrammar
 from cluster.config import EngineConfig
 from cluster.migration import BlockNames, Link, Reservation
@@ -59,12 +61,22 @@ class Instance:
     """
 
     def __init__(self, cfg: EngineConfig, target: PipelineRunner, draft: PipelineRunner | None,
-                 release: Callable[[], None] = lambda: None) -> None:
+                 release: Callable[[], None] = lambda: None, calibration_dir: Path | None = None,
+                 placement: object = None) -> None:
+        """`calibration_dir`: where a goodput engine's calibration is kept between starts; with it, one that must
+        be timed is timed after the instance takes requests (`idle_work`), off its start. `placement`: where
+        stages in other processes run (JSON-able), part of the calibration's key (their forwards' times depend on
+        it)."""
         self.target, self.draft = target, draft
+        calibration = None
+        if calibration_dir is not None and cfg.speculation.policy == "goodput":
+            setup = setup_of(cfg, target.device) | ({"placement": placement} if placement is not None else {})
+            calibration = CalibrationFile(calibration_dir, setup)
         self.engine = Engine(target, draft, cfg.speculation, cfg.scheduler, cfg.model.max_model_len,
                              prefix_caching=cfg.cache.prefix_caching, prefix_identity=cfg.prefix_identity,
                              deterministic=cfg.deterministic, share_across_tenants=cfg.cache.share_across_tenants,
-                             grammar=cfg.grammar)
+                             grammar=cfg.grammar, calibration=calibration,
+                             calibrate_later=calibration_dir is not None)
         self._moves = EngineMigration(self.engine)
         self._cache_events = EventLog()  # what the router's prefix index learns (cluster/prefix_index.py)
         self._release: Callable[[], None] | None = release
@@ -106,6 +118,17 @@ class Instance:
             return self.engine.step()
         except ShardFailure as e:
             return self._fail(str(e))
+
+    def idle_work(self) -> bool:
+        """What the engine does while no request runs (a calibration left for later: actors/engine.py); True while
+        more remains. A shard failure under it fails the instance as one in a step would."""
+        if self._error is not None:
+            return False
+        try:
+            return self.engine.idle_work()
+        except ShardFailure as e:
+            self._undelivered += self._fail(str(e))
+            return False
 
     def flush(self) -> None:
         """Ship the cache ops of the last step (frees) to the shards now, rather than with the next step."""

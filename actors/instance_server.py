@@ -23,10 +23,13 @@ import math
 import os
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import ray
 import torch
 from ray.actor import ActorHandle
+
+import actors
 
 from actors.build import local_instance, ray_instance
 from actors.device import describe_compute
@@ -41,6 +44,7 @@ from actors.pipeline import PipelineRunner
 from actors.sequence import Sequence
 from actors.serving import ServingLoop
 from actors.speculation.structured import CompiledGrammar
+from actors.start_phases import StartClock, StartPhases
 from cluster.instances import InstancePlace
 from cluster.request import FinishReason, Request, RequestStatus, StreamItem, TokenDelta
 from cluster.migration import BlockNames, Link, Reservation
@@ -93,36 +97,44 @@ class Registration:
     place: InstancePlace
     requests: tuple[tuple[str, int], ...]
     start_s: float | None = None  # how long building this instance took (its models, kernels, calibration)
+    phases: StartPhases | None = None  # where that time went (actors/start_phases.py)
 
 
 def build(spec: InstanceSpec) -> Instance:
     """The Instance `spec` describes, its stages where `spec.executor` says. Shard actors are named after the
     instance actor's own name when it has one (unique per incarnation: a replacement's shards never collide with
     those of the instance it replaces), else after the instance id."""
+    calibration = Path(spec.calibration_dir) if spec.calibration_dir else None
     if spec.executor == "local":
-        return local_instance(spec.engine, [s.layers for s in spec.layout.stages])
+        return local_instance(spec.engine, [s.layers for s in spec.layout.stages], calibration_dir=calibration)
     own = ray.get_runtime_context().get_actor_name() if ray.is_initialized() else None
     name = own.removeprefix(INSTANCE_ACTOR_PREFIX) if own else spec.instance_id
     return ray_instance(spec.engine, spec.layout, num_cpus=spec.num_cpus, step_timeout_s=spec.step_timeout_s,
-                        name=name)
+                        name=name, calibration_dir=calibration)
 
 
 class InstanceServer:
     """One Instance serving streams."""
 
-    def __init__(self, spec: InstanceSpec) -> None:
+    def __init__(self, spec: InstanceSpec, spawned_at: float | None = None) -> None:
+        """`spawned_at`: when its spawner asked for this actor (time.time()), for the start's process phase."""
+        began = time.monotonic()
         torch.set_num_threads(max(1, math.ceil(spec.num_cpus)))
         if ray.is_initialized():  # its stages' KV links to other nodes: over the node's own address
             use_node_interface(ray.util.get_node_ip_address())
         self.spec = spec
-        began = time.monotonic()
         delay = float(os.environ.get(START_DELAY_ENV) or 0)
-        if delay > 0:
-            log.warning("%s: start slowed by %.1f s on purpose (%s)", spec.instance_id, delay, START_DELAY_ENV)
-            time.sleep(delay)
-        self.instance = build(spec)
+        with StartClock().current() as clock:  # what the loading code below marks (actors/start_phases.py)
+            if delay > 0:
+                log.warning("%s: start slowed by %.1f s on purpose (%s)", spec.instance_id, delay, START_DELAY_ENV)
+                with clock.phase("injected delay"):
+                    time.sleep(delay)
+            self.instance = build(spec)
+        self.phases = _with_process(clock.result(), began, spawned_at)
         self.start_s = time.monotonic() - began  # a restarted router's failover wait learns from it (registration)
-        self.loop = ServingLoop(self.instance, name=f"engine-loop-{spec.instance_id}")
+        log.info("%s started in %.1f s: %s", spec.instance_id, self.start_s,
+                 ", ".join(f"{n} {s:.1f} s" for n, s in self.phases.phases))
+        self.loop = ServingLoop(self.instance, name=f"engine-loop-{spec.instance_id}", idle=self.instance.idle_work)
         # structured outputs' grammars, compiled on a pool of their own (never on the loop thread that steps)
         self.grammars = GrammarPool(self.instance.engine.grammars, spec.engine.grammar)
         self._detached: dict[str, Sequence] = {}  # migrating out: stopped here, KV kept until the commit
@@ -398,7 +410,12 @@ class InstanceServer:
             priority = {s.request_id: s.request.priority for s in self.instance.waiting + self.instance.running}
             priority.update({rid: seq.request.priority for rid, seq in self._detached.items()})
             return tuple((rid, priority.get(rid, 0)) for rid in self.loop.tracked_ids())
-        return Registration(await self.info(), self.spec.place, await self._on_loop(held), self.start_s)
+        return Registration(await self.info(), self.spec.place, await self._on_loop(held), self.start_s,
+                            self.phases)
+
+    async def start_phases(self) -> StartPhases:
+        """Where this instance's start went, phase by phase (`specfleet bench start`, `specfleet status`)."""
+        return self.phases
 
     async def pause(self, seconds: float) -> None:
         """Take no step for at most `seconds` (or until `resume`): returns once the loop is between two steps.
@@ -438,7 +455,18 @@ class InstanceServer:
         actor_cls = ray.remote(cls).options(num_cpus=spec.num_cpus if local else 0.0, num_gpus=gpus,
                                             resources=cls.pin(spec) if resources is None else resources,
                                             max_restarts=0, max_concurrency=1000, name=name, namespace=namespace)
-        return actor_cls.remote(spec)
+        return actor_cls.remote(spec, time.time())
+
+
+def _with_process(phases: StartPhases, began: float, spawned_at: float | None) -> StartPhases:
+    """The start's phases with what came before its constructor: the process (the actor scheduled, its worker
+    started) and the data plane's imports, when its spawner said when it asked (`spawned_at`, a wall clock)."""
+    if spawned_at is None:
+        return phases
+    imports_from = max(actors.IMPORT_BEGAN, spawned_at)  # a worker that imported earlier (a reused one) paid none
+    before = time.time() - (time.monotonic() - began)  # the constructor's start, on the wall clock
+    phases = phases.with_phase("imports", max(0.0, before - imports_from), first=True)
+    return phases.with_phase("process", max(0.0, imports_from - spawned_at), first=True)
 
 
 def _runtime_id(what: str) -> str:

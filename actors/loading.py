@@ -12,6 +12,7 @@ from actors.model.loader import load_model
 from actors.model.quant import quantize_runner
 from actors.model.runner import ModelRunner
 from actors.speculation import easyspec
+from actors.start_phases import phase
 from cluster.config import ConfigError, EngineConfig
 
 
@@ -30,14 +31,16 @@ def load_runners(cfg: EngineConfig, stages: Sequence[tuple[int, int]] | None = N
     n = target_model.num_layers
     bounds = list(stages) if stages is not None else [(0, n)]
     last = len(bounds) - 1
-    target = [ModelRunner(target_model, range(a, b), cfg.cache, first=i == 0, last=i == last,
-                          deterministic=cfg.deterministic)
-              for i, (a, b) in enumerate(bounds)]
+    with phase("layout"):  # each linear map laid out for its kernel (our CPU kernels load on the first)
+        target = [ModelRunner(target_model, range(a, b), cfg.cache, first=i == 0, last=i == last,
+                              deterministic=cfg.deterministic)
+                  for i, (a, b) in enumerate(bounds)]
     if cfg.speculation.policy == "off" or cfg.speculation.method != "model":
         return target, None  # no draft model: plain decoding, or a model-free (lookup) drafter
     if m.draft is not None:
         draft_model = load_model(m.draft, m.dtype, device, m.weights, m.activations, m.backend)
-        draft = ModelRunner(draft_model, range(draft_model.num_layers), cfg.cache)
+        with phase("layout"):
+            draft = ModelRunner(draft_model, range(draft_model.num_layers), cfg.cache)
     elif m.draft_layers is not None:
         if any(not 0 <= i < n for i in m.draft_layers):
             raise ConfigError(f"model.draft_layers: {list(m.draft_layers)} not within the target's {n} layers")

@@ -105,9 +105,13 @@ class ServingLoop:
     posted from other threads are applied between two steps."""
 
     def __init__(self, engine: Steppable, step: Callable[[], list[TokenDelta]] | None = None,
-                 name: str = "engine-loop", between_steps: Callable[[], None] | None = None) -> None:
+                 name: str = "engine-loop", between_steps: Callable[[], None] | None = None,
+                 idle: Callable[[], bool] | None = None) -> None:
+        """`idle`: work in small pieces for the loop thread while the engine has no request and nothing is posted
+        (a calibration left off the start: actors/engine.py, `idle_work`); it returns True while more remains."""
         self.engine = engine
         self._step = step or engine.step
+        self._idle = idle
         # called on the loop thread after each step's deltas went out, before anything posted is applied: a test's
         # step barrier (StepBarrier) places an event exactly between two steps
         self._between_steps = between_steps or (lambda: None)
@@ -198,6 +202,10 @@ class ServingLoop:
             while not self._stop.is_set():
                 self._apply_inbox()
                 if (held := self._paused_until - time.monotonic()) > 0 or not self.engine.has_unfinished():
+                    if held <= 0 and self._idle is not None and self._inbox.empty():
+                        if not self._idle():  # one piece; what is posted meanwhile is applied before the next
+                            self._idle = None
+                        continue
                     self._wake.wait(min(held, 0.5) if held > 0 else 0.5)
                     self._wake.clear()
                     continue

@@ -105,7 +105,8 @@ class Router:
                 log.warning("an instance actor did not report to the new router (%s: %s)", type(reg).__name__, reg)
                 continue
             i = reg.info
-            self.starts.registered(i.instance_id, i.actor_id, time.monotonic(), reg.start_s)  # the wait it needed
+            phases = reg.phases.phases if reg.phases is not None else ()
+            self.starts.registered(i.instance_id, i.actor_id, time.monotonic(), reg.start_s, phases)  # its wait
             self._register(i.instance_id, handle, i.model, i.max_model_len, i.node_id, reg.place, i.actor_id,
                            i.backend)
             for rid, priority in reg.requests:
@@ -126,11 +127,12 @@ class Router:
     @_after_start
     async def register(self, instance_id: str, handle: ActorHandle, model: str, max_model_len: int, node: str,
                        place: InstancePlace = InstancePlace(), incarnation: str = "", start_s: float | None = None,
-                       backend: str = "") -> None:
+                       backend: str = "", phases: tuple[tuple[str, float], ...] = ()) -> None:
         """Add an instance, or its replacement (another `incarnation` under the same id); idempotent. `start_s`: how
         long this incarnation took to start (its replica's construction to now), which the failover wait learns;
-        `backend`: the path its target model runs on and why, as operators see it in `specfleet status`."""
-        self.starts.registered(instance_id, incarnation, time.monotonic(), start_s)
+        `backend`: the path its target model runs on and how it computes, and `phases`: where its start's time went
+        (actors/start_phases.py), both as operators see them in `specfleet status`."""
+        self.starts.registered(instance_id, incarnation, time.monotonic(), start_s, phases)
         self._register(instance_id, handle, model, max_model_len, node, place, incarnation, backend)
 
     def _register(self, instance_id: str, handle: ActorHandle, model: str, max_model_len: int, node: str,

@@ -36,6 +36,9 @@ class FailoverWait:
     multiple: float
     samples: int
     starting: int = 0  # starts announced and not yet registered: a waiting request waits for them, up to the ceiling
+    # the last start's seconds phase by phase (actors/start_phases.py: replica, process, imports, weights, ...),
+    # where its instance reported them
+    last_start: tuple[tuple[str, float], ...] = ()
 
 
 @dataclass
@@ -50,6 +53,7 @@ class StartHistory:
     _lost_at: dict[str, float] = field(default_factory=dict)  # instance id -> when it was removed as failed
     _recorded: dict[str, str] = field(default_factory=dict)  # instance id -> the incarnation last recorded
     _starting: dict[str, float] = field(default_factory=dict)  # instance id -> when its start was announced
+    _last_phases: tuple[tuple[str, float], ...] = ()
 
     def __post_init__(self) -> None:
         if not 0 <= self.floor_s <= self.ceiling_s:
@@ -70,15 +74,18 @@ class StartHistory:
         """Whether an announced start is still under way (announced less than the ceiling ago, not registered)."""
         return any(now - t < self.ceiling_s for t in self._starting.values())
 
-    def registered(self, instance_id: str, incarnation: str, now: float, start_s: float | None) -> None:
+    def registered(self, instance_id: str, incarnation: str, now: float, start_s: float | None,
+                   phases: tuple[tuple[str, float], ...] = ()) -> None:
         """An incarnation of `instance_id` registered at `now`, `start_s` seconds after its replica began (None: not
-        reported). A repeated registration of one incarnation (the router restarted) adds nothing."""
+        reported; `phases`: where they went). A repeated registration of one incarnation (the router restarted)
+        adds nothing."""
         self._starting.pop(instance_id, None)
         if self._recorded.get(instance_id) == incarnation:
             return
         self._recorded[instance_id] = incarnation
         if start_s is not None and start_s >= 0:
             self._add(start_s)
+            self._last_phases = tuple(phases)
         lost = self._lost_at.pop(instance_id, None)
         if lost is not None and now >= lost:
             self._add(now - lost)
@@ -104,4 +111,4 @@ class StartHistory:
         slowest = max(self.durations) if self.durations else None
         wait = self.floor_s if slowest is None else max(self.floor_s, self.multiple * slowest)
         return FailoverWait(min(self.ceiling_s, wait), slowest, self.floor_s, self.ceiling_s, self.multiple,
-                            len(self.durations), len(self._starting))
+                            len(self.durations), len(self._starting), self._last_phases)

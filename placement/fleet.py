@@ -31,6 +31,9 @@ class InstanceSpec(BaseModel):
     executor: Literal["local", "ray"]
     num_cpus: float = Field(default=1.0, ge=0.0)  # the local instance's, or each shard actor's
     step_timeout_s: float = Field(default=120.0, gt=0.0)
+    # where its goodput calibration is kept between starts (the model store's, set where the fleet is planned);
+    # None: timed at every start, before it serves
+    calibration_dir: str | None = None
 
     @property
     def place(self) -> InstancePlace:

@@ -24,7 +24,8 @@ from pathlib import Path
 
 import torch
 
-from actors.model.kernel_build import build_lock, ninja_on_path
+from actors.model.kernel_build import build_lock, load_built, mark_built, ninja_on_path
+from actors.start_phases import phase
 
 log = logging.getLogger(__name__)
 
@@ -123,19 +124,27 @@ ops.cache_clear = reset  # type: ignore[attr-defined]  # the name tests used whi
 
 @functools.cache
 def _load(name: str):  # noqa: ANN202 - torch's op namespace object
-    from torch.utils.cpp_extension import load
-
     build = f"specfleet_cpu_{build_id(name)}"
     try:
-        with build_lock(build):  # bounded, and never stuck on a killed build's lock (actors/model/kernel_build.py)
-            load(name=build, sources=[str(s) for s in SOURCES],
-                 extra_cflags=[*COMMON_FLAGS, *FLAGS[name], f"-DSPECFLEET_NS={namespace(name)}"],
-                 is_python_module=False, verbose=False)
+        with phase("kernels"):
+            if not load_built(build):  # a first start on this machine (or after a change of sources or torch)
+                _build(name, build)
     except (OSError, RuntimeError) as e:  # no compiler, it refused the flags, or a build held past the bound
         log.warning("our %s CPU kernels could not be built (%s); using torch's ops", name, e)
         return None
     _register_fake(namespace(name))
     return getattr(torch.ops, namespace(name))
+
+
+def _build(name: str, build: str) -> None:
+    """Build (or let torch's builder find up to date) the ISA's extension, load it, and mark the build done."""
+    from torch.utils.cpp_extension import load
+
+    with build_lock(build):  # bounded, and never stuck on a killed build's lock (actors/model/kernel_build.py)
+        library = load(name=build, sources=[str(s) for s in SOURCES],
+                       extra_cflags=[*COMMON_FLAGS, *FLAGS[name], f"-DSPECFLEET_NS={namespace(name)}"],
+                       is_python_module=False, verbose=False)
+        mark_built(build, Path(library))
 
 
 def namespace(name: str) -> str:

@@ -9,6 +9,7 @@ manifest, checked against the checksum recorded there.
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 from pathlib import Path
@@ -16,6 +17,7 @@ from pathlib import Path
 import torch
 
 from actors.model.gguf_blocks import GroupedInts, read_blocks, readable
+from actors.model.layout_cache import LayoutCache
 
 # transformers module name (within a decoder layer) -> GGUF tensor name (within block i)
 _LAYER_NAMES = {
@@ -31,13 +33,25 @@ class StoredTensors:
     `lm_head`)."""
 
     def __init__(self, path: Path, num_heads: int, num_kv_heads: int) -> None:
+        self.path = Path(path)
+        self.heads = {"attn_q": num_heads, "attn_k": num_kv_heads}
+        self.layout = LayoutCache(self.path)  # its matrices as our kernel reads them, packed by an earlier start
+
+    @functools.cached_property
+    def _reader(self):  # noqa: ANN202 - gguf's GGUFReader
+        """The file's index, parsed on first use: a start whose every matrix comes packed from `layout` needs none
+        (parsing it, every metadata field included, took seconds on a 2-core CPU)."""
         from gguf import GGUFReader
 
-        self.path = Path(path)
-        reader = GGUFReader(self.path)
-        self.arch = str(reader.fields["general.architecture"].contents())
-        self.tensors = {t.name: t for t in reader.tensors}
-        self.heads = {"attn_q": num_heads, "attn_k": num_kv_heads}
+        return GGUFReader(self.path)
+
+    @functools.cached_property
+    def arch(self) -> str:
+        return str(self._reader.fields["general.architecture"].contents())
+
+    @functools.cached_property
+    def tensors(self) -> dict:
+        return {t.name: t for t in self._reader.tensors}
 
     def gguf_name(self, name: str) -> str | None:
         """The file's tensor for a transformers module, or None if the file has none."""

@@ -25,6 +25,7 @@ from actors.model.gguf_tensors import StoredTensors, source_of
 from actors.model.tokenize import encode_prompt
 from actors.model.qlinear import ACTIVATIONS, Activations
 from actors.model.weights import WEIGHT_MODES, WeightMode
+from actors.start_phases import phase
 
 # model_type -> feed-forward kind of the hand-written (native) path; other decoder-only models run on the generic
 # path (actors/model/backends.py), and what neither runs is refused before weights are read.
@@ -152,12 +153,15 @@ def load_model(source: str, dtype: str = "fp32", device: torch.device | str = "c
         raise ModelLoadError(f"unsupported weights {weights!r}; supported: {', '.join(WEIGHT_MODES)}")
     if activations not in ACTIVATIONS:
         raise ModelLoadError(f"unsupported activations {activations!r}; supported: {', '.join(ACTIVATIONS)}")
-    config, plan = _config_and_plan(source, backend)
-    log.info("%s: %s", source, plan.describe())
-    where, kwargs = _location(source)
+    with phase("tokenizer"):
+        config, plan = _config_and_plan(source, backend)
+        log.info("%s: %s", source, plan.describe())
+        where, kwargs = _location(source)
     try:
-        tokenizer = AutoTokenizer.from_pretrained(where, **kwargs)
-        model = AutoModelForCausalLM.from_pretrained(where, dtype=DTYPES[dtype], **kwargs)
+        with phase("tokenizer"):
+            tokenizer = AutoTokenizer.from_pretrained(where, **kwargs)
+        with phase("weights"):  # safetensors are memory-mapped: their pages are read as the layers use them
+            model = AutoModelForCausalLM.from_pretrained(where, dtype=DTYPES[dtype], **kwargs)
     except (OSError, ValueError) as e:
         raise ModelLoadError(f"cannot load {source}: {e}") from None
     model.eval().requires_grad_(False)
@@ -165,7 +169,8 @@ def load_model(source: str, dtype: str = "fp32", device: torch.device | str = "c
         model.to(device)
     if plan.backend == "generic":
         generic.adopt(model)  # its attention through ours (actors/model/generic.py)
-    stored = _stored_tensors(source, config) if weights == "stored" and plan.backend == "native" else None
+    with phase("weights"):
+        stored = _stored_tensors(source, config) if weights == "stored" and plan.backend == "native" else None
     return LoadedModel(source=source, config=config, hf_model=model, tokenizer=tokenizer, dtype=DTYPES[dtype],
                        weights=weights, activations=activations, stored=stored, plan=plan)
 

@@ -121,6 +121,33 @@ class Int4Linear(nn.Module):
         self.kernel = torch.ops.aten._weight_int4pack_mm_for_cpu if device.type == "cpu" \
             else torch.ops.aten._weight_int4pack_mm
 
+    @classmethod
+    def from_packed(cls, packed: dict, bias: torch.Tensor | None, dtype: torch.dtype,
+                    activations: Activations = "int8") -> "Int4Linear | None":
+        """The module our kernel computes from operands `pack` wrote earlier (actors/model/layout_cache.py: their
+        shape, planes and group, and the FIELDS), on the CPU in bf16; None where our kernel does not run now."""
+        own = cpu_kernels.kernel(activations) if dtype == torch.bfloat16 else None
+        if own is None or packed["group"] != cpu_kernels.GROUP:
+            return None
+        m = cls.__new__(cls)
+        nn.Module.__init__(m)
+        m.out_features, m.in_features = packed["out_features"], packed["in_features"]
+        m.planes, m.group, m.activations = packed["planes"], packed["group"], activations
+        m.padded, m.invariant = False, False
+        m.bias = None if bias is None else bias.to("cpu", dtype)
+        m.own, m.lib = own, cpu_kernels.ops()
+        m.weight, m.scale, m.offset, m.scale_mult, m.offset_mult = (packed[f] for f in (
+            "weight", "scale", "offset", "scale_mult", "offset_mult"))
+        return m
+
+    def packed(self) -> dict | None:
+        """What `from_packed` rebuilds this module from; None if our kernel does not compute it."""
+        if self.own is None:
+            return None
+        return {"out_features": self.out_features, "in_features": self.in_features, "planes": self.planes,
+                "group": self.group, "weight": self.weight, "scale": self.scale, "offset": self.offset,
+                "scale_mult": self.scale_mult, "offset_mult": self.offset_mult}
+
     def operands(self) -> list[torch.Tensor]:
         """Our kernel's operands (codes, scale, offset, scale_mult, offset_mult, bias), an empty tensor for an
         absent one: a projection of actors/model/layer_cpu.cpp's one-call decode layer."""

@@ -185,6 +185,8 @@ class ModelRunner:
         self.gemma = gemma_norms(cfg)
         self.norm = (gemma_gain(hf.model.norm.weight) if self.gemma else hf.model.norm.weight) if last else None
         self.lm_head = head_projection(model, self.device, self.weights, self.activations) if last else None
+        if model.stored is not None:  # what was packed for our kernels, kept for the next start
+            model.stored.layout.flush()
         self.deterministic = deterministic
         self._invariant()
         self.ropes = [RopeTable(hf.model.rotary_emb, model.dtype, self.device, kind) for kind in rope_kinds(model)]

@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from actors.model.gguf_blocks import GroupedInts, concat_rows
+from actors.model.layout_cache import LayoutCache
 from actors.model.qlinear import Activations, Int4Linear, dense_linear, int4_unsupported, int8_linear, stored_linear
 from actors.model.quant import rtn_int4
 
@@ -59,9 +60,11 @@ class Part:
 
 
 def fuse(parts: Sequence[Part], device: torch.device, dtype: torch.dtype, mode: WeightMode,
-         stored: Callable[[str], GroupedInts | None], activations: Activations = "int8") -> nn.Module:
+         stored: Callable[[str], GroupedInts | None], activations: Activations = "int8",
+         layout: LayoutCache | None = None) -> nn.Module:
     """One module computing every part's outputs side by side (N = sum of the parts' N); `activations`: how our
-    CPU int4 kernel, where it runs, takes the input (actors/model/qlinear.py)."""
+    CPU int4 kernel, where it runs, takes the input (actors/model/qlinear.py); `layout`: the stored weights packed
+    by an earlier start, read from and added to (actors/model/layout_cache.py)."""
     bias = _bias(parts, device, dtype)
     if mode in ("int8", "int4"):  # quantized at load: int4 where its kernel takes the shape, else int8
         dense = torch.cat([p.module.weight for p in parts])  # (N, K)
@@ -69,6 +72,10 @@ def fuse(parts: Sequence[Part], device: torch.device, dtype: torch.dtype, mode: 
         if codes is not None and int4_unsupported(codes, device, dtype) is None:
             return Int4Linear(codes, bias, device, dtype, activations=activations)
         return int8_linear(dense, bias, device, dtype, activations)
+    layout = layout if mode == "stored" and device.type == "cpu" else None
+    key = "+".join(p.name for p in parts)
+    if layout is not None and (kept := _from_layout(layout.get(key), bias, dtype, activations)) is not None:
+        return kept  # packed by an earlier start (actors/model/layout_cache.py)
     groups = [stored(p.name) for p in parts] if mode == "stored" else [None] * len(parts)
     runs: list[list[tuple[Part, GroupedInts | None]]] = []  # parts that stack into one matrix: one kernel call
     for p, g in zip(parts, groups):
@@ -86,6 +93,25 @@ def fuse(parts: Sequence[Part], device: torch.device, dtype: torch.dtype, mode: 
         else:
             modules.append(stored_linear(concat_rows([g for _, g in run]), b, device, dtype,  # type: ignore[misc]
                                          activations))
+    if layout is not None and all(isinstance(m, Int4Linear) and m.own is not None for m in modules):
+        layout.keep(key, [m.packed() for m in modules])  # the next start maps them instead of packing again
+    return modules[0] if len(modules) == 1 else Concat(modules)
+
+
+def _from_layout(packed: list[dict] | None, bias: torch.Tensor | None, dtype: torch.dtype,
+                 activations: Activations) -> nn.Module | None:
+    """A fused projection rebuilt from its packed modules (each over its rows of `bias`); None if there are none, or
+    if our kernel does not run here now."""
+    if packed is None:
+        return None
+    modules, start = [], 0
+    for p in packed:
+        n = p["out_features"]
+        m = Int4Linear.from_packed(p, None if bias is None else bias[start:start + n], dtype, activations)
+        if m is None:
+            return None
+        modules.append(m)
+        start += n
     return modules[0] if len(modules) == 1 else Concat(modules)
 
 
@@ -134,7 +160,7 @@ def layer_projections(model, index: int, device: torch.device, mode: WeightMode,
             return [Part(f"{prefix}{where}.{n}", getattr(owner, n)) for n in names]
 
         a, mlp = hf.self_attn, hf.mlp
-        fused = (lambda ps: fuse(ps, device, model.dtype, mode, stored, activations))
+        fused = (lambda ps: fuse(ps, device, model.dtype, mode, stored, activations, _layout(model)))
         dense_mlp = not hasattr(mlp, "experts")
         model.prepared[key] = Projections(
             qkv=fused(parts(a, ("q_proj", "k_proj", "v_proj"), "self_attn")),
@@ -155,7 +181,7 @@ def head_projection(model, device: torch.device, mode: WeightMode, activations: 
             model.prepared[key] = head
         else:
             model.prepared[key] = fuse([Part("lm_head", head)], device, model.dtype, mode, _stored_lookup(model),
-                                       activations)
+                                       activations, _layout(model))
     return model.prepared[key]
 
 
@@ -163,3 +189,8 @@ def _stored_lookup(model) -> Callable[[str], GroupedInts | None]:
     """name -> the GGUF file's quantized matrix (None without a file, or where it holds the tensor dense)."""
     stored = model.stored
     return (lambda name: None) if stored is None else stored.get
+
+
+def _layout(model) -> LayoutCache | None:
+    """The GGUF file's packed weights kept between starts (None without a file)."""
+    return None if model.stored is None else model.stored.layout

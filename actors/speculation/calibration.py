@@ -144,36 +144,74 @@ class CalibrationFile:
 def time_forwards(runners: Iterable[tuple[Literal["target", "draft"], object]], max_model_len: int
                   ) -> list[TimedForward]:
     """Time one forward of a throwaway request at each of SIZES (new tokens, context) on each runner."""
-    points = []
-    for phase, runner in runners:
-        rid = "__calibration__"
-        for new, ctx in SIZES * REPEATS:
-            if ctx + new > max_model_len or not runner.reserve(rid, ctx + new):
-                continue
-            have = runner.cache.length(rid)
-            if have > ctx:
-                runner.cache.crop(rid, ctx)
-            elif have < ctx:  # context to attend to (not timed)
-                runner.forward([SeqChunk(rid, tuple(range(have + 1, ctx + 1)), 0)])
-            chunk = SeqChunk(rid, tuple(range(1, new + 1)))
-            t0 = time.perf_counter()
-            runner.forward([chunk])
-            seconds = time.perf_counter() - t0
-            points.append(TimedForward(phase, new, new * (ctx + new) / ATTENTION_UNIT, seconds))
+    return [p for phase, runner in runners for size in SIZES * REPEATS
+            if (p := time_one(phase, runner, size, max_model_len)) is not None]
+
+
+def time_one(phase: Literal["target", "draft"], runner, size: tuple[int, int], max_model_len: int  # noqa: ANN001
+             ) -> TimedForward | None:
+    """One timed forward of `size` (new tokens, context) on `runner`, its throwaway request freed after it (so the
+    engine may step between two of them); None where the size does not fit."""
+    rid, (new, ctx) = "__calibration__", size
+    if ctx + new > max_model_len or not runner.reserve(rid, ctx + new):
+        return None
+    try:
+        if ctx:  # context to attend to (not timed)
+            runner.forward([SeqChunk(rid, tuple(range(1, ctx + 1)), 0)])
+        t0 = time.perf_counter()
+        runner.forward([SeqChunk(rid, tuple(range(1, new + 1)))])
+        seconds = time.perf_counter() - t0
+    finally:
         runner.cache.free(rid)
-    return points
+    return TimedForward(phase, new, new * (ctx + new) / ATTENTION_UNIT, seconds)
+
+
+def seed(cost: StepCostModel, points: Iterable[TimedForward]) -> None:
+    """Pin calibration points in the step-time model (each refits it)."""
+    models = {"target": cost.target, "draft": cost.draft}
+    for p in points:
+        models[p.phase].observe(ForwardShape(1, p.tokens, p.attention), p.seconds, pinned=True)
 
 
 def calibrate(cost: StepCostModel, runners: list[tuple[Literal["target", "draft"], object]], max_model_len: int,
               saved: "CalibrationFile | None") -> None:
     """Seed the step-time model with timed forwards of a throwaway request at a few sizes (pinned points), or
     with the points `saved` for this setup by an earlier start (and save fresh ones there)."""
-    models = {"target": cost.target, "draft": cost.draft}
     points = saved.load() if saved is not None else None
     fresh = points is None
     if fresh:
         points = time_forwards(runners, max_model_len)
-    for p in points:
-        models[p.phase].observe(ForwardShape(1, p.tokens, p.attention), p.seconds, pinned=True)
+    seed(cost, points)
     if fresh and saved is not None:
         saved.save(points)
+
+
+class Pending:
+    """A calibration timed off the start's critical path: one forward per `step`, run by the serving loop while the
+    instance has no request (actors/serving.py, `idle`), so a request that arrives waits for one forward at most.
+    Until it is done the policy runs on what it has (the steps it has seen: actors/speculation/cost_model.py fits
+    them online; with none, it drafts nothing, which is plain decoding and lossless). Done, its points are pinned
+    and saved for the next start (`saved`)."""
+
+    def __init__(self, cost: StepCostModel, runners: list[tuple[Literal["target", "draft"], object]],
+                 max_model_len: int, saved: "CalibrationFile | None") -> None:
+        self.cost, self.max_model_len, self.saved = cost, max_model_len, saved
+        self._todo = [(phase, runner, size) for phase, runner in runners for size in SIZES * REPEATS]
+        self.points: list[TimedForward] = []
+
+    @property
+    def done(self) -> bool:
+        return not self._todo
+
+    def step(self) -> bool:
+        """Time the next forward; True while more remain (the last one seeds the model and saves the points)."""
+        if self._todo:
+            phase, runner, size = self._todo.pop(0)
+            if (p := time_one(phase, runner, size, self.max_model_len)) is not None:
+                self.points.append(p)
+            if not self._todo:
+                seed(self.cost, self.points)
+                if self.saved is not None and self.points:
+                    self.saved.save(self.points)
+                log.info("goodput calibration done off the critical path: %d forwards timed", len(self.points))
+        return not self.done

@@ -249,6 +249,7 @@ class Outcome:
     note: str
     failover_wait_s: float | None = None  # the router's failover wait after the fault (cluster/start_times.py)
     slowest_start_s: float | None = None  # the slowest recent start or replacement it was learned from
+    last_start: tuple[tuple[str, float], ...] = ()  # the last start's phases (actors/start_phases.py): a replacement's
 
 
 NGRAM = {"speculation": {"method": "ngram", "policy": "fixed", "k": 3}}
@@ -287,7 +288,7 @@ async def run_fault(fault: Fault, app: App, prompts: list[list[int]], tokens: in
     wait = await asyncio.to_thread(lambda: ray.get(app.router().failover_wait.remote(), timeout=30.0))
     return Outcome(fault.name, len(prompts), len(prompts) if landed.hits is None else len(landed.hits), in_flight,
                    len(prompts) - len(survived), sum(s.text != b.text for s, b in survived), run.served_again_s, p99,
-                   running, pending, blocks, landed.note, wait.wait_s, wait.slowest_s)
+                   running, pending, blocks, landed.note, wait.wait_s, wait.slowest_s, tuple(wait.last_start))
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -80,6 +80,7 @@ class FailoverWaitRow(_Row):
     ceiling_s: float
     multiple: float
     samples: int
+    last_start: list[tuple[str, float]] = []  # the last start's seconds phase by phase (actors/start_phases.py)
 
 
 class Migrations(_Row):

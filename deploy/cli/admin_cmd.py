@@ -229,6 +229,8 @@ def run_status(args: argparse.Namespace) -> int:
                f"{w.multiple:g} x the slowest of the last {w.samples} starts ({w.slowest_s:.1f} s)")
         print(f"failover: with no instance up a request waits up to {w.wait_s:.0f} s for one to register ({why}, "
               f"within {w.floor_s:.0f}-{w.ceiling_s:.0f} s)")
+        if w.last_start:
+            print("last start: " + ", ".join(f"{name} {s:.1f} s" for name, s in w.last_start))
     for p in problems:
         print(f"UNHEALTHY: {p}")
     return 0 if not problems else 1

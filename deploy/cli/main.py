@@ -56,7 +56,7 @@ COMMANDS: list[tuple[tuple[str, ...], str, str, str]] = [
     (("bench", "models"), "one model on the native and the generic path side by side: the same greedy tokens in "
      "fp32, then tok/s plain and speculative (and llama.cpp if installed), batch 1", "deploy.bench.models",
      "add_arguments"),
-    (("bench", "start"), "time to first token from a fresh process: cold (converting GGUF) vs warm (cached)",
+    (("bench", "start"), "a start from a fresh process to the first token, phase by phase: cold vs warm (cached)",
      "deploy.bench.start", "add_arguments"),
     (("train-moe",), "train a small MoE model on CPU for the expert-parallel benchmarks", "deploy.bench.train_moe",
      "add_arguments"),

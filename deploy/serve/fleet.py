@@ -19,6 +19,7 @@ import torch
 from actors.device import choose_dtype
 from actors.model.loader import load_model_config
 from cluster.config import EngineConfig, RouterConfig, SpecfleetConfig
+from deploy import model_store
 from deploy.model_store import resolve_model
 from placement.fleet import InstanceSpec, plan_fleet, plan_instance
 from placement.inventory import ACCELERATOR_RESOURCE, LABEL_PREFIX, Inventory, inventory_from_labels
@@ -85,7 +86,9 @@ def fleet_specs(cfg: SpecfleetConfig, inventory: Inventory | None = None, pins: 
     dtype_bytes = DTYPE_BYTES[m.dtype]
     target = model_size_from_config(load_model_config(m.target), dtype_bytes=dtype_bytes)
     draft = model_size_from_config(load_model_config(m.draft), dtype_bytes=dtype_bytes) if m.draft else None
-    return plan_fleet(engine, cfg.router, inventory, target, draft, pins=pins, gpu_nodes=gpu_nodes or set())
+    specs = plan_fleet(engine, cfg.router, inventory, target, draft, pins=pins, gpu_nodes=gpu_nodes or set())
+    # a goodput calibration is kept between starts, so a replacement reads it back instead of timing it
+    return [s.model_copy(update={"calibration_dir": str(model_store.calibration_dir())}) for s in specs]
 
 
 def replan(spec: InstanceSpec, router: RouterConfig, index: int, taken: set[tuple[str, int]]) -> InstanceSpec:
@@ -101,8 +104,9 @@ def replan(spec: InstanceSpec, router: RouterConfig, index: int, taken: set[tupl
     target = model_size_from_config(load_model_config(m.target), dtype_bytes=dtype_bytes)
     draft = model_size_from_config(load_model_config(m.draft), dtype_bytes=dtype_bytes) if m.draft else None
     prefix = spec.instance_id.rsplit("-", 1)[0]
-    return plan_instance(spec.engine, router, inventory, target, draft, index, taken=taken, pins=pins,
-                         gpu_nodes=gpu_nodes, prefix=prefix)
+    placed = plan_instance(spec.engine, router, inventory, target, draft, index, taken=taken, pins=pins,
+                           gpu_nodes=gpu_nodes, prefix=prefix)
+    return placed.model_copy(update={"calibration_dir": spec.calibration_dir})
 
 
 def live_nodes() -> set[str]:

@@ -28,7 +28,8 @@ def one(hosts, fault_models) -> Iterator[Served]:
 def fault(one: Served, name: str):
     outcome = asyncio.run(run_fault(BY_NAME[name], one.app, one.prompts, TOKENS, one.baseline, hold=True))
     print(f"\n{name}: lost {outcome.lost}/{outcome.streams}, served again after {outcome.served_again_s} s, "
-          f"slowest start {outcome.slowest_start_s} s, failover wait {outcome.failover_wait_s} s")
+          f"slowest start {outcome.slowest_start_s} s, failover wait {outcome.failover_wait_s} s; last start: "
+          + ", ".join(f"{n} {s:.1f} s" for n, s in outcome.last_start))
     assert outcome.slowest_start_s is not None and outcome.slowest_start_s >= START_DELAY_S
     assert outcome.failover_wait_s >= 2 * START_DELAY_S > FLOOR_S  # learned, not the floor
     return outcome

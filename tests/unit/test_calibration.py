@@ -4,6 +4,7 @@ setup, or a damaged file, is timed again (and the file rewritten), never loaded.
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -131,3 +132,45 @@ def test_an_engine_without_a_calibration_folder_times_every_start(tiny_models, m
     once = forwards.calls
     Engine.from_config(_config(tiny_models["llama"]))
     assert once >= len(SIZES) and forwards.calls == 2 * once
+
+
+def test_a_served_instance_times_its_calibration_after_it_takes_requests(tiny_models, tmp_path, monkeypatch) -> None:
+    """Off the critical path: an instance with a calibration folder and nothing saved starts without a forward, takes
+    a request at once (its output the target's own greedy output), times its calibration while idle, saves it, and
+    the next start reads it back and times nothing."""
+    from actors.build import local_instance
+    from actors.offline import generate
+    from actors.serving import ServingLoop
+    from cluster.request import Request, SamplingParams
+    from tests.unit.helpers import load, text_prompts
+    from tests.unit.test_serving import Collector
+
+    cfg = _config(tiny_models["llama"])
+    forwards = ForwardCount(monkeypatch)
+    inst = local_instance(cfg, calibration_dir=tmp_path)
+    assert forwards.calls == 0 and inst.engine.pending_calibration is not None
+    assert not inst.engine.cost_model.fitted and not list(tmp_path.glob("*.json"))
+
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    prompt = text_prompts(load(tiny_models["llama"]), 1, offset=2)[0]
+    plain = cfg.model_copy(update={"speculation": SpeculationConfig(policy="off")})
+    [expected] = generate(local_instance(plain).engine, [prompt], params)
+    loop, got = ServingLoop(inst, idle=inst.idle_work), Collector()
+    try:
+        loop.submit(Request("r0", tuple(prompt), params), got.sink("r0")).result(timeout=60)
+        items = got.wait("r0")
+        assert [t for i in items for t in i.delta.token_ids] == list(expected.token_ids)
+        deadline = time.monotonic() + 120
+        while inst.engine.pending_calibration is not None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert inst.engine.pending_calibration is None, "the calibration was not finished while idle"
+    finally:
+        loop.close()
+    [saved] = tmp_path.glob("*.json")
+    assert {p["phase"] for p in json.loads(saved.read_text())["points"]} == {"target"}
+    assert inst.engine.cost_model.fitted
+
+    calls = forwards.calls
+    again = local_instance(cfg, calibration_dir=tmp_path)
+    assert forwards.calls == calls and again.engine.pending_calibration is None  # read back, nothing timed
+    assert again.engine.cost_model.fitted

@@ -97,3 +97,17 @@ def test_an_announced_start_is_waited_for_past_the_learned_wait_up_to_the_ceilin
         assert 1.5 <= time.monotonic() - began < 3.0
 
     asyncio.run(scenario())
+
+
+def test_the_last_start_is_reported_phase_by_phase() -> None:
+    """`specfleet status` shows where the last start went (actors/start_phases.py), as its instance reported it."""
+    h = StartHistory(floor_s=10.0, ceiling_s=300.0)
+    assert h.wait().last_start == ()
+    first = (("replica", 0.2), ("process", 1.0), ("weights", 0.5), ("layout", 0.9))
+    h.registered("i0", "a", now=100.0, start_s=2.7, phases=first)
+    assert h.wait().last_start == first
+    h.registered("i0", "a", now=150.0, start_s=9.9, phases=(("weights", 9.9),))  # the router restarted: same start
+    assert h.wait().last_start == first
+    h.lost("i0", now=200.0)
+    h.registered("i0", "b", now=205.0, start_s=3.0, phases=(("process", 3.0),))
+    assert h.wait().last_start == (("process", 3.0),)

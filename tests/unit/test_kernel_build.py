@@ -72,3 +72,41 @@ def test_the_ninja_package_is_found_without_an_activated_venv(tmp_path: Path) ->
     env = {**os.environ, "PATH": str(tmp_path), "PYTHONPATH": os.pathsep.join([os.getcwd()] + sys.path)}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
     assert out.stdout.split() == ["False", "True"], out.stderr[-2000:]
+
+
+def test_a_finished_build_loads_without_builder_or_ninja(tmp_path: Path) -> None:
+    """The warm path: a build marked done is loaded as a plain library, even from a process that has no ninja and
+    whose sources moved (another checkout: torch's builder would rebuild); a marker for another build or torch is
+    not trusted (then the caller builds)."""
+    from torch.utils.cpp_extension import is_ninja_available
+
+    if not is_ninja_available():
+        pytest.skip("no ninja: torch's extension builder cannot build anything here")
+    (tmp_path / "twice.cpp").write_text(SOURCE)
+    build = textwrap.dedent(f"""
+        from pathlib import Path
+        from torch.utils.cpp_extension import load
+        from actors.model.kernel_build import build_lock, load_built, mark_built
+        assert not load_built("specfleet_twice")  # nothing built yet
+        with build_lock("specfleet_twice"):
+            lib = load(name="specfleet_twice", sources=[{str(tmp_path / "twice.cpp")!r}], is_python_module=False)
+            mark_built("specfleet_twice", Path(lib))
+        print("built")
+    """)
+    warm = textwrap.dedent("""
+        import sys, torch
+        from actors.model.kernel_build import load_built
+        print(load_built("specfleet_twice"), load_built("specfleet_other"),
+              any("specfleet_twice" in p for p in torch.ops.loaded_libraries))
+    """)
+    env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(tmp_path / "ext"), "PYTHONPATH": os.getcwd()}
+    out = subprocess.run([sys.executable, "-c", build], capture_output=True, text=True, env=env, timeout=240)
+    assert out.returncode == 0 and "built" in out.stdout, out.stderr[-2000:]
+    (tmp_path / "twice.cpp").unlink()  # the sources are gone, and no ninja is on PATH: only the library is used
+    no_ninja = {**env, "PATH": str(tmp_path)}
+    out = subprocess.run([sys.executable, "-c", warm], capture_output=True, text=True, env=no_ninja, timeout=120)
+    assert out.stdout.split() == ["True", "False", "True"], out.stderr[-2000:]
+    marker = tmp_path / "ext" / "specfleet_twice" / "specfleet-built.json"
+    marker.write_text(marker.read_text().replace('"torch": "', '"torch": "0.0-'))  # built against another torch
+    out = subprocess.run([sys.executable, "-c", warm], capture_output=True, text=True, env=no_ninja, timeout=120)
+    assert out.stdout.split() == ["False", "False", "False"], out.stderr[-2000:]
