@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 
+import grpc
 import httpx
 import jsonschema
 import openai
@@ -23,6 +24,12 @@ from tests.fixtures.agent_model import (AFTER_RESULT, ASK_BOTH, ASK_CHAT, ASK_WE
 from tests.fixtures.tiny_models import DRAFT_NOISE, perturbed_copy
 from tests.serve.conftest import API_KEY, ServedApp, _wait_healthy, specfleet
 from tests.unit.test_tool_calls import FUNCTION_SCHEMAS
+from deploy.rpc import codegen
+
+codegen.ensure()
+
+from deploy.rpc import specfleet_pb2 as pb  # noqa: E402
+from deploy.rpc import specfleet_pb2_grpc as pb_grpc  # noqa: E402
 
 MODEL = "tiny-agent"
 
@@ -380,3 +387,60 @@ def test_guidellm_request_shapes_tool_call_turn_then_injected_result(agent_app: 
     else:
         assert second[-1]["type"] == "response.incomplete"
         assert second[-1]["response"]["usage"]["output_tokens"] == 16
+
+
+# ---- over gRPC: the same tools, calls and reasoning in the proto's fields ------------------------------------------
+GRPC_TOOLS = [pb.FunctionTool(name="get_weather", description=WEATHER["function"]["description"],
+                              parameters=json.dumps(WEATHER["function"]["parameters"]))]
+
+
+def grpc_chat(messages: list[dict]) -> pb.ChatMessages:
+    out = []
+    for m in messages:
+        calls = [pb.ToolCall(id=c["id"], name=c["function"]["name"], arguments=c["function"]["arguments"])
+                 for c in m.get("tool_calls") or ()]
+        out.append(pb.ChatMessage(role=m["role"], content=m.get("content") or "", tool_calls=calls,
+                                  tool_call_id=m.get("tool_call_id")))
+    return pb.ChatMessages(messages=out)
+
+
+def test_grpc_tool_call_round_trip_whole_and_streamed(agent_app: ServedApp) -> None:
+    auth = (("authorization", f"Bearer {API_KEY}"),)
+    with grpc.insecure_channel(agent_app.grpc_target) as channel:
+        stub = pb_grpc.SpecfleetStub(channel)
+        ask = pb.GenerateRequest(model=MODEL, chat=grpc_chat(ASK_WEATHER), tools=GRPC_TOOLS, max_tokens=120,
+                                 temperature=0)
+        reply = stub.Generate(ask, metadata=auth, timeout=120)
+        assert reply.finish_reason == "tool_calls" and reply.content == "" and reply.text == SCRIPT[0][2]
+        [call] = reply.tool_calls
+        assert call.id.startswith("call_") and call.name == "get_weather" and json.loads(call.arguments) == {
+            "city": "Paris"}
+        chunks = list(stub.GenerateStream(ask, metadata=auth, timeout=120))
+        fragments = [t for c in chunks for t in c.tool_calls]
+        assert fragments[0].name == "get_weather" and fragments[0].id and not fragments[0].arguments
+        assert all(not f.id and not f.name for f in fragments[1:]) and len(fragments) > 2
+        assert "".join(f.arguments for f in fragments) == call.arguments
+        assert chunks[-1].finish_reason == "tool_calls"
+        # the call and the tool's result back in the history: the model reasons, then answers
+        history = ASK_WEATHER + [{"role": "assistant", "content": "", "tool_calls": [
+            {"id": call.id, "function": {"name": call.name, "arguments": call.arguments}}]},
+            {"role": "tool", "tool_call_id": call.id, "content": AFTER_RESULT[-1]["content"]}]
+        answer = stub.Generate(pb.GenerateRequest(model=MODEL, chat=grpc_chat(history), tools=GRPC_TOOLS,
+                                                  max_tokens=120, temperature=0), metadata=auth, timeout=120)
+        assert answer.finish_reason == "stop" and not answer.tool_calls
+        assert (answer.reasoning_content, answer.content) == ("Sunny, 21.", "It is sunny in Paris.")
+        named = stub.Generate(pb.GenerateRequest(model=MODEL, chat=grpc_chat(ASK_CHAT), tools=GRPC_TOOLS,
+                                                 tool_choice=pb.ToolChoice(function="get_weather"), max_tokens=120,
+                                                 temperature=0),
+                              metadata=auth, timeout=120)
+        assert [c.name for c in named.tool_calls] == ["get_weather"]
+        jsonschema.validate(json.loads(named.tool_calls[0].arguments), WEATHER["function"]["parameters"])
+        for bad, param in ((pb.GenerateRequest(model=MODEL, chat=grpc_chat(ASK_WEATHER), tools=GRPC_TOOLS,
+                                               tool_choice=pb.ToolChoice(function="nope")), "tool_choice.function"),
+                           (pb.GenerateRequest(model=MODEL, chat=grpc_chat(ASK_WEATHER), tools=[
+                               pb.FunctionTool(name="f", parameters='{"type": "no-such-type"}')]),
+                            "tools[0].parameters"),
+                           (pb.GenerateRequest(model=MODEL, prompt="hi", tools=GRPC_TOOLS), "tools")):
+            with pytest.raises(grpc.RpcError) as err:
+                stub.Generate(bad, metadata=auth, timeout=60)
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and err.value.details().startswith(param)
