@@ -23,6 +23,7 @@ from actors.offline import generate
 from cluster.config import ModelConfig, SchedulerConfig, SpeculationConfig
 from tests.unit.helpers import load, runner, text_prompts
 from tests.unit.test_structured import SCHEMAS, make_engine
+from tests.unit.test_deterministic import models, pair  # noqa: F401 - the deterministic bf16 tests' fixtures
 
 
 def tool(name: str, parameters: dict | None) -> Tool:
@@ -256,6 +257,48 @@ def test_required_calls_always_validate_and_equal_plain_constrained_decoding(tin
             assert [c.name for c in calls] == [f"fn_{i}"]
         elif not parallel:
             assert len(calls) == 1
+
+
+def tool_specs() -> list[StructuredOutput]:
+    """The 20 schemas' grammars: `required` (some parallel) and named in turn, beside a tool of no parameters."""
+    specs = []
+    for i, schema in enumerate(FUNCTION_SCHEMAS):
+        tools = [tool(f"fn_{i}", schema), tool("other", {"type": "object", "properties": {}})]
+        choice = "required" if i % 2 else NamedToolChoice.model_validate({"type": "function",
+                                                                         "function": {"name": f"fn_{i}"}})
+        specs.append(grammar(plan(tools, choice, i % 4 == 1), HermesParser(), {}))
+    return specs
+
+
+@pytest.mark.heavy
+@pytest.mark.parametrize("draft", ["model draft", "n-gram", "suffix"])
+def test_calls_equal_plain_constrained_decoding_in_deterministic_bf16(models, pair, draft) -> None:
+    """The same 20 tool grammars in the deterministic bf16 mode (engine.deterministic, docs/determinism.md; the
+    tiny qwen2 of tests/unit/test_deterministic.py, bf16 on our kernels' widths): with each draft kind, every call
+    is token for token what plain constrained greedy decoding gives, batched as the server batches them."""
+    from actors.model.runner import ModelRunner
+    from tests.unit.test_deterministic import CACHE, NGRAM, engine, runner as det_runner
+
+    target, draft_model = models
+    prompt = text_prompts(target, 1, offset=3)[0]
+    specs = tool_specs()
+    params = [SamplingParams(temperature=0.0, max_tokens=96, structured=s) for s in specs]
+    # the draft as the app runs it: deterministic mode applies to the target only (its tokens only move acceptance)
+    draft_runner = lambda: ModelRunner(draft_model, range(draft_model.num_layers), CACHE)  # noqa: E731
+    speculative = {"model draft": lambda: engine(det_runner(target), draft_runner(), policy="fixed", k=4),
+                   "n-gram": lambda: engine(det_runner(target), policy="fixed", k=4, **NGRAM),
+                   "suffix": lambda: engine(det_runner(target), policy="fixed", k=4, method="suffix")}[draft]()
+    got = generate(speculative, [prompt] * len(specs), params)
+    want = generate(engine(det_runner(target), policy="off"), [prompt] * len(specs), params)
+    assert [c.token_ids for c in got] == [c.token_ids for c in want]
+    assert sum(c.stats.accepted for c in got) > 0, "nothing drafted was accepted: the comparison proves little"
+    for i, c in enumerate(got):
+        assert c.text.startswith("<tool_call>"), c.text
+        calls = [x for x in scan(c.text, "arguments") if x.complete]
+        assert calls or c.finish_reason.value == "length", c.text
+        for call in calls:
+            schema = FUNCTION_SCHEMAS[i] if call.name == f"fn_{i}" else {"type": "object", "properties": {}}
+            jsonschema.validate(json.loads(call.final_arguments()), schema)
 
 
 def test_auto_lets_the_model_write_text_or_a_valid_call(tiny_models, tiny_draft_models) -> None:
