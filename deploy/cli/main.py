@@ -51,6 +51,8 @@ COMMANDS: list[tuple[tuple[str, ...], str, str, str]] = [
     (("bench", "prefix"), "prefix caching off vs on with least-load vs cache-aware dispatch on a multi-turn chat "
      "workload (and a long shared system prompt), and a migration's bytes with its prefix cached, on the local cluster",
      "deploy.bench.prefix", "add_arguments"),
+    (("bench", "agent"), "a multi-turn tool-calling agent loop served with speculation off, n-gram and suffix, at "
+     "concurrency 1 and 8", "deploy.bench.agent", "add_arguments"),
     (("bench", "start"), "time to first token from a fresh process: cold (converting GGUF) vs warm (cached)",
      "deploy.bench.start", "add_arguments"),
     (("train-moe",), "train a small MoE model on CPU for the expert-parallel benchmarks", "deploy.bench.train_moe",
