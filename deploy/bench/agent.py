@@ -76,9 +76,9 @@ def engine_for(base, mode: str, k: int | None):
 class Mode:
     """One mode's served instance, and its chat turn through the frontend."""
 
-    def __init__(self, name: str, cfg, nodes: list[str], num_layers: int, args) -> None:
+    def __init__(self, name: str, cfg, node: str, num_layers: int, args) -> None:
         self.name, self.args = name, args
-        self.fleet = Fleet(cfg, RouterConfig(stats_interval_s=0.2), nodes, 1, num_layers, args.num_cpus)
+        self.fleet = Fleet(cfg, RouterConfig(stats_interval_s=0.2), [node], 1, num_layers, args.num_cpus)
         self.tools = [Tool.model_validate(t) for t in TOOLS]
 
     async def chat(self, messages: list[dict], choice: str) -> TurnOut:
@@ -128,8 +128,9 @@ def run(args: argparse.Namespace) -> int:
                     "load_average": os.getloadavg(), "levels": {}}
     served: dict[str, Mode] = {}
     try:
-        for name in modes:
-            served[name] = Mode(name, engine_for(base, name, args.k), nodes, meta.config.num_hidden_layers, args)
+        for i, name in enumerate(modes):  # the modes' instances on the nodes in turn (each reserves --num-cpus)
+            served[name] = Mode(name, engine_for(base, name, args.k), nodes[i % len(nodes)],
+                                meta.config.num_hidden_layers, args)
         for name, mode in served.items():  # warm-up: a turn outside the figures
             asyncio.run(mode.chat([{"role": "user", "content": "Warm up."}], "auto"))
         for c in levels:
@@ -139,6 +140,9 @@ def run(args: argparse.Namespace) -> int:
                     convs, seconds = asyncio.run(run_workload(questions, served[name].chat, corpus, c,
                                                               args.max_turns))
                     runs[name].append((convs, seconds))
+                    f = figures(convs, seconds)
+                    print(f"concurrency {c}, round {r + 1}, {name}: {f['turns']} turns, {f['tokens']} tokens in "
+                          f"{seconds:.1f} s ({f['tok_s']} tok/s)", flush=True)
             report["levels"][str(c)] = _compare(c, runs)
     finally:
         for mode in served.values():
