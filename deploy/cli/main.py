@@ -56,6 +56,8 @@ COMMANDS: list[tuple[tuple[str, ...], str, str, str]] = [
     (("bench", "models"), "one model on the native and the generic path side by side: the same greedy tokens in "
      "fp32, then tok/s plain and speculative (and llama.cpp if installed), batch 1", "deploy.bench.models",
      "add_arguments"),
+    (("bench", "agent"), "a multi-turn tool-calling agent loop served with speculation off, n-gram and suffix, at "
+     "concurrency 1 and 8", "deploy.bench.agent", "add_arguments"),
     (("bench", "start"), "a start from a fresh process to the first token, phase by phase: cold vs warm (cached)",
      "deploy.bench.start", "add_arguments"),
     (("train-moe",), "train a small MoE model on CPU for the expert-parallel benchmarks", "deploy.bench.train_moe",

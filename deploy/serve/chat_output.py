@@ -4,7 +4,8 @@
 they use), found once when the frontend starts. `ChatShape` holds one request's: `message` shapes a whole output as
 OpenAI's assistant message, `stream` gives a `ChatStream` that turns each text delta into OpenAI's chunk deltas in
 order: `reasoning_content`, `content`, then per call its index, id, type and name first and its arguments in
-fragments (their concatenation is the call's `function.arguments`, as in the whole message).
+fragments (their concatenation is the call's `function.arguments`, as in the whole message), then `content` again for
+text the model wrote after its calls (the deltas' content adds up to the whole message's: tool_parsers.join_text).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from dataclasses import dataclass, field
 from cluster.request import StructuredOutput
 from deploy.serve.openai_api import APIError
 from deploy.serve.reasoning import Reasoner, ReasoningStream, reasoner_for
-from deploy.serve.tool_parsers import RawCall, ToolParser, parser_for, scan
+from deploy.serve.tool_parsers import RawCall, ToolParser, join_text, parser_for
 from deploy.serve.tools import ToolPlan, after_reasoning, grammar
 
 log = logging.getLogger(__name__)
@@ -132,6 +133,7 @@ class ChatStream:
     _sent: int = 0  # characters of the answer's text handed out as content
     _section: int | None = None  # where the calls begin in the answer
     _calls: list[dict] = field(default_factory=list)  # per call: {"id", "name", "sent"}
+    _after_sent: int = 0  # characters of the text after the calls handed out
     _broken: bool = False  # the calls section stopped parsing (no grammar held it): the rest is dropped
 
     def __post_init__(self) -> None:
@@ -181,10 +183,20 @@ class ChatStream:
 
     def _call_deltas(self, final: bool) -> list[dict]:
         try:
-            raws = scan(self._text[self._section:], self.shape.parser.args_key)
+            raws, end = self.shape.parser.split(self._text[self._section:], final)
         except ValueError:
             self._broken = True
             return []
+        out = self._each_call(raws)
+        if end is not None:  # the section ended: what follows is text (its leading space cut, as `message` does)
+            after = self._text[self._section + end:].lstrip()
+            if len(after) > self._after_sent:
+                sep = "\n" if self._sent and not self._after_sent else ""  # join_text's, once
+                out.append({"content": sep + after[self._after_sent:]})
+                self._after_sent = len(after)
+        return out
+
+    def _each_call(self, raws: list[RawCall]) -> list[dict]:
         out = []
         for i, raw in enumerate(raws):
             if raw.name is None:

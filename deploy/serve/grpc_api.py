@@ -2,7 +2,8 @@
 
 Ray Serve's gRPC proxy calls these by method name with the request message and a `grpc_context`; errors are
 status codes: UNAUTHENTICATED without a valid key, INVALID_ARGUMENT / NOT_FOUND for bad input,
-RESOURCE_EXHAUSTED when too many requests are pending, UNAVAILABLE when no instance can serve.
+RESOURCE_EXHAUSTED when too many requests are pending, UNAVAILABLE when no instance can serve. A chat request may
+carry tools (deploy/serve/grpc_tools.py): its answer is shaped as the HTTP API's (content, reasoning, tool calls).
 """
 
 from __future__ import annotations
@@ -19,8 +20,11 @@ from cluster.request import (DEFAULT_MAX_TOKENS, DEFAULT_TEMPERATURE, FinishReas
                              StructuredOutput)
 from deploy.serve.admission import Ticket
 from deploy.serve.auth import Tenant
+from deploy.serve.chat_output import ChatShape
 from deploy.serve.frontend import Call
+from deploy.serve.grpc_tools import chat_with_tools, chunk_fields, response_fields
 from deploy.serve.openai_api import APIError
+from deploy.serve.tools import template_tools
 from deploy.rpc import specfleet_pb2 as pb
 
 STATUS = {400: grpc.StatusCode.INVALID_ARGUMENT, 401: grpc.StatusCode.UNAUTHENTICATED, 404: grpc.StatusCode.NOT_FOUND,
@@ -87,23 +91,29 @@ class GrpcMethods:
         grpc_context.set_code(STATUS.get(e.status, grpc.StatusCode.INTERNAL))
         grpc_context.set_details(e.message)
 
-    async def _start(self, request: pb.GenerateRequest, tenant: Tenant) -> Call:
-        """The request through the edge (deploy/serve/edge.py). Serve's gRPC proxy already refused a message over
-        serve.max_request_bytes (RAY_SERVE_GRPC_MAX_MESSAGE_SIZE, deploy/serve/serve_env.py); the check here
-        covers a proxy started without it."""
+    async def _start(self, request: pb.GenerateRequest, tenant: Tenant) -> tuple[Call, ChatShape | None]:
+        """The request through the edge (deploy/serve/edge.py), and its chat answer's shape (None: plain text).
+        Serve's gRPC proxy already refused a message over serve.max_request_bytes (RAY_SERVE_GRPC_MAX_MESSAGE_SIZE,
+        deploy/serve/serve_env.py); the check here covers a proxy started without it."""
         held = self.edge.precheck(tenant)  # one of the key's slots until admission (deploy/serve/edge.py)
         try:
             return await self._admit(request, tenant, held)
         finally:
             held.release()
 
-    async def _admit(self, request: pb.GenerateRequest, tenant: Tenant, held: Ticket) -> Call:
+    async def _admit(self, request: pb.GenerateRequest, tenant: Tenant,
+                     held: Ticket) -> tuple[Call, ChatShape | None]:
         f = self.frontend
         limit = self.cfg.serve.max_request_bytes
         if request.ByteSize() > limit:
             raise APIError(413, f"the request exceeds this server's limit of {limit} bytes (serve.max_request_bytes)")
         f.check_model(request.model)
         which = request.WhichOneof("input")
+        messages, plan = chat_with_tools(request)  # tools need chat input; their fields checked
+        spec, spec_param = _structured(request), "structured"
+        shape = None
+        if which == "chat":  # tools' grammar, or a reasoning model's reasoning before a structured answer
+            shape, spec, spec_param = f.formats.shape(plan, spec, spec_param, f.model_name)
         if which == "prompt":
             encode, param = (lambda: f.encode_prompt(request.prompt, tenant.name)), "prompt"
             default_max: int | None = DEFAULT_MAX_TOKENS
@@ -111,8 +121,8 @@ class GrpcMethods:
             if not request.chat.messages:
                 raise APIError(400, "chat.messages is empty", param="chat")
             self.edge.check_messages(len(request.chat.messages))
-            messages = [{"role": m.role, "content": m.content} for m in request.chat.messages]
-            encode, param, default_max = (lambda: f.encode_chat(messages, tenant.name)), "chat", None
+            encode, param = (lambda: f.encode_chat(messages, tenant.name, template_tools(plan))), "chat"
+            default_max = None
         elif which == "prompt_token_ids":
             ids = list(request.prompt_token_ids.ids)
             encode, param, default_max = (lambda: f.encode_prompt(ids)), "prompt_token_ids", DEFAULT_MAX_TOKENS
@@ -121,7 +131,6 @@ class GrpcMethods:
         temperature = request.temperature if request.HasField("temperature") else DEFAULT_TEMPERATURE
         top_p = request.top_p if request.HasField("top_p") else 1.0
         max_tokens = request.max_tokens if request.HasField("max_tokens") else default_max
-        spec = _structured(request)
         salt = request.cache_salt if request.HasField("cache_salt") else None
         if salt is not None and not 1 <= len(salt) <= 256:
             raise APIError(400, "cache_salt must have 1 to 256 characters", param="cache_salt", code="invalid_value")
@@ -136,14 +145,15 @@ class GrpcMethods:
             "structured": spec}
 
         async def checked_encode() -> list[int]:
-            await f.check_structured(spec, "structured", tenant.name)
+            await f.check_structured(spec, spec_param, tenant.name)
             return await encode()
 
-        return await self.edge.start(
+        call = await self.edge.start(
             tenant, n=1, priority=request.priority, max_tokens=max_tokens, encode=checked_encode, held=held,
             prepare=lambda ids: f.prepare(ids, max_tokens=max_tokens, seed=request.seed if request.HasField("seed")
                                           else None, n=1, priority=request.priority, prompt_param=param,
                                           tenant=tenant.name, cache_salt=salt, **sampling))
+        return call, shape
 
     def _grpc_logprobs(self, entries, token_ids) -> list[pb.TokenLogprob]:
         """TokenLogprob messages of these tokens (an entry None: the prompt's first token, no logprob)."""
@@ -158,26 +168,31 @@ class GrpcMethods:
 
     async def Generate(self, request: pb.GenerateRequest, grpc_context) -> pb.GenerateResponse:  # noqa: N802
         try:
-            call = await self._start(request, self._grpc_auth(grpc_context))
+            call, shape = await self._start(request, self._grpc_auth(grpc_context))
             [c] = await call.collect()
             if c.finish_reason == FinishReason.ERROR:
                 raise _failure(c.error, c.rejected)
         except APIError as e:
             self._fail(grpc_context, e)
             return pb.GenerateResponse()
+        reason, shaped = c.finish_reason.value, {}
+        if shape is not None:
+            message, called = shape.message(c.text, c.token_ids)
+            reason, shaped = ("tool_calls" if called and reason == "stop" else reason), response_fields(message)
         return pb.GenerateResponse(id=call.prep.request_id, model=self.frontend.model_name, text=c.text,
-                                   token_ids=c.token_ids, finish_reason=c.finish_reason.value,
+                                   token_ids=c.token_ids, finish_reason=reason, **shaped,
                                    usage=_usage(len(call.prep.prompt_ids), len(c.token_ids)), spec_decode=_spec(c.stats),
                                    logprobs=self._grpc_logprobs(c.logprobs, c.token_ids),
                                    prompt_logprobs=self._grpc_logprobs(c.prompt_logprobs or (), call.prep.prompt_ids))
 
     async def GenerateStream(self, request: pb.GenerateRequest, grpc_context) -> AsyncIterator[pb.GenerateChunk]:  # noqa: N802
         try:
-            call = await self._start(request, self._grpc_auth(grpc_context))
+            call, shape = await self._start(request, self._grpc_auth(grpc_context))
         except APIError as e:  # a stream's status is only read from an exception raised after set_code (Serve 2.60)
             self._fail(grpc_context, e)
             raise
         rid, completion = call.prep.request_id, 0
+        stream = shape.stream() if shape is not None else None
         try:
             async for _, item in call:
                 d = item.delta
@@ -186,11 +201,16 @@ class GrpcMethods:
                     e = _failure(d.error, item.rejected)
                     self._fail(grpc_context, e)
                     raise e
-                chunk = pb.GenerateChunk(id=rid, text=d.text, token_ids=d.token_ids,
+                shaped = {}
+                if stream is not None:
+                    shaped = chunk_fields(stream.feed(d.text, d.token_ids) + (stream.finish() if d.finished else []))
+                chunk = pb.GenerateChunk(id=rid, text=d.text, token_ids=d.token_ids, **shaped,
                                          logprobs=self._grpc_logprobs(d.logprobs or (), d.token_ids),
                                          prompt_logprobs=self._grpc_logprobs(d.prompt_logprobs or (), call.prep.prompt_ids))
                 if d.finished:
-                    chunk.finish_reason = d.finish_reason.value
+                    reason = d.finish_reason.value
+                    chunk.finish_reason = "tool_calls" if stream is not None and stream.called and reason == "stop" \
+                        else reason
                     chunk.usage.CopyFrom(_usage(len(call.prep.prompt_ids), completion))
                     chunk.spec_decode.CopyFrom(_spec(item.stats or SpecStats()))
                 yield chunk

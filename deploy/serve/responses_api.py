@@ -4,8 +4,8 @@ A Responses body becomes a chat body (`to_chat`): `instructions` a system messag
 message) or items: messages (`input_text` / `output_text` parts), `function_call` items (an assistant's calls) and
 `function_call_output` items (tool messages, by `call_id`); `reasoning` items are accepted and left out of the
 prompt. Function tools (`{"type": "function", "name", "parameters"}`, flat as the Responses API writes them),
-`tool_choice`, `parallel_tool_calls`, `max_output_tokens`, `temperature`, `top_p` and `text.format` (text, a JSON
-schema) map onto their chat fields. Nothing is stored: `previous_response_id` is a 400 (send the whole input), and
+`tool_choice`, `parallel_tool_calls`, `max_output_tokens`, `temperature`, `top_p`, vLLM's `stop` and `ignore_eos`
+(which guidellm sends) and `text.format` (text, a JSON schema) map onto their chat fields. Nothing is stored: `previous_response_id` is a 400 (send the whole input), and
 `store` is accepted but changes nothing (a response cannot be fetched again). The answer comes back as output items
 (`reasoning`, `message` with `output_text`, `function_call`) and, streamed, as the typed events
 `response.created`, `response.in_progress`, `response.output_item.added`, `response.content_part.added`,
@@ -22,7 +22,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
 
-from deploy.serve.openai_api import INT32_MAX, APIError
+from deploy.serve.openai_api import INT32_MAX, MAX_STOPS, APIError, StopString
 
 Text = Annotated[str, Field(max_length=1 << 22)]
 
@@ -114,6 +114,9 @@ class ResponsesRequest(_Body):
     max_output_tokens: int | None = Field(default=None, ge=1, le=INT32_MAX)
     temperature: float | None = None
     top_p: float | None = None
+    # vLLM's extensions that load tools send (guidellm 0.8: `"stop": null, "ignore_eos": true` for fixed lengths)
+    stop: StopString | Annotated[list[StopString], Field(max_length=MAX_STOPS)] | None = None
+    ignore_eos: bool | None = None
     stream: bool = False
     store: bool | None = None  # accepted: nothing is stored
     previous_response_id: str | None = None  # refused (nothing is stored): see `check`
@@ -158,7 +161,8 @@ class ResponsesRequest(_Body):
             body["tool_choice"] = self.tool_choice if isinstance(self.tool_choice, str) else {
                 "type": "function", "function": {"name": self.tool_choice.name}}
         for ours, theirs in (("parallel_tool_calls", "parallel_tool_calls"), ("max_output_tokens", "max_tokens"),
-                             ("temperature", "temperature"), ("top_p", "top_p"), ("user", "user")):
+                             ("temperature", "temperature"), ("top_p", "top_p"), ("user", "user"),
+                             ("stop", "stop"), ("ignore_eos", "ignore_eos")):
             if getattr(self, ours) is not None:
                 body[theirs] = getattr(self, ours)
         fmt = self.text.format if self.text is not None else None

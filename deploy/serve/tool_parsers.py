@@ -6,10 +6,12 @@ A model writes its calls in the format its chat template taught it:
 - `llama3_json` (Meta's Llama 3.1/3.2 JSON tool calling): the whole output is `{"name": ..., "parameters": {...}}`,
   several joined by `; `, optionally after `<|python_tag|>`;
 - `mistral` (Mistral's v3+ tokenizers): text, then `[TOOL_CALLS]` and a JSON array of `{"name", "arguments"}`.
-Each parser is detected from a marker in the chat template (`detect`), splits an output into its text and its calls
-section (`calls_at`), and writes the Lark grammar (llguidance's syntax) of its calls section, each call's JSON held to
-the tool's schema (deploy/serve/tools.py assembles the whole grammar). The calls section is scanned as JSON objects in
-order (`scan`), complete or not, so a stream can hand out each call's name once known and its arguments as they come.
+Each parser is detected from a marker in the chat template (`detect`), splits an output into its text, its calls
+section (`calls_at`) and any text after the calls (`split`), and writes the Lark grammar (llguidance's syntax) of its
+calls section, each call's JSON held to the tool's schema (deploy/serve/tools.py assembles the whole grammar). The
+calls section is read as its format's tags and separators around JSON objects in order (`split`, objects by
+`scan`-style reading), complete or not, so a stream can hand out each call's name once known, its arguments as they
+come, and the text after the calls once the section has ended.
 """
 
 from __future__ import annotations
@@ -118,13 +120,44 @@ def _scan_object(s: str, start: int, args_key: str) -> tuple[RawCall, int]:
     return RawCall(name, args, args_open, False), len(s)
 
 
+PENDING = -1  # `_expect`: the text so far may still become what was expected
+
+
+def _skip_space(s: str, i: int) -> int:
+    while i < len(s) and s[i].isspace():
+        i += 1
+    return i
+
+
+def _expect(s: str, i: int, literals: tuple[str, ...], final: bool) -> int:
+    """Past `literals` in order from `s[i]` (space allowed around each): the index after them, PENDING when the text
+    ends inside them (not `final`), ValueError when something else stands there."""
+    for lit in literals:
+        i = _skip_space(s, i)
+        if s.startswith(lit, i):
+            i += len(lit)
+        elif not final and lit.startswith(s[i:]):
+            return PENDING
+        else:
+            raise ValueError(f"expected {lit!r} at character {i}")
+    return i
+
+
 class ToolParser:
-    """A model's tool-call format: subclasses set the markers and keys."""
+    """A model's tool-call format: subclasses set the markers and keys.
+
+    A calls section reads `first`, a call object, `after`, then for each further call `next_`, a call object and
+    `after`, then `end` (each a sequence of literals; space is allowed around each)."""
 
     name: ClassVar[str]
     marker: ClassVar[str]  # opens the calls section
     template_marks: ClassVar[tuple[str, ...]]  # a chat template naming one of these uses this format
     args_key: ClassVar[str] = "arguments"
+    first: ClassVar[tuple[str, ...]] = ()
+    after: ClassVar[tuple[str, ...]] = ()
+    next_: ClassVar[tuple[str, ...]] = ()
+    end: ClassVar[tuple[str, ...]] = ()
+    text_after: ClassVar[bool] = False  # auto mode's grammar lets text follow the calls (a section with a clear end)
 
     @classmethod
     def detect(cls, template: str) -> bool:
@@ -143,18 +176,51 @@ class ToolParser:
                 return n
         return 0
 
+    def split(self, section: str, final: bool) -> tuple[list[RawCall], int | None]:
+        """A calls section's call objects in order (the last may be incomplete) and where the section ends: the text
+        after that is the model's text after its calls; None while it has not ended (or may not have: the text so
+        far may still open another call or close the section). Raises ValueError on a malformed section (with
+        `final`, also on one that stops inside itself)."""
+        calls: list[RawCall] = []
+        i = _expect(section, 0, self.first, final)
+        while i != PENDING:
+            i = _skip_space(section, i)
+            if i == len(section) and not final:
+                return calls, None
+            if not section.startswith("{", i):
+                raise ValueError(f"expected a call object at character {i}")
+            call, i = _scan_object(section, i, self.args_key)
+            calls.append(call)
+            if not call.complete:
+                return calls, None
+            i = _expect(section, i, self.after, final)
+            if i == PENDING:
+                break
+            j = _skip_space(section, i)
+            if self.next_ and section.startswith(self.next_[0], j):
+                i = _expect(section, j, self.next_, final)
+                continue
+            if self.next_ and not final and self.next_[0].startswith(section[j:]):
+                return calls, None  # another call may come
+            end = _expect(section, i, self.end, final)
+            return calls, (None if end == PENDING else end)
+        if final:
+            raise ValueError("the calls section stops inside itself")
+        return calls, None
+
     def parse(self, text: str) -> tuple[str, list[RawCall]]:
-        """An output's text and its complete calls; an output whose calls do not parse is all text (vLLM's rule)."""
+        """An output's text and its complete calls; an output whose calls do not parse is all text (vLLM's rule).
+        Text after the calls joins the text before them (`join_text`)."""
         at = self.calls_at(text)
         if at is None:
             return text, []
         try:
-            calls = scan(text[at:], self.args_key)
+            calls, end = self.split(text[at:], final=True)
         except ValueError:
             return text, []
         if not calls or not all(c.complete and c.name for c in calls):
             return text, []
-        return text[:at].rstrip(), calls
+        return join_text(text[:at].rstrip(), text[at + end:].lstrip()), calls
 
     # ---- grammar (llguidance's Lark syntax) -------------------------------------------------------------
     def call_schema(self, name: str, parameters: dict) -> dict:
@@ -181,14 +247,20 @@ class ToolParser:
         return f"TEXT: /(.|\\n)+/ & ~/(.|\\n)*{m}(.|\\n)*/"
 
     def auto_body(self, special: dict[str, int]) -> str:
-        """Auto mode's `body`: text, or text then calls. llguidance's lexer is greedy (a lexeme is not cut short to
-        let the next one start), so free text cannot be followed by a marker written as text: then the text and the
-        marker are one lexeme, TEXT_OPEN, which ends at the first marker. A marker that is its own token (Qwen's
-        `<tool_call>`) is no text at all, and ends TEXT by itself."""
+        """Auto mode's `body`: text, or text then calls (then text, where the format's calls section has a clear
+        end). llguidance's lexer is greedy (a lexeme is not cut short to let the next one start), so free text cannot
+        be followed by a marker written as text: then the text and the marker are one lexeme, TEXT_OPEN, which ends
+        at the first marker, and no text follows the calls. A marker that is its own token (Qwen's `<tool_call>`) is
+        no text at all, and ends TEXT by itself."""
         if self.marker in special:
-            return "body: TEXT | TEXT? calls"
+            return "body: TEXT | TEXT? calls" + (" TEXT?" if self.text_after else "")
         m = regex_literal(self.marker)
         return f"body: TEXT | TEXT_OPEN after_open\nTEXT_OPEN: /(.|\\n)*{m}/ & ~/(.|\\n)*{m}(.|\\n)+/"
+
+
+def join_text(before: str, after: str) -> str:
+    """The message's content when the model wrote text before and after its calls: both, a newline between."""
+    return before + "\n" + after if before and after else before or after
 
 
 def regex_literal(text: str) -> str:
@@ -211,6 +283,9 @@ class HermesParser(ToolParser):
     name = "hermes"
     marker = "<tool_call>"
     template_marks = ("<tool_call>",)
+    first = next_ = ("<tool_call>",)
+    after = ("</tool_call>",)
+    text_after = True
 
     def after_open(self, schemas: list[dict], parallel: bool, special: dict[str, int]) -> str:
         close = self.literal("</tool_call>", special)
@@ -224,6 +299,8 @@ class MistralParser(ToolParser):
     name = "mistral"
     marker = "[TOOL_CALLS]"
     template_marks = ("[TOOL_CALLS]",)
+    first, next_, end = ("[TOOL_CALLS]", "["), (",",), ("]",)
+    text_after = True
 
     def after_open(self, schemas: list[dict], parallel: bool, special: dict[str, int]) -> str:
         items = '"[" call ("," " " call)* "]"' if parallel else '"[" call "]"'
@@ -237,6 +314,7 @@ class Llama3JsonParser(ToolParser):
     marker = "{"
     template_marks = ("<|python_tag|>", "ipython")
     args_key = "parameters"
+    next_ = (";",)
 
     def calls_at(self, text: str) -> int | None:
         stripped = text.lstrip()

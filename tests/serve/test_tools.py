@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 
+import grpc
 import httpx
 import jsonschema
 import openai
@@ -23,6 +24,12 @@ from tests.fixtures.agent_model import (AFTER_RESULT, ASK_BOTH, ASK_CHAT, ASK_WE
 from tests.fixtures.tiny_models import DRAFT_NOISE, perturbed_copy
 from tests.serve.conftest import API_KEY, ServedApp, _wait_healthy, specfleet
 from tests.unit.test_tool_calls import FUNCTION_SCHEMAS
+from deploy.rpc import codegen
+
+codegen.ensure()
+
+from deploy.rpc import specfleet_pb2 as pb  # noqa: E402
+from deploy.rpc import specfleet_pb2_grpc as pb_grpc  # noqa: E402
 
 MODEL = "tiny-agent"
 
@@ -254,3 +261,186 @@ def test_responses_api_text_streams_and_previous_response_id_is_refused(client, 
         r = h.post("/v1/responses", json={"model": MODEL, "input": [
             {"type": "function_call_output", "call_id": "nope", "output": "x"}]})
         assert r.status_code == 400 and r.json()["error"]["param"] == "input[0].tool_call_id", r.text
+
+
+# ---- a real client as users run it: the OpenAI Agents SDK, through both of its model APIs -----------------------
+@pytest.mark.parametrize("api", ["chat_completions", "responses"])
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_openai_agents_sdk_runs_an_agent_with_a_function_tool(agent_app: ServedApp, api: str, stream: bool) -> None:
+    """The Agents SDK's runner (its Chat Completions model, or its Responses model) asks, the scripted model calls
+    the weather tool, the SDK runs the tool and sends its result back, the model answers: the agent's final output is
+    the script's answer, and the tool got arguments that validate against its schema."""
+    import asyncio
+
+    import agents
+
+    agents.set_tracing_disabled(True)  # the SDK would export traces to OpenAI's servers
+    called: list[str] = []
+
+    async def get_weather(ctx, arguments: str) -> str:
+        called.append(arguments)
+        return AFTER_RESULT[-1]["content"]
+
+    tool = agents.FunctionTool(name="get_weather", description=WEATHER["function"]["description"],
+                               params_json_schema=WEATHER["function"]["parameters"], on_invoke_tool=get_weather)
+
+    async def run() -> agents.RunResult | agents.RunResultStreaming:
+        async with openai.AsyncOpenAI(base_url=f"{agent_app.url}/v1", api_key=API_KEY, timeout=120,
+                                      max_retries=0) as client:
+            return await run_with(client)
+
+    async def run_with(client: openai.AsyncOpenAI) -> agents.RunResult | agents.RunResultStreaming:
+        model = (agents.OpenAIChatCompletionsModel(MODEL, client) if api == "chat_completions"
+                 else agents.OpenAIResponsesModel(MODEL, client))
+        agent = agents.Agent(name="weather", model=model, tools=[tool],
+                             model_settings=agents.ModelSettings(temperature=0, max_tokens=120))
+        if not stream:
+            return await agents.Runner.run(agent, ASK_WEATHER[0]["content"], max_turns=3)
+        result = agents.Runner.run_streamed(agent, ASK_WEATHER[0]["content"], max_turns=3)
+        kinds = {e.type async for e in result.stream_events()}
+        assert "raw_response_event" in kinds  # the model's own events came through as they streamed
+        return result
+
+    result = asyncio.run(run())
+    assert result.final_output == "It is sunny in Paris."  # the model's answer to the tool's result
+    assert len(called) == 1
+    jsonschema.validate(json.loads(called[0]), WEATHER["function"]["parameters"])
+    assert json.loads(called[0]) == {"city": "Paris"}
+    assert len(result.raw_responses) == 2  # one model call for the tool call, one for the answer
+
+
+# ---- guidellm 0.8's requests, as its OpenAI backend writes them (guidellm/backends/openai/request_handlers.py) ------
+# guidellm itself is not installed in the test environment (docs/serving.md says why); these are its bodies verbatim
+GUIDELLM_STREAM = {"stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+
+
+def sse_data(h: httpx.Client, path: str, body: dict) -> list[dict]:
+    with h.stream("POST", path, json=body) as r:
+        r.read()
+        assert r.status_code == 200, r.text
+    lines = [line[6:] for line in r.text.splitlines() if line.startswith("data: ")]
+    if path != "/v1/responses":
+        assert lines[-1] == "[DONE]"
+        lines = lines[:-1]
+    return [json.loads(line) for line in lines]
+
+
+def test_guidellm_request_shapes_fixed_length_text_on_every_endpoint(agent_app: ServedApp) -> None:
+    """guidellm's synthetic-data runs: a fixed output length (`ignore_eos`, `stop: null`), streamed with usage in
+    every chunk; its startup checks first (GET /health, GET /v1/models)."""
+    n = 24
+    with agent_app.client() as h:
+        assert h.get("/health").status_code == 200
+        assert [m["id"] for m in h.get("/v1/models").json()["data"]] == [MODEL]
+        completions = sse_data(h, "/v1/completions", {"model": MODEL, **GUIDELLM_STREAM, "max_tokens": n,
+                                                      "stop": None, "ignore_eos": True, "prompt": "Say hello."})
+        chat_ = sse_data(h, "/v1/chat/completions", {
+            "model": MODEL, **GUIDELLM_STREAM, "max_completion_tokens": n, "stop": None, "ignore_eos": True,
+            "messages": [{"role": "user", "content": [{"type": "text", "text": "Say hello."}]}]})
+        for chunks in (completions, chat_):
+            assert all(c["usage"] is not None for c in chunks)  # continuous_usage_stats
+            assert chunks[-1]["usage"]["completion_tokens"] == n
+        events = sse_data(h, "/v1/responses", {
+            "model": MODEL, "stream": True, "max_output_tokens": n, "stop": None, "ignore_eos": True,
+            "instructions": "Be brief.", "input": [{"role": "user", "content": [{"type": "input_text",
+                                                                                   "text": "Say hello."}]}]})
+    # cut at max_output_tokens: the terminal event is `response.incomplete` (guidellm reads usage from either)
+    assert events[-1]["type"] == "response.incomplete"
+    assert events[-1]["response"]["incomplete_details"] == {"reason": "max_output_tokens"}
+    assert events[-1]["response"]["usage"]["output_tokens"] == n
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/responses"])
+def test_guidellm_request_shapes_tool_call_turn_then_injected_result(agent_app: ServedApp, path: str) -> None:
+    """guidellm's tool-calling runs: a turn with the dataset's tools and `tool_choice: required` (its token limits
+    and `ignore_eos` dropped), then the injection turn: the history as guidellm rebuilds it with its synthetic tool
+    result, `{"status": "ok"}`, and no tools."""
+    chat_path = path == "/v1/chat/completions"
+    ask = ([{"role": "user", "content": [{"type": "text", "text": ASK_WEATHER[0]["content"]}]}] if chat_path else
+           [{"role": "user", "content": [{"type": "input_text", "text": ASK_WEATHER[0]["content"]}]}])
+    tools = TOOLS if chat_path else FLAT_TOOLS
+    field_ = "messages" if chat_path else "input"
+    stream = GUIDELLM_STREAM if chat_path else {"stream": True}
+    with agent_app.client() as h:
+        first = sse_data(h, path, {"model": MODEL, **stream, field_: ask, "tools": tools, "tool_choice": "required"})
+        if chat_path:
+            calls, _ = calls_of([openai.types.chat.ChatCompletionChunk.model_validate(c) for c in first])
+            [call] = calls
+            history = ask + [{"role": "assistant", "content": "", "tool_calls": [
+                {"id": call["id"], "type": "function", "function": {"name": call["name"],
+                                                                    "arguments": call["arguments"]}}]},
+                {"role": "tool", "tool_call_id": call["id"], "content": '{"status": "ok"}'}]
+        else:
+            [item] = first[-1]["response"]["output"]
+            call = {"id": item["call_id"], "name": item["name"], "arguments": item["arguments"]}
+            history = ask + [{"type": "function_call", "call_id": item["call_id"], "name": item["name"],
+                              "arguments": item["arguments"]},
+                             {"type": "function_call_output", "call_id": item["call_id"], "output": '{"status": "ok"}'}]
+        assert call["name"] == "get_weather"
+        jsonschema.validate(json.loads(call["arguments"]), WEATHER["function"]["parameters"])
+        limit = "max_completion_tokens" if chat_path else "max_output_tokens"
+        second = sse_data(h, path, {"model": MODEL, **stream, field_: history, limit: 16, "stop": None,
+                                    "ignore_eos": True})
+    if chat_path:
+        assert second[-1]["usage"]["completion_tokens"] == 16
+        assert all(c["usage"] is not None for c in second)
+    else:
+        assert second[-1]["type"] == "response.incomplete"
+        assert second[-1]["response"]["usage"]["output_tokens"] == 16
+
+
+# ---- over gRPC: the same tools, calls and reasoning in the proto's fields ------------------------------------------
+GRPC_TOOLS = [pb.FunctionTool(name="get_weather", description=WEATHER["function"]["description"],
+                              parameters=json.dumps(WEATHER["function"]["parameters"]))]
+
+
+def grpc_chat(messages: list[dict]) -> pb.ChatMessages:
+    out = []
+    for m in messages:
+        calls = [pb.ToolCall(id=c["id"], name=c["function"]["name"], arguments=c["function"]["arguments"])
+                 for c in m.get("tool_calls") or ()]
+        out.append(pb.ChatMessage(role=m["role"], content=m.get("content") or "", tool_calls=calls,
+                                  tool_call_id=m.get("tool_call_id")))
+    return pb.ChatMessages(messages=out)
+
+
+def test_grpc_tool_call_round_trip_whole_and_streamed(agent_app: ServedApp) -> None:
+    auth = (("authorization", f"Bearer {API_KEY}"),)
+    with grpc.insecure_channel(agent_app.grpc_target) as channel:
+        stub = pb_grpc.SpecfleetStub(channel)
+        ask = pb.GenerateRequest(model=MODEL, chat=grpc_chat(ASK_WEATHER), tools=GRPC_TOOLS, max_tokens=120,
+                                 temperature=0)
+        reply = stub.Generate(ask, metadata=auth, timeout=120)
+        assert reply.finish_reason == "tool_calls" and reply.content == "" and reply.text == SCRIPT[0][2]
+        [call] = reply.tool_calls
+        assert call.id.startswith("call_") and call.name == "get_weather" and json.loads(call.arguments) == {
+            "city": "Paris"}
+        chunks = list(stub.GenerateStream(ask, metadata=auth, timeout=120))
+        fragments = [t for c in chunks for t in c.tool_calls]
+        assert fragments[0].name == "get_weather" and fragments[0].id and not fragments[0].arguments
+        assert all(not f.id and not f.name for f in fragments[1:]) and len(fragments) > 2
+        assert "".join(f.arguments for f in fragments) == call.arguments
+        assert chunks[-1].finish_reason == "tool_calls"
+        # the call and the tool's result back in the history: the model reasons, then answers
+        history = ASK_WEATHER + [{"role": "assistant", "content": "", "tool_calls": [
+            {"id": call.id, "function": {"name": call.name, "arguments": call.arguments}}]},
+            {"role": "tool", "tool_call_id": call.id, "content": AFTER_RESULT[-1]["content"]}]
+        answer = stub.Generate(pb.GenerateRequest(model=MODEL, chat=grpc_chat(history), tools=GRPC_TOOLS,
+                                                  max_tokens=120, temperature=0), metadata=auth, timeout=120)
+        assert answer.finish_reason == "stop" and not answer.tool_calls
+        assert (answer.reasoning_content, answer.content) == ("Sunny, 21.", "It is sunny in Paris.")
+        named = stub.Generate(pb.GenerateRequest(model=MODEL, chat=grpc_chat(ASK_CHAT), tools=GRPC_TOOLS,
+                                                 tool_choice=pb.ToolChoice(function="get_weather"), max_tokens=120,
+                                                 temperature=0),
+                              metadata=auth, timeout=120)
+        assert [c.name for c in named.tool_calls] == ["get_weather"]
+        jsonschema.validate(json.loads(named.tool_calls[0].arguments), WEATHER["function"]["parameters"])
+        for bad, param in ((pb.GenerateRequest(model=MODEL, chat=grpc_chat(ASK_WEATHER), tools=GRPC_TOOLS,
+                                               tool_choice=pb.ToolChoice(function="nope")), "tool_choice.function"),
+                           (pb.GenerateRequest(model=MODEL, chat=grpc_chat(ASK_WEATHER), tools=[
+                               pb.FunctionTool(name="f", parameters='{"type": "no-such-type"}')]),
+                            "tools[0].parameters"),
+                           (pb.GenerateRequest(model=MODEL, prompt="hi", tools=GRPC_TOOLS), "tools")):
+            with pytest.raises(grpc.RpcError) as err:
+                stub.Generate(bad, metadata=auth, timeout=60)
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and err.value.details().startswith(param)

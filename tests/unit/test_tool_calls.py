@@ -23,6 +23,7 @@ from actors.offline import generate
 from cluster.config import ModelConfig, SchedulerConfig, SpeculationConfig
 from tests.unit.helpers import load, runner, text_prompts
 from tests.unit.test_structured import SCHEMAS, make_engine
+from tests.unit.test_deterministic import models, pair  # noqa: F401 - the deterministic bf16 tests' fixtures
 
 
 def tool(name: str, parameters: dict | None) -> Tool:
@@ -80,6 +81,72 @@ def test_text_stays_text_and_a_broken_call_is_text() -> None:
     stream = ChatShape(p, None).stream()
     deltas = stream.feed("half a tag <tool") + stream.feed("box> done") + stream.finish()
     assert "".join(d["content"] for d in deltas) == "half a tag <toolbox> done" and not stream.called
+
+
+AFTER_CALLS = {  # (output, content, calls): text after the calls, braces and a tag-like start in it
+    HermesParser: ('Let me look.\n<tool_call>\n{"name": "f", "arguments": {"a": 1}}\n</tool_call>\n<tool_call>\n'
+                   '{"name": "g", "arguments": {}}\n</tool_call>\n\n<b>Done</b> {"ok": 1}',
+                   'Let me look.\n<b>Done</b> {"ok": 1}', [("f", {"a": 1}), ("g", {})]),
+    MistralParser: ('[TOOL_CALLS][{"name": "f", "arguments": {"a": 1}}] and {x}', "and {x}", [("f", {"a": 1})]),
+    Llama3JsonParser: ('{"name": "f", "parameters": {"a": 1}}; {"name": "g", "parameters": {}} ok',
+                       "ok", [("f", {"a": 1}), ("g", {})]),
+}
+
+
+@pytest.mark.parametrize("cls", list(AFTER_CALLS))
+def test_text_after_the_calls_is_content_whole_and_streamed_alike(cls) -> None:
+    """Text the model writes after its calls is kept (vLLM's streaming hands it out as content; its whole-output
+    parser drops it): the content is the text before and after the calls, the calls are all there, and the stream's
+    deltas add up to the whole message at every chunking."""
+    text, content, calls = AFTER_CALLS[cls]
+    message, called = ChatShape(cls(), None).message(text)
+    assert called and message["content"] == content
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in message["tool_calls"]] == calls
+    rng = random.Random(2)
+    for _ in range(20):
+        stream, deltas, at = ChatShape(cls(), None).stream(), [], 0
+        while at < len(text):
+            step = rng.randint(1, 7)
+            deltas += stream.feed(text[at:at + step])
+            at += step
+        deltas += stream.finish()
+        assert "".join(d.get("content", "") for d in deltas) == content
+        kinds = ["content" if "content" in d else "call" for d in deltas]
+        assert "call" in kinds and kinds[-1] == "content"  # the text after the calls comes after them
+        got = {}
+        for d in deltas:
+            for c in d.get("tool_calls", ()):
+                got.setdefault(c["index"], [c["function"].get("name"), ""])[1] += c["function"]["arguments"]
+        assert [(n, json.loads(a)) for n, a in got.values()] == calls
+
+
+def test_auto_grammar_lets_text_follow_the_calls_where_the_section_ends_clearly(tmp_path) -> None:
+    """auto with hermes' tokens: text, calls, then text (a newline then another call still parses as one more
+    call); `required` ends with its calls. Checked on a tokenizer that has `<tool_call>` as a token, as Qwen's."""
+    from tests.fixtures.agent_model import AGENT_TOKENS, HERMES_TEMPLATE
+    from tests.fixtures.tiny_models import build_tokenizer
+
+    tokenizer = build_tokenizer(tmp_path, HERMES_TEMPLATE, AGENT_TOKENS)
+    special = tokenizer.get_added_vocab()
+    compiler = GrammarCompiler(tokenizer, len(tokenizer), [tokenizer.eos_token_id])
+    tools = [tool("f", FUNCTION_SCHEMAS[0])]
+    call = '<tool_call>\n{"name": "f", "arguments": {"v": {"a": 3}}}\n</tool_call>'
+
+    def ends(spec: StructuredOutput, text: str) -> bool:
+        """The grammar takes the whole text and may end after it."""
+        state, ids = compiler.matcher(spec), tokenizer.encode(text, add_special_tokens=False)
+        if state.valid_prefix(ids) != len(ids):
+            return False
+        state.consume(ids)
+        return bool(state.allowed()[tokenizer.eos_token_id])
+
+    auto, required = (grammar(plan(tools, mode, True), HermesParser(), special) for mode in ("auto", "required"))
+    for text in ("Hi", call, f"Hi{call}", f"{call}\n{call}", f"{call}\nDone {{x}}.", f"Hi{call}\n{call}\nDone."):
+        assert ends(auto, text), text
+    assert not ends(auto, f"{call}\nDone.{call}")  # text after the calls opens no further call
+    assert ends(required, f"{call}\n{call}") and not ends(required, f"{call}\nDone.")
+    single = grammar(plan(tools, "auto", False), HermesParser(), special)
+    assert ends(single, f"{call}\nDone.") and not ends(single, f"{call}\n{call}")
 
 
 def test_scan_gives_a_partial_call_its_name_and_raw_arguments() -> None:
@@ -190,6 +257,48 @@ def test_required_calls_always_validate_and_equal_plain_constrained_decoding(tin
             assert [c.name for c in calls] == [f"fn_{i}"]
         elif not parallel:
             assert len(calls) == 1
+
+
+def tool_specs() -> list[StructuredOutput]:
+    """The 20 schemas' grammars: `required` (some parallel) and named in turn, beside a tool of no parameters."""
+    specs = []
+    for i, schema in enumerate(FUNCTION_SCHEMAS):
+        tools = [tool(f"fn_{i}", schema), tool("other", {"type": "object", "properties": {}})]
+        choice = "required" if i % 2 else NamedToolChoice.model_validate({"type": "function",
+                                                                         "function": {"name": f"fn_{i}"}})
+        specs.append(grammar(plan(tools, choice, i % 4 == 1), HermesParser(), {}))
+    return specs
+
+
+@pytest.mark.heavy
+@pytest.mark.parametrize("draft", ["model draft", "n-gram", "suffix"])
+def test_calls_equal_plain_constrained_decoding_in_deterministic_bf16(models, pair, draft) -> None:
+    """The same 20 tool grammars in the deterministic bf16 mode (engine.deterministic, docs/determinism.md; the
+    tiny qwen2 of tests/unit/test_deterministic.py, bf16 on our kernels' widths): with each draft kind, every call
+    is token for token what plain constrained greedy decoding gives, batched as the server batches them."""
+    from actors.model.runner import ModelRunner
+    from tests.unit.test_deterministic import CACHE, NGRAM, engine, runner as det_runner
+
+    target, draft_model = models
+    prompt = text_prompts(target, 1, offset=3)[0]
+    specs = tool_specs()
+    params = [SamplingParams(temperature=0.0, max_tokens=96, structured=s) for s in specs]
+    # the draft as the app runs it: deterministic mode applies to the target only (its tokens only move acceptance)
+    draft_runner = lambda: ModelRunner(draft_model, range(draft_model.num_layers), CACHE)  # noqa: E731
+    speculative = {"model draft": lambda: engine(det_runner(target), draft_runner(), policy="fixed", k=4),
+                   "n-gram": lambda: engine(det_runner(target), policy="fixed", k=4, **NGRAM),
+                   "suffix": lambda: engine(det_runner(target), policy="fixed", k=4, method="suffix")}[draft]()
+    got = generate(speculative, [prompt] * len(specs), params)
+    want = generate(engine(det_runner(target), policy="off"), [prompt] * len(specs), params)
+    assert [c.token_ids for c in got] == [c.token_ids for c in want]
+    assert sum(c.stats.accepted for c in got) > 0, "nothing drafted was accepted: the comparison proves little"
+    for i, c in enumerate(got):
+        assert c.text.startswith("<tool_call>"), c.text
+        calls = [x for x in scan(c.text, "arguments") if x.complete]
+        assert calls or c.finish_reason.value == "length", c.text
+        for call in calls:
+            schema = FUNCTION_SCHEMAS[i] if call.name == f"fn_{i}" else {"type": "object", "properties": {}}
+            jsonschema.validate(json.loads(call.final_arguments()), schema)
 
 
 def test_auto_lets_the_model_write_text_or_a_valid_call(tiny_models, tiny_draft_models) -> None:
