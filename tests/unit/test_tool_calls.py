@@ -53,12 +53,7 @@ def test_each_format_parses_its_calls_whole_and_streamed_alike(cls) -> None:
     assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in message["tool_calls"]] == calls
     rng = random.Random(0)
     for _ in range(20):  # random chunkings: the deltas add up to the whole message
-        stream, deltas, at = ChatShape(cls(), None).stream(), [], 0
-        while at < len(text):
-            step = rng.randint(1, 6)
-            deltas += stream.feed(text[at:at + step])
-            at += step
-        deltas += stream.finish()
+        stream, deltas = _streamed(cls, text, rng, 6)
         assert "".join(d.get("content", "") for d in deltas) == content
         got: dict[int, dict] = {}
         for d in deltas:
@@ -104,12 +99,7 @@ def test_text_after_the_calls_is_content_whole_and_streamed_alike(cls) -> None:
     assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in message["tool_calls"]] == calls
     rng = random.Random(2)
     for _ in range(20):
-        stream, deltas, at = ChatShape(cls(), None).stream(), [], 0
-        while at < len(text):
-            step = rng.randint(1, 7)
-            deltas += stream.feed(text[at:at + step])
-            at += step
-        deltas += stream.finish()
+        stream, deltas = _streamed(cls, text, rng, 7)
         assert "".join(d.get("content", "") for d in deltas) == content
         kinds = ["content" if "content" in d else "call" for d in deltas]
         assert "call" in kinds and kinds[-1] == "content"  # the text after the calls comes after them
@@ -347,3 +337,13 @@ def test_mistral_calls_come_back_though_the_detokenizer_drops_the_marker() -> No
     stream = shape.stream()
     deltas = stream.feed(text[:10], (5, 9)) + stream.feed(text[10:], (9,)) + stream.finish()
     assert stream.called and not any("content" in d for d in deltas)
+
+
+def _streamed(cls: type, text: str, rng: random.Random, max_step: int) -> tuple:
+    """A fresh stream of `cls` fed `text` in random pieces of 1..max_step characters, and all its deltas."""
+    stream, deltas, at = ChatShape(cls(), None).stream(), [], 0
+    while at < len(text):
+        step = rng.randint(1, max_step)
+        deltas += stream.feed(text[at:at + step])
+        at += step
+    return stream, deltas + stream.finish()
