@@ -134,7 +134,7 @@ class Int4Linear(nn.Module):
         m.out_features, m.in_features = packed["out_features"], packed["in_features"]
         m.planes, m.group, m.activations = packed["planes"], packed["group"], activations
         m.padded, m.invariant = False, False
-        m.bias = None if bias is None else bias.to("cpu", dtype)
+        m.bias = None if bias is None else bias.to(dtype)  # a CPU layout: its bias was read on the CPU
         m.own, m.lib = own, cpu_kernels.ops()
         m.weight, m.scale, m.offset, m.scale_mult, m.offset_mult = (packed[f] for f in (
             "weight", "scale", "offset", "scale_mult", "offset_mult"))
