@@ -109,9 +109,12 @@ def _flood(url: str, key: str, stop, ready, results, kinds: tuple[str, ...]) -> 
     errors: list[str] = []
     lock = threading.Lock()
 
-    def count(status: int) -> None:  # noqa: E306
+    answered: Counter = Counter()  # replies per kind of sender
+
+    def count(status: int, kind: str) -> None:  # noqa: E306
         with lock:
             statuses[status] += 1
+            answered[kind, status] += 1
 
     def post(c: httpx.Client, route: str, body: dict) -> int | None:
         return c.post(route, json=body).status_code
@@ -153,9 +156,10 @@ def _flood(url: str, key: str, stop, ready, results, kinds: tuple[str, ...]) -> 
         "unread": unread_stream, "slow_body": slow_body,
     }
     copies = {"unread": 2, "slow_body": SLOW_BODIES}  # threads of a kind (one where not named)
-    senders = [send for name, send in every.items() if not kinds or name in kinds for _ in range(copies.get(name, 1))]
+    senders = [(name, send) for name, send in every.items() if not kinds or name in kinds
+               for _ in range(copies.get(name, 1))]
 
-    def loop(send: Callable[[httpx.Client], int | None]) -> None:
+    def loop(kind: str, send: Callable[[httpx.Client], int | None]) -> None:
         with httpx.Client(base_url=url, headers={"Authorization": f"Bearer {key}"}, timeout=120) as c:
             while not stop.is_set():
                 try:
@@ -167,15 +171,26 @@ def _flood(url: str, key: str, stop, ready, results, kinds: tuple[str, ...]) -> 
                     continue
                 if status is None:
                     continue
-                count(status)
+                count(status, kind)
                 if status != 200:
                     stop.wait(RETRY_S)
 
-    threads = [threading.Thread(target=loop, args=(s,), daemon=True) for s in senders]
+    threads = [threading.Thread(target=loop, args=s, daemon=True) for s in senders]
     for t in threads:
         t.start()
-    deadline = time.monotonic() + 30  # under way: every kind answered a few times
-    while sum(statuses.values()) < 3 * len(senders) and time.monotonic() < deadline:
+
+    def under_way() -> bool:
+        """Every kind answered (an unread stream let in answers only at the end), a few times in all, and a slow
+        body held one of the key's slots until the body timeout (408): the whole flood weighs on the phase, on a
+        fast machine as on a slow one."""
+        with lock:
+            kinds_answered = {kind for kind, _ in answered}
+            held = not any(name == "slow_body" for name, _ in senders) or answered["slow_body", 408] > 0
+        return (kinds_answered >= {name for name, _ in senders} - {"unread"} and held
+                and sum(statuses.values()) >= 3 * len(senders))
+
+    deadline = time.monotonic() + 60
+    while not under_way() and time.monotonic() < deadline:
         time.sleep(0.1)
     ready.set()
     stop.wait()
