@@ -81,10 +81,9 @@ def test_a_compile_past_the_time_bound_is_refused_and_so_is_its_spec_sent_again(
         waited = time.perf_counter() - t0
         assert waited < took, (waited, took)  # refused at the bound, not after the compile
         assert pool.slots.running("hostile") == 1  # the compile goes on in its thread, holding the key's share
-        t1 = time.perf_counter()
         with pytest.raises(InvalidRequest, match="took longer than"):
-            await pool.compile("hostile", big_schema(901))  # the same spec again: refused at once
-        assert time.perf_counter() - t1 < 0.1
+            await pool.compile("hostile", big_schema(901))  # the same spec again: refused at once, from memory
+        assert pool.slots.running("hostile") == 1  # no second compile was started for it
         assert (await pool.compile("ordinary", SMALL)) is not None  # the other thread serves everyone else
         while pool.slots.busy:  # the timed-out compile ends and gives its thread back
             await asyncio.sleep(0.05)
