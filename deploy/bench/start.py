@@ -157,9 +157,10 @@ def run(args: argparse.Namespace) -> int:
     for name, cfg in cases.items():
         with console.status(f"{name}: cold then warm start"):
             figures[name] = measure_start(cfg, prompts)
+    dtypes = {name: _dtype(cfg.model) for name, cfg in cases.items()}  # `auto` as it resolves on this machine
     for name, f in figures.items():
         cold, warm = f.cold.breakdown(), f.warm.breakdown()
-        table = Table(title=f"{name} ({cases[name].model.dtype}): a start from a fresh process to the first token "
+        table = Table(title=f"{name} ({dtypes[name]}): a start from a fresh process to the first token "
                             f"of {len(prompts)} prompts, phase by phase (s)")
         for col in ("phase", "cold", "warm"):
             table.add_column(col, justify="left" if col == "phase" else "right")
@@ -169,7 +170,7 @@ def run(args: argparse.Namespace) -> int:
         Console().print(table)
         print(f"{name}: warm start {f.speedup:.1f}x faster than cold ({f.warm.first_token_s:.1f} s vs "
               f"{f.cold.first_token_s:.1f} s)")
-    report = {name: {"dtype": cases[name].model.dtype, "prompts": len(prompts), "load_average": os.getloadavg(),
+    report = {name: {"dtype": dtypes[name], "prompts": len(prompts), "load_average": os.getloadavg(),
                      "cold": asdict(f.cold), "warm": asdict(f.warm), "speedup": round(f.speedup, 2)}
               for name, f in figures.items()}
     save(report, args.json, None, lambda *_: None)
@@ -181,3 +182,13 @@ if __name__ == "__main__":
         _probe(sys.argv[2])
     else:
         raise SystemExit("usage: specfleet bench start (this module's own entry is the start probe)")
+
+
+def _dtype(model: ModelConfig) -> str:
+    """The dtype a start of `model` computes in: `auto` chosen as the app would on this machine."""
+    import torch
+
+    from actors.device import choose_dtype
+
+    gpu = model.device == "cuda" or (model.device == "auto" and torch.cuda.is_available())
+    return choose_dtype(model.dtype, gpu)[0]
