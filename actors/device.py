@@ -33,8 +33,9 @@ def device_name(device: torch.device) -> str:
     return device.type
 
 
-def choose_dtype(asked: str, gpu: bool) -> tuple[str, str]:
-    """(dtype, why) for `engine.model.dtype` = `asked` on a fleet that computes on GPUs (`gpu`) or on this CPU.
+def choose_dtype(asked: str, gpu: bool | None = None, device: str = "auto") -> tuple[str, str]:
+    """(dtype, why) for `engine.model.dtype` = `asked` on a fleet that computes on GPUs (`gpu`; None: whether the
+    `engine.model.device` setting `device`, or this machine where it is auto, says so) or on this CPU.
 
     "fp32" / "bf16" stand as configured. "auto" (vLLM's `--dtype auto`, resolved for the hardware): bf16 on a GPU
     that computes in it, and on a CPU where our int4 kernels run (their bf16 path reads the stored 4-bit weights:
@@ -43,6 +44,8 @@ def choose_dtype(asked: str, gpu: bool) -> tuple[str, str]:
     """
     if asked != "auto":
         return asked, "engine.model.dtype"
+    if gpu is None:
+        gpu = device == "cuda" or (device == "auto" and torch.cuda.is_available())
     if gpu:
         if torch.cuda.is_available() and not torch.cuda.is_bf16_supported():
             return "fp32", "auto: this GPU has no bf16"

@@ -186,9 +186,6 @@ if __name__ == "__main__":
 
 def _dtype(model: ModelConfig) -> str:
     """The dtype a start of `model` computes in: `auto` chosen as the app would on this machine."""
-    import torch
-
     from actors.device import choose_dtype
 
-    gpu = model.device == "cuda" or (model.device == "auto" and torch.cuda.is_available())
-    return choose_dtype(model.dtype, gpu)[0]
+    return choose_dtype(model.dtype, device=model.device)[0]

@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import logging
 
-import torch
-
 from actors.device import choose_dtype
 from actors.model.loader import load_model_config
 from cluster.config import EngineConfig, RouterConfig, SpecfleetConfig
@@ -36,9 +34,7 @@ def resolved(engine: EngineConfig, gpu: bool | None = None) -> EngineConfig:
     once to safetensors folders. The name clients use stays the configured one (`model.name`, else the catalog name
     or file stem)."""
     m = engine.model
-    if gpu is None:
-        gpu = m.device == "cuda" or (m.device == "auto" and torch.cuda.is_available())
-    dtype, why = choose_dtype(m.dtype, gpu)
+    dtype, why = choose_dtype(m.dtype, gpu, m.device)
     if m.dtype == "auto":
         log.info("dtype %s (%s)", dtype, why)
     model = m.model_copy(update={"target": resolve_model(m.target, dtype), "name": m.served_name, "dtype": dtype,
