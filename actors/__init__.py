@@ -3,5 +3,5 @@
 import time
 
 # when this process began importing the data plane: an instance actor's imports are a phase of its start
-# (actors/start_phases.py; actors/instance_server.py reads it)
+# (actors/start_phases.py; actors/serving/server.py reads it)
 IMPORT_BEGAN = time.time()

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 import torch
 
-from actors.kv_cache import KVCache
+from actors.kv.cache import KVCache
 from actors.model.backends import FINAL_NORMS
 from actors.model.generic import GenericLayer, Rotary, embedding_scale, final_logits
 from actors.model.loader import LoadedModel

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 import torch
 from transformers.activations import ACT2FN
 
-from actors.kv_cache import KVCache, KVExport, reshard
+from actors.kv.cache import KVCache, KVExport, reshard
 from actors.model.backends import NATIVE_ARCHITECTURES
 from actors.model.deterministic import row_invariant
 from actors.model.generic import final_logits

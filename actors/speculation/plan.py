@@ -9,11 +9,11 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from actors.scheduler import Schedule, Work
+from actors.engine.scheduler import Schedule, Work
 from actors.speculation.cost_model import ATTENTION_UNIT, ForwardShape
 from actors.speculation.drafters import Drafter
 from actors.speculation.policy import Acceptance, BatchBase, Candidate, SpecPolicy
-from actors.step import Drafting, SpecPlan
+from actors.engine.step import Drafting, SpecPlan
 
 
 class TargetKV(Protocol):
