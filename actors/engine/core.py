@@ -1,6 +1,6 @@
 """The instance engine: continuous batching with lossless speculative decoding; `step()` maps the data plane.
 
-Each step hands one typed object to the next (actors/engine/step.py):
+Each step hands one typed object to the next (actors/speculation/step.py):
   schedule  the scheduler (actors/engine/scheduler.py) admits and chunks work under the KV block and token budgets;
   plan      the speculation planner (actors/speculation/plan.py) gives each emitting request its k and reserves KV;
   propose   the drafter (actors/speculation/drafters.py: a draft model, or a model-free n-gram / suffix lookup)
@@ -45,7 +45,7 @@ from actors.speculation.policy import Acceptance, SpecPolicy, make_policy
 from actors.speculation.sampling import make_generator
 from actors.speculation.structured import CompiledGrammar, GrammarCompiler
 from actors.start_phases import phase
-from actors.engine.step import Drafts, Scores, SpecPlan, Verdict
+from actors.speculation.step import Drafts, Scores, SpecPlan, Verdict
 from actors.speculation.verdicts import logprobs_of, verify
 from cluster.config import EngineConfig, GrammarConfig, SchedulerConfig, SpeculationConfig
 from cluster.migration_policy import InstanceLoad, RequestLoad

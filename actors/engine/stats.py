@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from actors.engine.step import SpecPlan, Verdict
+from actors.speculation.step import SpecPlan, Verdict
 from cluster.request import TokenDelta
 
 

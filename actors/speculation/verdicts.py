@@ -25,7 +25,7 @@ from actors.speculation.coupled import coupled_tokens
 from actors.speculation.processors import process_request, processes
 from actors.speculation.sampling import probs_from_logits
 from actors.speculation.verify import verify_greedy_batch, verify_sampled
-from actors.engine.step import Drafts, Scores, SpecPlan, Verdict
+from actors.speculation.step import Drafts, Scores, SpecPlan, Verdict
 from cluster.request import TokenLogprob
 
 

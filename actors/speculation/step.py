@@ -7,14 +7,61 @@ another's lists by position, and none mutates what it was given.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
-from actors.engine.scheduler import Schedule, Work
 from actors.speculation.cost_model import ForwardShape
-from cluster.request import TokenLogprob
+from actors.speculation.policy import Acceptance
+from actors.speculation.structured import GrammarState
+from cluster.prefix import ChainNames
+from cluster.request import Request, TokenLogprob
+
+
+# What speculation reads of the engine's records (actors/engine/sequence.py's Sequence, actors/engine/scheduler.py's
+# Work and Schedule), as protocols in this lower layer: speculation imports nothing of the engine above it.
+class Emitted(Protocol):
+    """A request's output so far: the tokens it emitted and the tokens that stop it."""
+
+    token_ids: list[int]
+    stop_ids: set[int]
+
+
+class SeqState(Protocol):
+    """A request being served, as the drafters, the plan and verification read it."""
+
+    request: Request
+    token_ids: list[int]  # the prompt followed by every generated token
+    output: Emitted
+    generator: torch.Generator | None  # None for greedy requests
+    acceptance: Acceptance
+    draft_names: ChainNames | None
+    grammar: GrammarState | None
+
+    @property
+    def request_id(self) -> str: ...
+    @property
+    def greedy(self) -> bool: ...
+    @property
+    def remaining(self) -> int: ...
+
+
+class Work(Protocol):
+    """One request's share of a step: `num_new` tokens from position `start`; `emits` when it reaches the newest."""
+
+    seq: SeqState
+    start: int
+    num_new: int
+    emits: bool
+
+
+class Schedule(Protocol):
+    """A step's works in priority order, and the target tokens left for drafts."""
+
+    works: Sequence[Work]
+    draft_budget: int
 
 
 @dataclass
