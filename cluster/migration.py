@@ -16,7 +16,7 @@ destination's draft rebuilds it by catching up on its first drafting round (`dra
 actors/speculation/drafters.py). Any failure before the
 commit leaves the request running at the source, nothing lost, and frees what the destination reserved.
 
-An `Endpoint` is an instance as the coordinator sees it: actors/instance_server.py implements it as Ray
+An `Endpoint` is an instance as the coordinator sees it: actors/serving/server.py implements it as Ray
 methods (wrapped by `RayEndpoint`), tests with engines in this process. The KV travels as an opaque payload
 (KV exports, or the headers of what went over the migration's links) with the token position it reaches:
 the coordinator only sequences the calls, so it lives beside the router that runs it and imports nothing from
@@ -347,5 +347,5 @@ async def _drop(dst: Endpoint, request_id: str) -> None:
     try:
         await dst.migrate_drop(request_id)
     except Exception as e:  # noqa: BLE001 - a dead destination holds nothing; a live one that missed this (hung,
-        # or its answer lost) frees the reservation when its lease runs out (actors/instance_server.py)
+        # or its answer lost) frees the reservation when its lease runs out (actors/serving/server.py)
         log.warning("dropping %s at the destination failed (%s: %s)", request_id, type(e).__name__, e)

@@ -142,7 +142,7 @@ class Endpoint(Protocol):
 
 
 class RayEndpoint:
-    """An Endpoint over an instance actor's handle (actors/instance_server.py, InstanceServer): each method is one
+    """An Endpoint over an instance actor's handle (actors/serving/server.py, InstanceServer): each method is one
     call of the actor's method of the same name, awaited. The coordinator bounds every call with a deadline
     (`Deadlined`, below); tests/unit/test_migration_endpoint.py holds InstanceServer to the protocol."""
 
@@ -211,7 +211,7 @@ class Deadlined:
 
     A call that times out is not taken back: the instance may still carry it out later, after the coordinator
     gave up. Each end therefore also lets go on its own of what a migration leaves behind (the leases of
-    `migrate_reserve` and `migrate_stop`, actors/instance_server.py)."""
+    `migrate_reserve` and `migrate_stop`, actors/serving/server.py)."""
 
     def __init__(self, endpoint: Endpoint, side: str, timeout_s: float) -> None:
         self.endpoint, self.side, self.timeout_s = endpoint, side, timeout_s

@@ -1,14 +1,14 @@
-"""The Instance facade (actors/instance.py): a shard failure during a migration's operation fails the instance the way
+"""The Instance facade (actors/serving/instance.py): a shard failure during a migration's operation fails the instance the way
 one during a step does, and the serving loop delivers the error deltas of every request in flight."""
 
 from __future__ import annotations
 
 import pytest
 
-from actors.build import local_instance
-from actors.executor import ShardFailure
-from actors.instance import Instance, InstanceUnhealthy
-from actors.serving import ServingLoop, StepBarrier
+from actors.serving.build import local_instance
+from actors.executors.protocol import ShardFailure
+from actors.serving.instance import Instance, InstanceUnhealthy
+from actors.serving.loop import ServingLoop, StepBarrier
 from cluster.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, SpeculationConfig
 from cluster.request import FinishReason, Request, SamplingParams
 from tests.unit.helpers import load, text_prompts

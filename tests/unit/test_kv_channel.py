@@ -1,4 +1,4 @@
-"""The KV channel of a migration (actors/kv_channel.py): two ends in two threads of this process, over real gloo."""
+"""The KV channel of a migration (actors/kv/channel.py): two ends in two threads of this process, over real gloo."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ import psutil
 import pytest
 import torch
 
-from actors.kv_cache import KVExport
-from actors.kv_channel import ChannelError, KVChannel, KVHeader
-from actors.p2p import free_address
+from actors.kv.cache import KVExport
+from actors.kv.channel import ChannelError, KVChannel, KVHeader
+from actors.transport.p2p import free_address
 from cluster.migration import channel_backend
 
 

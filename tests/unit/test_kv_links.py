@@ -1,4 +1,4 @@
-"""A migration's KV going stage to stage over links (actors/kv_links.py), between two engines of this process whose
+"""A migration's KV going stage to stage over links (actors/kv/links.py), between two engines of this process whose
 stages split the layers differently, over real gloo groups; and the links' plan (cluster/migration.py)."""
 
 from __future__ import annotations
@@ -9,10 +9,10 @@ import dataclasses
 import pytest
 import torch
 
-from actors.engine import Engine
-from actors.engine_migration import EngineMigration
-from actors.kv_links import LinkedKV
-from actors.pipeline import PipelineRunner
+from actors.engine.core import Engine
+from actors.engine.migration import EngineMigration
+from actors.kv.links import LinkedKV
+from actors.executors.pipeline import PipelineRunner
 from cluster.config import MigrationConfig, SchedulerConfig, SpeculationConfig
 from cluster.migration import Link, MigrationStatus, migrate, plan_links
 from tests.unit.helpers import drain, text_prompts
@@ -31,7 +31,7 @@ def test_links_pair_every_stage_with_each_stage_that_shares_its_layers() -> None
 
 
 class LinkedEndpoint(EngineEndpoint):
-    """EngineEndpoint with the link methods of actors/instance_server.py: its engine's stages (LocalStages) are
+    """EngineEndpoint with the link methods of actors/serving/server.py: its engine's stages (LocalStages) are
     the links' ends, and the KV goes over them whenever the migration has opened them (`via`)."""
 
     def __init__(self, engine: Engine, results, steps: int = 0) -> None:

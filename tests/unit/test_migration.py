@@ -8,12 +8,12 @@ import dataclasses
 import pytest
 import torch
 
-from actors.engine import Engine
-from actors.engine_migration import EngineMigration
-from actors.local_stages import LocalStages
+from actors.engine.core import Engine
+from actors.engine.migration import EngineMigration
+from actors.executors.local import LocalStages
 from actors.model.runner import ModelRunner
-from actors.offline import generate
-from actors.pipeline import PipelineRunner
+from actors.engine.offline import generate
+from actors.executors.pipeline import PipelineRunner
 from cluster.config import MigrationConfig
 from cluster.migration import BlockNames, MigrationStatus, migrate
 from cluster.config import SchedulerConfig, SpeculationConfig
@@ -406,8 +406,8 @@ def test_the_draft_kv_moves_in_chunks_between_the_sources_steps(tiny_models, tin
 
 
 class KeptKV:
-    """An executor whose KV cannot move, as an EasySpec draft group's (actors/ray_stages.py GroupStages): the core
-    executor protocol of in-process stages (actors/executor.py), and no ExportsKV."""
+    """An executor whose KV cannot move, as an EasySpec draft group's (actors/executors/remote.py GroupStages): the core
+    executor protocol of in-process stages (actors/executors/protocol.py), and no ExportsKV."""
 
     replicated_cache = True
 

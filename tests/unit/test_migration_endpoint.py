@@ -8,7 +8,7 @@ import inspect
 
 import pytest
 
-from actors.instance_server import InstanceServer
+from actors.serving.server import InstanceServer
 from cluster.migration_endpoint import Deadlined, Endpoint, RayEndpoint
 
 METHODS = sorted(name for name, value in vars(Endpoint).items() if inspect.isfunction(value) and name[0] != "_")

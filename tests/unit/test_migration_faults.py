@@ -1,4 +1,4 @@
-"""Faults of a live migration between two real instance servers in this process (actors/instance_server.py driven by
+"""Faults of a live migration between two real instance servers in this process (actors/serving/server.py driven by
 cluster/migration.py): a hung end, a missed drop, a client that leaves mid-move, a coordinator that dies after the
 commit, and the stats race. Each drives its timing with barriers (a gated step loop, endpoints that stop at a call);
 the instances' leases are short here, so letting go of a migration's leftovers takes a fraction of a second."""
@@ -11,7 +11,7 @@ from collections.abc import Awaitable, Callable
 
 import pytest
 
-from actors.instance_server import InstanceServer
+from actors.serving.server import InstanceServer
 from cluster.config import CacheConfig, EngineConfig, MigrationConfig, ModelConfig, SchedulerConfig, SpeculationConfig
 from cluster.migration import MigrationStatus, migrate
 from cluster.request import FinishReason, Request, SamplingParams
