@@ -21,10 +21,11 @@ cluster/migration_messages.py; actors/instance_server.py implements it as a Ray 
 tests with engines in this process. Each stage below is a function that returns a `StageStatus` (RUNNING: the next
 stage follows), as Llumnix's migration coordinator returns its MigrationStatus from each stage:
 
-    probe -> handshake -> copy_stage (x up to max_stages) -> stop_and_commit -> release The KV travels as an opaque payload
-(KV exports, or the headers of what went over the migration's links) with the token position it reaches:
-the coordinator only sequences the calls, so it lives beside the router that runs it and imports nothing from
-actors/.
+    probe -> handshake -> copy_stage (x up to max_stages) -> stop_and_commit -> release
+
+The KV travels as an opaque payload (KV exports, or the headers of what went over the migration's links) with
+the token position it reaches: the coordinator only sequences the messages, so it lives beside the router that
+runs it and imports nothing from actors/.
 
 **Links** (`transfer: torch`): the KV goes stage to stage, from the process that holds a source stage's cache
 to the one that holds each destination stage whose layers overlap it (a shard actor, or the instance's own
