@@ -2,8 +2,8 @@
 
 Every operation runs between two steps (on the serving loop's thread, through the Instance facade in
 actors/serving/instance.py), over the engine's parts: its target and draft runners, its scheduler and its drafter. A source
-says how much KV a request holds and the names of its full blocks, exports it in ranges while it keeps decoding,
-then stops it (`stop_out`: the rest of its KV, the request taken out of the step loop with its KV kept) and either
+says how much KV a request holds and the names of its full blocks, exports it (the target's or the draft's, one
+`Pipeline` at a time) in ranges while it keeps decoding, then stops it (`stop_out`: the rest of its KV, the request taken out of the step loop with its KV kept) and either
 frees it (`release_detached`, committed elsewhere) or takes it back (`reattach`, the migration aborted). A
 destination reserves room (`reserve_incoming`, starting from what its prefix cache holds), imports, and drops what
 it holds if the request is not committed there (`drop_incoming`).
@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 from actors.kv.links import MigratedKV, kv_span
 from actors.engine.sequence import Sequence, SeqStatus
 from actors.speculation.drafters import ModelDrafter
-from cluster.migration import BlockNames, Link, Reservation
+from cluster.migration_messages import BlockNames, Link, Pipeline, Reservation
 from cluster.request import Resume
 
 if TYPE_CHECKING:
@@ -72,36 +72,39 @@ class EngineMigration:
         have = target.cache.length(request_id)
         return target.export_kv(request_id, start, have if end is None else min(end, have), links)
 
-    def export_out(self, request_id: str, start: int, end: int, links: list[Link] | None = None
-                   ) -> tuple[MigratedKV, int] | None:
-        """A migration's copy: the request's KV from `start` to `end` (or to what it holds; over `links` if given),
-        and where that ends; None if it is not here, or holds less than `start` (preempted since its copy began:
-        its KV was freed)."""
-        if not self.holds(request_id) or self.kv_length(request_id) < start:
-            return None
-        end = min(end, self.kv_length(request_id))
-        return self.export_kv(request_id, start, end, links), end
-
-    def export_draft(self, request_id: str, start: int = 0, end: int | None = None,
-                     links: list[Link] | None = None) -> MigratedKV | None:
-        """A migration's copy of the request's draft KV from `start` to `end` (or to what it holds) as it stands
-        between two steps (the draft's view of the accepted tokens: a prefix of the request that never changes),
-        or with `links` sent over them; None without a draft model whose KV can move (an EasySpec group's is
-        rebuilt at the destination), or without draft KV beyond `start`."""
-        draft = self.engine.draft
-        if draft is None or not draft.exports_kv or not self.holds(request_id) or not draft.cache.has(request_id):
-            return None
-        n = draft.cache.length(request_id)
-        if n <= start:
-            return None
-        return draft.export_kv(request_id, start, n if end is None else min(end, n), links)
+    def export(self, pipeline: Pipeline, request_id: str, start: int, end: int | None = None,
+               links: list[Link] | None = None) -> tuple[MigratedKV, int] | None:
+        """A migration's copy of the request's KV of `pipeline` from `start` to `end` (or to what it holds; over
+        `links` if given), and where that ends. None for the target if the request is not here, or holds less than
+        `start` (preempted since its copy began: its KV was freed); for the draft, without a draft model whose KV
+        can move (an EasySpec group's is rebuilt at the destination), or without draft KV beyond `start`. The
+        draft's KV is copied as it stands between two steps: its view of the accepted tokens, a prefix of the
+        request that never changes."""
+        match pipeline:
+            case Pipeline.TARGET:
+                if not self.holds(request_id) or self.kv_length(request_id) < start:
+                    return None
+                have = self.kv_length(request_id)
+                end = have if end is None else min(end, have)
+                return self.export_kv(request_id, start, end, links), end
+            case Pipeline.DRAFT:
+                draft = self.engine.draft
+                if (draft is None or not draft.exports_kv or not self.holds(request_id)
+                        or not draft.cache.has(request_id)):
+                    return None
+                n = draft.cache.length(request_id)
+                if n <= start:
+                    return None
+                got = draft.export_kv(request_id, start, n if end is None else min(end, n), links)
+                return got, kv_span(got)[2]
+        raise TypeError(f"not a Pipeline: {pipeline!r}")
 
     def stop_out(self, request_id: str, start: int, links: list[Link] | None = None
                  ) -> tuple[Sequence, Resume, MigratedKV, int] | None:
         """A migration's stop: the rest of the request's KV from `start` (over `links` if given), then the request
-        taken out of the step loop (KV kept until released); None, and the request left running, if `export_out`
+        taken out of the step loop (KV kept until released); None, and the request left running, if `export`
         would give None."""
-        exported = self.export_out(request_id, start, self.kv_length(request_id), links)
+        exported = self.export(Pipeline.TARGET, request_id, start, None, links)
         if exported is None:
             return None
         seq, resume = self.detach(request_id)
@@ -141,26 +144,28 @@ class EngineMigration:
             e.drafter.imported(request_id, draft)
         return Reservation(cached, draft, self.kv_bytes_per_token)
 
-    def import_kv(self, exports: MigratedKV) -> bool:
-        """Append an arriving request's KV (exported by any split of the same model, or received over a migration's
-        links); False if out of blocks. A request that held no KV at its source (queued there) arrives with none."""
-        return self.engine.target.import_kv(exports) if exports else True
-
-    def import_draft(self, exports: MigratedKV) -> bool:
-        """Append an arriving request's draft KV (its draft then catches up only on the tokens after it); False,
-        changing nothing, without a draft model whose KV can move, if it does not continue what came before, or
-        without room (the draft catches up from what it has)."""
+    def import_kv(self, pipeline: Pipeline, exports: MigratedKV) -> bool:
+        """Append an arriving request's KV of `pipeline` (exported by any split of the same model, or received over a
+        migration's links). The target: False if out of blocks; a request that held no KV at its source (queued
+        there) arrives with none. The draft (it then catches up only on the tokens after it): False, changing
+        nothing, without a draft model whose KV can move, if it does not continue what came before, or without
+        room (the draft catches up from what it has)."""
         e = self.engine
-        rid, start, _ = kv_span(exports)
-        if e.draft is None or not e.draft.exports_kv or self.holds(rid):
-            return False
-        if start != (e.draft.cache.length(rid) if e.draft.cache.has(rid) else 0):
-            return False
-        if not e.draft.import_kv(exports):
-            return False
-        if isinstance(e.drafter, ModelDrafter):
-            e.drafter.imported(rid, e.draft.cache.length(rid))
-        return True
+        match pipeline:
+            case Pipeline.TARGET:
+                return e.target.import_kv(exports) if exports else True
+            case Pipeline.DRAFT:
+                rid, start, _ = kv_span(exports)
+                if e.draft is None or not e.draft.exports_kv or self.holds(rid):
+                    return False
+                if start != (e.draft.cache.length(rid) if e.draft.cache.has(rid) else 0):
+                    return False
+                if not e.draft.import_kv(exports):
+                    return False
+                if isinstance(e.drafter, ModelDrafter):
+                    e.drafter.imported(rid, e.draft.cache.length(rid))
+                return True
+        raise TypeError(f"not a Pipeline: {pipeline!r}")
 
     def drop_incoming(self, request_id: str) -> None:
         """An arriving request was not committed: free what was reserved and imported for it."""

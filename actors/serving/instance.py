@@ -28,7 +28,7 @@ from actors.engine.sequence import Sequence
 from actors.speculation.calibration import CalibrationFile, setup_of
 from actors.speculation.structured import CompiledGrammar
 from cluster.config import EngineConfig
-from cluster.migration import BlockNames, Link, Reservation
+from cluster.migration_messages import BlockNames, Link, Pipeline, Reservation
 from cluster.migration_policy import InstanceLoad
 from cluster.prefix_index import CacheEvents, EventLog
 from cluster.request import FinishReason, Request, Resume, TokenDelta
@@ -207,12 +207,9 @@ class Instance:
     def block_names(self, request_id: str) -> BlockNames:
         return self._moves.block_names(request_id)
 
-    def export_out(self, request_id: str, start: int, end: int, links: list[Link] | None = None
-                   ) -> tuple[MigratedKV, int] | None:
-        return self._guarded(lambda: self._moves.export_out(request_id, start, end, links))
-
-    def export_draft(self, request_id: str, start: int, end: int, links: list[Link] | None = None) -> MigratedKV | None:
-        return self._guarded(lambda: self._moves.export_draft(request_id, start, end, links))
+    def export(self, pipeline: Pipeline, request_id: str, start: int, end: int, links: list[Link] | None = None
+               ) -> tuple[MigratedKV, int] | None:
+        return self._guarded(lambda: self._moves.export(pipeline, request_id, start, end, links))
 
     def stop_out(self, request_id: str, start: int, links: list[Link] | None = None
                  ) -> tuple[Sequence, Resume, MigratedKV, int] | None:
@@ -227,11 +224,8 @@ class Instance:
     def reserve_incoming(self, request_id: str, tokens: int, names: BlockNames = BlockNames()) -> Reservation | None:
         return self._guarded(lambda: self._moves.reserve_incoming(request_id, tokens, names))
 
-    def import_kv(self, kv: MigratedKV) -> bool:
-        return self._guarded(lambda: self._moves.import_kv(kv))
-
-    def import_draft(self, kv: MigratedKV) -> bool:
-        return self._guarded(lambda: self._moves.import_draft(kv))
+    def import_kv(self, pipeline: Pipeline, kv: MigratedKV) -> bool:
+        return self._guarded(lambda: self._moves.import_kv(pipeline, kv))
 
     def drop_incoming(self, request_id: str) -> None:
         self._moves.drop_incoming(request_id)

@@ -47,7 +47,9 @@ from actors.speculation.structured import CompiledGrammar
 from actors.start_phases import StartClock, StartPhases
 from cluster.instances import InstancePlace
 from cluster.request import FinishReason, Request, RequestStatus, StreamItem, TokenDelta
-from cluster.migration import BlockNames, Link, Reservation
+from cluster.migration_messages import (BlockNames, CloseChannel, Commit, Drop, Export, Exported, Import, KVLayout,
+                                        Length, Link, LinkAddresses, MigrationMessage, Names, OpenLinks, Pipeline,
+                                        Release, Reservation, Reserve, StagesKV, Stop, Stopped)
 from cluster.router import INSTANCE_ACTOR_PREFIX
 from cluster.migration_policy import InstanceLoad
 from cluster.prefix_index import CacheEvents
@@ -198,49 +200,67 @@ class InstanceServer:
             if not finished:
                 self.loop.abort(request_id)
 
-    # ---- live migration: the Endpoint of cluster/migration.py; each step runs on the loop thread, between steps.
-    # With `via` (a migration's channel) the KV goes over that migration's links, from the source's stages to the
-    # destination's (actors/kv/links.py): the coordinator, and this process, carry only its headers.
-    async def migrate_length(self, request_id: str) -> int | None:
-        return await self._on_loop(lambda: self.instance.kv_length(request_id))
+    # ---- live migration: the Endpoint of cluster/migration.py; each message is carried out on the loop thread,
+    # between steps. With `via` (a migration's channel) the KV goes over that migration's links, from the source's
+    # stages to the destination's (actors/kv/links.py): the coordinator, and this process, carry only its headers.
+    async def migration(self, msg: MigrationMessage) -> object:
+        """Carry out one message of a migration (cluster/migration_messages.py says what each returns)."""
+        match msg:
+            case Length(rid):
+                return await self._on_loop(lambda: self.instance.kv_length(rid))
+            case Names(rid):
+                return await self._on_loop(lambda: self.instance.block_names(rid))
+            case Reserve(rid, tokens, lease_s, names):
+                return await self._reserve(rid, tokens, lease_s, names)
+            case Export(rid, pipeline, start, end, via):
+                links = self._route(via, pipeline)
+                got = await self._on_loop(lambda: self.instance.export(pipeline, rid, start, end, links))
+                return None if got is None else Exported(*got)
+            case Import(pipeline, kv):
+                return await self._import(pipeline, kv)
+            case Stop(rid, start, via, lease_s):
+                return await self._stop(rid, start, via, lease_s)
+            case Commit(request):
+                return await self._commit(request)
+            case Release(rid, committed, destination):
+                return await self._release(rid, committed, destination)
+            case Drop(rid):
+                return await self._drop(rid)
+            case KVLayout(pipeline):
+                return await self._kv_layout(pipeline)
+            case LinkAddresses(pipeline, stages):
+                executor = self._pipeline(pipeline).executor
+                return await asyncio.to_thread(executor.link_addresses, list(stages), ray.util.get_node_ip_address())
+            case OpenLinks(channel, pipeline, links, side, timeout_s, backend):
+                self._links.setdefault(channel, {})[pipeline] = list(links)
+                await asyncio.to_thread(self._pipeline(pipeline).executor.open_links, list(links), side, timeout_s,
+                                        backend)
+                return None
+            case CloseChannel(channel):
+                # after a migration that finished every send has been received; after one that failed, a send still
+                # under way ends with its link's timeout (and is logged), without being waited for
+                for pipeline in self._links.pop(channel, {}):
+                    await asyncio.to_thread(self._pipeline(pipeline).executor.close_links, channel + "/")
+                return None
+        raise TypeError(f"not a migration message: {msg!r} (cluster/migration_messages.py lists them)")
 
-    async def migrate_names(self, request_id: str) -> BlockNames:
-        return await self._on_loop(lambda: self.instance.block_names(request_id))
-
-    async def migrate_reserve(self, request_id: str, tokens: int, lease_s: float,
-                              names: BlockNames = BlockNames()) -> Reservation | None:
+    async def _reserve(self, request_id: str, tokens: int, lease_s: float, names: BlockNames) -> Reservation | None:
         reserved = await self._on_loop(lambda: self.instance.reserve_incoming(request_id, tokens, names))
         if reserved:  # each import renews it; the commit ends it (and a "follow" lease of the same length begins)
-            self._leases.grant(("incoming", request_id), lease_s, lambda: self.migrate_drop(request_id))
+            self._leases.grant(("incoming", request_id), lease_s, lambda: self._drop(request_id))
         return reserved
 
-    async def migrate_export(self, request_id: str, start: int, end: int, via: str | None = None
-                             ) -> tuple[MigratedKV, int] | None:
-        links = self._route(via, "target")
-        return await self._on_loop(lambda: self.instance.export_out(request_id, start, end, links))
-
-    async def migrate_import(self, kv: MigratedKV) -> bool:
-        self._renew_incoming(kv)
-        await self._receive(self.instance.target, kv)
-        return await self._on_loop(lambda: self.instance.import_kv(kv))
-
-    async def migrate_export_draft(self, request_id: str, start: int, end: int, via: str | None = None
-                                   ) -> tuple[MigratedKV, int] | None:
-        links = self._route(via, "draft")
-        got = await self._on_loop(lambda: self.instance.export_draft(request_id, start, end, links))
-        return None if got is None else (got, kv_span(got)[2])
-
-    async def migrate_import_draft(self, kv: MigratedKV) -> bool:
-        if self.instance.draft is None or not self.instance.draft.exports_kv:
+    async def _import(self, pipeline: Pipeline, kv: MigratedKV) -> bool:
+        runner = self._pipeline(pipeline)
+        if pipeline is Pipeline.DRAFT and (runner is None or not runner.exports_kv):
             return False  # a draft whose KV cannot move takes none (no links were opened for it)
         self._renew_incoming(kv)
-        await self._receive(self.instance.draft, kv)
-        return await self._on_loop(lambda: self.instance.import_draft(kv))
+        await self._receive(runner, kv)
+        return await self._on_loop(lambda: self.instance.import_kv(pipeline, kv))
 
-    async def migrate_stop(self, request_id: str, start: int, via: str | None = None, lease_s: float = 60.0
-                           ) -> tuple[Request, MigratedKV, int, float] | None:
+    async def _stop(self, request_id: str, start: int, via: str | None, lease_s: float) -> Stopped | None:
         asked = time.perf_counter()
-        links = self._route(via, "target")
+        links = self._route(via, Pipeline.TARGET)
 
         def stop():
             waited = time.perf_counter() - asked  # the step under way went on: the request still decoded
@@ -249,18 +269,17 @@ class InstanceServer:
                 return None
             seq, resume, exported, end = stopped
             self._detached[request_id] = seq
-            return dataclasses.replace(seq.request, resume=resume), exported, end, waited
+            return Stopped(dataclasses.replace(seq.request, resume=resume), exported, end, waited)
         got = await self._on_loop(stop)
         if got is not None:  # no release within the lease: the coordinator is gone, the request carries on here
-            self._leases.grant(("stopped", request_id), lease_s,
-                               lambda: self.migrate_release(request_id, False, None))
+            self._leases.grant(("stopped", request_id), lease_s, lambda: self._release(request_id, False, None))
         return got
 
     # ---- a migration's links (actors/kv/links.py): opened for one migration, closed after it
-    def _pipeline(self, pipeline: str) -> PipelineRunner | None:
-        return self.instance.target if pipeline == "target" else self.instance.draft
+    def _pipeline(self, pipeline: Pipeline) -> PipelineRunner | None:
+        return self.instance.target if pipeline is Pipeline.TARGET else self.instance.draft
 
-    def _route(self, via: str | None, pipeline: str) -> list[Link] | None:
+    def _route(self, via: str | None, pipeline: Pipeline) -> list[Link] | None:
         """The links of migration `via` that carry `pipeline`'s KV; None: it goes through the object store."""
         return None if via is None else self._links.get(via, {}).get(pipeline)
 
@@ -269,34 +288,15 @@ class InstanceServer:
         if isinstance(kv, LinkedKV):
             await asyncio.to_thread(runner.executor.receive_links, kv)
 
-    async def kv_stages(self, pipeline: str) -> list[tuple[int, ...]] | None:
-        """The layers of each stage of `pipeline`; None without it, or if its stages cannot take links."""
+    async def _kv_layout(self, pipeline: Pipeline) -> StagesKV | None:
+        """The layers of each stage of `pipeline` and the device type they keep their KV on (it picks the links'
+        backend); None without it, or if its stages cannot take links."""
         runner = self._pipeline(pipeline)
         if runner is None or not isinstance(runner.executor, KVLinks):
             return None
-        return list(runner.executor.layer_ids)
+        return StagesKV(list(runner.executor.layer_ids), await asyncio.to_thread(runner.executor.kv_device))
 
-    async def kv_device(self, pipeline: str = "target") -> str:
-        """The device type the stages of `pipeline` keep their KV on ("cuda" or "cpu"): it picks its links' backend."""
-        return await asyncio.to_thread(self._pipeline(pipeline).executor.kv_device)
-
-    async def link_addresses(self, pipeline: str, stages: list[int]) -> list[str]:
-        executor = self._pipeline(pipeline).executor
-        return await asyncio.to_thread(executor.link_addresses, stages, ray.util.get_node_ip_address())
-
-    async def links_open(self, channel: str, pipeline: str, links: list[Link], side: str, timeout_s: float = 30.0,
-                         backend: str = "gloo") -> None:
-        """Join the links of `pipeline` whose `side` end a stage of this instance is (both ends call this at once)."""
-        self._links.setdefault(channel, {})[pipeline] = links
-        await asyncio.to_thread(self._pipeline(pipeline).executor.open_links, links, side, timeout_s, backend)
-
-    async def channel_close(self, channel: str) -> None:
-        """Forget a migration's links. After a migration that finished, every send has been received; after one that
-        failed, a send still under way ends with its link's timeout (and is logged), without being waited for."""
-        for pipeline in self._links.pop(channel, {}):
-            await asyncio.to_thread(self._pipeline(pipeline).executor.close_links, channel + "/")
-
-    async def migrate_commit(self, request: Request) -> bool:
+    async def _commit(self, request: Request) -> bool:
         rid = request.request_id
         loop = asyncio.get_running_loop()
         items: asyncio.Queue[StreamItem] = asyncio.Queue()  # held until the client's stream comes (resume_stream)
@@ -311,12 +311,12 @@ class InstanceServer:
         lease_s = self._leases.seconds(("incoming", rid)) or 60.0
         self._leases.end(("incoming", rid))
         if rid in self._handed_in:  # no stream follows within the lease: the copy runs for nobody
-            self._leases.grant(("follow", rid), lease_s, lambda: self.migrate_cancel(rid))
+            self._leases.grant(("follow", rid), lease_s, lambda: self._cancel(rid))
         return True
 
-    async def migrate_release(self, request_id: str, committed: bool, destination: tuple[str, object] | None) -> bool:
-        """See cluster/migration_endpoint.py, Endpoint.migrate_release: False when the request is no longer held
-        here stopped (its client left while it moved, or its lease ran out and it resumed here)."""
+    async def _release(self, request_id: str, committed: bool, destination: tuple[str, object] | None) -> bool:
+        """See cluster/migration_messages.py, Release: False when the request is no longer held here stopped (its
+        client left while it moved, or its lease ran out and it resumed here)."""
         self._leases.end(("stopped", request_id))
 
         def release() -> bool:
@@ -336,14 +336,15 @@ class InstanceServer:
             return await asyncio.wrap_future(self.loop.hand_over(request_id, destination))
         return released
 
-    async def migrate_drop(self, request_id: str) -> None:
-        """Forget a request that was not committed here (free what was reserved and imported for it); a copy that
-        was committed after all (its commit timed out at the coordinator, then landed) is cancelled too."""
+    async def _drop(self, request_id: str) -> None:
+        """Forget a request that was not committed here (free what was reserved and imported for it), or a copy that
+        was committed (its commit timed out at the coordinator, then landed; or its source failed before its
+        release, or its client left): it is cancelled."""
         self._leases.end(("incoming", request_id))
         await self._on_loop(lambda: self.instance.drop_incoming(request_id))
-        await self.migrate_cancel(request_id)
+        await self._cancel(request_id)
 
-    async def migrate_cancel(self, request_id: str) -> None:
+    async def _cancel(self, request_id: str) -> None:
         self._leases.end(("follow", request_id))
         if self._handed_in.pop(request_id, None) is not None:  # no client will follow it here
             await self.abort(request_id)
