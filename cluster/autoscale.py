@@ -27,6 +27,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from cluster.instances import InstanceRow
+
 
 class _Frozen(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -257,3 +259,82 @@ def starts_at_min(raw: object) -> object:
     if isinstance(raw, dict) and isinstance(raw.get("autoscaling"), dict) and "instances" not in raw:
         return {**raw, "instances": raw["autoscaling"].get("min_instances", 1)}
     return raw
+
+
+# ---- what the autoscaler reads and reports -----------------------------------------------------------------------
+AUTOSCALED_PREFIX = "auto-"  # the ids of instances the autoscaler starts (and alone may remove)
+
+
+class SignalReader:
+    """Turns the router's instance rows (polled every `interval_s`) into FleetSignals, keeping the latency windows.
+
+    The router is off the token path, so it measures no request's latency; it sees each instance's engine step.
+    Every running request gets one token-bearing delta per step, so an instance's last step time is an inter-token
+    gap of each of its running requests (weighted so). Time to first token is predicted from the queue, as llm-d
+    scales on predicted latency: a request queued behind `waiting` others at an instance whose steps take
+    `step_time_ema_s` waits about (1 + waiting / slots) steps of prefill and admission. Both feed `window_s` windows
+    whose p99 the policy compares with its targets."""
+
+    def __init__(self, window_s: float, slots_per_instance: int) -> None:
+        self.ttft = LatencyWindow(window_s)
+        self.itl = LatencyWindow(window_s)
+        self.slots = slots_per_instance
+
+    def read(self, rows: Sequence[InstanceRow], now: float, starting: int = 0) -> FleetSignal:
+        instances = []
+        for r in rows:
+            if not r.healthy:
+                continue
+            running = r.stats.running if r.stats is not None else 0
+            waiting = max(r.stats.waiting if r.stats is not None else 0, r.in_flight - running, 0)
+            instances.append(InstanceSignal(r.instance_id, waiting, running, r.draining,
+                                            r.instance_id.startswith(AUTOSCALED_PREFIX)))
+            if r.stats is not None and not r.draining:
+                step = r.stats.step_time_ema_s
+                if running:
+                    self.itl.add(now, [r.stats.step_time_s] * min(running, 64))
+                if running or waiting:
+                    self.ttft.add(now, [step * (1.0 + waiting / self.slots)])
+        return FleetSignal(tuple(instances), self.ttft.p99(now), self.itl.p99(now), starting)
+
+
+@dataclass(frozen=True)
+class ScaleEvent:
+    """One scale step as it ended: `outcome` "done", or "failed" / "cancelled" with why (a drain that could not move
+    every request puts the instance back in service: no stream is ever cut)."""
+
+    at: float  # wall clock, when it was decided
+    action: Literal["up", "down"]
+    instance_id: str
+    reason: str
+    outcome: Literal["done", "failed", "cancelled"]
+    detail: str = ""
+    duration_s: float = 0.0
+    migrated: int = 0  # requests moved off the leaving instance (scale-in)
+
+
+@dataclass(frozen=True)
+class AutoscaleStatus:
+    """What `/admin/autoscaler`, `/metrics` and `specfleet status` show: the bounds, the last decision, the recent
+    steps (newest last) and the count of steps by (action, outcome) since the autoscaler started."""
+
+    min_instances: int
+    max_instances: int
+    instances: int
+    last: ScaleDecision | None
+    events: tuple[ScaleEvent, ...]
+    counts: tuple[tuple[str, str, str, int], ...]  # (action, outcome, cause, steps)
+    ttft_p99_s: float | None = None
+    itl_p99_s: float | None = None
+
+
+def cause_of(reason: str) -> str:
+    """A decision's reason reduced to the signal that caused it, a label with few values (metrics): ttft, itl,
+    queue (over a target), min_instances, max_instances (a bound), low_load (well below every target), manual."""
+    for cause in ("min_instances", "max_instances"):
+        if f" {cause} " in f"{reason} " and ("<" in reason or ">" in reason):
+            return cause
+    for cause in ("ttft", "itl", "queue"):
+        if reason.startswith(cause) and ">" in reason.split(" for ")[0]:
+            return cause
+    return "low_load" if " below " in reason else "manual"
