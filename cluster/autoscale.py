@@ -269,8 +269,8 @@ class SignalReader:
     """Turns the router's instance rows (polled every `interval_s`) into FleetSignals, keeping the latency windows.
 
     The router is off the token path, so it measures no request's latency; it sees each instance's engine step.
-    Every running request gets one token-bearing delta per step, so an instance's last step time is an inter-token
-    gap of each of its running requests (weighted so). Time to first token is predicted from the queue, as llm-d
+    Every running request gets one token-bearing delta per step, so an instance's last step time is the inter-token
+    gap its running requests see (one sample per instance and poll). Time to first token is predicted from the queue, as llm-d
     scales on predicted latency: a request queued behind `waiting` others at an instance whose steps take
     `step_time_ema_s` waits about (1 + waiting / slots) steps of prefill and admission. Both feed `window_s` windows
     whose p99 the policy compares with its targets."""
@@ -292,7 +292,7 @@ class SignalReader:
             if r.stats is not None and not r.draining:
                 step = r.stats.step_time_ema_s
                 if running:
-                    self.itl.add(now, [r.stats.step_time_s] * min(running, 64))
+                    self.itl.add(now, [r.stats.step_time_s])
                 if running or waiting:
                     self.ttft.add(now, [step * (1.0 + waiting / self.slots)])
         return FleetSignal(tuple(instances), self.ttft.p99(now), self.itl.p99(now), starting)
