@@ -330,7 +330,12 @@ class AutoscaleStatus:
 
 def cause_of(reason: str) -> str:
     """A decision's reason reduced to the signal that caused it, a label with few values (metrics): ttft, itl,
-    queue (over a target), min_instances, max_instances (a bound), low_load (well below every target), manual."""
+    queue (over a target), min_instances, max_instances (a bound), low_load (well below every target), and for a
+    hold within_targets, cooldown or step_under_way; manual for a step an operator or a test asked for."""
+    for words, cause in (("within targets", "within_targets"), ("cooling down", "cooldown"),
+                         ("under way", "step_under_way")):
+        if words in reason:
+            return cause
     for cause in ("min_instances", "max_instances"):
         if f" {cause} " in f"{reason} " and ("<" in reason or ">" in reason):
             return cause
