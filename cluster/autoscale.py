@@ -270,10 +270,10 @@ class SignalReader:
 
     The router is off the token path, so it measures no request's latency; it sees each instance's engine step.
     Every running request gets one token-bearing delta per step, so an instance's last step time is the inter-token
-    gap its running requests see (one sample per instance and poll). Time to first token is predicted from the queue, as llm-d
-    scales on predicted latency: a request queued behind `waiting` others at an instance whose steps take
-    `step_time_ema_s` waits about (1 + waiting / slots) steps of prefill and admission. Both feed `window_s` windows
-    whose p99 the policy compares with its targets."""
+    gap its running requests see (one sample per instance and poll). Time to first token is predicted from the
+    queue, as llm-d scales on predicted latency: a request queued behind `waiting` others at an instance whose steps
+    take `step_time_ema_s` waits about (1 + waiting / slots) steps of prefill and admission. Both feed `window_s`
+    windows whose p99 the policy compares with its targets."""
 
     def __init__(self, window_s: float, slots_per_instance: int) -> None:
         self.ttft = LatencyWindow(window_s)

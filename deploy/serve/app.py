@@ -313,7 +313,8 @@ def compose(cfg: SpecfleetConfig, replica_resources: dict[str, float] | None = N
     autoscaler = None  # router.autoscaling: one replica that adds instances planned as these are, and drains them
     if cfg.router.autoscaling is not None and specs:
         autoscaler = SpecfleetAutoscaler.options(name="SpecfleetAutoscaler", num_replicas=1,
-                                                 ray_actor_options={"num_cpus": 0, "resources": extra}).bind(cfg, specs[0])
+                                                 ray_actor_options={"num_cpus": 0, "resources": extra})
+        autoscaler = autoscaler.bind(cfg, specs[0])
     return api.bind(cfg, instances, autoscaler)
 
 

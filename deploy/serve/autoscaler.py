@@ -90,8 +90,11 @@ class Autoscaler:
     """One decision per `tick`, carried out before the next (one step at a time)."""
 
     def __init__(self, cfg: AutoscalingConfig, slots_per_instance: int, router: RouterClient, launcher: Launcher,
-                 clock=time.monotonic) -> None:
+                 clock=time.monotonic, floor: int | None = None) -> None:
         self.cfg = cfg
+        # the deployed instances (Serve's); while fewer are registered (starting, or being replaced by Serve) they
+        # count as starting: the autoscaler waits for them rather than starting others in their place
+        self.floor = cfg.min_instances if floor is None else floor
         self.policy = AutoscalePolicy(cfg, slots_per_instance)
         self.reader = SignalReader(cfg.window_s, slots_per_instance)
         self.router = router
@@ -115,7 +118,8 @@ class Autoscaler:
     async def tick(self) -> ScaleDecision:
         rows = await self._rows()
         now = self.clock()
-        signal = self.reader.read(rows, now)
+        deployed = sum(not r.instance_id.startswith(AUTOSCALED_PREFIX) for r in rows if r.healthy)
+        signal = self.reader.read(rows, now, starting=max(0, self.floor - deployed))
         decision = self.last = self.policy.decide(signal, now)
         self.size = signal.size
         if decision.action == "up":
@@ -231,7 +235,7 @@ class SpecfleetAutoscaler:
             raise ValueError("SpecfleetAutoscaler needs router.autoscaling")
         router = RouterClient.resolving(lambda: get_or_create_router(cfg.router), reconnect_s=cfg.router.reconnect_s)
         self.autoscaler = Autoscaler(cfg.router.autoscaling, cfg.engine.scheduler.max_batch_size, router,
-                                     PlannedLauncher(template, cfg.router))
+                                     PlannedLauncher(template, cfg.router), floor=cfg.router.instances)
         self._loop: asyncio.Task | None = None
 
     async def check_health(self) -> None:
