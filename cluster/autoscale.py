@@ -170,6 +170,11 @@ class AutoscalePolicy:
             return self._hold(n, f"{under} for {held:.1f} s of {cfg.down_after_s:g} s")
         return self._hold(n, "within targets")
 
+    def done(self, now: float) -> None:
+        """The step decided last has been carried out (an instance started or stopped, or the step failed): the
+        cooldown and the conditions' clocks start from here, not from the decision (a start may take minutes)."""
+        self._last_step, self._up_since, self._down_since = now, None, None
+
     # ---- the conditions ---------------------------------------------------------------------------------------
     def _over(self, s: FleetSignal) -> str:
         """Why the fleet is above a target now ("" if it is not)."""

@@ -122,10 +122,14 @@ class Autoscaler:
         signal = self.reader.read(rows, now, starting=max(0, self.floor - deployed))
         decision = self.last = self.policy.decide(signal, now)
         self.size = signal.size
-        if decision.action == "up":
-            await self.scale_out(decision.reason, rows)
-        elif decision.action == "down" and decision.remove is not None:
-            await self.scale_in(decision.remove, decision.reason)
+        try:
+            if decision.action == "up":
+                await self.scale_out(decision.reason, rows)
+            elif decision.action == "down" and decision.remove is not None:
+                await self.scale_in(decision.remove, decision.reason)
+        finally:
+            if decision.action != "hold":
+                self.policy.done(self.clock())
         return decision
 
     def status(self) -> AutoscaleStatus:

@@ -213,3 +213,12 @@ def test_the_policy_scales_a_simulated_fleet_of_1000_up_then_down_losing_nothing
     assert row["migrated"] >= 1  # a drained instance's requests moved, not cut
     assert row["instance_s"] < row["max_fleet_instance_s"]
     assert row["decide_ms_p50"] < 50.0
+
+
+def test_the_cooldown_runs_from_when_the_step_was_carried_out() -> None:
+    p = AutoscalePolicy(cfg(up_after_s=0.0, cooldown_s=10.0), SLOTS)
+    hot = fleet((9, 4), ttft=5.0)
+    assert p.decide(hot, 0.0).action == "up"
+    p.done(25.0)  # the new instance took 25 s to start
+    assert "cooling down" in p.decide(fleet((9, 4), (9, 4), ttft=5.0), 30.0).reason
+    assert p.decide(fleet((9, 4), (9, 4), ttft=5.0), 35.0).action == "up"
