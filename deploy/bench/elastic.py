@@ -152,7 +152,7 @@ def run(args: argparse.Namespace) -> int:
                 break
             t += gap
             gaps.append(gap)
-    texts = load_prompts([DATASETS / "mt_bench_questions.jsonl"], len(gaps))
+    texts = load_prompts([DATASETS / "mt_bench_questions.jsonl"], min(len(gaps), 80))  # MT-Bench has 80: reused
     prompts = [(tok.encode(texts[i % len(texts)]) * 64)[:args.prompt_tokens] for i in range(len(gaps))]
     report: dict = {"model": target, "rates": rates, "phase_s": args.phase_s, "requests": len(gaps),
                     "autoscaling": scaling.model_dump(), "fleets": {}}
