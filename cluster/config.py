@@ -12,6 +12,7 @@ from typing import Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, model_validator
 
+from cluster.autoscale import AutoscalingConfig, starts_at_min
 from cluster.migration_policy import MigrationPolicyConfig
 
 
@@ -436,6 +437,18 @@ class RouterConfig(_Frozen):
     # API replicas and instances find a router that died again by its name (a restarted or new one), retrying
     # for at most this long before a call fails
     reconnect_s: float = Field(default=20.0, gt=0.0)
+    # SLO autoscaling (cluster/autoscale.py, docs/autoscaling.md); absent: a fixed fleet of `instances`; with it the
+    # fleet starts at min_instances (`instances` defaults to it and may not differ)
+    autoscaling: AutoscalingConfig | None = None
+
+    _starts_at_min = model_validator(mode="before")(classmethod(lambda cls, raw: starts_at_min(raw)))
+
+    @model_validator(mode="after")
+    def _instances_at_min(self) -> "RouterConfig":
+        if self.autoscaling is not None and self.instances != self.autoscaling.min_instances:
+            raise ValueError(f"instances ({self.instances}) must equal autoscaling.min_instances "
+                             f"({self.autoscaling.min_instances}): an autoscaled fleet starts at its minimum")
+        return self
 
     def __hash__(self) -> int:  # frozen, but a dict field is unhashable: hash the canonical JSON instead
         return hash(self.model_dump_json())

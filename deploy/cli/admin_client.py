@@ -103,6 +103,41 @@ class Dispatch(_Row):
     index_instances: int
 
 
+class ScaleEventRow(_Row):
+    """One scale step of the autoscaler (cluster/autoscale.py, ScaleEvent)."""
+
+    at: float
+    action: str  # up | down
+    instance_id: str
+    reason: str
+    outcome: str  # done | failed | cancelled
+    detail: str = ""
+    duration_s: float = 0.0
+    migrated: int = 0
+
+
+class DecisionRow(_Row):
+    action: str  # up | down | hold
+    reason: str
+    instances: int
+    remove: str | None = None
+
+
+class Autoscaling(_Row):
+    """The autoscaler's bounds, last decision and recent steps (GET /admin/autoscaler); `enabled` False for a fixed
+    fleet."""
+
+    enabled: bool
+    min_instances: int = 0
+    max_instances: int = 0
+    instances: int = 0
+    last: DecisionRow | None = None
+    events: list[ScaleEventRow] = []
+    counts: list[tuple[str, str, str, int]] = []  # (action, outcome, cause, steps)
+    ttft_p99_s: float | None = None
+    itl_p99_s: float | None = None
+
+
 class AdminClient:
     """Typed calls to one app; `admin_key` opens /admin, `api_key` /v1 (models)."""
 
@@ -133,6 +168,9 @@ class AdminClient:
 
     def migrations(self) -> Migrations:
         return Migrations.model_validate(self._call("GET", "/admin/migrations"))
+
+    def autoscaler(self) -> Autoscaling:
+        return Autoscaling.model_validate(self._call("GET", "/admin/autoscaler"))
 
     def dispatch(self) -> Dispatch:
         return Dispatch.model_validate(self._call("GET", "/admin/dispatch"))

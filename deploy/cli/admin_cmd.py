@@ -22,7 +22,7 @@ from pathlib import Path
 from cluster.config import AuthConfig, load_config
 from cluster.instances import InstancePlace, InstanceRow
 from deploy import DEFAULT_CONFIG, model_store
-from deploy.cli.admin_client import AdminClient, Instances, ServerError
+from deploy.cli.admin_client import AdminClient, Autoscaling, Instances, ServerError
 from deploy.cli.flags import UsageError
 from deploy.cli.tables import show, table
 from deploy.infra import local_cluster
@@ -178,6 +178,7 @@ def run_status(args: argparse.Namespace) -> int:
         inst = c.instances()
         moves = c.migrations()
         dispatch = c.dispatch()
+        scaling = c.autoscaler()
     nodes, node_problem = _nodes(args.state)
     names = {n["node_id"]: n["name"] for n in nodes or [] if n.get("name")}
     problems = [f"/health: {health.status}"] if not health.ok else []
@@ -187,7 +188,7 @@ def run_status(args: argparse.Namespace) -> int:
     report = {"url": c.url, "healthy": not problems, "problems": problems, "health": health.model_dump(),
               "nodes": nodes, "load": _load(inst), "instances": [_row(i, names) for i in inst.instances],
               "removed": [_row(i, names) for i in inst.removed], "migrations": moves.model_dump(),
-              "dispatch": dispatch.model_dump()}
+              "dispatch": dispatch.model_dump(), "autoscaling": scaling.model_dump()}
     if args.json:
         print(json.dumps(report))
         return 0 if not problems else 1
@@ -223,6 +224,8 @@ def run_status(args: argparse.Namespace) -> int:
     print(f"migrations: {by.get('finished', 0)} finished, {by.get('aborted_src', 0)} aborted at the source, "
           f"{by.get('aborted_dst', 0)} at the destination; downtime mean {moves.downtime_mean_s * 1e3:.1f} ms, "
           f"max {moves.downtime_max_s * 1e3:.1f} ms; {moves.failovers} request(s) failed over")
+    if scaling.enabled:
+        print(_autoscaling_line(scaling))
     if moves.failover_wait is not None:
         w = moves.failover_wait
         why = ("no start seen yet: the floor" if w.slowest_s is None else
@@ -234,6 +237,20 @@ def run_status(args: argparse.Namespace) -> int:
     for p in problems:
         print(f"UNHEALTHY: {p}")
     return 0 if not problems else 1
+
+
+def _autoscaling_line(a: Autoscaling) -> str:
+    """`specfleet status`'s autoscaling line: size within bounds, the last decision and the last step, with reasons."""
+    last = f"; last decision: {a.last.action} ({a.last.reason})" if a.last is not None else ""
+    steps = sum(n for *_, n in a.counts)
+    step = ""
+    if a.events:
+        e = a.events[-1]
+        moved = f", {e.migrated} request(s) migrated" if e.action == "down" else ""
+        step = (f"; last step: {e.action} {e.instance_id} {e.outcome} in {e.duration_s:.1f} s ({e.reason}{moved}"
+                f"{': ' + e.detail if e.detail else ''})")
+    return (f"autoscaling: {a.instances} instance(s) within {a.min_instances}-{a.max_instances}; {steps} step(s)"
+            f"{last}{step}")
 
 
 def run_instances(args: argparse.Namespace) -> int:

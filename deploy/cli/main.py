@@ -50,6 +50,12 @@ COMMANDS: list[tuple[tuple[str, ...], str, str, str]] = [
     (("bench", "router-sim"), "the router's dispatch and migration planning at fleet scale (1,000 simulated "
      "instances, a multi-turn trace): route() and planning latency, prefix hit rate, index memory",
      "deploy.bench.router_sim", "add_arguments"),
+    (("bench", "elastic"), "a load that rises and falls against a fixed fleet of the max size, one of the min size "
+     "and the autoscaled one, on the local cluster: TTFT/ITL p99 vs target, instance-seconds, streams lost",
+     "deploy.bench.elastic", "add_arguments"),
+    (("bench", "autoscale-sim"), "the SLO autoscaler driving a simulated fleet of up to 1,000 instances under a "
+     "load stepped up then down: steps and reasons, decision latency, requests lost, instance-seconds",
+     "deploy.bench.autoscale_sim", "add_arguments"),
     (("bench", "prefix"), "prefix caching off vs on with least-load vs cache-aware dispatch on a multi-turn chat "
      "workload (and a long shared system prompt), and a migration's bytes with its prefix cached, on the local cluster",
      "deploy.bench.prefix", "add_arguments"),

@@ -28,6 +28,7 @@ from cluster.router import INSTANCE_ACTOR_PREFIX, NAMESPACE, find_router, get_or
 from cluster.router_client import RouterClient
 from deploy import DEFAULT_CONFIG
 from deploy.rpc import codegen
+from deploy.serve.autoscaler import SpecfleetAutoscaler
 from deploy.serve.fleet import fleet_specs, live_nodes, replan
 from placement.fleet import InstanceSpec
 from placement.planner import PlacementError
@@ -194,7 +195,8 @@ class SpecfleetInstance:
 class SpecfleetAPI(HttpRoutes, ResponsesRoutes, GrpcMethods):
     """The ingress: HTTP routes (FastAPI) and gRPC methods over one Frontend."""
 
-    def __init__(self, cfg: SpecfleetConfig, instances: list[DeploymentHandle]) -> None:
+    def __init__(self, cfg: SpecfleetConfig, instances: list[DeploymentHandle],
+                 autoscaler: DeploymentHandle | None = None) -> None:
         from deploy.model_store import resolve_model
         from deploy.serve.auth import KeySet
         from deploy.serve.cached import Cached
@@ -203,6 +205,7 @@ class SpecfleetAPI(HttpRoutes, ResponsesRoutes, GrpcMethods):
 
         self.cfg = cfg
         self.instances = instances  # keeps the instance deployments part of the app
+        self.autoscaler = autoscaler  # router.autoscaling's (deploy/serve/autoscaler.py), None for a fixed fleet
         self.router = router_client(cfg.router)  # routes call `await self.router.call(lambda r: r.<method>.remote())`
         self.router.call_blocking(lambda r: r.configure.remote(cfg.router), timeout_s=30)
         self.frontend = Frontend(cfg, self.router, resolve=lambda s: resolve_model(s, cfg.engine.model.dtype))
@@ -255,6 +258,10 @@ class SpecfleetAPI(HttpRoutes, ResponsesRoutes, GrpcMethods):
     async def admin_dispatch(self, request: Request) -> Response:
         return await self._admin_dispatch(request)
 
+    @http_app.get("/admin/autoscaler")
+    async def admin_autoscaler(self, request: Request) -> Response:
+        return await self._admin_autoscaler(request)
+
     @http_app.get("/admin/requests")
     async def admin_requests(self, request: Request) -> Response:
         return await self._admin_requests(request)
@@ -303,7 +310,12 @@ def compose(cfg: SpecfleetConfig, replica_resources: dict[str, float] | None = N
     instances = [SpecfleetInstance.options(name=f"SpecfleetInstance-{s.instance_id}", num_replicas=1, **opts)
                  .bind(i, s, cfg.router) for i, s in enumerate(specs)]
     api = SpecfleetAPI.options(ray_actor_options={"num_cpus": 0, "resources": {**cfg.serve.api_resources, **extra}})
-    return api.bind(cfg, instances)
+    autoscaler = None  # router.autoscaling: one replica that adds instances planned as these are, and drains them
+    if cfg.router.autoscaling is not None and specs:
+        autoscaler = SpecfleetAutoscaler.options(name="SpecfleetAutoscaler", num_replicas=1,
+                                                 ray_actor_options={"num_cpus": 0, "resources": extra})
+        autoscaler = autoscaler.bind(cfg, specs[0])
+    return api.bind(cfg, instances, autoscaler)
 
 
 __all__ = ["build_app", "compose", "find_router", "APP_NAME"]

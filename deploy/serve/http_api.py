@@ -21,6 +21,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from cluster.autoscale import AutoscaleStatus
 from cluster.config import ServeConfig
 from cluster.request import FinishReason, SpecStats
 from deploy.serve.admission import Ticket
@@ -36,6 +37,7 @@ from deploy.serve.openai_api import (APIError, ChatCompletionRequest, Completion
 
 log = logging.getLogger(__name__)
 ADMIN_TIMEOUT_S = 600.0  # a migration or a migrating drain, which move requests one after another
+AUTOSCALER_TIMEOUT_S = 5.0  # the autoscaler replica answers its status from memory
 http_app = FastAPI(title="specfleet", docs_url=None, redoc_url=None, openapi_url="/openapi.json")
 openapi.install(http_app)
 
@@ -347,7 +349,19 @@ class HttpRoutes:
         self.frontend.metrics.set_instances(instances)
         self.frontend.metrics.migration_figures = migrations
         self.frontend.metrics.routing_figures = routing
+        self.frontend.metrics.autoscale_figures = await self._autoscale_status()
         return Response(self.frontend.metrics.render(), media_type=CONTENT_TYPE)
+
+    async def _autoscale_status(self) -> AutoscaleStatus | None:
+        """The autoscaler's status (deploy/serve/autoscaler.py); None for a fixed fleet, or while it does not answer
+        (logged: the rest of /metrics still answers)."""
+        if self.autoscaler is None:
+            return None
+        try:
+            return await asyncio.wait_for(self.autoscaler.status.remote(), AUTOSCALER_TIMEOUT_S)
+        except Exception as e:  # noqa: BLE001 - figures of one part missing must not fail the whole scrape
+            log.warning("the autoscaler did not answer (%s: %s)", type(e).__name__, e)
+            return None
 
     # ---- admin ----------------------------------------------------------------------------------------
     async def _admin_instances(self, request: Request) -> JSONResponse:
@@ -356,6 +370,14 @@ class HttpRoutes:
                                              self.router.call(lambda r: r.removed_instances.remote()))
         return JSONResponse({"instances": [r.model_dump(mode="json") for r in rows],
                              "removed": [r.model_dump(mode="json") for r in removed]})
+
+    async def _admin_autoscaler(self, request: Request) -> JSONResponse:
+        """The autoscaler's bounds, last decision and recent scale steps (cluster/autoscale.py, AutoscaleStatus)."""
+        self._auth(request, admin=True)
+        if self.autoscaler is None:
+            return JSONResponse({"enabled": False})
+        status = await asyncio.wait_for(self.autoscaler.status.remote(), AUTOSCALER_TIMEOUT_S)
+        return JSONResponse({"enabled": True, **dataclasses.asdict(status)})
 
     async def _admin_migrations(self, request: Request) -> JSONResponse:
         """The router's migration and failover figures (cluster/stats.py, MigrationStats)."""

@@ -20,6 +20,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from cluster.autoscale import AutoscaleStatus, cause_of
 from cluster.instances import InstanceRow
 from cluster.request import SpecStats
 from cluster.stats import DOWNTIME_BUCKETS, MigrationStats, RoutingStats
@@ -90,7 +91,9 @@ class Metrics:
         self.migration_figures: MigrationStats | None = None  # the router's, as of the last scrape
         self.routing_figures: RoutingStats | None = None  # the router's, as of the last scrape
         self.instance_rows: list[InstanceRow] = []  # the router's rows, as of the last scrape
+        self.autoscale_figures: AutoscaleStatus | None = None  # the autoscaler's, as of the last scrape
         r.register(_MigrationCollector(self))
+        r.register(_AutoscaleCollector(self))
         r.register(_RoutingCollector(self))
 
     def failed(self, outcome: str) -> None:
@@ -190,3 +193,36 @@ class _RoutingCollector(_ScrapeCollector):
         yield decisions
         yield GaugeMetricFamily("specfleet:router_prefix_index_entries",
                                 "(instance, KV block) pairs the router's prefix index holds", value=s.index_entries)
+
+
+class _AutoscaleCollector(_ScrapeCollector):
+    """The autoscaler's figures (router.autoscaling; nothing for a fixed fleet), after Ray Serve's
+    `serve_autoscaling_*` gauges: its bounds, the fleet's size and the size it decided on, the p99 latencies it
+    sees, its last decision with its reason, and `specfleet:autoscaling_scale_events_total{action,outcome,cause}`."""
+
+    def collect(self):
+        s = self.metrics.autoscale_figures
+        if s is None:
+            return
+        desired = s.last.desired if s.last is not None else s.instances
+        for name, doc, value in (("min_instances", "The autoscaler's lower bound", s.min_instances),
+                                 ("max_instances", "The autoscaler's upper bound", s.max_instances),
+                                 ("current_instances", "Instances serving or starting, as the autoscaler counts",
+                                  s.instances),
+                                 ("desired_instances", "Instances the autoscaler's last decision asks for", desired)):
+            yield GaugeMetricFamily(f"specfleet:autoscaling_{name}", doc, value=value)
+        for name, value in (("ttft", s.ttft_p99_s), ("itl", s.itl_p99_s)):
+            if value is not None:
+                yield GaugeMetricFamily(f"specfleet:autoscaling_{name}_p99_seconds",
+                                        f"The {name} p99 the autoscaler compares with its target (recent window)",
+                                        value=value)
+        steps = CounterMetricFamily("specfleet:autoscaling_scale_events", "Scale steps by action, outcome and cause",
+                                    labels=["action", "outcome", "cause"])
+        for action, outcome, cause, n in s.counts:
+            steps.add_metric([action, outcome, cause], n)
+        yield steps
+        if s.last is not None:
+            last = GaugeMetricFamily("specfleet:autoscaling_last_decision_info", "The autoscaler's last decision",
+                                     labels=["action", "cause", "reason"])
+            last.add_metric([s.last.action, cause_of(s.last.reason), s.last.reason], 1)
+            yield last
