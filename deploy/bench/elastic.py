@@ -22,7 +22,7 @@ from pathlib import Path
 
 import ray
 
-from actors.instance_server import InstanceServer
+from actors.serving.server import InstanceServer
 from actors.model.loader import load_model
 from cluster.autoscale import AutoscaleTarget, AutoscalingConfig
 from cluster.config import CacheConfig, EngineConfig, ModelConfig, RouterConfig, SchedulerConfig, SpeculationConfig

@@ -27,7 +27,7 @@ import ray
 from ray import serve
 from ray.actor import ActorHandle
 
-from actors.instance_server import InstanceInfo, InstanceServer
+from actors.serving.server import InstanceInfo, InstanceServer
 from cluster.autoscale import (AUTOSCALED_PREFIX, AutoscalePolicy, AutoscaleStatus, AutoscalingConfig, ScaleDecision,
                                ScaleEvent, SignalReader, cause_of)
 from cluster.config import RouterConfig, SpecfleetConfig

@@ -11,7 +11,7 @@ import contextlib
 import pytest
 import ray
 
-from actors.instance_server import InstanceServer
+from actors.serving.server import InstanceServer
 from ray.exceptions import ActorDiedError
 
 from cluster.config import SpecfleetConfig, parse_config
