@@ -17,14 +17,16 @@ from cluster.config import (CacheConfig, EngineConfig, ModelConfig, RouterConfig
 from cluster.disagg import DisaggConfig
 from cluster.request import FinishReason
 from cluster.router import Router
+from deploy.cli.admin_client import Dispatch, Instances
+from deploy.cli.admin_cmd import _disaggregation_line
 from deploy.serve.frontend import Frontend
 from placement.fleet import InstanceSpec
 from tests.fixtures.tiny_models import build_tiny_model, perturbed_copy
 from tests.ray.test_instance_server import CPUS, LAYOUTS
-from tests.ray.test_migration import Fleet, kv_free, stream, wait_no_pending
+from tests.ray.test_migration import Fleet, held, kv_free, stream, wait_no_pending
 from tests.unit.helpers import load, text_prompts
 
-TOKENS = 200  # long enough that the request still decodes when its handoff lands (the first token plus a poll)
+TOKENS = 200
 ROLES = {"pd-prefill": "prefill", "pd-decode": "decode"}
 
 
@@ -70,16 +72,23 @@ def test_a_disaggregated_request_gives_the_aggregated_output(fleet) -> None:
     rows = {r.instance_id: r.role for r in ray.get(fleet.router.instances.remote())}
     assert rows == ROLES  # the role is what each registered with, as `specfleet instances` shows it
 
-    async def together() -> list:
-        return await asyncio.gather(*(stream(fleet, p, tokens=TOKENS) for p in prompts))
-    split = asyncio.run(together())
+    async def handed_off(_rid: str, _instance: str) -> None:
+        """After its first token: the prefill instance takes no step until the request has moved (a fast n-gram
+        draft may otherwise finish 200 tokens before the move lands); the handoff's calls still run there."""
+        before = sum((await fleet.router.routing_stats.remote()).handoffs.values())
+        async with held(fleet, "pd-prefill"):
+            for _ in range(600):
+                if sum((await fleet.router.routing_stats.remote()).handoffs.values()) > before:
+                    break
+                await asyncio.sleep(0.1)
+    split = [asyncio.run(stream(fleet, p, tokens=TOKENS, after=1, during=handed_off)) for p in prompts]
 
     for alone, moved in zip(aggregated, split):
         assert moved.error is None and moved.finish is FinishReason.LENGTH and len(moved.tokens) == TOKENS
         assert moved.instance == "pd-decode"  # where its stream ended: it followed the request there
         assert moved.tokens == alone.tokens and moved.text == alone.text  # no gap, no duplicate, same output
     routing = ray.get(fleet.router.routing_stats.remote())
-    assert routing.disaggregation == {"disaggregated": len(prompts)}
+    assert routing.disaggregation == {"disaggregated": len(prompts)}, routing
     assert routing.handoffs == {"finished": len(prompts)}, routing.handoffs  # each moved to the decode instance
     decoded = [r for r in ray.get(fleet.router.requests.remote()) if r.instance_id == "pd-decode"]
     assert len(decoded) >= len(prompts)  # the router's table followed them there
@@ -87,3 +96,14 @@ def test_a_disaggregated_request_gives_the_aggregated_output(fleet) -> None:
     wait_no_pending(fleet)
     assert routing.handoffs_pending == 0 and ray.get(fleet.router.routing_stats.remote()).handoffs_pending == 0
     kv_free(fleet)
+    # the figures: /metrics (as the API renders them from the router's rows and stats) and `specfleet status`'s line
+    instances = ray.get(fleet.router.instances.remote())
+    metrics = fleet.frontend.metrics
+    metrics.set_instances(instances)
+    metrics.routing_figures = routing
+    text = metrics.render().decode()
+    assert 'specfleet:instance_role{instance="pd-prefill",model_name="pd-llama",role="prefill"} 1.0' in text
+    assert f'specfleet:disagg_placements_total{{reason="disaggregated"}} {len(prompts)}.0' in text
+    assert f'specfleet:disagg_handoffs_total{{status="finished"}} {len(prompts)}.0' in text
+    line = _disaggregation_line(Instances(instances=instances), Dispatch(**routing.as_dict()))
+    assert line.startswith("disaggregation: 1 prefill, 1 decode, 0 both instance(s)") and "3 requests split" in line
