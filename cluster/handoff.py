@@ -1,5 +1,5 @@
-"""The router's side of disaggregation: place a request on a pair (`route_pair`), then watch each disaggregated request at its prefill instance, and move it to
-its decode instance once its first token is out (cluster/disagg.py chose the pair).
+"""The router's side of disaggregation: place a new request on a pair (`route_pair`, cluster/disagg.py's policy), then
+watch each split request at its prefill instance and move it to its decode instance once its first token is out.
 
 Why the router watches rather than the instance telling it: the router already reads an instance's per-request load
 between two of its steps (`InstanceServer.load`, what the migration policies read); a request whose tokens now

@@ -133,6 +133,8 @@ class Router:
             self.registry.policy = _dispatch(cfg)
         self.registry.prefix.provisional_s = cfg.cache_aware.provisional_s
         self.registry.prefix.max_entries = cfg.cache_aware.max_entries
+        self.disagg = DisaggPolicy(cfg.disaggregation)
+        self.handoffs.poll_s = cfg.disaggregation.handoff_poll_s
         self.cfg = cfg
 
     # ---- instances ----------------------------------------------------------------------------------
