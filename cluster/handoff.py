@@ -84,7 +84,10 @@ class Handoffs:
         now, started = time.monotonic(), []
         for source, load in zip(sources, loads):
             if isinstance(load, BaseException):  # health polling deals with an instance that does not answer
-                log.info("handoffs: reading %s failed (%s: %s)", source, type(load).__name__, load)
+                log.debug("handoffs: reading %s failed (%s: %s)", source, type(load).__name__, load)
+                for h in [h for h in self.pending.values() if h.source == source and now - h.since > self.lost_after_s]:
+                    del self.pending[h.request_id]  # its instance is gone or stuck: the request fails over, or ends
+                    self.dropped += 1
                 continue
             running = {r.request_id: r.tokens for r in load.running}
             waiting = {r.request_id for r in load.waiting}

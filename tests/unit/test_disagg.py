@@ -210,4 +210,7 @@ def test_a_handoff_never_seen_is_dropped_after_the_grace() -> None:
         h.add("never", "p0", "d0", prompt_tokens=10)
         await asyncio.sleep(0.01)
         assert await h.round() == [] and not h.pending and not fake.moved
+        h.add("stuck", "gone", "d0", prompt_tokens=10)  # its prefill instance never answers: dropped after the grace
+        await asyncio.sleep(0.01)
+        assert await h.round() == [] and not h.pending and h.dropped == 2
     asyncio.run(run())
