@@ -146,3 +146,15 @@ def route_pair(registry: Registry, policy: DisaggPolicy, roles: dict[str, Role],
     if blocks:  # they count where it prefills until that instance's events confirm them
         registry.prefix.routed(placement.first, blocks, now)
     return placement
+
+
+def avoid_prefill_only(registry: Registry, roles: dict[str, Role], model: str | None, exclude: set[str]) -> set[str]:
+    """`exclude` plus the `prefill` instances, when another accepting instance of `model` decodes: a failed-over
+    request resumes (its prompt and tokens so far recomputed) where it will decode, not on a prefill instance it
+    would stay on. With no such instance, `exclude` as given (a prefill instance is better than none)."""
+    prefill_only = {i for i, r in roles.items() if r == "prefill"}
+    if not prefill_only:
+        return exclude
+    left = [e for e in registry.instances.values() if e.accepting and e.instance_id not in exclude | prefill_only
+            and (model is None or e.model == model)]
+    return exclude | prefill_only if left else exclude

@@ -36,7 +36,7 @@ from cluster.migration import MigrationProgress, MigrationResult, MigrationStatu
 from cluster.migration_policy import InstanceLoad, make_planner
 from cluster.disagg import ROLES, DisaggPolicy, PromptShape, Role
 from cluster.dispatch import make_dispatch
-from cluster.handoff import Handoffs, candidates, route_pair
+from cluster.handoff import Handoffs, avoid_prefill_only, candidates, route_pair
 from cluster.instances import DrainResult, InstancePlace, InstanceRow, RequestRow
 from cluster.registry import NoInstanceAvailable, Registry, RequestStatus
 from cluster.prefix_index import PrefixIndex
@@ -388,8 +388,8 @@ class Router:
             entry = self.registry.instances.get(failed_instance)
             same = entry is not None and (self.handles.get(failed_instance) == failed_handle
                                           if failed_handle is not None else entry.incarnation == gone)
-            return self.registry.reroute(request_id, {failed_instance} if same else set(), time.time(), model,
-                                         priority, blocks)
+            exclude = avoid_prefill_only(self.registry, self.roles, model, {failed_instance} if same else set())
+            return self.registry.reroute(request_id, exclude, time.time(), model, priority, blocks)
         instance_id = await self._placed(reroute, model)
         self.migration_figures.failovers += 1
         log.warning("request %s resumes on %s after %s failed", request_id, instance_id, failed_instance)

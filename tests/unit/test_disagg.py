@@ -11,7 +11,7 @@ import pytest
 from cluster.config import RouterConfig
 from cluster.disagg import Candidate, DisaggConfig, DisaggPolicy, PromptShape, prefilled
 from cluster.dispatch import make_dispatch
-from cluster.handoff import Handoffs, route_pair
+from cluster.handoff import Handoffs, avoid_prefill_only, route_pair
 from cluster.migration_policy import InstanceLoad, RequestLoad
 from cluster.prefix import block_hashes, root_hash
 from cluster.prefix_index import PrefixIndex
@@ -157,6 +157,14 @@ def test_route_pair_leaves_out_draining_instances_and_says_why_when_none_is_left
     reg.set_draining("p0")
     with pytest.raises(NoInstanceAvailable, match="draining"):
         route_pair(reg, POLICY, ROLES, "r2", 0, 1.0, "m", (), LONG)
+
+
+def test_a_failover_avoids_prefill_instances_while_another_decodes() -> None:
+    reg = registry()
+    assert avoid_prefill_only(reg, ROLES, "m", {"d0"}) == {"d0", "p0"}  # d1 decodes: it resumes there
+    assert avoid_prefill_only(reg, ROLES, "m", {"d0", "d1"}) == {"d0", "d1"}  # only p0 is left: better than none
+    assert avoid_prefill_only(reg, {}, "m", {"d0"}) == {"d0"}  # no roles: as before
+    assert reg.reroute("r1", avoid_prefill_only(reg, ROLES, "m", {"d0"}), 1.0, "m") == "d1"
 
 
 # ---- the handoff watcher --------------------------------------------------------------------------------------------
