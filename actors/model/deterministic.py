@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from actors.kv_cache import KVCache
+from actors.kv.cache import KVCache
 from actors.model.metadata import AttentionMetadata
 
 TILE = 16  # rows per matmul call: one shape for every call (a decode pays 16 rows of compute, not of weight reads)

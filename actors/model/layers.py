@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from actors.kv_cache import KVCache
+from actors.kv.cache import KVCache
 from actors.model.metadata import AttentionMetadata
 from actors.model.qlinear import DENSE_ROWS, Int4Linear
 

@@ -30,6 +30,7 @@ from pathlib import Path
 import ray
 
 from cluster.config import MigrationConfig, SpecfleetConfig
+from cluster.migration_messages import Length
 from deploy.bench.fault_kit import MODEL as MODEL_NAME
 from deploy.bench.fault_kit import App, Hosts, LoadRun, Streamed, app_config
 from deploy.bench.output import pct
@@ -160,7 +161,7 @@ async def migration_destination_killed(app: App, hit: asyncio.Event, streams: li
     # just ended there)
     generated = {}
     for r in running:
-        length = await app.instance_actor(r.instance_id).migrate_length.remote(r.request_id)
+        length = await app.instance_actor(r.instance_id).migration.remote(Length(r.request_id))
         if length is not None and r.request_id in prompt:
             generated[r.request_id] = (length - prompt[r.request_id], r.instance_id)
     if not generated:
@@ -196,7 +197,7 @@ async def _held(app: App, instance_id: str) -> frozenset[str]:
     running = await app.router().requests.remote("running")
     actor = app.instance_actor(instance_id)
     return frozenset([r.request_id for r in running if r.instance_id == instance_id
-                      and await actor.migrate_length.remote(r.request_id) is not None])
+                      and await actor.migration.remote(Length(r.request_id)) is not None])
 
 
 def _until_back(app: App, victim: str, was: str) -> After:
