@@ -11,7 +11,7 @@ from collections.abc import Iterator
 import pytest
 import ray
 
-from actors.instance_server import InstanceServer
+from actors.serving.server import InstanceServer
 from cluster.config import (CacheConfig, EngineConfig, ModelConfig, RouterConfig, SchedulerConfig, SpecfleetConfig,
                             SpeculationConfig)
 from cluster.disagg import DisaggConfig
