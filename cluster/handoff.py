@@ -23,6 +23,7 @@ from cluster.disagg import Candidate, DisaggPolicy, Placement, PromptShape, Role
 from cluster.migration_policy import InstanceLoad
 from cluster.prefix import BlockHash
 from cluster.registry import Registry
+from cluster.request import RequestStatus
 
 log = logging.getLogger(__name__)
 
@@ -158,3 +159,18 @@ def avoid_prefill_only(registry: Registry, roles: dict[str, Role], model: str | 
     left = [e for e in registry.instances.values() if e.accepting and e.instance_id not in exclude | prefill_only
             and (model is None or e.model == model)]
     return exclude | prefill_only if left else exclude
+
+
+def handoff_destination(registry: Registry, policy: DisaggPolicy, roles: dict[str, Role], request_id: str,
+                        destination: str) -> str | None:
+    """Where a prefilled request moves: its planned decode instance while that one accepts, else the decode instance
+    the policy picks now among the others (None if there is none, or the request no longer runs)."""
+    entry = registry.requests.get(request_id)
+    source = registry.instances.get(entry.instance_id) if entry is not None else None
+    if entry is None or entry.status != RequestStatus.RUNNING or source is None:
+        return None
+    target = registry.instances.get(destination)
+    if target is not None and target.accepting and destination != source.instance_id:
+        return destination
+    return policy.decode_instance(candidates(registry, roles, source.model, {}),
+                                  exclude=frozenset({source.instance_id}))

@@ -36,7 +36,7 @@ from cluster.migration import MigrationProgress, MigrationResult, MigrationStatu
 from cluster.migration_policy import InstanceLoad, make_planner
 from cluster.disagg import ROLES, DisaggPolicy, PromptShape, Role
 from cluster.dispatch import make_dispatch
-from cluster.handoff import Handoffs, avoid_prefill_only, candidates, route_pair
+from cluster.handoff import Handoffs, avoid_prefill_only, handoff_destination, route_pair
 from cluster.instances import DrainResult, InstancePlace, InstanceRow, RequestRow
 from cluster.registry import NoInstanceAvailable, Registry, RequestStatus
 from cluster.prefix_index import PrefixIndex
@@ -252,21 +252,14 @@ class Router:
         return await asyncio.wait_for(handle.load.remote(), self.health_timeout_s)
 
     async def _hand_off(self, request_id: str, destination: str) -> MigrationResult | None:
-        """Move a prefilled request to its decode instance (or another decode instance if that one left or drains);
-        it stays where it is when none can take it, or the move aborts (both counted)."""
-        entry = self.registry.requests.get(request_id)
-        if entry is None or entry.status != RequestStatus.RUNNING:
+        """Move a prefilled request to its decode instance (or another one if that one left or drains); it stays
+        where it is when none can take it, or the move aborts (both counted)."""
+        if request_id not in self.registry.requests:
             return None
-        target = self.registry.instances.get(destination)
-        if target is None or not target.accepting:
-            model = self.registry.instances[entry.instance_id].model
-            destination = self.disagg.decode_instance(candidates(self.registry, self.roles, model, {}),
-                                                      exclude=frozenset({entry.instance_id}))
-        if destination is None:
-            self.handoff_results["no_decode_instance"] = self.handoff_results.get("no_decode_instance", 0) + 1
-            return None
-        result = await self.migrate(request_id, destination)
-        self.handoff_results[result.status.value] = self.handoff_results.get(result.status.value, 0) + 1
+        to = handoff_destination(self.registry, self.disagg, self.roles, request_id, destination)
+        result = None if to is None else await self.migrate(request_id, to)
+        outcome = "no_decode_instance" if result is None else result.status.value
+        self.handoff_results[outcome] = self.handoff_results.get(outcome, 0) + 1
         return result
 
     async def _placed(self, place, model: str | None) -> str:
@@ -464,7 +457,12 @@ class Router:
         index = self.registry.prefix
         return RoutingStats(self.registry.policy.name, dict(self.registry.decisions), len(index),
                             sum(not index.wants_snapshot(i) for i in self.registry.instances),
-                            dict(self.disagg_decisions), dict(self.handoff_results), len(self.handoffs.pending))
+                            dict(self.disagg_decisions), self._handoff_figures(), len(self.handoffs.pending))
+
+    def _handoff_figures(self) -> dict[str, int]:
+        """Handoffs by outcome, and those given up because the request ended before its first token was seen."""
+        dropped = {"ended_before_handoff": self.handoffs.dropped} if self.handoffs.dropped else {}
+        return {**self.handoff_results, **dropped}
 
     async def starting(self, instance_id: str) -> None:
         """A replica of `instance_id` begins to start (it registers when done): failovers wait for it."""

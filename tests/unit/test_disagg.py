@@ -11,7 +11,7 @@ import pytest
 from cluster.config import RouterConfig
 from cluster.disagg import Candidate, DisaggConfig, DisaggPolicy, PromptShape, prefilled
 from cluster.dispatch import make_dispatch
-from cluster.handoff import Handoffs, avoid_prefill_only, route_pair
+from cluster.handoff import Handoffs, avoid_prefill_only, handoff_destination, route_pair
 from cluster.migration_policy import InstanceLoad, RequestLoad
 from cluster.prefix import block_hashes, root_hash
 from cluster.prefix_index import PrefixIndex
@@ -157,6 +157,18 @@ def test_route_pair_leaves_out_draining_instances_and_says_why_when_none_is_left
     reg.set_draining("p0")
     with pytest.raises(NoInstanceAvailable, match="draining"):
         route_pair(reg, POLICY, ROLES, "r2", 0, 1.0, "m", (), LONG)
+
+
+def test_a_handoff_goes_to_another_decode_instance_if_its_own_left_and_nowhere_if_none_is_left() -> None:
+    reg = registry()
+    route_pair(reg, POLICY, ROLES, "r1", 0, 1.0, "m", (), LONG)
+    assert handoff_destination(reg, POLICY, ROLES, "r1", "d0") == "d0"
+    reg.set_draining("d0")
+    assert handoff_destination(reg, POLICY, ROLES, "r1", "d0") == "d1"
+    reg.remove("d1", 2.0)
+    assert handoff_destination(reg, POLICY, ROLES, "r1", "d0") is None  # it finishes where it is
+    reg.finish("r1", RequestStatus.FINISHED, 3.0)
+    assert handoff_destination(reg, POLICY, ROLES, "r1", "d0") is None and reg.pending() == 0
 
 
 def test_a_failover_avoids_prefill_instances_while_another_decodes() -> None:
