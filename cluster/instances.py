@@ -52,6 +52,7 @@ class InstanceRow(_Row):
     removed_at: float | None = None  # set on instances removed for failing health
     incarnation: str = ""  # its actor's id: a replacement under the same instance id has another
     backend: str = ""  # the path its target model runs on and why, e.g. "native path (hand-written layers for qwen2)"
+    role: str = "both"  # prefill, decode or both (cluster/disagg.py), as it registered
 
 
 class RequestRow(_Row):

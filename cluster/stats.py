@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 
 @dataclass(frozen=True)
@@ -57,6 +57,11 @@ class RoutingStats:
     decisions: dict[str, int]
     index_entries: int
     index_instances: int
+    # prefill/decode disaggregation (cluster/disagg.py): new requests' placements by reason, handoffs' migrations by
+    # outcome, and requests waiting for their first token at a prefill instance now
+    disaggregation: dict[str, int] = field(default_factory=dict)
+    handoffs: dict[str, int] = field(default_factory=dict)
+    handoffs_pending: int = 0
 
     def as_dict(self) -> dict:
         return asdict(self)

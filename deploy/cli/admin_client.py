@@ -101,6 +101,9 @@ class Dispatch(_Row):
     decisions: dict[str, int]  # prefix | load_over_prefix | load (cluster/registry.py)
     index_entries: int
     index_instances: int
+    disaggregation: dict[str, int] = {}  # placements by the prefill/decode pair policy, by reason (cluster/disagg.py)
+    handoffs: dict[str, int] = {}  # prefilled requests moved to their decode instance, by outcome
+    handoffs_pending: int = 0
 
 
 class ScaleEventRow(_Row):

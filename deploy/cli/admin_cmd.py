@@ -22,7 +22,7 @@ from pathlib import Path
 from cluster.config import AuthConfig, load_config
 from cluster.instances import InstancePlace, InstanceRow
 from deploy import DEFAULT_CONFIG, model_store
-from deploy.cli.admin_client import AdminClient, Autoscaling, Instances, ServerError
+from deploy.cli.admin_client import AdminClient, Autoscaling, Dispatch, Instances, ServerError
 from deploy.cli.flags import UsageError
 from deploy.cli.tables import show, table
 from deploy.infra import local_cluster
@@ -220,6 +220,9 @@ def run_status(args: argparse.Namespace) -> int:
     print(f"dispatch: {dispatch.policy}; {d.get('prefix', 0)} routed to a cached prefix, "
           f"{d.get('load_over_prefix', 0)} away from one (too loaded), {d.get('load', 0)} by load alone; "
           f"prefix index: {dispatch.index_entries} blocks of {dispatch.index_instances} instance(s)")
+    roles = {i.role for i in inst.instances}
+    if roles - {"both"} or dispatch.disaggregation:
+        print(_disaggregation_line(inst, dispatch))
     by = moves.by_status
     print(f"migrations: {by.get('finished', 0)} finished, {by.get('aborted_src', 0)} aborted at the source, "
           f"{by.get('aborted_dst', 0)} at the destination; downtime mean {moves.downtime_mean_s * 1e3:.1f} ms, "
@@ -406,6 +409,20 @@ def _expert_load(ep: list) -> dict:
             "moe_ms_per_token": mean(lambda s: 1e3 * s.moe_s_per_token)}
 
 
+def _disaggregation_line(inst: Instances, dispatch: Dispatch) -> str:
+    """Prefill/decode disaggregation in one line: instances per role, placements, handoffs (docs/disaggregation.md)."""
+    per_role = {r: sum(i.role == r for i in inst.instances) for r in ("prefill", "decode", "both")}
+    running = "/".join(str(sum(i.stats.running for i in inst.instances if i.role == r and i.stats)) for r in per_role)
+    d, h = dispatch.disaggregation, dispatch.handoffs
+    named = ("disaggregated", "prefix_hit", "short_prompt")
+    other = sum(d.values()) - sum(d.get(k, 0) for k in named)
+    return (f"disaggregation: {per_role['prefill']} prefill, {per_role['decode']} decode, {per_role['both']} both "
+            f"instance(s), running {running}; {d.get('disaggregated', 0)} requests split, {d.get('prefix_hit', 0)} "
+            f"decoded where their prefix was cached, {d.get('short_prompt', 0)} short, {other} otherwise; handoffs "
+            f"{h.get('finished', 0)} done, {sum(h.values()) - h.get('finished', 0)} not, "
+            f"{dispatch.handoffs_pending} waiting for a first token")
+
+
 def _print_instances(inst: Instances, names: dict[str, str]) -> None:
     """A table of the instances, then each one's place and error, then those removed."""
     numbers = ("FLIGHT", "RUN", "WAIT", "KV USED", "ACCEPT", "K", "STEP ms", "PREFIX HIT")
@@ -421,6 +438,7 @@ def _print_instances(inst: Instances, names: dict[str, str]) -> None:
         t.add_row(i.instance_id, i.model[:24], names.get(i.node, i.node[:12]), state, str(i.in_flight), *cols)
         notes += [f"{i.instance_id} place: {_place(i.place)}"] if i.place.stages else []
         notes += [f"{i.instance_id} model: {i.backend}"] if i.backend else []
+        notes += [f"{i.instance_id} role: {i.role}"] if i.role != "both" else []
         notes += [f"{i.instance_id} error: {i.error}"] if i.error else []
     if inst.instances:
         show(t)

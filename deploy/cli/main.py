@@ -38,6 +38,8 @@ COMMANDS: list[tuple[tuple[str, ...], str, str, str]] = [
      "deploy.bench.group_step", "add_arguments"),
     (("bench", "migration"), "live migration's downtime (staged vs stop-and-copy) by context length, failover, and "
      "migration policies under skewed load, on the local cluster", "deploy.bench.migration", "add_arguments"),
+    (("bench", "disagg"), "long-prompt interference: short requests' ITL p99 while long prompts arrive, aggregated vs "
+     "prefill/decode disaggregated, on 3 local nodes", "deploy.bench.disagg", "add_arguments"),
     (("bench", "moe"), "plain expert parallelism vs Speculative MoE's expert grouping and request placement, on "
      "the local cluster", "deploy.bench.moe", "add_arguments"),
     (("bench", "faults"), "each fault (router, instance, shard, node killed; link cut or degraded; a migration's "

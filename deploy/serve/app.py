@@ -81,6 +81,7 @@ class SpecfleetInstance:
         began = time.monotonic()
         self.instance_id = spec.instance_id
         self.router_cfg = router_cfg
+        self.role = router_cfg.disaggregation.role_of(index)  # prefill, decode or both (docs/disaggregation.md)
         self.router = router_client(router_cfg)
         try:  # requests waiting for an instance wait for this start (cluster/start_times.py)
             self.router.call_blocking(lambda r: r.starting.remote(self.instance_id), timeout_s=HEALTH_TIMEOUT_S)
@@ -157,7 +158,7 @@ class SpecfleetInstance:
     def _register(self, router):
         i = self.info
         return router.register.remote(self.instance_id, self.server, i.model, i.max_model_len, i.node_id,
-                                      self.spec.place, i.actor_id, self.start_s, i.backend, self.phases)
+                                      self.spec.place, i.actor_id, self.start_s, i.backend, self.phases, self.role)
 
     async def check_health(self) -> None:
         """Serve calls this every few seconds; raising makes Serve replace the replica (and so the instance). Only
@@ -169,9 +170,11 @@ class SpecfleetInstance:
             self._registering = asyncio.get_running_loop().create_task(self._keep_registered())
 
     async def _keep_registered(self) -> None:
-        """Register again if the router does not know this incarnation (it restarted, or removed us)."""
+        """Register again if the router does not know this incarnation (it restarted, or removed us), or not its role
+        (a restarted router rebuilds from the instances, which do not know their roles)."""
         try:
-            known = await self.router.call(lambda r: r.is_registered.remote(self.instance_id, self.info.actor_id),
+            known = await self.router.call(lambda r: r.is_registered.remote(self.instance_id, self.info.actor_id,
+                                                                            self.role),
                                            timeout_s=HEALTH_TIMEOUT_S)
             if not known:
                 await self.router.call(self._register, timeout_s=HEALTH_TIMEOUT_S)

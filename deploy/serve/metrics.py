@@ -82,6 +82,14 @@ class Metrics:
                            "MoE-layer seconds per token (over every MoE layer, all-to-all included)", inst, registry=r)
         self.healthy_instances = Gauge("specfleet:healthy_instances", "Instances the router dispatches to", m,
                                        registry=r)
+        # prefill/decode disaggregation (docs/disaggregation.md): each instance's role as an info gauge (1), and the
+        # running and waiting requests summed per role
+        self.instance_role = Gauge("specfleet:instance_role", "An instance's role (prefill, decode or both): 1",
+                                   inst + ["role"], registry=r)
+        self.role_running = Gauge("specfleet:num_requests_running_by_role", "Requests running, per instance role",
+                                  m + ["role"], registry=r)
+        self.role_waiting = Gauge("specfleet:num_requests_waiting_by_role", "Requests waiting, per instance role",
+                                  m + ["role"], registry=r)
         # requests that did not end as asked, by outcome: `failure` (a non-streamed request that failed: a 503),
         # `partial_failure` (one some of whose choices failed: a 503 too, not a 200 with holes), `stream_error` (an
         # error event in a stream), `client_stopped_reading` (a stream cut after the client read nothing for
@@ -116,17 +124,20 @@ class Metrics:
         """Refresh the load gauges from the router's `instances()` rows."""
         for g in (self.running, self.waiting, self.kv_usage, self.preemptions, self.router_in_flight,
                   self.draft_s_per_token, self.calibration_tokens, self.calibration_s, self.moe_local_rate,
-                  self.moe_bytes, self.moe_s):
+                  self.moe_bytes, self.moe_s, self.instance_role, self.role_running, self.role_waiting):
             g.clear()
         self.instance_rows = list(instances)
         healthy = 0
         for row in instances:
             healthy += row.accepting
             self.router_in_flight.labels(row.model, row.instance_id).set(row.in_flight)
+            self.instance_role.labels(row.model, row.instance_id, row.role).set(1)
             s = row.stats
             if s is None:
                 continue
             labels = (row.model, row.instance_id)
+            self.role_running.labels(row.model, row.role).inc(s.running)
+            self.role_waiting.labels(row.model, row.role).inc(s.waiting)
             self.running.labels(*labels).set(s.running)
             self.waiting.labels(*labels).set(s.waiting)
             total = s.kv_blocks_used + s.kv_blocks_free
@@ -193,6 +204,20 @@ class _RoutingCollector(_ScrapeCollector):
         yield decisions
         yield GaugeMetricFamily("specfleet:router_prefix_index_entries",
                                 "(instance, KV block) pairs the router's prefix index holds", value=s.index_entries)
+        if s.disaggregation or s.handoffs or s.handoffs_pending:  # instances with a prefill or decode role
+            placed = CounterMetricFamily("specfleet:disagg_placements", "New requests placed by the prefill/decode "
+                                         "pair policy, by reason (cluster/disagg.py)", labels=["reason"])
+            for reason, n in sorted(s.disaggregation.items()):
+                placed.add_metric([reason], n)
+            yield placed
+            handoffs = CounterMetricFamily("specfleet:disagg_handoffs", "Prefilled requests moved to their decode "
+                                           "instance, by the migration's outcome", labels=["status"])
+            for status, n in sorted(s.handoffs.items()):
+                handoffs.add_metric([status], n)
+            yield handoffs
+            yield GaugeMetricFamily("specfleet:disagg_handoffs_pending",
+                                    "Requests waiting for their first token at a prefill instance",
+                                    value=s.handoffs_pending)
 
 
 class _AutoscaleCollector(_ScrapeCollector):
