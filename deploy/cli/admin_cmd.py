@@ -34,7 +34,9 @@ REQUEST_STATUSES = ("running", "finished", "aborted", "failed")
 
 # ---- where the app is and which keys open it --------------------------------------------------------------
 @dataclass(frozen=True)
-class Endpoint:
+class AppEndpoint:
+    """Where the app answers and the keys that open it (not the migration's `Endpoint`)."""
+
     url: str
     admin_key: str | None
     api_key: str | None
@@ -66,14 +68,14 @@ def first_key(auth: AuthConfig, admin: bool) -> str | None:
         return None
 
 
-def endpoint(args: argparse.Namespace) -> Endpoint:
+def endpoint(args: argparse.Namespace) -> AppEndpoint:
     cfg = load_config(args.config)
     url = args.url or f"http://127.0.0.1:{cfg.serve.http_port}"
     if not url.startswith(("http://", "https://")):
         raise UsageError(f"--url must start with http:// or https://, got {url!r}")
     admin_file, api_file = getattr(args, "admin_key_file", None), getattr(args, "api_key_file", None)
-    return Endpoint(url, args.admin_key or _key_file(admin_file, "admin") or first_key(cfg.serve.auth, admin=True),
-                    args.api_key or _key_file(api_file, "API") or first_key(cfg.serve.auth, admin=False))
+    return AppEndpoint(url, args.admin_key or _key_file(admin_file, "admin") or first_key(cfg.serve.auth, admin=True),
+                       args.api_key or _key_file(api_file, "API") or first_key(cfg.serve.auth, admin=False))
 
 
 def _key_file(path: Path | None, what: str) -> str | None:

@@ -24,7 +24,7 @@ from actors.executors.protocol import ExpertRanks
 from actors.model.loader import load_model
 from actors.model.metadata import SeqChunk
 from actors.moe.ep import EPStats
-from actors.moe.profile import RoutingStats, profile
+from actors.moe.profile import ExpertRoutingStats, profile
 from actors.engine.offline import generate
 from cluster.config import CacheConfig, ExpertParallelConfig
 from cluster.request import Request, SamplingParams
@@ -198,8 +198,8 @@ async def _generate_all(handle, requests) -> list[list[int]]:
     return await asyncio.gather(*(one(r) for r in requests))
 
 
-def _stats_of(data: bytes) -> RoutingStats:
+def _stats_of(data: bytes) -> ExpertRoutingStats:
     with tempfile.NamedTemporaryFile(suffix=".safetensors") as f:
         f.write(data)
         f.flush()
-        return RoutingStats.load_file(Path(f.name))
+        return ExpertRoutingStats.load_file(Path(f.name))
