@@ -51,7 +51,7 @@ from cluster.config import EngineConfig, GrammarConfig, SchedulerConfig, Specula
 from cluster.migration_policy import InstanceLoad, RequestLoad
 from cluster.prefix import ChainNames, request_root
 from cluster.request import FinishReason, InvalidRequest, Request, TokenDelta, check_prompt, context_length
-from cluster.stats import EngineStats
+from cluster.stats import EngineStats, LoadStats, MoEStats, PrefixCacheStats, SpecDecodingStats, StepStats
 
 
 log = logging.getLogger(__name__)
@@ -429,19 +429,19 @@ class Engine:
         dc = self.draft.cache if self.draft is not None else None
         ep = self.target.expert_stats()  # an expert-parallel target's figures since the start (else None)
         return EngineStats(
-            running=len(self.running), waiting=len(self.waiting),
-            kv_blocks_used=tc.num_used_blocks, kv_blocks_free=tc.num_free_blocks,
-            draft_kv_blocks_used=dc.num_used_blocks if dc else 0, draft_kv_blocks_free=dc.num_free_blocks if dc else 0,
-            num_steps=c.steps, step_time_s=c.step_s, step_time_ema_s=c.step_ema_s,
-            batch_size=c.batch_size, batch_tokens=c.batch_tokens, prefill_tokens=c.prefill_tokens,
-            mean_k=c.mean_k, acceptance=self.acceptance.rate, tokens_emitted=c.tokens_emitted,
-            num_preemptions=self.scheduler.num_preemptions, policy=self.policy.name,
-            draft_s_per_token=c.draft_s_per_token, acceptance_by_position=c.acceptance_by_position,
-            calibration_tokens=calibration.tokens if calibration else 0,
-            calibration_s=calibration.seconds if calibration else 0.0,
-            moe_local_rate=ep.local_rate if ep else 0.0,
-            moe_alltoall_bytes_per_token=ep.bytes_per_token if ep else 0.0,
-            moe_s_per_token=ep.seconds_per_token if ep else 0.0,
-            prefix_cache_queries=self.scheduler.prefix_queries, prefix_cache_hits=self.scheduler.prefix_hits,
-            kv_blocks_cached=tc.num_cached_blocks,
+            load=LoadStats(running=len(self.running), waiting=len(self.waiting), kv_blocks_used=tc.num_used_blocks,
+                           kv_blocks_free=tc.num_free_blocks, draft_kv_blocks_used=dc.num_used_blocks if dc else 0,
+                           draft_kv_blocks_free=dc.num_free_blocks if dc else 0,
+                           num_preemptions=self.scheduler.num_preemptions),
+            step=StepStats(num_steps=c.steps, step_time_s=c.step_s, step_time_ema_s=c.step_ema_s,
+                           batch_size=c.batch_size, batch_tokens=c.batch_tokens, prefill_tokens=c.prefill_tokens,
+                           tokens_emitted=c.tokens_emitted),
+            spec=SpecDecodingStats(policy=self.policy.name, mean_k=c.mean_k, acceptance=self.acceptance.rate,
+                                   draft_s_per_token=c.draft_s_per_token,
+                                   acceptance_by_position=c.acceptance_by_position,
+                                   calibration_tokens=calibration.tokens if calibration else 0,
+                                   calibration_s=calibration.seconds if calibration else 0.0),
+            prefix_cache=PrefixCacheStats(queries=self.scheduler.prefix_queries, hits=self.scheduler.prefix_hits,
+                                          cached_blocks=tc.num_cached_blocks),
+            moe=MoEStats(ep.local_rate, ep.bytes_per_token, ep.seconds_per_token) if ep else MoEStats(),
         )
