@@ -290,14 +290,14 @@ class SignalReader:
         for r in rows:
             if not r.healthy:
                 continue
-            running = r.stats.running if r.stats is not None else 0
-            waiting = max(r.stats.waiting if r.stats is not None else 0, r.in_flight - running, 0)
+            running = r.stats.load.running if r.stats is not None else 0
+            waiting = max(r.stats.load.waiting if r.stats is not None else 0, r.in_flight - running, 0)
             instances.append(InstanceSignal(r.instance_id, waiting, running, r.draining,
                                             r.instance_id.startswith(AUTOSCALED_PREFIX)))
             if r.stats is not None and not r.draining:
-                step = r.stats.step_time_ema_s
+                step = r.stats.step.step_time_ema_s
                 if running:
-                    self.itl.add(now, [r.stats.step_time_s])
+                    self.itl.add(now, [r.stats.step.step_time_s])
                 if running or waiting:
                     self.ttft.add(now, [step * (1.0 + waiting / self.slots)])
         return FleetSignal(tuple(instances), self.ttft.p99(now), self.itl.p99(now), starting)

@@ -297,7 +297,7 @@ class Router:
                     pass
 
     @_after_start
-    async def finish(self, request_id: str, status: str) -> None:
+    async def finish(self, request_id: str, status: RequestStatus) -> None:
         self.handoffs.drop(request_id)
         self.registry.finish(request_id, RequestStatus(status), time.time())
 
@@ -491,9 +491,9 @@ class Router:
         return True
 
     @_after_start
-    async def requests(self, status: str | None = None) -> list[RequestRow]:
+    async def requests(self, status: RequestStatus | None = None) -> list[RequestRow]:
         rows = [r.row() for r in self.registry.requests.values()]
-        return [r for r in rows if status is None or r.status == status]
+        return [r for r in rows if status is None or r.status == RequestStatus(status)]
 
     @_after_start
     async def pending(self) -> int:

@@ -27,7 +27,7 @@ from cluster.dispatch import make_dispatch
 from cluster.migration_policy import InstanceLoad, RequestLoad, make_planner
 from cluster.registry import Registry
 from cluster.request import RequestStatus
-from cluster.stats import EngineStats
+from cluster.stats import EngineStats, LoadStats, StepStats
 from deploy.bench.output import save
 
 MODEL = "sim-model"
@@ -63,11 +63,9 @@ class SimInstance:
     queue: deque = field(default_factory=deque)  # (request id, run time)
 
     def stats(self) -> EngineStats:
-        return EngineStats(running=len(self.running), waiting=len(self.queue), kv_blocks_used=len(self.running),
-                           kv_blocks_free=self.slots - len(self.running), draft_kv_blocks_used=0,
-                           draft_kv_blocks_free=0, num_steps=0, step_time_s=STEP_S, step_time_ema_s=STEP_S,
-                           batch_size=len(self.running), batch_tokens=len(self.running), prefill_tokens=0, mean_k=0.0,
-                           acceptance=0.0, tokens_emitted=0, num_preemptions=0, policy="off")
+        n = len(self.running)
+        return EngineStats(LoadStats(running=n, waiting=len(self.queue), kv_blocks_used=n, kv_blocks_free=self.slots - n),
+                           StepStats(step_time_s=STEP_S, step_time_ema_s=STEP_S, batch_size=n, batch_tokens=n))
 
     def load(self, draining: bool) -> InstanceLoad:
         return InstanceLoad(self.instance_id, self.slots, tuple(RequestLoad(r, 1) for r in self.running),

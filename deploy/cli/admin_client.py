@@ -2,7 +2,7 @@
 
     client = AdminClient("http://127.0.0.1:8000", admin_key="sk-...")
     for inst in client.instances().instances:
-        print(inst.instance_id, inst.stats.running if inst.stats else "-")
+        print(inst.instance_id, inst.stats.load.running if inst.stats else "-")
 
 Failures a user can fix (app not reachable, wrong key, unknown id) raise AdminError, a UsageError, so the CLI
 prints the message and exits 2; the server failing (5xx) raises ServerError. Keys never appear in messages.

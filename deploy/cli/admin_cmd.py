@@ -21,6 +21,7 @@ from pathlib import Path
 
 from cluster.config import AuthConfig, load_config
 from cluster.instances import InstancePlace, InstanceRow
+from cluster.stats import MoEStats, PrefixCacheStats
 from deploy import DEFAULT_CONFIG, model_store
 from deploy.cli.admin_client import AdminClient, Autoscaling, Dispatch, Instances, ServerError
 from deploy.cli.flags import UsageError
@@ -34,7 +35,9 @@ REQUEST_STATUSES = ("running", "finished", "aborted", "failed")
 
 # ---- where the app is and which keys open it --------------------------------------------------------------
 @dataclass(frozen=True)
-class Endpoint:
+class AppEndpoint:
+    """Where the app answers and the keys that open it (not the migration's `Endpoint`)."""
+
     url: str
     admin_key: str | None
     api_key: str | None
@@ -66,14 +69,14 @@ def first_key(auth: AuthConfig, admin: bool) -> str | None:
         return None
 
 
-def endpoint(args: argparse.Namespace) -> Endpoint:
+def endpoint(args: argparse.Namespace) -> AppEndpoint:
     cfg = load_config(args.config)
     url = args.url or f"http://127.0.0.1:{cfg.serve.http_port}"
     if not url.startswith(("http://", "https://")):
         raise UsageError(f"--url must start with http:// or https://, got {url!r}")
     admin_file, api_file = getattr(args, "admin_key_file", None), getattr(args, "api_key_file", None)
-    return Endpoint(url, args.admin_key or _key_file(admin_file, "admin") or first_key(cfg.serve.auth, admin=True),
-                    args.api_key or _key_file(api_file, "API") or first_key(cfg.serve.auth, admin=False))
+    return AppEndpoint(url, args.admin_key or _key_file(admin_file, "admin") or first_key(cfg.serve.auth, admin=True),
+                       args.api_key or _key_file(api_file, "API") or first_key(cfg.serve.auth, admin=False))
 
 
 def _key_file(path: Path | None, what: str) -> str | None:
@@ -379,40 +382,41 @@ def _place(place: InstancePlace) -> str:
 
 def _load(inst: Instances) -> dict:
     stats = [i.stats for i in inst.instances if i.stats is not None]
-    spec = [s for s in stats if s.policy != "off"]
-    return {"running": sum(s.running for s in stats), "waiting": sum(s.waiting for s in stats),
+    spec = [s.spec for s in stats if s.spec.policy != "off"]
+    return {"running": sum(s.load.running for s in stats), "waiting": sum(s.load.waiting for s in stats),
             "in_flight": sum(i.in_flight for i in inst.instances),
             "pending": sum(i.in_flight for i in inst.instances),  # the router's backpressure count
-            "kv_blocks_used": sum(s.kv_blocks_used for s in stats),
-            "kv_blocks_total": sum(s.kv_blocks_used + s.kv_blocks_free for s in stats),
+            "kv_blocks_used": sum(s.load.kv_blocks_used for s in stats),
+            "kv_blocks_total": sum(s.load.kv_blocks_used + s.load.kv_blocks_free for s in stats),
             "acceptance": round(sum(s.acceptance for s in spec) / len(spec), 4) if spec else None,
             "mean_k": round(sum(s.mean_k for s in spec) / len(spec), 3) if spec else None,
             "draft_ms_per_token": round(1e3 * sum(s.draft_s_per_token for s in spec) / len(spec), 3) if spec else None,
             "calibration_tokens": sum(s.calibration_tokens for s in spec),
             "calibration_s": round(sum(s.calibration_s for s in spec), 3),
-            **_prefix_cache(stats),
-            **_expert_load([s for s in stats if s.moe_alltoall_bytes_per_token or s.moe_local_rate])}
+            **_prefix_cache([s.prefix_cache for s in stats]),
+            **_expert_load([s.moe for s in stats if s.moe.active])}
 
 
-def _prefix_cache(stats: list) -> dict:
+def _prefix_cache(stats: list[PrefixCacheStats]) -> dict:
     """Fleet-wide prefix cache figures in tokens (each instance's since it started), and the hit rate."""
-    queries, hits = sum(s.prefix_cache_queries for s in stats), sum(s.prefix_cache_hits for s in stats)
+    queries, hits = sum(s.queries for s in stats), sum(s.hits for s in stats)
     return {"prefix_cache_queries": queries, "prefix_cache_hits": hits,
             "prefix_cache_hit_rate": round(hits / queries, 4) if queries else None}
 
 
-def _expert_load(ep: list) -> dict:
+def _expert_load(ep: list[MoEStats]) -> dict:
     """Expert-parallel figures, mean over the instances that have them (None without any)."""
     mean = lambda f: round(sum(f(s) for s in ep) / len(ep), 4) if ep else None  # noqa: E731
-    return {"moe_local_rate": mean(lambda s: s.moe_local_rate),
-            "moe_bytes_per_token": mean(lambda s: s.moe_alltoall_bytes_per_token),
-            "moe_ms_per_token": mean(lambda s: 1e3 * s.moe_s_per_token)}
+    return {"moe_local_rate": mean(lambda s: s.local_rate),
+            "moe_bytes_per_token": mean(lambda s: s.alltoall_bytes_per_token),
+            "moe_ms_per_token": mean(lambda s: 1e3 * s.s_per_token)}
 
 
 def _disaggregation_line(inst: Instances, dispatch: Dispatch) -> str:
     """Prefill/decode disaggregation in one line: instances per role, placements, handoffs (docs/disaggregation.md)."""
     per_role = {r: sum(i.role == r for i in inst.instances) for r in ("prefill", "decode", "both")}
-    running = "/".join(str(sum(i.stats.running for i in inst.instances if i.role == r and i.stats)) for r in per_role)
+    running = "/".join(str(sum(i.stats.load.running for i in inst.instances if i.role == r and i.stats))
+                       for r in per_role)
     d, h = dispatch.disaggregation, dispatch.handoffs
     named = ("disaggregated", "prefix_hit", "short_prompt")
     other = sum(d.values()) - sum(d.get(k, 0) for k in named)
@@ -431,10 +435,10 @@ def _print_instances(inst: Instances, names: dict[str, str]) -> None:
     for i in inst.instances:
         state = "unhealthy" if not i.healthy else "draining" if i.draining else "ok"
         s = i.stats
-        kv = f"{s.kv_blocks_used}/{s.kv_blocks_used + s.kv_blocks_free}" if s else "-"
-        hit = f"{s.prefix_cache_hits / s.prefix_cache_queries:.2f}" if s and s.prefix_cache_queries else "-"
-        cols = (str(s.running), str(s.waiting), kv, f"{s.acceptance:.2f}", f"{s.mean_k:.2f}",
-                f"{s.step_time_ema_s * 1e3:.1f}", hit) if s else ("-", "-", kv, "-", "-", "-", "-")
+        kv = f"{s.load.kv_blocks_used}/{s.load.kv_blocks_used + s.load.kv_blocks_free}" if s else "-"
+        hit = f"{s.prefix_cache.hits / s.prefix_cache.queries:.2f}" if s and s.prefix_cache.queries else "-"
+        cols = (str(s.load.running), str(s.load.waiting), kv, f"{s.spec.acceptance:.2f}", f"{s.spec.mean_k:.2f}",
+                f"{s.step.step_time_ema_s * 1e3:.1f}", hit) if s else ("-", "-", kv, "-", "-", "-", "-")
         t.add_row(i.instance_id, i.model[:24], names.get(i.node, i.node[:12]), state, str(i.in_flight), *cols)
         notes += [f"{i.instance_id} place: {_place(i.place)}"] if i.place.stages else []
         notes += [f"{i.instance_id} model: {i.backend}"] if i.backend else []

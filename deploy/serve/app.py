@@ -84,14 +84,14 @@ class SpecfleetInstance:
         self.role = router_cfg.disaggregation.role_of(index)  # prefill, decode or both (docs/disaggregation.md)
         self.router = router_client(router_cfg)
         try:  # requests waiting for an instance wait for this start (cluster/start_times.py)
-            self.router.call_blocking(lambda r: r.starting.remote(self.instance_id), timeout_s=HEALTH_TIMEOUT_S)
+            self.router.sync.starting(self.instance_id, timeout_s=HEALTH_TIMEOUT_S)
         except Exception as e:  # noqa: BLE001 - the router is away: start anyway; it learns of us at registration
             log.warning("%s: could not tell the router it starts (%s: %s)", self.instance_id, type(e).__name__, e)
         self.spec, self.server, self.info = self._start(index, spec, began + LOAD_TIMEOUT_S)
         self.start_s = time.monotonic() - began  # what the router's failover wait learns from (cluster/start_times.py)
         log.info("%s: %s runs on the %s", self.instance_id, spec.engine.model.target, self.info.backend)
         self.phases = self._phases()
-        self.router.call_blocking(self._register)
+        self.router.sync.register(*self._registration())
         self._registering: asyncio.Task | None = None
 
     def _start(self, index: int, spec: InstanceSpec, deadline: float):
@@ -127,7 +127,7 @@ class SpecfleetInstance:
         now; with no room, wait for a node to join (until `deadline`)."""
         while True:
             try:
-                rows = self.router.call_blocking(lambda r: r.instances.remote())
+                rows = self.router.sync.instances()
             except Exception as e:  # noqa: BLE001 - no router to ask: plan as if no other instance held a device
                 log.warning("%s: no instances from the router (%s: %s)", self.instance_id, type(e).__name__, e)
                 rows = []
@@ -155,10 +155,11 @@ class SpecfleetInstance:
             return ()
         return (("replica", round(max(0.0, self.start_s - got.total_s), 3)),) + got.phases
 
-    def _register(self, router):
+    def _registration(self) -> tuple:
+        """`router.register`'s arguments for this incarnation (cluster/router.py)."""
         i = self.info
-        return router.register.remote(self.instance_id, self.server, i.model, i.max_model_len, i.node_id,
-                                      self.spec.place, i.actor_id, self.start_s, i.backend, self.phases, self.role)
+        return (self.instance_id, self.server, i.model, i.max_model_len, i.node_id, self.spec.place, i.actor_id,
+                self.start_s, i.backend, self.phases, self.role)
 
     async def check_health(self) -> None:
         """Serve calls this every few seconds; raising makes Serve replace the replica (and so the instance). Only
@@ -173,11 +174,10 @@ class SpecfleetInstance:
         """Register again if the router does not know this incarnation (it restarted, or removed us), or not its role
         (a restarted router rebuilds from the instances, which do not know their roles)."""
         try:
-            known = await self.router.call(lambda r: r.is_registered.remote(self.instance_id, self.info.actor_id,
-                                                                            self.role),
-                                           timeout_s=HEALTH_TIMEOUT_S)
+            known = await self.router.is_registered(self.instance_id, self.info.actor_id, self.role,
+                                                    timeout_s=HEALTH_TIMEOUT_S)
             if not known:
-                await self.router.call(self._register, timeout_s=HEALTH_TIMEOUT_S)
+                await self.router.register(*self._registration(), timeout_s=HEALTH_TIMEOUT_S)
                 log.warning("%s registered again with the router", self.instance_id)
         except Exception as e:  # noqa: BLE001 - the router is away: the next health check tries again
             log.warning("%s: could not reach the router (%s: %s)", self.instance_id, type(e).__name__, e)
@@ -209,15 +209,14 @@ class SpecfleetAPI(HttpRoutes, ResponsesRoutes, GrpcMethods):
         self.cfg = cfg
         self.instances = instances  # keeps the instance deployments part of the app
         self.autoscaler = autoscaler  # router.autoscaling's (deploy/serve/autoscaler.py), None for a fixed fleet
-        self.router = router_client(cfg.router)  # routes call `await self.router.call(lambda r: r.<method>.remote())`
-        self.router.call_blocking(lambda r: r.configure.remote(cfg.router), timeout_s=30)
+        self.router = router_client(cfg.router)  # routes call `await self.router.<method>(...)` (typed)
+        self.router.sync.configure(cfg.router, timeout_s=30)
         self.frontend = Frontend(cfg, self.router, resolve=lambda s: resolve_model(s, cfg.engine.model.dtype))
         self.edge = Edge(cfg.serve, self.frontend)
         # what the unauthenticated /health, /metrics and gRPC Health read: one router call a second per replica
-        self.instances_view = Cached(lambda: self.router.call(lambda r: r.instances.remote()))
+        self.instances_view = Cached(lambda: self.router.instances())
         self.fleet_view = Cached(lambda: asyncio.gather(
-            self.router.call(lambda r: r.instances.remote()), self.router.call(lambda r: r.migration_stats.remote()),
-            self.router.call(lambda r: r.routing_stats.remote())))
+            self.router.instances(), self.router.migration_stats(), self.router.routing_stats()))
         self.api_keys = KeySet.load(cfg.serve.auth)
         self.admin_keys = KeySet.load(cfg.serve.auth, admin=True)
         log.info("API keys: %d for /v1 and gRPC, %d for /admin (from %s)", len(self.api_keys), len(self.admin_keys),

@@ -262,8 +262,8 @@ class Frontend:
         limit = self.cfg.serve.max_pending_requests
         wait_s = self.cfg.router.failover.max_wait_s  # the router may wait up to that for an instance to come up
         routing = asyncio.get_running_loop().create_task(
-            self.router.call(lambda r: r.route.remote(rid, priority, self.model_name, limit, blocks, shape),
-                             timeout_s=wait_s + RELEASE_TIMEOUT_S),
+            self.router.route(rid, priority, self.model_name, limit, blocks, shape,
+                              timeout_s=wait_s + RELEASE_TIMEOUT_S),
             context=contextvars.Context())  # no child of the request: see above
         try:
             return await asyncio.shield(routing)
@@ -292,7 +292,7 @@ class Frontend:
             except (RayError, asyncio.TimeoutError) as e:
                 log.warning("aborting request %s at its instance failed (%s: %s)", rid, type(e).__name__, e)
         try:  # idempotent at the router: a request that already ended keeps its status
-            await self.router.call(lambda r: r.finish.remote(rid, status.value), timeout_s=RELEASE_TIMEOUT_S)
+            await self.router.finish(rid, status, timeout_s=RELEASE_TIMEOUT_S)
         except (RayError, asyncio.TimeoutError) as e:
             log.error("telling the router that request %s ended (%s) failed (%s: %s); its next poll closes it",
                       rid, status.value, type(e).__name__, e)
@@ -304,9 +304,8 @@ class Frontend:
         (learned from the starts it saw, at most `router.failover.max_wait_s`), so the deadline leaves it that long."""
         instance_id, handle = failed
         wait_s = self.cfg.router.failover.max_wait_s
-        return await self.router.call(lambda r: r.failover.remote(rid, instance_id, handle, priority, self.model_name,
-                                                                  blocks),
-                                      timeout_s=wait_s + RELEASE_TIMEOUT_S)
+        return await self.router.failover(rid, instance_id, handle, priority, self.model_name, blocks,
+                                          timeout_s=wait_s + RELEASE_TIMEOUT_S)
 
     def _supervise(self, coro, rid: str) -> None:
         """Run a release in its own task, in a fresh context: its Ray calls are no children of the request."""

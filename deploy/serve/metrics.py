@@ -136,20 +136,20 @@ class Metrics:
             if s is None:
                 continue
             labels = (row.model, row.instance_id)
-            self.role_running.labels(row.model, row.role).inc(s.running)
-            self.role_waiting.labels(row.model, row.role).inc(s.waiting)
-            self.running.labels(*labels).set(s.running)
-            self.waiting.labels(*labels).set(s.waiting)
-            total = s.kv_blocks_used + s.kv_blocks_free
-            self.kv_usage.labels(*labels).set(s.kv_blocks_used / total if total else 0.0)
-            self.preemptions.labels(*labels).set(s.num_preemptions)
-            self.draft_s_per_token.labels(*labels).set(s.draft_s_per_token)
-            self.calibration_tokens.labels(*labels).set(s.calibration_tokens)
-            self.calibration_s.labels(*labels).set(s.calibration_s)
-            if s.moe_alltoall_bytes_per_token or s.moe_local_rate:  # an expert-parallel instance
-                self.moe_local_rate.labels(*labels).set(s.moe_local_rate)
-                self.moe_bytes.labels(*labels).set(s.moe_alltoall_bytes_per_token)
-                self.moe_s.labels(*labels).set(s.moe_s_per_token)
+            self.role_running.labels(row.model, row.role).inc(s.load.running)
+            self.role_waiting.labels(row.model, row.role).inc(s.load.waiting)
+            self.running.labels(*labels).set(s.load.running)
+            self.waiting.labels(*labels).set(s.load.waiting)
+            total = s.load.kv_blocks_used + s.load.kv_blocks_free
+            self.kv_usage.labels(*labels).set(s.load.kv_blocks_used / total if total else 0.0)
+            self.preemptions.labels(*labels).set(s.load.num_preemptions)
+            self.draft_s_per_token.labels(*labels).set(s.spec.draft_s_per_token)
+            self.calibration_tokens.labels(*labels).set(s.spec.calibration_tokens)
+            self.calibration_s.labels(*labels).set(s.spec.calibration_s)
+            if s.moe.active:  # an expert-parallel instance
+                self.moe_local_rate.labels(*labels).set(s.moe.local_rate)
+                self.moe_bytes.labels(*labels).set(s.moe.alltoall_bytes_per_token)
+                self.moe_s.labels(*labels).set(s.moe.s_per_token)
         self.healthy_instances.labels(self.model).set(healthy)
         self.router_pending.labels(self.model).set(sum(row.in_flight for row in instances))
 

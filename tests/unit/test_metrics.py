@@ -12,7 +12,7 @@ def _stats(**kw) -> EngineStats:
                 draft_kv_blocks_free=0, num_steps=4, step_time_s=0.01, step_time_ema_s=0.01, batch_size=1,
                 batch_tokens=1, prefill_tokens=0, mean_k=0.0, acceptance=0.0, tokens_emitted=9, num_preemptions=0,
                 policy="off")
-    return EngineStats(**{**base, **kw})
+    return EngineStats.from_dict({**base, **kw})  # the flat form the admin API sends
 
 
 def test_no_per_instance_prefix_cache_figure_is_published() -> None:
