@@ -90,32 +90,14 @@ def _padded(proposals: list[list[int]], device: torch.device) -> tuple[torch.Ten
 def _verify_sampled(works, drafts: Drafts, scores: Scores, logits: torch.Tensor, coupled: bool
                     ) -> dict[str, Verdict]:
     """Every sampled request's round in one batch: rejection sampling, or (coupled) matching the keyed tokens."""
-    device = logits.device
     proposals = [drafts.of(d.request_id).tokens for d in works]
-    # each request's distribution (k+1, V), from its own parameters; packed request after request into (N, V)
-    ps = [probs_from_logits(logits[first:first + n], d.work.seq.request.params)
-          for d in works for first, n in [scores.rows[d.request_id]]]
-    p = torch.cat(ps)  # (N, V)
-    lengths = torch.tensor([x.shape[0] for x in ps], dtype=torch.long, device=device)  # (B,)
-    p_first = lengths.cumsum(0) - lengths  # (B,)
-    padded, counts = _padded(proposals, device)  # (B, K), (B,)
-    if coupled:  # the token each row's position draws, whatever the round; the drafts must match it
-        chosen = [coupled_tokens(x, d.work.seq.generator.initial_seed(), len(d.work.seq.token_ids))
-                  for d, x in zip(works, ps)]  # (k+1,) each
-        width = padded.shape[1] + 1
-        target = torch.stack([torch.cat([c, c[-1:].expand(width - c.shape[0])]) for c in chosen])  # (B, K+1)
-        accepted, nxt = verify_greedy_batch(padded, counts, target)
-    else:
-        vocab = p.shape[-1]
-        qs = [drafts.of(d.request_id).q(vocab, device) for d in works]  # (k, V) each
-        q = torch.cat(qs)  # (M, V)
-        q_first = counts.cumsum(0) - counts  # (B,)
-        noise = [round_noise(len(t), vocab, p.dtype, d.work.seq.generator) for d, t in zip(works, proposals)]
-        width = padded.shape[1]
-        uniforms = torch.stack([torch.cat([u.to(device), u.new_ones(width - u.shape[0]).to(device)])
-                                for u, _ in noise]).reshape(len(works), width)  # (B, K)
-        exponentials = torch.stack([e.to(device) for _, e in noise])  # (B, V)
-        accepted, nxt = verify_sampled_batch(padded, counts, p, p_first, q, q_first, uniforms, exponentials)
+    ps = []  # each request's distribution (k+1, V), from its own parameters
+    for d in works:
+        first, n = scores.rows[d.request_id]
+        ps.append(probs_from_logits(logits[first:first + n], d.work.seq.request.params))
+    padded, counts = _padded(proposals, logits.device)  # (B, K), (B,)
+    decide = _coupled if coupled else _rejection_sampled
+    accepted, nxt = decide(works, drafts, ps, padded, counts)
     out = {}
     for d, t, x, a, tok in zip(works, proposals, ps, accepted.tolist(), nxt.tolist()):
         emitted = tuple(t[:a]) + (tok,)
@@ -123,6 +105,34 @@ def _verify_sampled(works, drafts: Drafts, scores: Scores, logits: torch.Tensor,
         lp = logprobs_of(x[: len(emitted)].log(), emitted, n) if n is not None else None
         out[d.request_id] = Verdict(len(t), a, emitted, lp)
     return out
+
+
+def _rejection_sampled(works, drafts: Drafts, ps: list[torch.Tensor], padded: torch.Tensor, counts: torch.Tensor
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rejection sampling over the batch: rows packed request after request, each request's noise from its own
+    generator (actors/speculation/verify.py `round_noise`) -> accepted (B,), recovered or bonus token (B,)."""
+    device, (b, width) = padded.device, padded.shape
+    p = torch.cat(ps)  # (N, V)
+    vocab = p.shape[-1]
+    lengths = torch.tensor([x.shape[0] for x in ps], dtype=torch.long, device=device)  # (B,)
+    q = torch.cat([drafts.of(d.request_id).q(vocab, device) for d in works])  # (M, V)
+    noise = [round_noise(int(k), vocab, p.dtype, d.work.seq.generator) for d, k in zip(works, counts.tolist())]
+    uniforms = torch.stack([torch.cat([u.to(device), torch.ones(width - u.shape[0], device=device)])
+                            for u, _ in noise]).reshape(b, width)  # (B, K): padding past k_b is never read
+    exponentials = torch.stack([e.to(device) for _, e in noise])  # (B, V)
+    return verify_sampled_batch(padded, counts, p, lengths.cumsum(0) - lengths, q, counts.cumsum(0) - counts,
+                                uniforms, exponentials)
+
+
+def _coupled(works, drafts: Drafts, ps: list[torch.Tensor], padded: torch.Tensor, counts: torch.Tensor
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Deterministic mode: the token each row's position draws whatever the round (actors/speculation/coupled.py);
+    the drafts must match it, as greedy ones match the argmax -> accepted (B,), next token (B,)."""
+    width = padded.shape[1] + 1
+    chosen = [coupled_tokens(x, d.work.seq.generator.initial_seed(), len(d.work.seq.token_ids))
+              for d, x in zip(works, ps)]  # (k_b + 1,) each
+    target = torch.stack([torch.cat([c, c[-1:].expand(width - c.shape[0])]) for c in chosen])  # (B, K+1)
+    return verify_greedy_batch(padded, counts, target)
 
 
 def logprobs_of(logprobs: torch.Tensor, tokens: Sequence[int], top: int) -> tuple[TokenLogprob, ...]:
