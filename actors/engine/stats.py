@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from actors.speculation.step import SpecPlan
-from cluster.rounds import RoundRecord
 from cluster.request import TokenDelta
+from cluster.rounds import RoundRecord
 
 
 @dataclass
