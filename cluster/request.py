@@ -15,6 +15,8 @@ from typing import Annotated
 import pydantic_core
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from cluster.rounds import RoundRecord
+
 
 MAX_SEED = 2**63 - 1  # seeds are non-negative 63-bit integers (what torch's Generator.manual_seed takes)
 MAX_STOPS = 16
@@ -261,6 +263,12 @@ class SpecStats:
     rounds: int = 0  # verification rounds with drafts (each emits accepted + 1 tokens)
     accepted_per_position: list[int] = field(default_factory=list)  # [j] = accepted at draft position j
     k_history: list[int] = field(default_factory=list)  # k chosen at each step that emitted tokens, 0 included
+
+    def observe(self, r: RoundRecord) -> None:
+        """Fold in one round of this request: its k joins the history; a round with drafts joins the counters."""
+        self.k_history.append(r.proposed)
+        if r.proposed:
+            self.record(r.proposed, r.accepted)
 
     def record(self, proposed: int, accepted: int) -> None:
         self.proposed += proposed

@@ -51,6 +51,7 @@ from cluster.config import EngineConfig, GrammarConfig, SchedulerConfig, Specula
 from cluster.migration_policy import InstanceLoad, RequestLoad
 from cluster.prefix import ChainNames, request_root
 from cluster.request import FinishReason, InvalidRequest, Request, TokenDelta, check_prompt, context_length
+from cluster.rounds import RoundRecord
 from cluster.stats import EngineStats, LoadStats, MoEStats, PrefixCacheStats, SpecDecodingStats, StepStats
 
 
@@ -95,6 +96,7 @@ class Engine:
         # by position-keyed noise, so output does not depend on k or the batch (docs/determinism.md)
         self.deterministic = deterministic
         self.drafter: Drafter | None = make_drafter(speculation, draft, draft_quantized, self.device, deterministic)
+        self._drafter_kind = self.drafter.kind if self.drafter is not None else ""  # what each RoundRecord names
         self.cost_model = cost_model or StepCostModel()
         policy = make_policy(speculation, self.drafter is not None, self.cost_model,
                              draft_forwards=self.drafter is not None and self.drafter.runs_forwards)
@@ -292,12 +294,7 @@ class Engine:
         for d in plan.emitting:
             seq, v = d.work.seq, verdicts[d.request_id]
             n_before = len(seq.token_ids)
-            seq.stats.k_history.append(v.proposed)
-            if v.proposed:
-                self._stats.by_position(v)
-                seq.stats.record(v.proposed, v.accepted)
-                seq.acceptance.update(v.proposed, v.accepted)
-                self.acceptance.update(v.proposed, v.accepted)
+            self._observe_round(seq, RoundRecord(d.request_id, self._drafter_kind, v.proposed, v.accepted))
             if seq.output.max_new_tokens == 0:  # a prompt being scored: nothing to generate
                 seq.output.finish_reason = FinishReason.LENGTH
                 taken = []
@@ -323,6 +320,14 @@ class Engine:
                 if d.work.seq.status is not SeqStatus.FINISHED:
                     self._commit(d.work.seq)
         return deltas
+
+    def _observe_round(self, seq: EngineSequence, r: RoundRecord) -> None:
+        """The round's one record, read by each figure that counts rounds: the engine's per-position counters, the
+        request's stats, and the policy's acceptance estimates (the request's and the engine-wide one)."""
+        self._stats.observe(r)
+        seq.stats.observe(r)
+        seq.acceptance.observe(r)
+        self.acceptance.observe(r)
 
     def _score_prompt(self, plan: SpecPlan, request_id: str, logits: torch.Tensor) -> None:
         """Record the logprobs of the prompt tokens a chunk's rows (n, V) predict (raw logits: vLLM's prompt

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from actors.speculation.step import SpecPlan, Verdict
+from actors.speculation.step import SpecPlan
 from cluster.request import TokenDelta
+from cluster.rounds import RoundRecord
 
 
 @dataclass
@@ -25,15 +26,15 @@ class StepCounters:
     proposed_at: list[int] = field(default_factory=list)  # per draft position: rounds that drafted it
     accepted_at: list[int] = field(default_factory=list)  # and in how many it was accepted
 
-    def by_position(self, verdict: Verdict) -> None:
-        """A round of `verdict.proposed` drafts of which the first `verdict.accepted` were taken."""
-        k = verdict.proposed
+    def observe(self, r: RoundRecord) -> None:
+        """A round of `r.proposed` drafts of which the first `r.accepted` were taken (none proposed: no trial)."""
+        k = r.proposed
         while len(self.proposed_at) < k:
             self.proposed_at.append(0)
             self.accepted_at.append(0)
         for j in range(k):
             self.proposed_at[j] += 1
-            self.accepted_at[j] += j < verdict.accepted
+            self.accepted_at[j] += j < r.accepted
 
     def record(self, plan: SpecPlan, deltas: list[TokenDelta], seconds: float) -> None:
         self.steps += 1

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 
 from actors.speculation.cost_model import ATTENTION_UNIT, ForwardShape, StepCostModel
 from cluster.config import SpeculationConfig
+from cluster.rounds import RoundRecord
 
 
 def expected_tokens(alpha: float, k: int) -> float:
@@ -61,6 +62,10 @@ class Acceptance:
     @property
     def rate(self) -> float:
         return self.successes / self.trials if self.trials > 0 else 0.0
+
+    def observe(self, r: RoundRecord) -> None:
+        """Fold in one verified round (a round without drafts is no evidence)."""
+        self.update(r.proposed, r.accepted)
 
     def update(self, proposed: int, accepted: int) -> None:
         if proposed <= 0:
