@@ -14,7 +14,7 @@ add up to the start's wall time, less what no phase covers ("other"). The vocabu
   layout       the stored weights laid out for our kernels (actors/model/qlinear.py), or read from their cache
   calibration  the goodput policy's forward times, timed or read back (actors/speculation/calibration.py)
   shards       an instance over shard actors: theirs started, each loading its layers in its own process
-  injected delay  a start slowed on purpose by the fault tests (actors/instance_server.py)
+  injected delay  a start slowed on purpose by the fault tests (actors/serving/server.py)
   first forward  the first engine step (measured by whoever sends the first request)
 """
 

@@ -35,11 +35,11 @@ class ModelConfig(_Frozen):
     target: str
     draft: str | None = None
     draft_layers: tuple[int, ...] | None = None
-    # "auto" is resolved where the app is built, for the hardware it runs on (actors/device.py choose_dtype): bf16
+    # "auto" is resolved where the app is built, for the hardware it runs on (actors/model/device.py choose_dtype): bf16
     # on GPUs and on CPUs where our kernels or bf16 arithmetic run, fp32 elsewhere; the start-up line says which
     dtype: Literal["auto", "fp32", "bf16"] = "fp32"
     # where weights, KV cache and sampling live: "auto" is the GPU Ray assigned to the process if any (outside
-    # Ray: any visible GPU), else the CPU; "cuda" requires one (actors/device.py)
+    # Ray: any visible GPU), else the CPU; "cuda" requires one (actors/model/device.py)
     device: Literal["auto", "cpu", "cuda"] = "auto"
     # how linear maps compute (docs/weights.md): "stored" on a GGUF file's quantized blocks as stored (int4
     # kernels, exact; Q6_K on int8; a safetensors model's weights as they are), "dequantized" on the weights
@@ -153,7 +153,7 @@ class CacheConfig(_Frozen):
 
     block_size: int = Field(default=16, ge=1, le=1024)
     num_blocks: int = Field(default=2048, ge=2)
-    # automatic prefix caching (actors/kv_cache.py BlockPool): full blocks named by their tokens are shared between
+    # automatic prefix caching (actors/kv/cache.py BlockPool): full blocks named by their tokens are shared between
     # requests and kept after they end, so a prompt that starts like an earlier one skips that part of its prefill.
     # On by default, as measured to pay (`specfleet bench prefix`, docs/benchmarks.md): a single request of the
     # default app is no slower with it, and a chat's prompts share at least the chat template's header
@@ -165,12 +165,12 @@ class CacheConfig(_Frozen):
 
     @property
     def capacity_tokens(self) -> int:
-        """The tokens one request may hold: every usable block (actors/kv_cache.py keeps the last as scratch)."""
+        """The tokens one request may hold: every usable block (actors/kv/cache.py keeps the last as scratch)."""
         return (self.num_blocks - 1) * self.block_size
 
 
 class GrammarConfig(_Frozen):
-    """Structured outputs' and tool calls' grammars at an instance (actors/grammar_pool.py): compiled off the engine's
+    """Structured outputs' and tool calls' grammars at an instance (actors/serving/grammar_pool.py): compiled off the engine's
     loop on `compile_workers` threads, one tenant on at most all but one of them, at most `compile_queue` waiting
     (refused beyond); a grammar that takes longer than `compile_timeout_s` to compile is refused (a 400), and the
     compiled grammars kept for reuse hold at most `cache_bytes` of grammar text."""
@@ -426,7 +426,7 @@ class RouterConfig(_Frozen):
     orphan_grace_s: float = Field(default=30.0, gt=0.0)
     instance_num_cpus: float = Field(default=1.0, ge=0.0)  # CPUs each instance's engine (and each shard) reserves
     # 1: each instance is one process; N > 1: the target split over N stage actors (plus a draft actor),
-    # placed by the planner over the cluster's labelled nodes (placement/planner.py, actors/build.py)
+    # placed by the planner over the cluster's labelled nodes (placement/planner.py, actors/serving/build.py)
     pipeline_stages: int = Field(default=1, ge=1)
     # custom Ray resources each instance's engine actor needs, e.g. an accelerator kind of the inventory
     # (placement/inventory.py, ray_resources) to pin instances to a worker group

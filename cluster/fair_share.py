@@ -1,7 +1,7 @@
 """A pool's threads shared fairly among tenants: at most `workers` jobs at once, one tenant on at most all but one.
 
 The rules of the API replica's tokenizer pool (deploy/serve/tokenizing.py) and an instance's grammar compiler
-(actors/grammar_pool.py), kept in one place:
+(actors/serving/grammar_pool.py), kept in one place:
 
 - at most `workers` jobs run at once (the pool's threads);
 - one tenant runs at most `workers - 1` of them (all, with one worker), so a thread stays free for the others;

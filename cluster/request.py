@@ -2,7 +2,7 @@
 
 This is the one place where a request's parameters are checked: `SamplingParams` holds the bounds of every
 sampling field and `check_prompt` the prompt's limits against a model's context and vocabulary. The HTTP and
-gRPC layers (deploy/serve/) and the engine (actors/engine.py) all call these, so they cannot disagree.
+gRPC layers (deploy/serve/) and the engine (actors/engine/core.py) all call these, so they cannot disagree.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 MAX_SEED = 2**63 - 1  # seeds are non-negative 63-bit integers (what torch's Generator.manual_seed takes)
 MAX_STOPS = 16
 # a stop string's longest length: output is held back by that much while it streams, and each new token's text
-# is searched over that much of what came before it (actors/output.py)
+# is searched over that much of what came before it (actors/engine/output.py)
 MAX_STOP_CHARS = 256
 MAX_LOGPROBS = 20  # top logprobs per token (OpenAI's limit)
 MAX_LOGIT_BIAS = 300  # tokens a logit_bias may list (OpenAI's limit)
@@ -340,7 +340,7 @@ class TokenDelta:
 @dataclass(frozen=True)
 class StreamItem:
     """One message of a request's stream from its instance: a delta, and on the last one the request's stats and
-    timings (actors/serving.py sends them, the API replicas read them)."""
+    timings (actors/serving/loop.py sends them, the API replicas read them)."""
 
     delta: TokenDelta
     stats: SpecStats | None = None  # set on the final item

@@ -17,7 +17,7 @@ from placement.planner import PlacementError, plan
 
 
 class InstanceSpec(BaseModel):
-    """One instance as planned: actors/instance_server.py builds exactly this, and decides nothing itself.
+    """One instance as planned: actors/serving/server.py builds exactly this, and decides nothing itself.
 
     `engine.model` names files (catalog names are resolved where the fleet is planned); `executor` says where the
     stages run: "local" in the instance actor's own process (every shard on one device), "ray" in shard actors.

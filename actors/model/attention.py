@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from actors.kv_cache import KVCache
+from actors.kv.cache import KVCache
 from actors.model.metadata import AttentionMetadata
 
 

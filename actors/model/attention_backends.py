@@ -18,7 +18,7 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
-from actors.kv_cache import KVCache
+from actors.kv.cache import KVCache
 from actors.model.metadata import AttentionMetadata
 
 

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from actors.kv_cache import KVCache
+from actors.kv.cache import KVCache
 from actors.model.attention_backends import Heads
 from actors.model.metadata import AttentionMetadata
 

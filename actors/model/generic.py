@@ -26,7 +26,7 @@ from transformers import AttentionInterface
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, eager_mask
 
-from actors.kv_cache import KVCache
+from actors.kv.cache import KVCache
 from actors.model.attention import LayerAttention, attend
 from actors.model.metadata import AttentionMetadata
 

@@ -14,15 +14,14 @@ from collections.abc import Sequence
 
 import torch
 
-from actors.kv_cache import KVCache
+from actors.kv.cache import KVCache
 from actors.model.backends import FINAL_NORMS
 from actors.model.generic import GenericLayer, Rotary, embedding_scale, final_logits
 from actors.model.loader import LoadedModel
 from actors.model.metadata import AttentionMetadata, SeqChunk
 from actors.model.qlinear import Activations
-from actors.model.runner import CacheFull, ModelRunner, check_layers
+from actors.model.runner import CacheFull, LayerPass, ModelRunner, check_layers
 from actors.model.weights import WeightMode
-from actors.speculation.easyspec import LayerParallel
 from cluster.config import CacheConfig
 
 DENSE_MODES = ("stored", "dequantized")  # the generic path computes on the weights as transformers holds them
@@ -70,7 +69,7 @@ class GenericRunner(ModelRunner):
         self.embed_scale = embedding_scale(cfg)
         self.final_norm = final_norm if last else None
         self.lm_head = hf.lm_head if last else None
-        self.layer_parallel: LayerParallel | None = None  # EasySpec groups of a draft (actors/speculation/easyspec.py)
+        self.layer_parallel: LayerPass | None = None  # EasySpec groups of a draft (actors/speculation/easyspec.py)
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.cache = KVCache(list(layer_ids), cache.num_blocks, cache.block_size, cfg.num_key_value_heads, head_dim,
                              model.dtype, device=self.device)

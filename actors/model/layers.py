@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from actors.kv_cache import KVCache
+from actors.kv.cache import KVCache
 from actors.model.attention_backends import AttentionBackend, FusedCpuAttention, Heads, PaddedSdpa, SpanAttention
 from actors.model.deterministic import DeterministicAttention
 from actors.model.metadata import AttentionMetadata

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from actors.kv_cache import KVCache
+from actors.kv.cache import KVCache
 
 
 @dataclass(frozen=True)

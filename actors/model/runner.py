@@ -9,11 +9,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import replace
+from typing import Protocol
 
 import torch
 from transformers.activations import ACT2FN
 
-from actors.kv_cache import KVCache, KVExport, reshard
+from actors.kv.cache import KVCache, KVExport, reshard
 from actors.model.backends import NATIVE_ARCHITECTURES
 from actors.model.deterministic import row_invariant
 from actors.model.generic import final_logits
@@ -22,8 +23,18 @@ from actors.model.loader import LoadedModel
 from actors.model.metadata import AttentionMetadata, SeqChunk
 from actors.model.qlinear import Activations
 from actors.model.weights import Part, WeightMode, fuse, head_projection, layer_projections
-from actors.speculation.easyspec import LayerParallel
 from cluster.config import CacheConfig
+
+
+class LayerPass(Protocol):
+    """A pass over the layers applied to a runner from outside, as gpt-fast's tp.py applies tensor parallelism:
+    EasySpec's parallel groups (actors/speculation/easyspec.py's `enable` sets `runner.layer_parallel`); the model
+    never imports it."""
+
+    def run(self, layers: Sequence[DecoderLayer], x: torch.Tensor, parallel: bool, cos: torch.Tensor,
+            sin: torch.Tensor, meta: AttentionMetadata, cache: KVCache) -> torch.Tensor:
+        """x (N, H) through every layer (groups at once if `parallel`); returns (N, H)."""
+        ...
 
 
 class CacheFull(RuntimeError):
@@ -191,7 +202,7 @@ class ModelRunner:
         self._invariant()
         self.ropes = [RopeTable(hf.model.rotary_emb, model.dtype, self.device, kind) for kind in rope_kinds(model)]
         attn = self.layers[0].attn
-        self.layer_parallel: LayerParallel | None = None  # EasySpec groups of a draft (actors/speculation/easyspec.py)
+        self.layer_parallel: LayerPass | None = None  # EasySpec groups of a draft (actors/speculation/easyspec.py)
         self.cache = KVCache(
             list(layer_ids), cache.num_blocks, cache.block_size, attn.num_kv_heads, attn.head_dim, model.dtype,
             device=self.device,

@@ -52,7 +52,7 @@ class DistComm:
 
     def __init__(self, wire: torch.device) -> None:
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
-        self.wire = wire  # where tensors must be to cross (actors/p2p.py P2P.wire)
+        self.wire = wire  # where tensors must be to cross (actors/transport/p2p.py P2P.wire)
 
     def exchange(self, send: list[torch.Tensor], sizes: list[int] | None = None) -> list[torch.Tensor]:
         counts = [len(t) for t in send]

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from actors.kv_cache import KVCache
+from actors.kv.cache import KVCache
 from actors.model.layers import Attention, DecoderLayer, MoE, rms_norm
 from actors.model.metadata import AttentionMetadata
 from actors.model.runner import ModelRunner

@@ -33,7 +33,7 @@ from collections.abc import Iterable
 
 import torch
 
-from actors.device import device_name
+from actors.model.device import device_name
 from actors.model import cpu_kernels
 from actors.model.metadata import SeqChunk
 from actors.speculation.cost_model import ATTENTION_UNIT, ForwardShape, StepCostModel
@@ -188,7 +188,7 @@ def calibrate(cost: StepCostModel, runners: list[tuple[Literal["target", "draft"
 
 class Pending:
     """A calibration timed off the start's critical path: one forward per `step`, run by the serving loop while the
-    instance has no request (actors/serving.py, `idle`), so a request that arrives waits for one forward at most.
+    instance has no request (actors/serving/loop.py, `idle`), so a request that arrives waits for one forward at most.
     Until it is done the policy runs on what it has (the steps it has seen: actors/speculation/cost_model.py fits
     them online; with none, it drafts nothing, which is plain decoding and lossless). Done, its points are pinned
     and saved for the next start (`saved`)."""

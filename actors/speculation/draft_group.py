@@ -18,11 +18,11 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from actors.kv_cache import KVCache
+from actors.kv.cache import KVCache
 from actors.model.layers import DecoderLayer
 from actors.model.metadata import AttentionMetadata, SeqChunk
 from actors.model.runner import ModelRunner
-from actors.p2p import P2P
+from actors.transport.p2p import P2P
 from actors.speculation.easyspec import LayerParallel, Mode, contribution, layer_groups
 from cluster.config import DraftParallelConfig
 

@@ -1,6 +1,6 @@
 """Draft kinds behind one interface: a draft model (plain, int8 or a layer subset of the target) and model-free lookups.
 
-The engine asks a drafter, per step, for a `Proposal` (actors/step.py) per drafting work: up to its k tokens
+The engine asks a drafter, per step, for a `Proposal` (actors/speculation/step.py) per drafting work: up to its k tokens
 and, for sampled requests, the draft distribution q of each. A model drafter runs its own forwards over its own
 KV; its cache follows a request only while the request drafts: it catches up on the tokens it has not
 seen (lazily, in its first forward of the next round that drafts), so a request the policy gives k = 0
@@ -20,14 +20,13 @@ import torch
 
 from actors.model.metadata import SeqChunk
 from actors.model.runner import ModelRunner
-from actors.scheduler import Work
-from actors.sequence import Sequence
 from actors.speculation.cost_model import ATTENTION_UNIT, ForwardShape
 from actors.speculation.coupled import coupled_tokens
 from actors.speculation.lookup import NgramIndex, OutputCache, SuffixIndex, suffix_propose
 from actors.speculation.processors import process_request, processes
 from actors.speculation.sampling import probs_from_logits, sample
-from actors.step import Drafting, Drafts, Proposal
+from actors.speculation.step import Drafting, Drafts, Proposal, Work
+from actors.speculation.step import SeqState as Sequence  # the engine's request state, as speculation reads it
 from cluster.config import DraftParallelConfig, SpeculationConfig
 
 DraftKind = Literal["model", "ngram", "suffix"]  # a model draft of any weights (plain, int8, a layer subset) is "model"

@@ -26,7 +26,7 @@ from typing import Literal, Protocol
 
 import torch
 
-from actors.kv_cache import KVCache
+from actors.kv.cache import KVCache
 from actors.model.layers import DecoderLayer
 from actors.model.metadata import AttentionMetadata
 from cluster.config import DraftParallelConfig

@@ -9,11 +9,10 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from actors.scheduler import Schedule, Work
 from actors.speculation.cost_model import ATTENTION_UNIT, ForwardShape
 from actors.speculation.drafters import Drafter
 from actors.speculation.policy import Acceptance, BatchBase, Candidate, SpecPolicy
-from actors.step import Drafting, SpecPlan
+from actors.speculation.step import Drafting, Schedule, SpecPlan, Work
 
 
 class TargetKV(Protocol):

@@ -1,7 +1,7 @@
 """Structured outputs: a request's grammar (JSON schema, JSON object, regex, choice, Lark) as a token mask per position.
 
 Built on llguidance (Microsoft's Rust constrained-decoding engine; its masks cost tens of microseconds a token):
-the request's spec is compiled once per distinct spec and tokenizer (off the engine's loop, actors/grammar_pool.py;
+the request's spec is compiled once per distinct spec and tokenizer (off the engine's loop, actors/serving/grammar_pool.py;
 kept in a cache bounded in bytes), and each request gets a matcher that has consumed exactly the tokens it emitted.
 Speculation goes through the same matcher, which can look ahead and step back:
 - a draft model proposes under the mask of the state after its own earlier drafts (so it proposes only allowed
@@ -75,7 +75,7 @@ def spec_key(spec: StructuredOutput) -> str:
 class GrammarCompiler:
     """Grammars of one tokenizer, compiled once per distinct spec and kept while they hold at most `cache_bytes`.
 
-    Safe to call from several threads (actors/grammar_pool.py compiles on a pool, the engine's loop looks up): the
+    Safe to call from several threads (actors/serving/grammar_pool.py compiles on a pool, the engine's loop looks up): the
     cache and the refusals are read and written under a lock, a compile runs outside it (llguidance releases the
     GIL while it builds a matcher). A spec refused once (invalid, or too slow to compile: `refuse`) is refused
     again at once, with the same message, while it is remembered (the last REFUSALS_KEPT)."""

@@ -18,8 +18,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from actors.device import resolve_device
-from actors.kv_cache import KVCache
+from actors.model.device import resolve_device
+from actors.kv.cache import KVCache
 from actors.model.metadata import AttentionMetadata, SeqChunk
 
 SHAPES = {"smollm2-135m": (9, 3, 64), "qwen2.5-1.5b": (12, 2, 128)}  # (query heads, KV heads, head dim)

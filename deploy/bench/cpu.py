@@ -25,13 +25,13 @@ from pathlib import Path
 
 import torch
 
-from actors.engine import Engine
+from actors.engine.core import Engine
 from actors.model import cpu_kernels
 from actors.model.loader import LoadedModel, load_model
 from actors.model.metadata import SeqChunk
 from actors.model.qlinear import DENSE_ROWS
 from actors.model.runner import ModelRunner
-from actors.offline import generate
+from actors.engine.offline import generate
 from cluster.config import CacheConfig, SchedulerConfig, SpeculationConfig
 from cluster.request import SamplingParams, SpecStats
 from deploy.bench import llama_anchor

@@ -19,12 +19,12 @@ from pathlib import Path
 
 import torch
 
-from actors.device import device_name, resolve_device
-from actors.engine import Engine
+from actors.model.device import device_name, resolve_device
+from actors.engine.core import Engine
 from actors.model.loader import load_model
 from actors.model.quant import quantize_runner
 from actors.model.runner import ModelRunner
-from actors.offline import generate
+from actors.engine.offline import generate
 from actors.speculation.cost_model import StepCostModel
 from cluster.config import CacheConfig, SchedulerConfig, SpeculationConfig
 from cluster.request import SamplingParams, SpecStats

@@ -1,4 +1,4 @@
-"""`specfleet bench dtype`: fp32 vs bf16 on each CPU path, the figures behind `dtype: auto` (actors/device.py).
+"""`specfleet bench dtype`: fp32 vs bf16 on each CPU path, the figures behind `dtype: auto` (actors/model/device.py).
 
 Per ISA path (our avx512 and avx2 kernels, torch's ops), in a process of its own, since torch's own ISA is fixed
 at import: the time to the first token of one long prompt (prefill in chunks of 256) and batch-1 decoding tok/s,
@@ -38,10 +38,10 @@ def measure(args: argparse.Namespace) -> dict[str, dict[str, float]]:
     """{dtype: {ttft_s, decode_tok_s}} on this process's ISA path."""
     import torch
 
-    from actors.engine import Engine
+    from actors.engine.core import Engine
     from actors.model.loader import load_model
     from actors.model.runner import ModelRunner
-    from actors.offline import generate
+    from actors.engine.offline import generate
     from cluster.config import CacheConfig, SchedulerConfig, SpeculationConfig
     from cluster.request import SamplingParams
     from deploy.model_store import resolve_model

@@ -19,11 +19,11 @@ from pathlib import Path
 
 import ray
 
-from actors.build import draft_group_runner
-from actors.engine import Engine
+from actors.serving.build import draft_group_runner
+from actors.engine.core import Engine
 from actors.model.loader import load_model
 from actors.model.runner import ModelRunner
-from actors.offline import generate
+from actors.engine.offline import generate
 from cluster.config import (CacheConfig, DraftParallelConfig, EngineConfig, ModelConfig, SchedulerConfig,
                             SpeculationConfig)
 from cluster.request import SamplingParams, SpecStats

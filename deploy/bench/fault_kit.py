@@ -121,7 +121,7 @@ class Hosts:
         from ray import serve
         from ray.serve.schema import ApplicationStatus
 
-        from actors.instance_server import START_DELAY_ENV
+        from actors.serving.server import START_DELAY_ENV
         from deploy.serve.app import APP_NAME, compose
 
         # the API's and the instances' replicas on the head: a worker's fault hits engines, not the streams' API end

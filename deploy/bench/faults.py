@@ -4,10 +4,10 @@
     specfleet bench faults --faults router_killed,node_killed --streams 4 --max-tokens 256
 
 The hosts (deploy/bench/fault_kit.py): a head and three workers, each worker in a network namespace of its own
-(loopback where that cannot be done: said in one line). Two apps are served in turn: "one" (a single instance of
-two pipeline stages on two workers, the third spare) and "two" (two single-stage instances). For each fault: an
-unfaulted run of the same streams first (the reference outputs and latencies), then the faulted run, where the fault
-lands once every stream has its first chunks. A row: streams lost (ended in an error, or cut short), outputs that
+(loopback where that cannot be done: said in one line). The apps are served in turn: "one" (a single instance of
+two pipeline stages on two workers, the third spare), "two" (two single-stage instances) and "default" (`make
+serve`'s engine on one single-stage instance). For each fault: an unfaulted run of the same streams first (the
+reference outputs and latencies), then the faulted run, where the fault lands once every stream has its first chunks. A row: streams lost (ended in an error, or cut short), outputs that
 differ from the unfaulted run (greedy: there must be none), seconds from the fault until a new request is answered,
 the p99 gap between two chunks of the surviving streams minus the unfaulted run's, and what is left afterwards
 (requests the router still has running, its pending count, KV blocks in use on the instances).
@@ -30,6 +30,8 @@ from pathlib import Path
 import ray
 
 from cluster.config import MigrationConfig, SpecfleetConfig
+from cluster.migration_messages import Length
+from deploy.bench.fault_kit import MODEL as MODEL_NAME
 from deploy.bench.fault_kit import App, Hosts, LoadRun, Streamed, app_config
 from deploy.bench.output import pct
 
@@ -48,7 +50,7 @@ class Landed:
 
 @dataclass(frozen=True)
 class Fault:
-    """One fault: which app it needs ("one" or "two"), and `inject(app, hit, streams)`, which sets `hit` when the
+    """One fault: which app it needs ("one", "two" or "default"), and `inject(app, hit, streams)`, which sets `hit` when the
     fault lands and returns what it did (`streams`: the load's, as they stand)."""
 
     name: str
@@ -159,7 +161,7 @@ async def migration_destination_killed(app: App, hit: asyncio.Event, streams: li
     # just ended there)
     generated = {}
     for r in running:
-        length = await app.instance_actor(r.instance_id).migrate_length.remote(r.request_id)
+        length = await app.instance_actor(r.instance_id).migration.remote(Length(r.request_id))
         if length is not None and r.request_id in prompt:
             generated[r.request_id] = (length - prompt[r.request_id], r.instance_id)
     if not generated:
@@ -195,7 +197,7 @@ async def _held(app: App, instance_id: str) -> frozenset[str]:
     running = await app.router().requests.remote("running")
     actor = app.instance_actor(instance_id)
     return frozenset([r.request_id for r in running if r.instance_id == instance_id
-                      and await actor.migrate_length.remote(r.request_id) is not None])
+                      and await actor.migration.remote(Length(r.request_id)) is not None])
 
 
 def _until_back(app: App, victim: str, was: str) -> After:
@@ -220,6 +222,8 @@ def _node_known_alive(app: App, worker: int) -> bool:
 FAULTS = [
     Fault("router_killed", "one", "the router actor killed", router_killed),
     Fault("instance_killed_only", "one", "the only instance's process killed", instance_killed),
+    Fault("default_instance_killed", "default", "the default app's only instance killed (issue 40's case)",
+          instance_killed),
     Fault("shard_killed", "one", "a pipeline stage's shard killed", shard_killed),
     Fault("node_killed", "one", "a worker node killed, back later at a new address", node_killed),
     Fault("instance_killed_of_two", "two", "one of two instances killed", instance_killed),
@@ -255,14 +259,27 @@ class Outcome:
 NGRAM = {"speculation": {"method": "ngram", "policy": "fixed", "k": 3}}
 
 
-def apps(target: Path, draft: Path | None, engine: dict | None = None, wait_s: float = 60.0
-         ) -> dict[str, SpecfleetConfig]:
-    """The two apps the faults need: "one", a single instance of two pipeline stages drafting by n-gram lookup (two
+def apps(target: Path, draft: Path | None, engine: dict | None = None, wait_s: float = 60.0,
+         gguf: Path | None = None) -> dict[str, SpecfleetConfig]:
+    """The apps the faults need: "one", a single instance of two pipeline stages drafting by n-gram lookup (two
     of the three workers, one spare); "two", two single-stage instances with `draft` (without one: `engine`), the
-    second of which holds the third worker for its draft model. A failed instance's streams wait for its
-    replacement as long as the router learned a start takes, at least `wait_s` (the floor; the product's default)."""
-    return {"one": app_config(target, None, instances=1, stages=2, engine=engine or NGRAM, wait_s=wait_s),
-            "two": app_config(target, draft, instances=2, stages=1, engine=engine, wait_s=wait_s)}
+    second of which holds the third worker for its draft model; with `gguf` (the target's GGUF file), "default":
+    `make serve`'s engine (deploy/configs/default.yaml: weights as stored, dtype auto) on one single-stage instance.
+    A failed instance's streams wait for its replacement as long as the router learned a start takes, at least
+    `wait_s` (the floor; the product's default)."""
+    shapes = {"one": app_config(target, None, instances=1, stages=2, engine=engine or NGRAM, wait_s=wait_s),
+              "two": app_config(target, draft, instances=2, stages=1, engine=engine, wait_s=wait_s)}
+    if gguf is not None:
+        shapes["default"] = app_config(gguf, None, instances=1, stages=1, engine=default_engine(gguf), wait_s=wait_s)
+    return shapes
+
+
+def default_engine(gguf: Path) -> dict:
+    """deploy/configs/default.yaml's engine section, its model read from `gguf`."""
+    import yaml
+
+    engine = yaml.safe_load((Path(__file__).parents[1] / "configs" / "default.yaml").read_text())["engine"]
+    return {**engine, "model": {**engine["model"], "target": str(gguf), "name": MODEL_NAME}}
 
 
 async def run_fault(fault: Fault, app: App, prompts: list[list[int]], tokens: int, baseline: LoadRun,
@@ -326,7 +343,7 @@ def run(args: argparse.Namespace) -> int:
         hosts.start()
         console.print(hosts.note)
         try:
-            for app_name, cfg in apps(target, None, engine).items():
+            for app_name, cfg in apps(target, None, engine, gguf=Path(resolve_model(args.model))).items():
                 todo = [BY_NAME[n] for n in names if BY_NAME[n].app == app_name]
                 if not todo:
                     continue

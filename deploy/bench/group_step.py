@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from actors.p2p import free_address
+from actors.transport.p2p import free_address
 from deploy.bench.output import save
 from deploy.cli.flags import UsageError
 

@@ -16,12 +16,12 @@ from pathlib import Path
 
 import torch
 
-from actors.engine import Engine
+from actors.engine.core import Engine
 from actors.speculation.cost_model import ForwardShape, StepCostModel
 from actors.model.loader import load_model
 from actors.model.quant import quantize_runner
 from actors.model.runner import ModelRunner
-from actors.offline import generate
+from actors.engine.offline import generate
 from cluster.config import CacheConfig, SchedulerConfig, SpeculationConfig
 from cluster.request import Request, SamplingParams
 from deploy.bench.prompts import DATASETS, load_prompts

@@ -39,7 +39,7 @@ from pathlib import Path
 
 import ray
 
-from actors.instance_server import InstanceServer
+from actors.serving.server import InstanceServer
 from actors.model.loader import load_model
 from cluster.config import (CacheConfig, EngineConfig, MigrationConfig, ModelConfig, RouterConfig, SchedulerConfig,
                             SpecfleetConfig, SpeculationConfig)

@@ -36,13 +36,13 @@ from pathlib import Path
 
 import ray
 
-from actors.build import expert_parallel_runner
-from actors.engine import Engine
+from actors.serving.build import expert_parallel_runner
+from actors.engine.core import Engine
 from actors.model.loader import load_model
 from actors.model.runner import ModelRunner
 from actors.moe.ep import EPStats
 from actors.moe.profile import moe_layers, profile
-from actors.offline import generate
+from actors.engine.offline import generate
 from cluster.config import (CacheConfig, EngineConfig, ExpertParallelConfig, ModelConfig, SchedulerConfig,
                             SpeculationConfig)
 from cluster.request import SamplingParams

@@ -19,12 +19,12 @@ from pathlib import Path
 
 import ray
 
-from actors.build import ray_instance
-from actors.engine import Engine
+from actors.serving.build import ray_instance
+from actors.engine.core import Engine
 from actors.model.loader import load_model, load_model_config
 from actors.model.runner import ModelRunner
-from actors.offline import generate
-from actors.p2p import Transfer
+from actors.engine.offline import generate
+from actors.transport.p2p import Transfer
 from cluster.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, SpeculationConfig
 from cluster.request import SamplingParams
 from deploy.infra import local_cluster

@@ -37,7 +37,7 @@ from pathlib import Path
 
 import ray
 
-from actors.instance_server import InstanceServer
+from actors.serving.server import InstanceServer
 from actors.model.loader import load_metadata
 from cluster.config import (CacheConfig, EngineConfig, MigrationConfig, ModelConfig, RouterConfig, SchedulerConfig,
                             SpecfleetConfig, SpeculationConfig)
@@ -296,7 +296,7 @@ def run(args: argparse.Namespace) -> int:
 def single_request(args) -> dict:
     """One request at a time in the default app's engine, in this process: prefix caching off vs on (alternating,
     nothing cached: what naming and keeping blocks costs), then on again with the same prompts (found cached)."""
-    from actors.engine import Engine
+    from actors.engine.core import Engine
     from cluster.config import load_config
     from cluster.request import Request, SamplingParams
     from deploy.serve.fleet import resolved

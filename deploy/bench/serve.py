@@ -197,11 +197,11 @@ async def overhead(c: httpx.AsyncClient, direct: Direct, model: str, prompts: li
 
 def in_process(config: Path, prompts: list[list[int]], n: int, max_tokens: int, timeout_s: float) -> dict:
     """The served config's instance built in this process and driven by the same ServingLoop as the instance
-    actor (actors/serving.py), without Ray: TTFT and end-to-end p50 of the overhead phase's requests."""
+    actor (actors/serving/loop.py), without Ray: TTFT and end-to-end p50 of the overhead phase's requests."""
     import threading
 
-    from actors.build import local_instance
-    from actors.serving import ServingLoop
+    from actors.serving.build import local_instance
+    from actors.serving.loop import ServingLoop
     from cluster.config import load_config
     from cluster.request import Request, SamplingParams, StreamItem
     from deploy.serve.fleet import resolved

@@ -104,8 +104,8 @@ def _one_start(engine: EngineConfig, prompt: str | list[str], models: Path) -> S
 def _probe(spec: str) -> None:
     """Inside the fresh process: what `specfleet generate` does, with a clock from the parent's spawn."""
     t0 = float(os.environ["SPECFLEET_START_T0"])
-    from actors.engine import Engine
-    from actors.offline import generate
+    from actors.engine.core import Engine
+    from actors.engine.offline import generate
     from actors.start_phases import StartClock
     from cluster.request import SamplingParams
     from deploy import model_store
@@ -186,6 +186,6 @@ if __name__ == "__main__":
 
 def _dtype(model: ModelConfig) -> str:
     """The dtype a start of `model` computes in: `auto` chosen as the app would on this machine."""
-    from actors.device import choose_dtype
+    from actors.model.device import choose_dtype
 
     return choose_dtype(model.dtype, device=model.device)[0]

@@ -8,9 +8,9 @@ import sys
 import time
 from pathlib import Path
 
-from actors.device import describe_compute
-from actors.engine import Engine
-from actors.offline import generate
+from actors.model.device import describe_compute
+from actors.engine.core import Engine
+from actors.engine.offline import generate
 from cluster.request import SamplingParams, SpecStats
 from deploy import model_store
 from deploy.cli.flags import UsageError, add_engine_flags, engine_config

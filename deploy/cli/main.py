@@ -111,7 +111,7 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
 def user_errors() -> tuple[type[BaseException], ...]:
     """Errors a user can fix from the message alone: printed without a traceback, exit status 2."""
     errors: list[type[BaseException]] = [ConfigError, ModelFetchError, UsageError, ValidationError, OSError]
-    for module, name in (("actors.engine", "RequestError"), ("actors.model.loader", "ModelLoadError")):
+    for module, name in (("actors.engine.core", "RequestError"), ("actors.model.loader", "ModelLoadError")):
         if module in sys.modules:  # not imported: the command cannot have raised it
             errors.append(getattr(sys.modules[module], name))
     return tuple(errors)

@@ -25,6 +25,7 @@ import yaml
 
 from cluster.config import ConfigError, SpecfleetConfig
 from placement.inventory import LABEL_PREFIX, NODE_RESOURCE, Inventory, NodeSpec, ray_labels, ray_resources
+from deploy.serve.serve_env import PROXY_CALLBACK, PROXY_CALLBACK_ENV
 
 API_VERSION = "ray.io/v1"
 RAY_VERSION = "2.60.0"  # pyproject's ray[serve] pin; the image must carry the same Ray
@@ -153,8 +154,10 @@ def head_group(config: SpecfleetConfig, opts: RenderOptions) -> dict:
                 "image": opts.image,
                 "imagePullPolicy": "IfNotPresent",
                 "resources": {"requests": dict(limits), "limits": dict(limits)},
-                # Serve's gRPC proxy refuses a larger message itself (deploy/serve/serve_env.py)
-                "env": [{"name": "RAY_SERVE_GRPC_MAX_MESSAGE_SIZE", "value": str(serve.max_request_bytes)}],
+                # Serve's gRPC proxy refuses a larger message itself; its HTTP proxy answers a key refused as a
+                # whole until its Retry-After (deploy/serve/serve_env.py)
+                "env": [{"name": "RAY_SERVE_GRPC_MAX_MESSAGE_SIZE", "value": str(serve.max_request_bytes)},
+                        {"name": PROXY_CALLBACK_ENV, "value": PROXY_CALLBACK}],
                 "volumeMounts": [{"name": "api-keys", "mountPath": KEYS_DIR, "readOnly": True}],
                 # no port for Ray's client server (10001): nothing outside the pod should reach it
                 "ports": [

@@ -21,6 +21,9 @@ from dataclasses import dataclass, field
 
 from deploy.serve.auth import Tenant
 from deploy.serve.openai_api import APIError
+from deploy.serve.proxy_guard import key_refused_header
+
+KEY_WIDE = frozenset({"too_many_concurrent_requests", "tokens_per_minute_exceeded"})  # refusals of the key itself
 
 
 def too_many(message: str, code: str, retry_after_s: float) -> APIError:
@@ -85,9 +88,16 @@ class Admission:
         """429 at once, before the body is even read, when no request of this key could be admitted now: the key
         or the replica has no room for one more choice, or the key's token bucket is empty. Otherwise the body's
         read holds one choice of the key's and the replica's room until it is released or passed to the request
-        (`admit(held=)`): a key reads at most `max_concurrent` bodies at once, however slowly they arrive."""
-        self._room(tenant, 1)
-        self._check_tokens(tenant, 1, take=False)
+        (`admit(held=)`): a key reads at most `max_concurrent` bodies at once, however slowly they arrive. A refusal
+        of the key itself (not of the replica) is marked for Serve's proxy, which answers the key's requests until
+        the Retry-After without asking the replica again (deploy/serve/proxy_guard.py)."""
+        try:
+            self._room(tenant, 1)
+            self._check_tokens(tenant, 1, take=False)
+        except APIError as e:
+            if e.status == 429 and e.code in KEY_WIDE:
+                e.headers.update(key_refused_header(float(e.headers["Retry-After"]), e.code))
+            raise
         return self._take(tenant, 1)
 
     def _take(self, tenant: Tenant, n: int) -> Ticket:

@@ -22,7 +22,7 @@ from ray import serve
 from fastapi import Request, Response
 from ray.serve.handle import DeploymentHandle
 
-from actors.instance_server import InstanceServer
+from actors.serving.server import InstanceServer
 from cluster.config import ConfigError, RouterConfig, SpecfleetConfig, load_config, parse_config
 from cluster.router import INSTANCE_ACTOR_PREFIX, NAMESPACE, find_router, get_or_create_router
 from cluster.router_client import RouterClient
@@ -290,7 +290,7 @@ def compose(cfg: SpecfleetConfig, replica_resources: dict[str, float] | None = N
     """The application for `cfg`, its fleet planned once (deploy/serve/fleet.py). `replica_resources`: Ray resources
     the API's and the instance deployments' replicas also ask for (the fault tests keep them on the head node);
     `instance_env`: environment variables of the instance replicas, inherited by their instance actors (the fault
-    kit's actors.instance_server.START_DELAY_ENV)."""
+    kit's actors.serving.server.START_DELAY_ENV)."""
     specs = fleet_specs(cfg)
     if specs:  # the API reads the model (tokenizer, template) in the dtype the instances chose (`dtype: auto`)
         model = cfg.engine.model.model_copy(update={"dtype": specs[0].engine.model.dtype})

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 
-from actors.device import choose_dtype
+from actors.model.device import choose_dtype
 from actors.model.loader import load_model_config
 from cluster.config import EngineConfig, RouterConfig, SpecfleetConfig
 from deploy import model_store

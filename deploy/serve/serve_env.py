@@ -1,5 +1,5 @@
-"""What Serve's processes get from the `specfleet serve` driver that starts Serve: where its servers listen, and
-the gRPC message limit.
+"""What Serve's processes get from the `specfleet serve` driver that starts Serve: where its servers listen, the
+gRPC message limit, and the HTTP proxy's middleware.
 
 Serve's HTTP proxy listens on `http_options.host`, but Ray Serve 2.60 has no host for its other servers: the
 gRPC proxy listens on `[::]:PORT` and every replica on `[::]:0` (its server for calls between deployments),
@@ -11,9 +11,10 @@ controller, and `bind_servers` as the worker process setup hook, which makes tho
 `serve.http_host` instead of every interface (it wraps the two functions Serve adds their ports with). The
 replicas' servers carry only calls between deployments, never a client's: when the app is exposed (`http_host`
 0.0.0.0) on a cluster whose nodes run on loopback (a one-node container, a local cluster), they stay on that
-loopback address (`replica_host`), so the app's HTTP and gRPC ports are the only ones open to others. On
-Kubernetes pods listen on every interface behind a NetworkPolicy, and the head's environment carries the
-message limit (deploy/infra/k8s_render.py).
+loopback address (`replica_host`), so the app's HTTP and gRPC ports are the only ones open to others. The HTTP
+proxy runs `proxy_guard.RefusalMemo` (RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH): a key refused as a whole is
+answered by the proxy until its Retry-After. On Kubernetes pods listen on every interface behind a NetworkPolicy,
+and the head's environment carries the message limit and the proxy's middleware (deploy/infra/k8s_render.py).
 """
 
 from __future__ import annotations
@@ -26,13 +27,16 @@ from cluster.config import ServeConfig
 BIND_HOST_ENV = "SPECFLEET_BIND_HOST"
 REPLICA_HOST_ENV = "SPECFLEET_REPLICA_HOST"  # the replicas' servers' host, when it is not BIND_HOST_ENV's
 GRPC_MAX_MESSAGE_ENV = "RAY_SERVE_GRPC_MAX_MESSAGE_SIZE"
+PROXY_CALLBACK_ENV = "RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH"  # the HTTP proxy's middlewares, read at its start
+PROXY_CALLBACK = "deploy.serve.proxy_guard.middlewares"
 ALL_INTERFACES = ("0.0.0.0", "::", "[::]", "")
 
 
 def runtime_env(cfg: ServeConfig, replica_host: str | None = None) -> dict:
     """The runtime_env of the job that starts Serve; `replica_host`: where the replicas' servers listen, if not on
     `cfg.http_host`."""
-    env = {BIND_HOST_ENV: cfg.http_host, GRPC_MAX_MESSAGE_ENV: str(cfg.max_request_bytes)}
+    env = {BIND_HOST_ENV: cfg.http_host, GRPC_MAX_MESSAGE_ENV: str(cfg.max_request_bytes),
+           PROXY_CALLBACK_ENV: PROXY_CALLBACK}
     if replica_host is not None and replica_host != cfg.http_host:
         env[REPLICA_HOST_ENV] = replica_host
     return {"worker_process_setup_hook": f"{__name__}.bind_servers", "env_vars": env}

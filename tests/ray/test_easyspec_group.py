@@ -6,10 +6,10 @@ import pytest
 import ray
 from ray._private import state as ray_state
 
-from actors.build import draft_group_runner, ray_instance
-from actors.engine import Engine
-from actors.build import local_instance
-from actors.offline import generate
+from actors.serving.build import draft_group_runner, ray_instance
+from actors.engine.core import Engine
+from actors.serving.build import local_instance
+from actors.engine.offline import generate
 from cluster.config import DraftParallelConfig
 from cluster.request import SamplingParams
 from tests.ray.test_pipeline_instance import CACHE, CPUS, NEW_TOKENS, TWO_STAGES, engine_config

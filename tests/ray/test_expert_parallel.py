@@ -17,15 +17,15 @@ import pytest
 import ray
 import torch
 
-from actors.build import ray_instance
-from actors.instance_server import InstanceServer
-from actors.ep_stages import EPStages, ShuffledStages
-from actors.executor import ExpertRanks
+from actors.serving.build import ray_instance
+from actors.serving.server import InstanceServer
+from actors.executors.experts import EPStages, ShuffledStages
+from actors.executors.protocol import ExpertRanks
 from actors.model.loader import load_model
 from actors.model.metadata import SeqChunk
 from actors.moe.ep import EPStats
 from actors.moe.profile import RoutingStats, profile
-from actors.offline import generate
+from actors.engine.offline import generate
 from cluster.config import CacheConfig, ExpertParallelConfig
 from cluster.request import Request, SamplingParams
 from placement.experts import group_experts

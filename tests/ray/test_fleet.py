@@ -11,7 +11,7 @@ import asyncio
 import ray
 from ray._private import state as ray_state
 
-from actors.instance_server import InstanceServer
+from actors.serving.server import InstanceServer
 from cluster.config import parse_config
 from cluster.request import Request, SamplingParams
 from deploy.serve.fleet import fleet_specs

@@ -8,7 +8,7 @@ import time
 import pytest
 import ray
 
-from actors.instance_server import InstanceServer
+from actors.serving.server import InstanceServer
 from cluster.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, SpeculationConfig
 from cluster.request import FinishReason, Request, SamplingParams
 from placement.fleet import InstanceSpec

@@ -11,10 +11,10 @@ from collections.abc import Iterator
 
 import pytest
 
-from actors.build import ray_instance
-from actors.instance import Instance, InstanceUnhealthy
-from actors.build import local_instance
-from actors.serving import ServingLoop
+from actors.serving.build import ray_instance
+from actors.serving.instance import Instance, InstanceUnhealthy
+from actors.serving.build import local_instance
+from actors.serving.loop import ServingLoop
 from cluster.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, SpeculationConfig
 from cluster.request import FinishReason, Request, SamplingParams, StreamItem
 from placement.layout import ShardLayout, StageSlot

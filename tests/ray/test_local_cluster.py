@@ -64,8 +64,8 @@ def test_tasks_pinned_by_resource_or_label_run_on_the_named_node(ray_driver) -> 
 
 def test_every_nodes_workers_hold_the_same_link_secret_and_another_cluster_does_not(ray_driver) -> None:
     """KV links and pipeline groups authenticate with a secret derived from the cluster's Ray token
-    (actors/rendezvous.py): a worker on every node finds it, the same, and it is not the token itself."""
-    from actors.rendezvous import link_secret
+    (actors/transport/rendezvous.py): a worker on every node finds it, the same, and it is not the token itself."""
+    from actors.transport.rendezvous import link_secret
 
     @ray.remote(num_cpus=0)
     def secret() -> bytes | None:

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import pytest
 import ray
 
-from actors.instance_server import InstanceServer
+from actors.serving.server import InstanceServer
 from cluster.config import (CacheConfig, EngineConfig, MigrationConfig, ModelConfig, RouterConfig, SchedulerConfig,
                             SpecfleetConfig, SpeculationConfig)
 from cluster.instances import DrainResult, RequestRow

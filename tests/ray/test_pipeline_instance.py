@@ -9,13 +9,13 @@ import pytest
 import ray
 from ray._private import state as ray_state
 
-from actors.build import build_shards, ray_instance
-from actors.instance import Instance
+from actors.serving.build import build_shards, ray_instance
+from actors.serving.instance import Instance
 from actors.model.loader import load_metadata, load_model_config
 from actors.model.metadata import SeqChunk
-from actors.offline import generate
-from actors.pipeline import PipelineRunner
-from actors.ray_stages import RayStages
+from actors.engine.offline import generate
+from actors.executors.pipeline import PipelineRunner
+from actors.executors.remote import RayStages
 from cluster.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, SpeculationConfig
 from cluster.request import FinishReason, Request, SamplingParams
 from placement.layout import ShardLayout, StageSlot

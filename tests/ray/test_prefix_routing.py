@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import pytest
 import ray
 
-from actors.instance_server import InstanceServer
+from actors.serving.server import InstanceServer
 from cluster.config import (CacheConfig, EngineConfig, ModelConfig, RouterConfig, SchedulerConfig, SpecfleetConfig,
                             SpeculationConfig)
 from cluster.request import Request, SamplingParams

@@ -7,7 +7,7 @@ import time
 
 import ray
 
-from actors.instance_server import InstanceServer
+from actors.serving.server import InstanceServer
 from cluster.config import RouterConfig
 from cluster.request import Request, RequestStatus, SamplingParams
 from cluster.router import Router

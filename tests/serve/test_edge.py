@@ -191,6 +191,37 @@ def test_a_keys_slow_bodies_hold_its_own_slots_only(served_app: ServedApp) -> No
         assert c.post("/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 2}).status_code == 200
 
 
+def test_a_key_refused_as_a_whole_is_answered_by_serves_proxy_until_its_retry_after(served_app: ServedApp) -> None:
+    """A key at its max_concurrent is refused by the replica with Retry-After; sent again at once, Serve's HTTP proxy
+    answers it (deploy/serve/proxy_guard.py: its own message, the same code), another key is served meanwhile, and
+    once the Retry-After has passed the replica decides again."""
+    host, port = served_app.url.removeprefix("http://").rsplit(":", 1)
+    narrow = key("narrow")  # max_concurrent 2
+    head = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Authorization: Bearer " + narrow.encode() + b"\r\nContent-Length: 2000\r\n\r\n{")
+    body = {"model": MODEL, "prompt": "hi", "max_tokens": 2}
+    slow = [socket.create_connection((host, int(port)), timeout=BODY_TIMEOUT_S + 60) for _ in range(2)]
+    try:
+        for s in slow:
+            s.sendall(head)  # each holds one of the key's two slots until the body timeout
+        time.sleep(0.5)
+        with served_app.client(narrow) as c:
+            first = c.post("/v1/completions", json=body)
+            again = c.post("/v1/completions", json=body)
+        by_replica = assert_error(first, 429, code="too_many_concurrent_requests")
+        by_proxy = assert_error(again, 429, code="too_many_concurrent_requests")
+        assert "choices in flight" in by_replica["message"] and "refused it less than" in by_proxy["message"]
+        assert again.headers["retry-after"] == "1" and "x-specfleet-key-refused" not in first.headers
+        with served_app.client() as c:  # another key
+            assert c.post("/v1/completions", json=body).status_code == 200
+    finally:
+        for s in slow:
+            s.close()  # the reads end: their slots are given back
+    time.sleep(1.2)  # past the Retry-After
+    with served_app.client(narrow) as c:
+        assert c.post("/v1/completions", json=body).status_code == 200
+
+
 def test_a_keys_concurrency_limit_counts_choices_and_is_checked_first(served_app: ServedApp) -> None:
     narrow = key("narrow")  # max_concurrent 2
     with served_app.client(narrow) as c:

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from actors.engine import Engine
+from actors.engine.core import Engine
 from actors.model import cpu_kernels
 from actors.model.loader import LoadedModel, load_model
 from actors.model.runner import ModelRunner

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from actors.kv_cache import KVCache
+from actors.kv.cache import KVCache
 from actors.model.attention_backends import FusedCpuAttention, Heads, PaddedSdpa, SpanAttention
 from actors.model.deterministic import DeterministicAttention
 from actors.model.loader import load_model

@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from actors.engine import Engine
+from actors.engine.core import Engine
 from actors.model import cpu_kernels
 from actors.model.deterministic import Tiled, row_invariant
 from actors.model.layers import apply_rope
@@ -19,7 +19,7 @@ from actors.model.metadata import SeqChunk
 from actors.model.qlinear import Int4Linear, Int8Linear
 from actors.model.quant import rtn_int4
 from actors.model.runner import ModelRunner
-from actors.offline import generate
+from actors.engine.offline import generate
 from cluster.config import CacheConfig, SchedulerConfig, SpeculationConfig
 from cluster.request import SamplingParams
 from tests.fixtures.tiny_models import DRAFT_NOISE, build_tiny_model, perturbed_copy
@@ -164,7 +164,7 @@ def test_bf16_speculation_equals_plain_decoding_in_deterministic_mode(tmp_path: 
 
 
 def test_the_config_key_reaches_the_targets_runners_and_refuses_moe(tmp_path: Path, tiny_models) -> None:
-    from actors.loading import load_runners
+    from actors.engine.loading import load_runners
     from cluster.config import EngineConfig
 
     path = build_tiny_model("qwen2", tmp_path / "q", hidden_size=128, head_dim=32, intermediate_size=256)

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from actors.engine import Engine
+from actors.engine.core import Engine
 from actors.model import cpu_kernels
 from actors.model.runner import ModelRunner
 from actors.speculation.calibration import SIZES, CalibrationFile, setup_of
@@ -138,9 +138,9 @@ def test_a_served_instance_times_its_calibration_after_it_takes_requests(tiny_mo
     """Off the critical path: an instance with a calibration folder and nothing saved starts without a forward, takes
     a request at once (its output the target's own greedy output), times its calibration while idle, saves it, and
     the next start reads it back and times nothing."""
-    from actors.build import local_instance
-    from actors.offline import generate
-    from actors.serving import ServingLoop
+    from actors.serving.build import local_instance
+    from actors.engine.offline import generate
+    from actors.serving.loop import ServingLoop
     from cluster.request import Request, SamplingParams
     from tests.unit.helpers import load, text_prompts
     from tests.unit.test_serving import Collector

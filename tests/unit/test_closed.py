@@ -46,7 +46,8 @@ def test_serves_other_servers_move_from_every_interface_to_the_serve_host() -> N
     assert serve_env.on_host("10.0.0.7:9000", "127.0.0.1") == "10.0.0.7:9000"  # a chosen address stays
     env = serve_env.runtime_env(ServeConfig(max_request_bytes=4096))
     assert env["worker_process_setup_hook"] == "deploy.serve.serve_env.bind_servers"
-    assert env["env_vars"] == {"SPECFLEET_BIND_HOST": "127.0.0.1", "RAY_SERVE_GRPC_MAX_MESSAGE_SIZE": "4096"}
+    assert env["env_vars"] == {"SPECFLEET_BIND_HOST": "127.0.0.1", "RAY_SERVE_GRPC_MAX_MESSAGE_SIZE": "4096",
+                               "RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH": "deploy.serve.proxy_guard.middlewares"}
     assert ServeConfig().http_host == "127.0.0.1"  # closed unless asked
     exposed = serve_env.runtime_env(ServeConfig(http_host="0.0.0.0"), replica_host="127.0.0.1")["env_vars"]
     assert exposed["SPECFLEET_BIND_HOST"] == "0.0.0.0" and exposed["SPECFLEET_REPLICA_HOST"] == "127.0.0.1"

@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from actors.kv_cache import KVCache
+from actors.kv.cache import KVCache
 from actors.model import cpu_kernels
 from actors.model.layers import Attention, DecoderLayer, RopeTable, apply_rope
 from actors.model.loader import load_model

@@ -11,12 +11,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from actors.engine import Engine
-from actors.local_stages import LocalStages
+from actors.engine.core import Engine
+from actors.executors.local import LocalStages
 from actors.model.loader import load_metadata, load_model
 from actors.model.runner import ModelRunner
-from actors.offline import generate
-from actors.pipeline import PipelineRunner
+from actors.engine.offline import generate
+from actors.executors.pipeline import PipelineRunner
 from actors.speculation.coupled import coupled_tokens, gumbel_noise
 from cluster.config import CacheConfig, MigrationConfig, SchedulerConfig, SpeculationConfig
 from cluster.migration import MigrationStatus, migrate

@@ -15,13 +15,13 @@ import pytest
 import torch
 from torch.overrides import TorchFunctionMode
 
-from actors.device import DeviceError, resolve_device
-from actors.engine import Engine
-from actors.kv_cache import KVCache
+from actors.model.device import DeviceError, resolve_device
+from actors.engine.core import Engine
+from actors.kv.cache import KVCache
 from actors.model.loader import load_model
 from actors.model.metadata import SeqChunk
 from actors.model.runner import ModelRunner
-from actors.offline import generate
+from actors.engine.offline import generate
 from cluster.config import CacheConfig, EngineConfig, ModelConfig, SpeculationConfig
 from cluster.request import SamplingParams
 from tests.unit.helpers import load, reference_greedy, text_prompts

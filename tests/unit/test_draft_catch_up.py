@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from actors.engine import Engine
-from actors.offline import generate
+from actors.engine.core import Engine
+from actors.engine.offline import generate
 from actors.speculation.cost_model import StepCostModel
 from actors.speculation.policy import BatchBase, Candidate
 from cluster.config import SpeculationConfig

@@ -1,4 +1,4 @@
-"""`engine.model.dtype: auto`: chosen for the hardware (actors/device.py choose_dtype) where the app is resolved."""
+"""`engine.model.dtype: auto`: chosen for the hardware (actors/model/device.py choose_dtype) where the app is resolved."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import logging
 
 import pytest
 
-from actors.device import choose_dtype
+from actors.model.device import choose_dtype
 from actors.model import cpu_kernels
 from cluster.config import EngineConfig, ModelConfig
 from deploy.serve.fleet import resolved
@@ -67,10 +67,10 @@ def test_the_resolved_engine_names_the_chosen_dtype_and_logs_why(cpu, tiny_model
 
 
 def test_the_compute_line_names_dtype_device_and_kernels(cpu) -> None:
-    """What `specfleet status` prints after an instance's path (actors/instance_server.py InstanceInfo.backend)."""
+    """What `specfleet status` prints after an instance's path (actors/serving/server.py InstanceInfo.backend)."""
     import torch
 
-    from actors.device import describe_compute
+    from actors.model.device import describe_compute
 
     cpu({"avx2", "fma", "f16c"})
     assert describe_compute(torch.bfloat16, torch.device("cpu")) == \

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from actors.engine import Engine
+from actors.engine.core import Engine
 from actors.model.metadata import SeqChunk
-from actors.offline import generate
+from actors.engine.offline import generate
 from actors.speculation import easyspec
 from actors.speculation.easyspec import layer_groups
 from cluster.config import DraftParallelConfig, SchedulerConfig, SpeculationConfig

@@ -8,9 +8,9 @@ import pydantic
 import pytest
 from transformers import GPT2Config, GPT2LMHeadModel
 
-from actors.engine import Engine, RequestError
+from actors.engine.core import Engine, RequestError
 from actors.model.loader import SUPPORTED_ARCHITECTURES, ModelLoadError, UnsupportedArchitecture, load_model
-from actors.offline import generate
+from actors.engine.offline import generate
 from cluster.config import SpeculationConfig
 from cluster.request import InvalidRequest, Request, SamplingParams, check_prompt, context_length
 from tests.fixtures.tiny_models import build_tiny_model

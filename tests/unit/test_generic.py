@@ -11,7 +11,7 @@ import pytest
 import torch
 from transformers import AutoConfig
 
-from actors.kv_cache import reshard
+from actors.kv.cache import reshard
 from actors.model.generic_runner import GenericRunner
 from actors.model.loader import UnsupportedArchitecture, load_model, load_model_config
 from actors.model.metadata import SeqChunk

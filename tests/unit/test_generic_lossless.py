@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from actors.engine import Engine
-from actors.offline import generate
+from actors.engine.core import Engine
+from actors.engine.offline import generate
 from actors.speculation import easyspec
 from cluster.config import DraftParallelConfig, SchedulerConfig, SpeculationConfig
 from cluster.migration import MigrationStatus

@@ -1,4 +1,4 @@
-"""Grammars compile off the engine's loop (actors/grammar_pool.py): one key flooding distinct large schemas neither
+"""Grammars compile off the engine's loop (actors/serving/grammar_pool.py): one key flooding distinct large schemas neither
 stalls another key's stream nor its compiles, a compile too slow is a 400, and the compiled cache holds its bytes.
 
 The flood's schemas are ~330 KB objects of 2,000 properties each: llguidance takes about a second to compile one on
@@ -12,8 +12,8 @@ import time
 
 import pytest
 
-from actors.grammar_pool import GrammarPool
-from actors.instance_server import InstanceServer
+from actors.serving.grammar_pool import GrammarPool
+from actors.serving.server import InstanceServer
 from actors.speculation.structured import GrammarCompiler
 from cluster.config import GrammarConfig
 from cluster.request import InvalidRequest, Request, SamplingParams, StructuredOutput

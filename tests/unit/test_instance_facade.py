@@ -1,15 +1,16 @@
-"""The Instance facade (actors/instance.py): a shard failure during a migration's operation fails the instance the way
+"""The Instance facade (actors/serving/instance.py): a shard failure during a migration's operation fails the instance the way
 one during a step does, and the serving loop delivers the error deltas of every request in flight."""
 
 from __future__ import annotations
 
 import pytest
 
-from actors.build import local_instance
-from actors.executor import ShardFailure
-from actors.instance import Instance, InstanceUnhealthy
-from actors.serving import ServingLoop, StepBarrier
+from actors.serving.build import local_instance
+from actors.executors.protocol import ShardFailure
+from actors.serving.instance import Instance, InstanceUnhealthy
+from actors.serving.loop import ServingLoop, StepBarrier
 from cluster.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, SpeculationConfig
+from cluster.migration_messages import Pipeline
 from cluster.request import FinishReason, Request, SamplingParams
 from tests.unit.helpers import load, text_prompts
 from tests.unit.test_serving import Collector
@@ -25,7 +26,7 @@ def two_stages(tiny_models, tiny_draft_models) -> Instance:
     return local_instance(cfg, [(0, 2), (2, 4)])
 
 
-@pytest.mark.parametrize("operation", ["export_out", "stop_out", "export_draft"])
+@pytest.mark.parametrize("operation", ["export target", "stop_out", "export draft"])
 def test_a_shard_failure_during_a_migration_fails_the_instance_as_in_a_step(tiny_models, tiny_draft_models,
                                                                            operation) -> None:
     inst = two_stages(tiny_models, tiny_draft_models)
@@ -40,12 +41,12 @@ def test_a_shard_failure_during_a_migration_fails_the_instance_as_in_a_step(tiny
     inst.draft.executor.kill()
 
     with pytest.raises(ShardFailure) as failure:
-        if operation == "export_out":
-            inst.export_out("r0", 0, held)
+        if operation == "export target":
+            inst.export(Pipeline.TARGET, "r0", 0, held)
         elif operation == "stop_out":
             inst.stop_out("r0", 0)
         else:
-            inst.export_draft("r0", 0, held)
+            inst.export(Pipeline.DRAFT, "r0", 0, held)
 
     health = inst.health()
     assert not health.healthy and health.error == str(failure.value)
@@ -70,7 +71,7 @@ def test_the_serving_loop_ends_every_stream_when_a_migrations_export_loses_a_sha
             loop.submit(Request(f"r{i}", tuple(p), GREEDY), got.sink(f"r{i}")).result(30)
         assert barrier.reached.wait(30)
         inst.target.executor.kill([0])
-        export = loop.call(lambda: inst.export_out("r0", 0, 10_000))  # applied before step 3
+        export = loop.call(lambda: inst.export(Pipeline.TARGET, "r0", 0, 10_000))  # applied before step 3
         barrier.release()
         with pytest.raises(ShardFailure):
             export.result(30)

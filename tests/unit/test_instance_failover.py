@@ -1,11 +1,11 @@
 """An instance whose engine loop has stopped answers a new request as a failed instance (the API replica then fails
-it over to another), not with a plain error the client sees as the request's (actors/instance_server.py)."""
+it over to another), not with a plain error the client sees as the request's (actors/serving/server.py)."""
 
 from __future__ import annotations
 
 import asyncio
 
-from actors.instance_server import InstanceServer
+from actors.serving.server import InstanceServer
 from cluster.request import FinishReason, Request, SamplingParams
 from placement.fleet import InstanceSpec
 from tests.ray.test_instance_server import LAYOUTS, engine_config

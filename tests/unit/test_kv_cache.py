@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from actors.engine import Engine, RequestError
+from actors.engine.core import Engine, RequestError
 from actors.model.metadata import SeqChunk
 from actors.model.runner import CacheFull, ModelRunner
-from actors.kv_cache import KVCache
+from actors.kv.cache import KVCache
 from cluster.config import SpeculationConfig
 from cluster.request import FinishReason, Request, SamplingParams
 from tests.unit.helpers import drain, load, reference_greedy, runner, text_prompts

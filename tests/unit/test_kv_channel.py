@@ -1,8 +1,7 @@
-"""The KV channel of a migration (actors/kv_channel.py): two ends in two threads of this process, over real gloo."""
+"""The KV channel of a migration (actors/kv/channel.py): two ends in two threads of this process, over real gloo."""
 
 from __future__ import annotations
 
-import asyncio
 import threading
 import time
 
@@ -10,9 +9,9 @@ import psutil
 import pytest
 import torch
 
-from actors.kv_cache import KVExport
-from actors.kv_channel import ChannelError, KVChannel, KVHeader
-from actors.p2p import free_address
+from actors.kv.cache import KVExport
+from actors.kv.channel import ChannelError, KVChannel, KVHeader
+from actors.transport.p2p import free_address
 from cluster.migration import channel_backend
 
 
@@ -58,18 +57,10 @@ def test_a_receive_with_no_sender_times_out() -> None:
         dst.recv((KVHeader.of(exports(1)[0]),))
 
 
-class _End:
-    def __init__(self, device: str) -> None:
-        self.device = device
-
-    async def kv_device(self, pipeline: str) -> str:
-        return self.device
-
-
 @pytest.mark.parametrize(("src", "dst", "backend"), [("cuda", "cuda", "nccl"), ("cuda", "cpu", "gloo"),
                                                      ("cpu", "cuda", "gloo"), ("cpu", "cpu", "gloo")])
 def test_nccl_carries_the_kv_only_between_two_gpu_instances(src: str, dst: str, backend: str) -> None:
-    assert asyncio.run(channel_backend(_End(src), _End(dst))) == backend
+    assert channel_backend([src, dst]) == backend
 
 
 def test_an_unknown_backend_is_refused_before_anything_opens() -> None:

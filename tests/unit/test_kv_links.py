@@ -1,4 +1,4 @@
-"""A migration's KV going stage to stage over links (actors/kv_links.py), between two engines of this process whose
+"""A migration's KV going stage to stage over links (actors/kv/links.py), between two engines of this process whose
 stages split the layers differently, over real gloo groups; and the links' plan (cluster/migration.py)."""
 
 from __future__ import annotations
@@ -9,12 +9,14 @@ import dataclasses
 import pytest
 import torch
 
-from actors.engine import Engine
-from actors.engine_migration import EngineMigration
-from actors.kv_links import LinkedKV
-from actors.pipeline import PipelineRunner
+from actors.engine.core import Engine
+from actors.engine.migration import EngineMigration
+from actors.kv.links import LinkedKV
+from actors.executors.pipeline import PipelineRunner
 from cluster.config import MigrationConfig, SchedulerConfig, SpeculationConfig
 from cluster.migration import Link, MigrationStatus, migrate, plan_links
+from cluster.migration_messages import (CloseChannel, Export, Import, KVLayout, LinkAddresses, OpenLinks, Pipeline,
+                                        Side, StagesKV, Stop, Stopped)
 from tests.unit.helpers import drain, text_prompts
 from tests.unit.test_migration import EngineEndpoint, finish_and_check, started
 from tests.unit.test_pipeline import pipeline
@@ -31,7 +33,7 @@ def test_links_pair_every_stage_with_each_stage_that_shares_its_layers() -> None
 
 
 class LinkedEndpoint(EngineEndpoint):
-    """EngineEndpoint with the link methods of actors/instance_server.py: its engine's stages (LocalStages) are
+    """EngineEndpoint with the link methods of actors/serving/server.py: its engine's stages (LocalStages) are
     the links' ends, and the KV goes over them whenever the migration has opened them (`via`)."""
 
     def __init__(self, engine: Engine, results, steps: int = 0) -> None:
@@ -39,53 +41,45 @@ class LinkedEndpoint(EngineEndpoint):
         self.routes: dict[str, dict[str, list]] = {}
         self.payloads: list[object] = []  # every KV payload the coordinator handed this end
 
-    def _runner(self, pipeline: str) -> PipelineRunner:
-        return self.engine.target if pipeline == "target" else self.engine.draft
+    def _runner(self, pipeline: Pipeline) -> PipelineRunner:
+        return self.engine.target if pipeline is Pipeline.TARGET else self.engine.draft
 
     def _links(self, via, pipeline):
         return None if via is None else self.routes[via].get(pipeline)
 
-    async def kv_stages(self, pipeline):
-        return list(self._runner(pipeline).executor.layer_ids)
-
-    async def kv_device(self, pipeline):
-        return self._runner(pipeline).executor.kv_device()
-
-    async def link_addresses(self, pipeline, stages):
-        return self._runner(pipeline).executor.link_addresses(stages, "127.0.0.1")
+    async def migration(self, msg):
+        match msg:
+            case KVLayout(pipeline):
+                executor = self._runner(pipeline).executor
+                return StagesKV(list(executor.layer_ids), executor.kv_device())
+            case LinkAddresses(pipeline, stages):
+                return self._runner(pipeline).executor.link_addresses(list(stages), "127.0.0.1")
+            case OpenLinks(channel, pipeline, links, side, timeout_s, backend):
+                return await self.links_open(channel, pipeline, list(links), side, timeout_s, backend)
+            case CloseChannel(channel):
+                for pipeline in self.routes.pop(channel, {}):
+                    self._runner(pipeline).executor.close_links(channel + "/")
+                return None
+            case Export(rid, Pipeline.TARGET, start, end, via):
+                drain(self.engine, self.results, steps=self.steps)
+                return self.moves.export(Pipeline.TARGET, rid, start, end, self._links(via, Pipeline.TARGET))
+            case Export(rid, Pipeline.DRAFT, start, end, via):
+                return self.moves.export(Pipeline.DRAFT, rid, start, end, self._links(via, Pipeline.DRAFT))
+            case Import(pipeline, kv):
+                self.payloads.append(kv)
+                if isinstance(kv, LinkedKV):
+                    await asyncio.to_thread(self._runner(pipeline).executor.receive_links, kv)
+                return self.moves.import_kv(pipeline, kv)
+            case Stop(rid, start, via):
+                seq, resume, kv, end = self.moves.stop_out(rid, start, self._links(via, Pipeline.TARGET))
+                self.detached[rid] = seq
+                return Stopped(dataclasses.replace(seq.request, resume=resume), kv, end, 0.0)
+        return await super().migration(msg)
 
     async def links_open(self, channel, pipeline, links, side, timeout_s, backend):
+        """Join the links of `pipeline` (a test replaces it with one that fails)."""
         self.routes.setdefault(channel, {})[pipeline] = links
         await asyncio.to_thread(self._runner(pipeline).executor.open_links, links, side, timeout_s, backend)
-
-    async def channel_close(self, channel):
-        for pipeline in self.routes.pop(channel, {}):
-            self._runner(pipeline).executor.close_links(channel + "/")
-
-    async def migrate_export(self, rid, start, end, via=None):
-        drain(self.engine, self.results, steps=self.steps)
-        return self.moves.export_out(rid, start, end, self._links(via, "target"))
-
-    async def migrate_import(self, kv):
-        self.payloads.append(kv)
-        if isinstance(kv, LinkedKV):
-            await asyncio.to_thread(self.engine.target.executor.receive_links, kv)
-        return self.moves.import_kv(kv)
-
-    async def migrate_export_draft(self, rid, start, end, via=None):
-        got = self.moves.export_draft(rid, start, end, self._links(via, "draft"))
-        return None if got is None else (got, got.end if isinstance(got, LinkedKV) else got[0].end)
-
-    async def migrate_import_draft(self, kv):
-        self.payloads.append(kv)
-        if isinstance(kv, LinkedKV):
-            await asyncio.to_thread(self.engine.draft.executor.receive_links, kv)
-        return self.moves.import_draft(kv)
-
-    async def migrate_stop(self, rid, start, via=None, lease_s=None):
-        seq, resume, kv, end = self.moves.stop_out(rid, start, self._links(via, "target"))
-        self.detached[rid] = seq
-        return dataclasses.replace(seq.request, resume=resume), kv, end, 0.0
 
 
 def staged_engine(tiny_models, tiny_draft_models, stages: list[list[int]]) -> Engine:
@@ -129,14 +123,15 @@ def test_kv_received_over_links_equals_the_sources(tiny_models, tiny_draft_model
 
     async def copy() -> None:
         via, links = "a->b/r0", plan_links(src.target.executor.layer_ids, dst.target.executor.layer_ids)
-        addresses = await a.link_addresses("target", [i for i, _, _ in links])
-        opened = [Link(f"{via}/target/{i}->{j}", i, j, layers, addr) for (i, j, layers), addr in zip(links, addresses)]
-        await asyncio.gather(a.links_open(via, "target", opened, "src", 20, "gloo"),
-                             b.links_open(via, "target", opened, "dst", 20, "gloo"))
+        addresses = await a.migration(LinkAddresses(Pipeline.TARGET, tuple(i for i, _, _ in links)))
+        opened = tuple(Link(f"{via}/target/{i}->{j}", i, j, layers, addr)
+                       for (i, j, layers), addr in zip(links, addresses))
+        await asyncio.gather(a.migration(OpenLinks(via, Pipeline.TARGET, opened, Side.SRC, 20, "gloo")),
+                             b.migration(OpenLinks(via, Pipeline.TARGET, opened, Side.DST, 20, "gloo")))
         assert EngineMigration(dst).reserve_incoming("r0", EngineMigration(src).kv_length("r0"))
-        kv, _ = await a.migrate_export("r0", 0, EngineMigration(src).kv_length("r0"), via)
-        assert await b.migrate_import(kv)
-        await asyncio.gather(a.channel_close(via), b.channel_close(via))
+        kv, _ = await a.migration(Export("r0", Pipeline.TARGET, 0, EngineMigration(src).kv_length("r0"), via))
+        assert await b.migration(Import(Pipeline.TARGET, kv))
+        await asyncio.gather(a.migration(CloseChannel(via)), b.migration(CloseChannel(via)))
 
     asyncio.run(copy())
 

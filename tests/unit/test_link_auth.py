@@ -1,4 +1,4 @@
-"""KV links and pipeline groups prove the cluster's link secret before anything crosses (actors/rendezvous.py): a
+"""KV links and pipeline groups prove the cluster's link secret before anything crosses (actors/transport/rendezvous.py): a
 peer with the wrong secret gets the link torn down on both ends with a clear error; the right one carries KV. Real
 gloo over loopback: a KV channel's two ends in two threads, a pipeline group's two ranks in two processes."""
 
@@ -10,10 +10,10 @@ import threading
 import pytest
 import torch
 
-from actors import rendezvous
-from actors.kv_cache import KVExport
-from actors.kv_channel import ChannelError, KVChannel, KVHeader
-from actors.p2p import P2P, TransferError, free_address
+from actors.transport import rendezvous
+from actors.kv.cache import KVExport
+from actors.kv.channel import ChannelError, KVChannel, KVHeader
+from actors.transport.p2p import P2P, TransferError, free_address
 
 RIGHT, WRONG = b"r" * 32, b"w" * 32
 

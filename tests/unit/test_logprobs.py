@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from actors.engine import Engine
+from actors.engine.core import Engine
 from cluster.config import SchedulerConfig, SpeculationConfig
 from cluster.request import Request, SamplingParams
 from tests.unit.helpers import drain, load, runner, text_prompts

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from actors.engine import Engine
-from actors.offline import generate
-from actors.sequence import Sequence
+from actors.engine.core import Engine
+from actors.engine.offline import generate
+from actors.engine.sequence import Sequence
 from cluster.config import SchedulerConfig, SpeculationConfig
 from cluster.request import FinishReason, Request, SamplingParams
 from tests.fixtures.tiny_models import FAMILIES

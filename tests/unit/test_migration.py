@@ -8,14 +8,16 @@ import dataclasses
 import pytest
 import torch
 
-from actors.engine import Engine
-from actors.engine_migration import EngineMigration
-from actors.local_stages import LocalStages
+from actors.engine.core import Engine
+from actors.engine.migration import EngineMigration
+from actors.executors.local import LocalStages
 from actors.model.runner import ModelRunner
-from actors.offline import generate
-from actors.pipeline import PipelineRunner
+from actors.engine.offline import generate
+from actors.executors.pipeline import PipelineRunner
 from cluster.config import MigrationConfig
-from cluster.migration import BlockNames, MigrationStatus, migrate
+from cluster.migration import MigrationStatus, migrate
+from cluster.migration_messages import (Commit, Drop, Export, Import, Length, Names, Pipeline, Release, Reserve, Stop,
+                                        Stopped)
 from cluster.config import SchedulerConfig, SpeculationConfig
 from cluster.request import Request, Resume, SamplingParams
 from tests.unit.helpers import Result, drain, load, reference_greedy, runner, text_prompts
@@ -52,66 +54,64 @@ class EngineEndpoint:
         if name == self.fail_on:
             raise ConnectionError(f"{name}: the instance died")
 
-    async def migrate_length(self, rid):
-        self._maybe_fail("length")
-        return self.moves.kv_length(rid) if self.moves.holds(rid) else None
+    async def migration(self, msg):
+        match msg:
+            case Length(rid):
+                self._maybe_fail("length")
+                return self.moves.kv_length(rid) if self.moves.holds(rid) else None
+            case Names(rid):
+                return self.moves.block_names(rid)
+            case Reserve(rid, tokens, _, names):
+                return self.moves.reserve_incoming(rid, tokens, names)
+            case Export(rid, Pipeline.TARGET, start, end):
+                self._maybe_fail("export")
+                self.exports.append((start, end))
+                drain(self.engine, self.results, steps=self.steps)
+                self.between_steps()
+                return self.moves.export(Pipeline.TARGET, rid, start, end)
+            case Import(Pipeline.TARGET, exports):
+                self._maybe_fail("import")
+                return self.moves.import_kv(Pipeline.TARGET, exports)
+            case Export(rid, Pipeline.DRAFT, start, end):
+                self._maybe_fail("export_draft")
+                drain(self.engine, self.results, steps=self.draft_steps)
+                return self.moves.export(Pipeline.DRAFT, rid, start, end)
+            case Import(Pipeline.DRAFT, exports):
+                self._maybe_fail("import_draft")
+                self.draft_imports.append(exports[0].end)
+                return self.moves.import_kv(Pipeline.DRAFT, exports)
+            case Stop(rid, start):
+                self.before_stop()
+                stopped = self.moves.stop_out(rid, start)
+                if stopped is None:
+                    return None
+                seq, resume, exports, end = stopped
+                self.detached[rid] = seq
+                return Stopped(dataclasses.replace(seq.request, resume=resume), exports, end, 0.0)
+            case Commit(request):
+                self._maybe_fail("commit")
+                self.engine.add_request(request)
+                return True
+            case Release(rid, committed):
+                self._maybe_fail("release")
+                seq = self.detached.pop(rid)
+                if committed:
+                    self.moves.release_detached(seq)
+                else:
+                    self.moves.reattach(seq)
+                return True
+            case Drop(rid):  # what was reserved and imported, or a copy committed here
+                self.moves.drop_incoming(rid)
+                if self.moves.holds(rid):
+                    self.engine.abort(rid)
+                return None
+        raise TypeError(f"not a migration message: {msg!r}")
 
-    async def migrate_names(self, rid):
-        return self.moves.block_names(rid)
 
-    async def migrate_reserve(self, rid, tokens, lease_s=None, names=BlockNames()):
-        return self.moves.reserve_incoming(rid, tokens, names)
-
-    async def migrate_export(self, rid, start, end, via=None):
-        self._maybe_fail("export")
-        self.exports.append((start, end))
-        drain(self.engine, self.results, steps=self.steps)
-        self.between_steps()
-        return self.moves.export_out(rid, start, end)
-
-    async def migrate_import(self, exports):
-        self._maybe_fail("import")
-        return self.moves.import_kv(exports)
-
-    async def migrate_export_draft(self, rid, start, end, via=None):
-        self._maybe_fail("export_draft")
-        drain(self.engine, self.results, steps=self.draft_steps)
-        got = self.moves.export_draft(rid, start, end)
-        return None if got is None else (got, got[0].end)
-
-    async def migrate_import_draft(self, exports):
-        self._maybe_fail("import_draft")
-        self.draft_imports.append(exports[0].end)
-        return self.moves.import_draft(exports)
-
-    async def migrate_stop(self, rid, start, via=None, lease_s=None):
-        self.before_stop()
-        stopped = self.moves.stop_out(rid, start)
-        if stopped is None:
-            return None
-        seq, resume, exports, end = stopped
-        self.detached[rid] = seq
-        return dataclasses.replace(seq.request, resume=resume), exports, end, 0.0
-
-    async def migrate_commit(self, request):
-        self._maybe_fail("commit")
-        self.engine.add_request(request)
-        return True
-
-    async def migrate_release(self, rid, committed, destination):
-        self._maybe_fail("release")
-        seq = self.detached.pop(rid)
-        if committed:
-            self.moves.release_detached(seq)
-        else:
-            self.moves.reattach(seq)
-        return True
-
-    async def migrate_drop(self, rid):
-        self.moves.drop_incoming(rid)
-
-    async def migrate_cancel(self, rid):
-        self.engine.abort(rid)
+def draft_kv_at(engine: Engine, rid: str = "r0"):
+    """The request's draft KV at `engine` as a migration copies it (None: none beyond token 0)."""
+    got = EngineMigration(engine).export(Pipeline.DRAFT, rid, 0)
+    return None if got is None else got[0]
 
 
 def started(src: Engine, prompts, params: SamplingParams = GREEDY, steps: int = 3) -> dict[str, Result]:
@@ -368,14 +368,14 @@ def test_the_draft_kv_moves_as_it_stood_or_is_rebuilt_at_the_destination(tiny_mo
     results = started(src, prompts, steps=4)
     a, b = EngineEndpoint(src, results, steps=1), EngineEndpoint(dst, results)
     sent = []
-    a.before_stop = lambda: sent.append(EngineMigration(src).export_draft("r0"))  # the source's draft KV, as copied
+    a.before_stop = lambda: sent.append(draft_kv_at(src))  # the source's draft KV, as copied
 
     outcome = asyncio.run(migrate("r0", a, b, MigrationConfig(max_stages=2, stop_copy_tokens=2, draft_kv=draft_kv)))
 
     assert outcome.status is MigrationStatus.FINISHED, outcome
     if draft_kv == "move":  # the destination's draft holds exactly what the source's held: it catches up from there
         [want] = sent
-        got = EngineMigration(dst).export_draft("r0")
+        got = draft_kv_at(dst)
         assert outcome.draft_tokens == b.draft_imports[-1] == want[0].end == got[0].end > len(prompts[0])
         assert all(torch.equal(x.k, y.k) and torch.equal(x.v, y.v) for x, y in zip(got, want))
     else:
@@ -393,21 +393,21 @@ def test_the_draft_kv_moves_in_chunks_between_the_sources_steps(tiny_models, tin
     a, b = EngineEndpoint(src, results), EngineEndpoint(dst, results)
     a.draft_steps = 1
     sent = []
-    a.before_stop = lambda: sent.append(EngineMigration(src).export_draft("r0"))
+    a.before_stop = lambda: sent.append(draft_kv_at(src))
 
     outcome = asyncio.run(migrate("r0", a, b, MigrationConfig(max_stages=2, stop_copy_tokens=2, chunk_tokens=8)))
 
     assert outcome.status is MigrationStatus.FINISHED, outcome
     assert len(b.draft_imports) >= 3 and outcome.draft_tokens == b.draft_imports[-1] > 16, (b.draft_imports, outcome)
-    [want], [got] = sent[0], EngineMigration(dst).export_draft("r0")
+    [want], [got] = sent[0], draft_kv_at(dst)
     assert got.end == outcome.draft_tokens <= want.end
     assert torch.equal(got.k, want.k[:, :got.end]) and torch.equal(got.v, want.v[:, :got.end])
     finish_and_check(src, dst, results, prompts, tiny_models["llama"], 96)
 
 
 class KeptKV:
-    """An executor whose KV cannot move, as an EasySpec draft group's (actors/ray_stages.py GroupStages): the core
-    executor protocol of in-process stages (actors/executor.py), and no ExportsKV."""
+    """An executor whose KV cannot move, as an EasySpec draft group's (actors/executors/remote.py GroupStages): the core
+    executor protocol of in-process stages (actors/executors/protocol.py), and no ExportsKV."""
 
     replicated_cache = True
 

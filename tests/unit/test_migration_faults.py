@@ -1,4 +1,4 @@
-"""Faults of a live migration between two real instance servers in this process (actors/instance_server.py driven by
+"""Faults of a live migration between two real instance servers in this process (actors/serving/server.py driven by
 cluster/migration.py): a hung end, a missed drop, a client that leaves mid-move, a coordinator that dies after the
 commit, and the stats race. Each drives its timing with barriers (a gated step loop, endpoints that stop at a call);
 the instances' leases are short here, so letting go of a migration's leftovers takes a fraction of a second."""
@@ -11,9 +11,10 @@ from collections.abc import Awaitable, Callable
 
 import pytest
 
-from actors.instance_server import InstanceServer
+from actors.serving.server import InstanceServer
 from cluster.config import CacheConfig, EngineConfig, MigrationConfig, ModelConfig, SchedulerConfig, SpeculationConfig
 from cluster.migration import MigrationStatus, migrate
+from cluster.migration_messages import Drop, Import, Pipeline, Release
 from cluster.request import FinishReason, Request, SamplingParams
 from placement.fleet import InstanceSpec
 from placement.layout import ShardLayout, StageSlot
@@ -87,26 +88,33 @@ class Stream:
 
 
 class Stops:
-    """An Endpoint in front of a real instance server that stops at `method` (once): `reached` is set, and the call
-    goes on only when `go` is set (never, for a hang). `before` runs in the call just before it goes on."""
+    """An Endpoint in front of a real instance server that stops at the first message `at` picks (once): `reached` is
+    set, and the call goes on only when `go` is set (never, for a hang). `before` runs in the call just before it goes
+    on."""
 
-    def __init__(self, inner: InstanceServer, method: str, before: Callable | None = None) -> None:
-        self.inner, self.method, self.before = inner, method, before
+    def __init__(self, inner: InstanceServer, at: Callable[[object], bool], before: Callable | None = None) -> None:
+        self.inner, self.at, self.before = inner, at, before
         self.reached, self.go = asyncio.Event(), asyncio.Event()
 
-    def __getattr__(self, name: str):
-        real = getattr(self.inner, name)
-        if name != self.method:
-            return real
-
-        async def stopped(*args):
-            self.method = ""  # once
+    async def migration(self, msg):
+        if self.at(msg):
+            self.at = lambda _: False  # once
             self.reached.set()
             await self.go.wait()
             if self.before is not None:
                 await self.before()
-            return await real(*args)
-        return stopped
+        return await self.inner.migration(msg)
+
+    def __getattr__(self, name: str):
+        return getattr(self.inner, name)
+
+
+def target_import(msg) -> bool:
+    return isinstance(msg, Import) and msg.pipeline is Pipeline.TARGET
+
+
+def release(msg) -> bool:
+    return isinstance(msg, Release)
 
 
 def request(model_path, offset: int = 3) -> Request:
@@ -138,7 +146,7 @@ def test_a_hung_destination_aborts_the_migration_at_its_deadline(pair, tiny_mode
         stream = Stream({"src": src, "dst": dst}, req)
         await stream.started.wait()
         gate.open.clear()
-        hung = Stops(dst, "migrate_import")  # `go` is never set
+        hung = Stops(dst, target_import)  # `go` is never set
         result = await asyncio.wait_for(migrate("r0", src, hung, CFG), 30)
         gate.open.set()
         await asyncio.wait_for(stream.task, 60)
@@ -158,18 +166,20 @@ def test_a_destination_that_misses_the_drop_frees_its_reservation_by_its_lease(p
     req = request(tiny_models["llama"], offset=5)
 
     class LosesDrop(Stops):
-        async def migrate_import(self, kv):
-            raise ConnectionError("the link to the destination broke")
-
-        async def migrate_drop(self, request_id):
-            raise ConnectionError("the drop was lost on the way")
+        async def migration(self, msg):
+            match msg:
+                case Import(Pipeline.TARGET, _):
+                    raise ConnectionError("the link to the destination broke")
+                case Drop():
+                    raise ConnectionError("the drop was lost on the way")
+            return await super().migration(msg)
 
     async def run():
         gate = Gate(src)
         stream = Stream({"src": src, "dst": dst}, req)
         await stream.started.wait()
         gate.open.clear()
-        result = await migrate("r0", src, LosesDrop(dst, ""), CFG)
+        result = await migrate("r0", src, LosesDrop(dst, lambda _: False), CFG)
         held = await dst.kv_blocks_used()
         gate.open.set()
         await asyncio.wait_for(stream.task, 60)
@@ -199,7 +209,7 @@ def test_a_client_that_leaves_mid_migration_leaves_no_copy_running(pair, tiny_mo
             stream.task.cancel()  # the API's stream is gone: its generator's cleanup aborts the request at the source
             await asyncio.gather(stream.task, return_exceptions=True)
             await src.abort("r0")
-        leaving = Stops(src, "migrate_release", before=client_leaves)
+        leaving = Stops(src, release, before=client_leaves)
         leaving.go.set()
         result = await migrate("r0", leaving, dst, CFG)
         gate.open.set()
@@ -222,7 +232,7 @@ def test_a_coordinator_that_dies_after_the_commit_leaves_the_request_running_onc
         stream = Stream({"src": src, "dst": dst}, req)
         await stream.started.wait()
         gate.open.clear()
-        dies = Stops(src, "migrate_release")  # `go` is never set: the coordinator is cancelled there
+        dies = Stops(src, release)  # `go` is never set: the coordinator is cancelled there
         coordinator = asyncio.get_running_loop().create_task(migrate("r0", dies, dst, CFG))
         await dies.reached.wait()
         coordinator.cancel()

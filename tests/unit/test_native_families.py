@@ -9,7 +9,7 @@ import gguf
 import pytest
 import torch
 
-from actors.engine import Engine
+from actors.engine.core import Engine
 from actors.model.generic_runner import GenericRunner
 from actors.model.layers import DecoderLayer
 from actors.model.loader import load_model

@@ -9,7 +9,7 @@ import pytest
 from pydantic import ValidationError
 from transformers import AutoTokenizer
 
-from actors.output import MAX_PENDING, RequestOutput
+from actors.engine.output import MAX_PENDING, RequestOutput
 from cluster.request import MAX_STOP_CHARS, FinishReason, SamplingParams
 
 

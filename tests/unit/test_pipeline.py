@@ -8,16 +8,16 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from actors.engine import Engine
-from actors.kv_cache import BlockPool, KVExport
-from actors.kv_ledger import KVLedger, Reserve, replay
-from actors.local_stages import LocalStages
+from actors.engine.core import Engine
+from actors.kv.cache import BlockPool, KVExport
+from actors.kv.ledger import KVLedger, Reserve, replay
+from actors.executors.local import LocalStages
 from actors.model.loader import load_metadata
 from actors.model.metadata import SeqChunk
 from actors.model.runner import ModelRunner
-from actors.offline import generate
-from actors.p2p import P2P, TransferError, free_address
-from actors.pipeline import PipelineRunner, reshard
+from actors.engine.offline import generate
+from actors.transport.p2p import P2P, TransferError, free_address
+from actors.executors.pipeline import PipelineRunner, reshard
 from cluster.config import CacheConfig, SchedulerConfig, SpeculationConfig
 from cluster.request import SamplingParams
 from placement.layout import ShardLayout, StageSlot

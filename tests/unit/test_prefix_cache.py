@@ -1,4 +1,4 @@
-"""The prefix cache's block accounting (actors/kv_cache.py BlockPool): sharing, ref-counts, eviction, replay."""
+"""The prefix cache's block accounting (actors/kv/cache.py BlockPool): sharing, ref-counts, eviction, replay."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import random
 
 import pytest
 
-from actors.kv_cache import BlockPool
-from actors.kv_ledger import KVLedger, replay
+from actors.kv.cache import BlockPool
+from actors.kv.ledger import KVLedger, replay
 from cluster.prefix import block_hashes, root_hash
 
 BS = 4

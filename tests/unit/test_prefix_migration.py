@@ -8,9 +8,9 @@ import asyncio
 
 import pytest
 
-from actors.engine import Engine
-from actors.kv_links import LinkedKV
-from actors.offline import generate
+from actors.engine.core import Engine
+from actors.kv.links import LinkedKV
+from actors.engine.offline import generate
 from cluster.config import MigrationConfig, SchedulerConfig, SpeculationConfig
 from cluster.migration import MigrationStatus, migrate
 from cluster.request import Request, Resume, SamplingParams
@@ -105,7 +105,7 @@ def test_a_failed_over_request_reprefills_only_what_its_new_instance_lacks(tiny_
 
 def test_a_migration_over_links_between_different_splits_starts_after_the_cached_blocks(tiny_models,
                                                                                        tiny_draft_models) -> None:
-    """Stage to stage over gloo links (actors/kv_links.py): each destination stage starts from the blocks the
+    """Stage to stage over gloo links (actors/kv/links.py): each destination stage starts from the blocks the
     handshake matched, and receives only the rest."""
     path = tiny_models["llama"]
     warm, moving = shared_prompts(load(path))

@@ -14,7 +14,7 @@ import pytest
 from cluster.dispatch import CacheAware, InstanceView, ListFleet, make_dispatch
 from cluster.load_order import LoadOrder
 from cluster.prefix import block_hashes, root_hash
-from actors.kv_cache import BlockPool
+from actors.kv.cache import BlockPool
 from cluster.prefix_index import CacheEvents, EventLog, PrefixIndex
 from cluster.registry import NoInstanceAvailable, Registry
 from cluster.request import RequestStatus

@@ -6,8 +6,8 @@ import pytest
 import torch
 from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
 
-from actors.engine import Engine
-from actors.offline import generate
+from actors.engine.core import Engine
+from actors.engine.offline import generate
 from actors.speculation.processors import process
 from actors.speculation.sampling import probs_from_logits
 from cluster.config import SchedulerConfig, SpeculationConfig

@@ -7,9 +7,9 @@ import functools
 import pytest
 import torch
 
-from actors.engine import Engine
+from actors.engine.core import Engine
 from actors.model.metadata import SeqChunk
-from actors.offline import generate
+from actors.engine.offline import generate
 from actors.speculation.drafters import Proposal
 from actors.speculation.sampling import make_generator, probs_from_logits, sample
 from actors.speculation.verify import verify_greedy, verify_sampled

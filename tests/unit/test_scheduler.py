@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from actors.engine import Engine
-from actors.offline import generate
+from actors.engine.core import Engine
+from actors.engine.offline import generate
 from actors.speculation.cost_model import StepCostModel
 from cluster.config import SchedulerConfig, SpeculationConfig
 from cluster.request import FinishReason, Request, SamplingParams

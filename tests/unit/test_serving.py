@@ -7,9 +7,9 @@ import time
 
 import pytest
 
-from actors.engine import RequestError
-from actors.engine_migration import EngineMigration
-from actors.serving import ServingLoop, StepBarrier
+from actors.engine.core import RequestError
+from actors.engine.migration import EngineMigration
+from actors.serving.loop import ServingLoop, StepBarrier
 from cluster.request import FinishReason, Request, RequestStatus, SamplingParams, StreamItem
 from tests.unit.helpers import load, reference_greedy, text_prompts
 from tests.unit.test_scheduler import engine_for

@@ -6,7 +6,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from actors.build import local_instance
+from actors.serving.build import local_instance
 from actors.start_phases import StartClock, phase
 from cluster.config import CacheConfig, EngineConfig, ModelConfig, SpeculationConfig
 

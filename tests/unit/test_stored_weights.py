@@ -11,14 +11,14 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
 
-from actors.engine import Engine
+from actors.engine.core import Engine
 from actors.model.convert import converted
 from actors.model.loader import ModelLoadError, load_model
 from actors.model.metadata import SeqChunk
 from actors.model.qlinear import Int4Linear, Int8Linear
 from actors.model.runner import ModelRunner
 from actors.model.weights import Concat
-from actors.offline import generate
+from actors.engine.offline import generate
 from cluster.config import CacheConfig, SpeculationConfig
 from cluster.request import SamplingParams
 from tests.fixtures.tiny_models import build_tiny_model, write_tiny_gguf

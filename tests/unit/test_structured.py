@@ -13,8 +13,8 @@ import jsonschema
 import pytest
 from pydantic import ValidationError
 
-from actors.engine import Engine, RequestError
-from actors.offline import generate
+from actors.engine.core import Engine, RequestError
+from actors.engine.offline import generate
 from cluster.config import SchedulerConfig, SpeculationConfig
 from cluster.request import InvalidRequest, Request, SamplingParams, StructuredOutput
 from tests.unit.helpers import load, runner, text_prompts

@@ -18,8 +18,8 @@ from deploy.serve.reasoning import REASONERS, Qwen3, ReasoningStream, reasoner_f
 from deploy.serve.tool_parsers import PARSERS, HermesParser, Llama3JsonParser, MistralParser, parser_for, scan
 from deploy.serve.tools import NamedToolChoice, Tool, ToolError, after_reasoning, check_history, grammar, plan
 from deploy.serve.openai_api import ChatMessage
-from actors.engine import Engine
-from actors.offline import generate
+from actors.engine.core import Engine
+from actors.engine.offline import generate
 from cluster.config import ModelConfig, SchedulerConfig, SpeculationConfig
 from tests.unit.helpers import load, runner, text_prompts
 from tests.unit.test_structured import SCHEMAS, make_engine

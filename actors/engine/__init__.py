@@ -1,0 +1,1 @@
+"""The instance engine: the step (schedule -> plan -> propose -> score -> verify -> apply), its scheduler, a request's state and output, its counters, a migration's operations, offline generation, loading a model pair."""
