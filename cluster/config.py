@@ -12,6 +12,8 @@ from typing import Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, model_validator
 
+from cluster.autoscale import AutoscalingConfig, starts_at_min
+from cluster.disagg import DisaggConfig
 from cluster.migration_policy import MigrationPolicyConfig
 
 
@@ -433,12 +435,37 @@ class RouterConfig(_Frozen):
     instance_resources: dict[str, float] = {}
     migration: MigrationConfig = MigrationConfig()
     failover: FailoverConfig = FailoverConfig()
+    # prefill/decode disaggregation: each instance's role (docs/disaggregation.md); none: every instance does both
+    disaggregation: DisaggConfig = DisaggConfig()
     # API replicas and instances find a router that died again by its name (a restarted or new one), retrying
     # for at most this long before a call fails
     reconnect_s: float = Field(default=20.0, gt=0.0)
+    # SLO autoscaling (cluster/autoscale.py, docs/autoscaling.md); absent: a fixed fleet of `instances`; with it the
+    # fleet starts at min_instances (`instances` defaults to it and may not differ)
+    autoscaling: AutoscalingConfig | None = None
+
+    _starts_at_min = model_validator(mode="before")(classmethod(lambda cls, raw: starts_at_min(raw)))
+
+    @model_validator(mode="after")
+    def _instances_at_min(self) -> "RouterConfig":
+        if self.autoscaling is not None and self.instances != self.autoscaling.min_instances:
+            raise ValueError(f"instances ({self.instances}) must equal autoscaling.min_instances "
+                             f"({self.autoscaling.min_instances}): an autoscaled fleet starts at its minimum")
+        return self
 
     def __hash__(self) -> int:  # frozen, but a dict field is unhashable: hash the canonical JSON instead
         return hash(self.model_dump_json())
+
+    @model_validator(mode="after")
+    def _one_role_per_instance(self) -> "RouterConfig":
+        roles = self.disaggregation.roles
+        if roles and len(roles) != self.instances:
+            raise ValueError(f"router.disaggregation.roles names {len(roles)} roles for router.instances = "
+                             f"{self.instances}: give one role per instance")
+        if roles and all(r == "prefill" for r in roles):
+            raise ValueError("router.disaggregation.roles: every instance is `prefill`, so none decodes; make at "
+                             "least one `decode` or `both`")
+        return self
 
 
 class SpecfleetConfig(_Frozen):

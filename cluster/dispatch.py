@@ -34,14 +34,14 @@ class InstanceView:
 
     @property
     def capacity_blocks(self) -> int:
-        return self.stats.kv_blocks_used + self.stats.kv_blocks_free if self.stats else 0
+        return self.stats.load.kv_blocks_used + self.stats.load.kv_blocks_free if self.stats else 0
 
     @property
     def queued(self) -> int:
         """Requests routed to it that it does not run yet (by the router's count when the stats lag behind)."""
         if self.stats is None:
             return self.in_flight
-        return max(self.in_flight - self.stats.running, self.stats.waiting)
+        return max(self.in_flight - self.stats.load.running, self.stats.load.waiting)
 
     def virtual_usage(self, blocks_per_request: float) -> float:
         """Fraction of the instance's KV that its running and queued requests claim (inf when draining)."""
@@ -49,7 +49,7 @@ class InstanceView:
             return float("inf")
         if self.stats is None or self.capacity_blocks == 0:
             return self.in_flight * blocks_per_request  # no stats yet: fall back on the request count
-        return (self.stats.kv_blocks_used + self.queued * blocks_per_request) / self.capacity_blocks
+        return (self.stats.load.kv_blocks_used + self.queued * blocks_per_request) / self.capacity_blocks
 
 
 LoadKey = tuple[float, int, str]

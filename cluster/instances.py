@@ -3,7 +3,7 @@ request's row in its table; what a drain did. The admin API sends them as JSON, 
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, field_serializer, field_validator
 
 from cluster.stats import EngineStats
 
@@ -52,6 +52,17 @@ class InstanceRow(_Row):
     removed_at: float | None = None  # set on instances removed for failing health
     incarnation: str = ""  # its actor's id: a replacement under the same instance id has another
     backend: str = ""  # the path its target model runs on and why, e.g. "native path (hand-written layers for qwen2)"
+    role: str = "both"  # prefill, decode or both (cluster/disagg.py), as it registered
+
+    @field_validator("stats", mode="before")
+    @classmethod
+    def _stats_from_wire(cls, v: object) -> object:
+        return EngineStats.from_dict(v) if isinstance(v, dict) else v
+
+    @field_serializer("stats")
+    def _stats_to_wire(self, v: EngineStats | None) -> dict | None:
+        """The stats travel flat, under the names they had before they were records (EngineStats.as_dict)."""
+        return None if v is None else v.as_dict()
 
 
 class RequestRow(_Row):

@@ -15,6 +15,9 @@ reach the new router through cluster/router_client.py.
 The router also moves running requests between instances (Llumnix's global scheduler): on demand
 (`migrate`, `drain_migrate`), and when `router.migration.policies` are set, every `interval_s` and whenever an
 instance joins or drains (`plan_migrations`). A request whose instance died resumes elsewhere (`failover`).
+
+Instances may register with a role (`prefill`, `decode`, `both`): then a new request is placed on a pair and moved to
+its decode instance after its first token (cluster/disagg.py, cluster/handoff.py, docs/disaggregation.md).
 """
 
 from __future__ import annotations
@@ -31,7 +34,9 @@ from ray.actor import ActorHandle
 from cluster.config import MigrationConfig, RouterConfig
 from cluster.migration import MigrationProgress, MigrationResult, MigrationStatus, RayEndpoint, migrate
 from cluster.migration_policy import InstanceLoad, make_planner
+from cluster.disagg import ROLES, DisaggPolicy, PromptShape, Role
 from cluster.dispatch import make_dispatch
+from cluster.handoff import Handoffs, avoid_prefill_only, handoff_destination, route_pair
 from cluster.instances import DrainResult, InstancePlace, InstanceRow, RequestRow
 from cluster.registry import NoInstanceAvailable, Registry, RequestStatus
 from cluster.prefix_index import PrefixIndex
@@ -77,6 +82,12 @@ class Router:
         self._joined = asyncio.Event()  # set (and replaced) whenever an instance registers: failovers wait on it
         fo = cfg.failover  # how long a failover waits for an instance to register: learned from the starts seen
         self.starts = StartHistory(fo.wait_s, fo.max_wait_s, fo.start_multiple)
+        self.roles: dict[str, Role] = {}  # instance -> its role, as it registered (absent: both)
+        self.disagg = DisaggPolicy(cfg.disaggregation)
+        self.handoffs = Handoffs(cfg.disaggregation.handoff_poll_s, self._load_of, self._hand_off,
+                                 lost_after_s=cfg.orphan_grace_s)
+        self.disagg_decisions: dict[str, int] = {}  # placements of new requests by reason (disaggregation on)
+        self.handoff_results: dict[str, int] = {}  # handoffs' migrations by outcome
         # as a Ray actor this runs on its event loop: rebuild from the instances, then start polling and planning
         self._started: asyncio.Task | None = asyncio.get_running_loop().create_task(self._start(discover))
 
@@ -89,6 +100,7 @@ class Router:
         loop = asyncio.get_running_loop()
         self._poller = loop.create_task(self._poll_forever())
         self._planner = loop.create_task(self._plan_forever())
+        self._handing_off = loop.create_task(self.handoffs.run_forever())
 
     async def _rebuild(self) -> None:
         """Register every instance actor found by name, with the requests each holds (a restarted router)."""
@@ -121,17 +133,23 @@ class Router:
             self.registry.policy = _dispatch(cfg)
         self.registry.prefix.provisional_s = cfg.cache_aware.provisional_s
         self.registry.prefix.max_entries = cfg.cache_aware.max_entries
+        self.disagg = DisaggPolicy(cfg.disaggregation)
+        self.handoffs.poll_s = cfg.disaggregation.handoff_poll_s
         self.cfg = cfg
 
     # ---- instances ----------------------------------------------------------------------------------
     @_after_start
     async def register(self, instance_id: str, handle: ActorHandle, model: str, max_model_len: int, node: str,
                        place: InstancePlace = InstancePlace(), incarnation: str = "", start_s: float | None = None,
-                       backend: str = "", phases: tuple[tuple[str, float], ...] = ()) -> None:
+                       backend: str = "", phases: tuple[tuple[str, float], ...] = (), role: Role = "both") -> None:
         """Add an instance, or its replacement (another `incarnation` under the same id); idempotent. `start_s`: how
         long this incarnation took to start (its replica's construction to now), which the failover wait learns;
         `backend`: the path its target model runs on and how it computes, and `phases`: where its start's time went
-        (actors/start_phases.py), both as operators see them in `specfleet status`."""
+        (actors/start_phases.py), both as operators see them in `specfleet status`; `role`: prefill, decode or both
+        (cluster/disagg.py)."""
+        if role not in ROLES:
+            raise ValueError(f"unknown role {role!r} for instance {instance_id!r}; choose one of {', '.join(ROLES)}")
+        self.roles[instance_id] = role
         self.starts.registered(instance_id, incarnation, time.monotonic(), start_s, phases)
         self._register(instance_id, handle, model, max_model_len, node, place, incarnation, backend)
 
@@ -154,13 +172,16 @@ class Router:
         return self.registry.remove(instance_id, time.time()) is not None
 
     @_after_start
-    async def is_registered(self, instance_id: str, incarnation: str | None = None) -> bool:
+    async def is_registered(self, instance_id: str, incarnation: str | None = None, role: Role | None = None) -> bool:
+        """Whether the router knows this instance (this incarnation, with this role, where given)."""
         entry = self.registry.instances.get(instance_id)
-        return entry is not None and (incarnation is None or entry.incarnation == incarnation)
+        return (entry is not None and (incarnation is None or entry.incarnation == incarnation)
+                and (role is None or self.roles.get(instance_id, "both") == role))
 
     @_after_start
     async def instances(self) -> list[InstanceRow]:
-        return [e.row() for e in self.registry.instances.values()]
+        return [e.row().model_copy(update={"role": self.roles.get(e.instance_id, "both")})
+                for e in self.registry.instances.values()]
 
     @_after_start
     async def removed_instances(self) -> list[InstanceRow]:
@@ -195,19 +216,51 @@ class Router:
     # ---- requests -----------------------------------------------------------------------------------
     @_after_start
     async def route(self, request_id: str, priority: int = 0, model: str | None = None,
-                    max_pending: int | None = None, blocks: tuple[int, ...] = ()) -> tuple[str, ActorHandle]:
+                    max_pending: int | None = None, blocks: tuple[int, ...] = (),
+                    prompt: PromptShape | None = None) -> tuple[str, ActorHandle]:
         """Choose the instance for a new request: (instance id, its handle). Raises Overloaded or NoInstanceAvailable.
         `blocks` names the full KV blocks of its prompt (cluster/prefix.py, computed where it was tokenized): a
         cache-aware policy sends it where they are cached. Idempotent: a request already running (a caller's retry)
-        gets where it runs."""
+        gets where it runs. `prompt`: its length and block size; with instances of a prefill or decode role it
+        places the request on a pair (cluster/disagg.py) and hands it off after its first token."""
         entry = self.registry.requests.get(request_id)
         if entry is not None and entry.status == RequestStatus.RUNNING and entry.instance_id in self.handles:
             return entry.instance_id, self.handles[entry.instance_id]
         if max_pending is not None and self.registry.pending() >= max_pending:
             raise Overloaded(f"{self.registry.pending()} requests are pending (limit {max_pending})")
-        instance_id = await self._placed(lambda: self.registry.route(request_id, priority, time.time(), model, blocks),
-                                         model)
+        if any(r != "both" for r in self.roles.values()):
+            instance_id = await self._placed(lambda: self._route_pair(request_id, priority, model, blocks, prompt),
+                                             model)
+        else:
+            instance_id = await self._placed(
+                lambda: self.registry.route(request_id, priority, time.time(), model, blocks), model)
         return instance_id, self.handles[instance_id]
+
+    def _route_pair(self, request_id: str, priority: int, model: str | None, blocks: tuple[int, ...],
+                    prompt: PromptShape | None) -> str:
+        placement = route_pair(self.registry, self.disagg, self.roles, request_id, priority, time.time(), model,
+                               blocks, prompt)
+        self.disagg_decisions[placement.reason] = self.disagg_decisions.get(placement.reason, 0) + 1
+        if placement.decode is not None and prompt is not None:
+            self.handoffs.add(request_id, placement.first, placement.decode, prompt.tokens)
+        return placement.first
+
+    async def _load_of(self, instance_id: str):
+        handle = self.handles.get(instance_id)
+        if handle is None:
+            raise LookupError(f"instance {instance_id!r} left")
+        return await asyncio.wait_for(handle.load.remote(), self.health_timeout_s)
+
+    async def _hand_off(self, request_id: str, destination: str) -> MigrationResult | None:
+        """Move a prefilled request to its decode instance (or another one if that one left or drains); it stays
+        where it is when none can take it, or the move aborts (both counted)."""
+        if request_id not in self.registry.requests:
+            return None
+        to = handoff_destination(self.registry, self.disagg, self.roles, request_id, destination)
+        result = None if to is None else await self.migrate(request_id, to)
+        outcome = "no_decode_instance" if result is None else result.status.value
+        self.handoff_results[outcome] = self.handoff_results.get(outcome, 0) + 1
+        return result
 
     async def _placed(self, place, model: str | None) -> str:
         """`place()`'s instance; while none can take the request because none of `model` is up (none registered
@@ -244,7 +297,8 @@ class Router:
                     pass
 
     @_after_start
-    async def finish(self, request_id: str, status: str) -> None:
+    async def finish(self, request_id: str, status: RequestStatus) -> None:
+        self.handoffs.drop(request_id)
         self.registry.finish(request_id, RequestStatus(status), time.time())
 
     # ---- live migration and failover ----------------------------------------------------------------
@@ -314,6 +368,7 @@ class Router:
         full KV blocks, so a cache-aware policy prefers where they are cached), recorded as running there. With no other instance, it waits up to `failover.wait_s` for one to register (the
         replacement of the failed one counts: another incarnation under the same id). NoInstanceAvailable when
         the wait runs out."""
+        self.handoffs.drop(request_id)  # it prefills again where it resumes, and stays there
         migrating = self._migrating.get(request_id)
         if migrating is not None:  # let it end first (every step has a deadline): a committed copy is cancelled
             await migrating.wait()
@@ -326,8 +381,8 @@ class Router:
             entry = self.registry.instances.get(failed_instance)
             same = entry is not None and (self.handles.get(failed_instance) == failed_handle
                                           if failed_handle is not None else entry.incarnation == gone)
-            return self.registry.reroute(request_id, {failed_instance} if same else set(), time.time(), model,
-                                         priority, blocks)
+            exclude = avoid_prefill_only(self.registry, self.roles, model, {failed_instance} if same else set())
+            return self.registry.reroute(request_id, exclude, time.time(), model, priority, blocks)
         instance_id = await self._placed(reroute, model)
         self.migration_figures.failovers += 1
         log.warning("request %s resumes on %s after %s failed", request_id, instance_id, failed_instance)
@@ -401,7 +456,13 @@ class Router:
         """The dispatch policy, its decisions by reason since the router started, and the prefix index's size."""
         index = self.registry.prefix
         return RoutingStats(self.registry.policy.name, dict(self.registry.decisions), len(index),
-                            sum(not index.wants_snapshot(i) for i in self.registry.instances))
+                            sum(not index.wants_snapshot(i) for i in self.registry.instances),
+                            dict(self.disagg_decisions), self._handoff_figures(), len(self.handoffs.pending))
+
+    def _handoff_figures(self) -> dict[str, int]:
+        """Handoffs by outcome, and those given up because the request ended before its first token was seen."""
+        dropped = {"ended_before_handoff": self.handoffs.dropped} if self.handoffs.dropped else {}
+        return {**self.handoff_results, **dropped}
 
     async def starting(self, instance_id: str) -> None:
         """A replica of `instance_id` begins to start (it registers when done): failovers wait for it."""
@@ -430,9 +491,9 @@ class Router:
         return True
 
     @_after_start
-    async def requests(self, status: str | None = None) -> list[RequestRow]:
+    async def requests(self, status: RequestStatus | None = None) -> list[RequestRow]:
         rows = [r.row() for r in self.registry.requests.values()]
-        return [r for r in rows if status is None or r.status == status]
+        return [r for r in rows if status is None or r.status == RequestStatus(status)]
 
     @_after_start
     async def pending(self) -> int:

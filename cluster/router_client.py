@@ -1,7 +1,13 @@
 """A router handle that outlives the router: each call has a deadline, and a router found dead is found again by name.
 
-    router = RouterClient(lambda: get_or_create_router(cfg), reconnect_s=cfg.reconnect_s)
-    instance_id, handle = await router.call(lambda r: r.route.remote(rid, 0, model, limit), timeout_s=30)
+    router = RouterClient.resolving(lambda: get_or_create_router(cfg), reconnect_s=cfg.reconnect_s)
+    instance_id, handle = await router.route(rid, 0, model, limit, timeout_s=30)
+    router.sync.configure(cfg, timeout_s=30)  # the same, for synchronous code (a deployment's constructor)
+
+Each of the router's methods has a typed method here with the router's own signature (cluster/router.py), so the type
+checker sees every call; `timeout_s` (keyword) overrides the client's deadline. Methods the router must not run twice
+(`migrate`, `drain_migrate`, `expert_routing`: `max_task_retries=0` there) are never tried again here either.
+`call` stays for a method not wrapped yet.
 
 The router (cluster/router.py) restarts when its process dies; Ray then answers calls meanwhile with
 ActorUnavailableError, and retries those under way on the new process where the method is idempotent. An actor
@@ -21,12 +27,21 @@ import contextvars
 import logging
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import ray
 from ray import ObjectRef
 from ray.actor import ActorHandle
 from ray.exceptions import ActorDiedError, ActorUnavailableError
+
+if TYPE_CHECKING:
+    from cluster.config import RouterConfig
+    from cluster.disagg import PromptShape, Role
+    from cluster.instances import DrainResult, InstancePlace, InstanceRow, RequestRow
+    from cluster.migration import MigrationResult
+    from cluster.request import RequestStatus
+    from cluster.start_times import FailoverWait
+    from cluster.stats import MigrationStats, RoutingStats
 
 log = logging.getLogger(__name__)
 GONE = (ActorDiedError, ActorUnavailableError)  # the router is restarting, or dead: try again (anew)
@@ -42,6 +57,7 @@ class RouterClient:
         self.handle = handle
         self._resolve = resolve
         self.reconnect_s, self.timeout_s = reconnect_s, timeout_s
+        self.sync = BlockingRouterClient(self)
 
     @classmethod
     def resolving(cls, resolve: Callable[[], ActorHandle], reconnect_s: float = 20.0,
@@ -89,3 +105,107 @@ class RouterClient:
     def _reresolve(self, dead: ActorHandle) -> None:
         if self._resolve is not None and self.handle == dead:  # another call may have found the new one already
             self.handle = self._resolve()
+
+    # ---- requests (deploy/serve/frontend.py) ---------------------------------------------------------
+    async def route(self, request_id: str, priority: int = 0, model: str | None = None, max_pending: int | None = None,
+                    blocks: tuple[int, ...] = (), prompt: PromptShape | None = None, *, timeout_s: float | None = None
+                    ) -> tuple[str, ActorHandle]:
+        """The instance for a new request: (instance id, its handle). Overloaded or NoInstanceAvailable."""
+        return await self.call(lambda r: r.route.remote(request_id, priority, model, max_pending, blocks, prompt),
+                               timeout_s=timeout_s)
+
+    async def finish(self, request_id: str, status: RequestStatus, *, timeout_s: float | None = None) -> None:
+        """The request ended with `status` (idempotent: a request already ended keeps its status)."""
+        await self.call(lambda r: r.finish.remote(request_id, status), timeout_s=timeout_s)
+
+    async def failover(self, request_id: str, failed_instance: str, failed_handle: ActorHandle | None = None,
+                       priority: int = 0, model: str | None = None, blocks: tuple[int, ...] = (), *,
+                       timeout_s: float | None = None) -> tuple[str, ActorHandle]:
+        """Where a request whose instance failed resumes: (instance id, its handle)."""
+        return await self.call(lambda r: r.failover.remote(request_id, failed_instance, failed_handle, priority,
+                                                           model, blocks), timeout_s=timeout_s)
+
+    # ---- instances (deploy/serve/app.py) --------------------------------------------------------------
+    async def is_registered(self, instance_id: str, incarnation: str | None = None, role: Role | None = None, *,
+                            timeout_s: float | None = None) -> bool:
+        return await self.call(lambda r: r.is_registered.remote(instance_id, incarnation, role), timeout_s=timeout_s)
+
+    async def register(self, instance_id: str, handle: ActorHandle, model: str, max_model_len: int, node: str,
+                       place: InstancePlace, incarnation: str, start_s: float | None, backend: str,
+                       phases: tuple[tuple[str, float], ...], role: Role = "both", *,
+                       timeout_s: float | None = None) -> None:
+        """Add an instance, or its replacement (another `incarnation` under the same id); idempotent."""
+        await self.call(lambda r: r.register.remote(instance_id, handle, model, max_model_len, node, place,
+                                                    incarnation, start_s, backend, phases, role), timeout_s=timeout_s)
+
+    # ---- what the API reads (deploy/serve/http_api.py, grpc_api.py, app.py) --------------------------
+    async def models(self, *, timeout_s: float | None = None) -> dict[str, int]:
+        return await self.call(lambda r: r.models.remote(), timeout_s=timeout_s)
+
+    async def instances(self, *, timeout_s: float | None = None) -> list[InstanceRow]:
+        return await self.call(lambda r: r.instances.remote(), timeout_s=timeout_s)
+
+    async def removed_instances(self, *, timeout_s: float | None = None) -> list[InstanceRow]:
+        return await self.call(lambda r: r.removed_instances.remote(), timeout_s=timeout_s)
+
+    async def migration_stats(self, *, timeout_s: float | None = None) -> MigrationStats:
+        return await self.call(lambda r: r.migration_stats.remote(), timeout_s=timeout_s)
+
+    async def failover_wait(self, *, timeout_s: float | None = None) -> FailoverWait:
+        return await self.call(lambda r: r.failover_wait.remote(), timeout_s=timeout_s)
+
+    async def routing_stats(self, *, timeout_s: float | None = None) -> RoutingStats:
+        return await self.call(lambda r: r.routing_stats.remote(), timeout_s=timeout_s)
+
+    async def requests(self, status: RequestStatus | None = None, *,
+                       timeout_s: float | None = None) -> list[RequestRow]:
+        return await self.call(lambda r: r.requests.remote(status), timeout_s=timeout_s)
+
+    # ---- operators' commands (deploy/serve/http_api.py) ---------------------------------------------
+    async def abort(self, request_id: str, *, timeout_s: float | None = None) -> bool:
+        return await self.call(lambda r: r.abort.remote(request_id), timeout_s=timeout_s)
+
+    async def drain(self, instance_id: str, abort_running: bool = False, *, timeout_s: float | None = None) -> int:
+        return await self.call(lambda r: r.drain.remote(instance_id, abort_running), timeout_s=timeout_s)
+
+    async def undrain(self, instance_id: str, *, timeout_s: float | None = None) -> None:
+        await self.call(lambda r: r.undrain.remote(instance_id), timeout_s=timeout_s)
+
+    async def drain_migrate(self, instance_id: str, *, timeout_s: float | None = None) -> DrainResult:
+        """Not idempotent: never tried again."""
+        return await self.call(lambda r: r.drain_migrate.remote(instance_id), retry=False, timeout_s=timeout_s)
+
+    async def migrate(self, request_id: str, to: str | None = None, *,
+                      timeout_s: float | None = None) -> MigrationResult:
+        """Not idempotent: never tried again."""
+        return await self.call(lambda r: r.migrate.remote(request_id, to), retry=False, timeout_s=timeout_s)
+
+    async def expert_routing(self, instance_id: str, *, timeout_s: float | None = None) -> bytes:
+        """Not idempotent (it resets the instance's counts): never tried again."""
+        return await self.call(lambda r: r.expert_routing.remote(instance_id), retry=False, timeout_s=timeout_s)
+
+
+class BlockingRouterClient:
+    """The router calls synchronous code makes (a deployment's constructor), through `RouterClient.call_blocking`:
+    the same deadlines and retries."""
+
+    def __init__(self, client: RouterClient) -> None:
+        self._client = client
+
+    def configure(self, cfg: RouterConfig, *, timeout_s: float | None = None) -> None:
+        self._client.call_blocking(lambda r: r.configure.remote(cfg), timeout_s=timeout_s)
+
+    def starting(self, instance_id: str, *, timeout_s: float | None = None) -> None:
+        """An instance starts: requests waiting for one wait for it (cluster/start_times.py)."""
+        self._client.call_blocking(lambda r: r.starting.remote(instance_id), timeout_s=timeout_s)
+
+    def instances(self, *, timeout_s: float | None = None) -> list[InstanceRow]:
+        return self._client.call_blocking(lambda r: r.instances.remote(), timeout_s=timeout_s)
+
+    def register(self, instance_id: str, handle: ActorHandle, model: str, max_model_len: int, node: str,
+                 place: InstancePlace, incarnation: str, start_s: float | None, backend: str,
+                 phases: tuple[tuple[str, float], ...], role: Role = "both", *,
+                 timeout_s: float | None = None) -> None:
+        self._client.call_blocking(lambda r: r.register.remote(instance_id, handle, model, max_model_len, node, place,
+                                                               incarnation, start_s, backend, phases, role),
+                                   timeout_s=timeout_s)

@@ -1,50 +1,122 @@
-"""Engine-level load and speed figures, the message an instance reports to the router each step."""
+"""Engine-level load and speed figures (the message an instance reports to the router each step), and the router's."""
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 
 @dataclass(frozen=True)
-class EngineStats:
-    """A snapshot of one engine after a step (what Llumnix calls an instance's load)."""
+class LoadStats:
+    """What an engine holds now (what Llumnix calls an instance's load; the router's dispatch reads it)."""
 
     running: int  # requests holding KV and stepping
     waiting: int  # queued or preempted requests
     kv_blocks_used: int  # the target's cache (every target shard has the same block count)
     kv_blocks_free: int
-    draft_kv_blocks_used: int
-    draft_kv_blocks_free: int
-    num_steps: int
-    step_time_s: float  # the last step's wall time
-    step_time_ema_s: float  # exponentially weighted over steps (weight 0.1 for the newest)
-    batch_size: int  # requests in the last step
-    batch_tokens: int  # target tokens in the last step (prefill chunks + decodes + drafts)
-    prefill_tokens: int  # of which prefill
-    mean_k: float  # mean k over the last step's emitting requests
-    acceptance: float  # the engine-wide acceptance estimate
-    tokens_emitted: int  # generated tokens since start
-    num_preemptions: int  # since start
-    policy: str
-    # drafting (EasySpec figures: actors/speculation/easyspec.py): draft-stage seconds per drafted token since start,
-    # acceptance rate at each draft position (1st, 2nd, ...), and bonus calibration's re-run tokens and seconds
+    draft_kv_blocks_used: int = 0
+    draft_kv_blocks_free: int = 0
+    num_preemptions: int = 0  # since start
+
+
+@dataclass(frozen=True)
+class StepStats:
+    """The engine's steps: how many, how long, and the last one's batch."""
+
+    num_steps: int = 0
+    step_time_s: float = 0.0  # the last step's wall time
+    step_time_ema_s: float = 0.0  # exponentially weighted over steps (weight 0.1 for the newest)
+    batch_size: int = 0  # requests in the last step
+    batch_tokens: int = 0  # target tokens in the last step (prefill chunks + decodes + drafts)
+    prefill_tokens: int = 0  # of which prefill
+    tokens_emitted: int = 0  # generated tokens since start
+
+
+@dataclass(frozen=True)
+class SpecDecodingStats:
+    """Speculative decoding: the policy, its k and acceptance, and the drafting figures (EasySpec's:
+    actors/speculation/easyspec.py): draft-stage seconds per drafted token since start, acceptance rate at each draft
+    position (1st, 2nd, ...), and bonus calibration's re-run tokens and seconds."""
+
+    policy: str = "off"
+    mean_k: float = 0.0  # mean k over the last step's emitting requests
+    acceptance: float = 0.0  # the engine-wide acceptance estimate
     draft_s_per_token: float = 0.0
     acceptance_by_position: tuple[float, ...] = ()
     calibration_tokens: int = 0
     calibration_s: float = 0.0
-    # expert parallelism (Speculative MoE figures: actors/moe/ep.py) since start: share of (token, expert) pairs
-    # served on the token's own rank, all-to-all bytes and MoE-layer seconds per token; zeros without it
-    moe_local_rate: float = 0.0
-    moe_alltoall_bytes_per_token: float = 0.0
-    moe_s_per_token: float = 0.0
-    # automatic prefix caching (the target's cache) since start, in tokens, under vLLM's names: prompt tokens that
-    # asked the cache, and those it held; and the blocks it holds that no request uses now (reusable)
-    prefix_cache_queries: int = 0
-    prefix_cache_hits: int = 0
-    kv_blocks_cached: int = 0
+
+
+@dataclass(frozen=True)
+class PrefixCacheStats:
+    """Automatic prefix caching (the target's cache) since start, in tokens, as vLLM counts them: prompt tokens that
+    asked the cache, and those it held; and the blocks it holds that no request uses now (reusable)."""
+
+    queries: int = 0
+    hits: int = 0
+    cached_blocks: int = 0
+
+
+@dataclass(frozen=True)
+class MoEStats:
+    """Expert parallelism (Speculative MoE figures: actors/moe/ep.py) since start: share of (token, expert) pairs
+    served on the token's own rank, all-to-all bytes and MoE-layer seconds per token; zeros without it."""
+
+    local_rate: float = 0.0
+    alltoall_bytes_per_token: float = 0.0
+    s_per_token: float = 0.0
+
+    @property
+    def active(self) -> bool:
+        """An expert-parallel instance's figures (not the zeros of one without it)."""
+        return bool(self.alltoall_bytes_per_token or self.local_rate)
+
+
+# the flat names the stats travel under (the admin API's JSON, `specfleet status --json`), in their order: each is
+# (record, field) of EngineStats; the wire format predates the nested records and stays as it was
+WIRE_FIELDS: dict[str, tuple[str, str]] = {
+    "running": ("load", "running"), "waiting": ("load", "waiting"),
+    "kv_blocks_used": ("load", "kv_blocks_used"), "kv_blocks_free": ("load", "kv_blocks_free"),
+    "draft_kv_blocks_used": ("load", "draft_kv_blocks_used"), "draft_kv_blocks_free": ("load", "draft_kv_blocks_free"),
+    "num_steps": ("step", "num_steps"), "step_time_s": ("step", "step_time_s"),
+    "step_time_ema_s": ("step", "step_time_ema_s"), "batch_size": ("step", "batch_size"),
+    "batch_tokens": ("step", "batch_tokens"), "prefill_tokens": ("step", "prefill_tokens"),
+    "mean_k": ("spec", "mean_k"), "acceptance": ("spec", "acceptance"), "tokens_emitted": ("step", "tokens_emitted"),
+    "num_preemptions": ("load", "num_preemptions"), "policy": ("spec", "policy"),
+    "draft_s_per_token": ("spec", "draft_s_per_token"), "acceptance_by_position": ("spec", "acceptance_by_position"),
+    "calibration_tokens": ("spec", "calibration_tokens"), "calibration_s": ("spec", "calibration_s"),
+    "moe_local_rate": ("moe", "local_rate"), "moe_alltoall_bytes_per_token": ("moe", "alltoall_bytes_per_token"),
+    "moe_s_per_token": ("moe", "s_per_token"),
+    "prefix_cache_queries": ("prefix_cache", "queries"), "prefix_cache_hits": ("prefix_cache", "hits"),
+    "kv_blocks_cached": ("prefix_cache", "cached_blocks"),
+}
+_RECORDS = {"load": LoadStats, "step": StepStats, "spec": SpecDecodingStats, "prefix_cache": PrefixCacheStats,
+            "moe": MoEStats}
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """A snapshot of one engine after a step, as records by concern (as vLLM's `SchedulerStats` nests its
+    `PrefixCacheStats` and `SpecDecodingStats`): the message an instance reports to the router each step."""
+
+    load: LoadStats
+    step: StepStats = StepStats()
+    spec: SpecDecodingStats = SpecDecodingStats()
+    prefix_cache: PrefixCacheStats = PrefixCacheStats()
+    moe: MoEStats = MoEStats()
 
     def as_dict(self) -> dict:
-        return asdict(self)
+        """The flat wire form, under WIRE_FIELDS' names."""
+        return {name: getattr(getattr(self, record), f) for name, (record, f) in WIRE_FIELDS.items()}
+
+    @classmethod
+    def from_dict(cls, flat: dict) -> "EngineStats":
+        """Back from `as_dict`'s form; a name this version does not know is ignored (a newer server's)."""
+        parts: dict[str, dict] = {record: {} for record in _RECORDS}
+        for name, value in flat.items():
+            if name in WIRE_FIELDS:
+                record, f = WIRE_FIELDS[name]
+                parts[record][f] = tuple(value) if name == "acceptance_by_position" else value
+        return cls(**{record: _RECORDS[record](**fields) for record, fields in parts.items()})
 
 
 @dataclass(frozen=True)
@@ -57,6 +129,11 @@ class RoutingStats:
     decisions: dict[str, int]
     index_entries: int
     index_instances: int
+    # prefill/decode disaggregation (cluster/disagg.py): new requests' placements by reason, handoffs' migrations by
+    # outcome, and requests waiting for their first token at a prefill instance now
+    disaggregation: dict[str, int] = field(default_factory=dict)
+    handoffs: dict[str, int] = field(default_factory=dict)
+    handoffs_pending: int = 0
 
     def as_dict(self) -> dict:
         return asdict(self)

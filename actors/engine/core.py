@@ -36,7 +36,7 @@ from actors.model.metadata import SeqChunk
 from actors.model.runner import ModelRunner
 from actors.engine.output import RequestOutput
 from actors.engine.scheduler import Failed, Scheduler
-from actors.engine.sequence import Sequence, SeqStatus
+from actors.engine.sequence import EngineSequence, SeqStatus
 from actors.speculation.calibration import CalibrationFile, Pending, calibrate, seed, setup_of
 from actors.speculation.cost_model import ATTENTION_UNIT, ForwardShape, StepCostModel
 from actors.speculation.drafters import Drafter, ModelDrafter, make_drafter
@@ -51,7 +51,7 @@ from cluster.config import EngineConfig, GrammarConfig, SchedulerConfig, Specula
 from cluster.migration_policy import InstanceLoad, RequestLoad
 from cluster.prefix import ChainNames, request_root
 from cluster.request import FinishReason, InvalidRequest, Request, TokenDelta, check_prompt, context_length
-from cluster.stats import EngineStats
+from cluster.stats import EngineStats, LoadStats, MoEStats, PrefixCacheStats, SpecDecodingStats, StepStats
 
 
 log = logging.getLogger(__name__)
@@ -155,21 +155,21 @@ class Engine:
         self.planner.policy = policy
 
     @property
-    def waiting(self) -> list[Sequence]:
+    def waiting(self) -> list[EngineSequence]:
         return self.scheduler.waiting
 
     @property
-    def running(self) -> list[Sequence]:
+    def running(self) -> list[EngineSequence]:
         return self.scheduler.running
 
     # ---- requests ---------------------------------------------------------------------------
-    def add_request(self, request: Request, grammar: CompiledGrammar | None = None) -> Sequence:
+    def add_request(self, request: Request, grammar: CompiledGrammar | None = None) -> EngineSequence:
         """Queue a request (RequestError if it can never be served); its sequence, whose stats fill in as it runs.
         `grammar`: its structured output's grammar compiled beforehand (else compiled here, on the caller's thread)."""
         grammar = self.check_request(request, grammar)
         return self._enqueue(request, grammar)
 
-    def _enqueue(self, request: Request, grammar: CompiledGrammar | None = None) -> Sequence:
+    def _enqueue(self, request: Request, grammar: CompiledGrammar | None = None) -> EngineSequence:
         """Queue an already checked request (one that resumes carries on from its tokens, text and sampler)."""
         params, resume = request.params, request.resume
         out = RequestOutput(self.tokenizer, params, self.eos_token_ids, params.max_tokens)
@@ -180,7 +180,7 @@ class Engine:
             tokens += resume.token_ids
             if gen is not None and resume.generator_state is not None:
                 gen.set_state(torch.frombuffer(bytearray(resume.generator_state), dtype=torch.uint8))
-        seq = Sequence(request, tokens, out, gen, seqno=next(self._ids),
+        seq = EngineSequence(request, tokens, out, gen, seqno=next(self._ids),
                        acceptance=Acceptance(0.0, 0.0, self.acceptance.decay))  # its own rounds only
         if params.structured is not None:
             seq.grammar = (grammar or self.grammars.compile(params.structured)).start()
@@ -225,7 +225,7 @@ class Engine:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def sequence(self, request_id: str) -> Sequence | None:
+    def sequence(self, request_id: str) -> EngineSequence | None:
         """The request's sequence if it is queued or running here."""
         return next((s for s in self.waiting + self.running if s.request_id == request_id), None)
 
@@ -338,7 +338,7 @@ class Engine:
             seq.prompt_logprobs += logprobs_of(rows, [t for _, t in targets], seq.request.params.prompt_logprobs)
 
     @staticmethod
-    def _take_prompt_logprobs(seq: Sequence) -> tuple | None:
+    def _take_prompt_logprobs(seq: EngineSequence) -> tuple | None:
         """The prompt's logprobs, once: with the request's first delta."""
         if seq.prompt_logprobs is None or seq.prompt_logprobs_sent:
             return None
@@ -358,13 +358,13 @@ class Engine:
             self._stats.draft_stage(drafted, drafts.seconds)
 
     # ---- KV and errors ----------------------------------------------------------------------
-    def _commit(self, seq: Sequence) -> None:
+    def _commit(self, seq: EngineSequence) -> None:
         """Name the request's full target blocks whose KV is final (its accepted tokens) in the prefix cache."""
         cache, rid = self.target.cache, seq.request_id
         if seq.target_names is not None and cache.has(rid):
             cache.commit(rid, seq.target_names.upto(seq.token_ids, cache.length(rid)))
 
-    def free(self, seq: Sequence) -> None:
+    def free(self, seq: EngineSequence) -> None:
         """Free a request's KV (finished, aborted, failed or preempted) and what the drafter holds for it; with
         prefix caching its full blocks stay cached for later requests that start alike."""
         self._commit(seq)
@@ -410,13 +410,14 @@ class Engine:
         """This engine's load in target KV blocks, per request, for the router's migration policies."""
         tc = self.target.cache
 
-        def peak(s: Sequence) -> int:  # blocks at its length limit
+        def peak(s: EngineSequence) -> int:  # blocks at its length limit
             return tc.blocks_for(min(len(s.token_ids) + s.remaining, self.max_model_len))
 
         running = tuple(RequestLoad(s.request_id, tc.blocks_for(tc.length(s.request_id)), s.request.priority,
                                     len(s.token_ids), peak(s)) for s in self.running if tc.has(s.request_id))
+        queued = sorted(self.waiting, key=EngineSequence.order_key)
         waiting = tuple(RequestLoad(s.request_id, tc.blocks_for(len(s.token_ids) + 1), s.request.priority,
-                                    len(s.token_ids), peak(s)) for s in sorted(self.waiting, key=Sequence.order_key))
+                                    len(s.token_ids), peak(s)) for s in queued)
         return InstanceLoad(instance_id, tc.num_used_blocks + tc.num_free_blocks, running, waiting,
                             max_running=self.scheduler.cfg.max_batch_size)
 
@@ -427,19 +428,19 @@ class Engine:
         dc = self.draft.cache if self.draft is not None else None
         ep = self.target.expert_stats()  # an expert-parallel target's figures since the start (else None)
         return EngineStats(
-            running=len(self.running), waiting=len(self.waiting),
-            kv_blocks_used=tc.num_used_blocks, kv_blocks_free=tc.num_free_blocks,
-            draft_kv_blocks_used=dc.num_used_blocks if dc else 0, draft_kv_blocks_free=dc.num_free_blocks if dc else 0,
-            num_steps=c.steps, step_time_s=c.step_s, step_time_ema_s=c.step_ema_s,
-            batch_size=c.batch_size, batch_tokens=c.batch_tokens, prefill_tokens=c.prefill_tokens,
-            mean_k=c.mean_k, acceptance=self.acceptance.rate, tokens_emitted=c.tokens_emitted,
-            num_preemptions=self.scheduler.num_preemptions, policy=self.policy.name,
-            draft_s_per_token=c.draft_s_per_token, acceptance_by_position=c.acceptance_by_position,
-            calibration_tokens=calibration.tokens if calibration else 0,
-            calibration_s=calibration.seconds if calibration else 0.0,
-            moe_local_rate=ep.local_rate if ep else 0.0,
-            moe_alltoall_bytes_per_token=ep.bytes_per_token if ep else 0.0,
-            moe_s_per_token=ep.seconds_per_token if ep else 0.0,
-            prefix_cache_queries=self.scheduler.prefix_queries, prefix_cache_hits=self.scheduler.prefix_hits,
-            kv_blocks_cached=tc.num_cached_blocks,
+            load=LoadStats(running=len(self.running), waiting=len(self.waiting), kv_blocks_used=tc.num_used_blocks,
+                           kv_blocks_free=tc.num_free_blocks, draft_kv_blocks_used=dc.num_used_blocks if dc else 0,
+                           draft_kv_blocks_free=dc.num_free_blocks if dc else 0,
+                           num_preemptions=self.scheduler.num_preemptions),
+            step=StepStats(num_steps=c.steps, step_time_s=c.step_s, step_time_ema_s=c.step_ema_s,
+                           batch_size=c.batch_size, batch_tokens=c.batch_tokens, prefill_tokens=c.prefill_tokens,
+                           tokens_emitted=c.tokens_emitted),
+            spec=SpecDecodingStats(policy=self.policy.name, mean_k=c.mean_k, acceptance=self.acceptance.rate,
+                                   draft_s_per_token=c.draft_s_per_token,
+                                   acceptance_by_position=c.acceptance_by_position,
+                                   calibration_tokens=calibration.tokens if calibration else 0,
+                                   calibration_s=calibration.seconds if calibration else 0.0),
+            prefix_cache=PrefixCacheStats(queries=self.scheduler.prefix_queries, hits=self.scheduler.prefix_hits,
+                                          cached_blocks=tc.num_cached_blocks),
+            moe=MoEStats(ep.local_rate, ep.bytes_per_token, ep.seconds_per_token) if ep else MoEStats(),
         )

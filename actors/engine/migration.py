@@ -16,7 +16,7 @@ import functools
 from typing import TYPE_CHECKING
 
 from actors.kv.links import MigratedKV, kv_span
-from actors.engine.sequence import Sequence, SeqStatus
+from actors.engine.sequence import EngineSequence, SeqStatus
 from actors.speculation.drafters import ModelDrafter
 from cluster.migration_messages import BlockNames, Link, Pipeline, Reservation
 from cluster.request import Resume
@@ -100,7 +100,7 @@ class EngineMigration:
         raise TypeError(f"not a Pipeline: {pipeline!r}")
 
     def stop_out(self, request_id: str, start: int, links: list[Link] | None = None
-                 ) -> tuple[Sequence, Resume, MigratedKV, int] | None:
+                 ) -> tuple[EngineSequence, Resume, MigratedKV, int] | None:
         """A migration's stop: the rest of the request's KV from `start` (over `links` if given), then the request
         taken out of the step loop (KV kept until released); None, and the request left running, if `export`
         would give None."""
@@ -110,7 +110,7 @@ class EngineMigration:
         seq, resume = self.detach(request_id)
         return seq, resume, *exported
 
-    def detach(self, request_id: str) -> tuple[Sequence, Resume] | None:
+    def detach(self, request_id: str) -> tuple[EngineSequence, Resume] | None:
         """Take a request out of the step loop, keeping its KV, and say where it stands; None if not here."""
         seq = self.engine.scheduler.remove(request_id)
         if seq is None:
@@ -118,12 +118,12 @@ class EngineMigration:
         state = seq.generator.get_state().numpy().tobytes() if seq.generator is not None else None
         return seq, Resume(tuple(seq.output.token_ids), seq.output.emitted, state, copy.deepcopy(seq.stats))
 
-    def reattach(self, seq: Sequence) -> None:
+    def reattach(self, seq: EngineSequence) -> None:
         """A detached request carries on here (its migration was aborted): its KV never left."""
         seq.status = SeqStatus.WAITING
         self.engine.scheduler.add(seq)
 
-    def release_detached(self, seq: Sequence) -> None:
+    def release_detached(self, seq: EngineSequence) -> None:
         """A detached request now runs elsewhere: free its KV here."""
         self.engine.free(seq)
 

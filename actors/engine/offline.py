@@ -11,11 +11,11 @@ step turns a shard failure into the error deltas of every request in flight, so 
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence as Seq
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from actors.engine.sequence import Sequence
+from actors.engine.sequence import EngineSequence
 from cluster.request import FinishReason, Request, SamplingParams, SpecStats, TokenDelta
 
 _ids = itertools.count()  # request ids of offline batches, unique in this process
@@ -41,7 +41,7 @@ class Offline(Protocol):
         """Raise if the request can never be served; changes nothing."""
         ...
 
-    def add_request(self, request: Request) -> Sequence:
+    def add_request(self, request: Request) -> EngineSequence:
         """Queue a request; its sequence (whose stats fill in as it runs)."""
         ...
 
@@ -54,7 +54,7 @@ class Offline(Protocol):
         ...
 
 
-def generate(steppable: Offline, prompts: Seq[Seq[int]], params: SamplingParams | Seq[SamplingParams]
+def generate(steppable: Offline, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams]
              ) -> list[Completion]:
     """Serve a batch of tokenized prompts to completion, or to the error that ends them; results in prompt order.
     All or nothing: a prompt that can never be served raises before any is queued. `params`: one for every prompt,

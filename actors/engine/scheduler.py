@@ -17,7 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from actors.engine.sequence import Sequence, SeqStatus
+from actors.engine.sequence import EngineSequence, SeqStatus
 from cluster.config import SchedulerConfig
 
 
@@ -35,7 +35,7 @@ class Work:
     """One request's share of a step: `num_new` of its known tokens for the target (drafts come on top: the
     speculation plan, actors/speculation/plan.py, gives each emitting work its k)."""
 
-    seq: Sequence
+    seq: EngineSequence
     start: int  # the target's cache length before the step: position of the first new token
     num_new: int
     emits: bool = field(init=False)  # the chunk reaches the newest token: the step verifies and emits
@@ -52,7 +52,7 @@ class Work:
 class Failed:
     """A request the scheduler gave up on this step (it can never fit), with the reason."""
 
-    seq: Sequence
+    seq: EngineSequence
     message: str
 
 
@@ -73,21 +73,22 @@ class Schedule:
 class Scheduler:
     """Waiting and running queues of one engine, and the per-step plan."""
 
-    def __init__(self, cfg: SchedulerConfig, kv: KVSpace, max_k: int, release: Callable[[Sequence], None]) -> None:
+    def __init__(self, cfg: SchedulerConfig, kv: KVSpace, max_k: int,
+                 release: Callable[[EngineSequence], None]) -> None:
         self.cfg = cfg
         self.kv = kv
         self.max_k = max_k  # drafts per request the policy may ask for
         self._release = release  # frees a request's KV in every cache
-        self.waiting: list[Sequence] = []
-        self.running: list[Sequence] = []
+        self.waiting: list[EngineSequence] = []
+        self.running: list[EngineSequence] = []
         self.num_preemptions = 0
         self.prefix_queries = 0  # prompt tokens admitted with the prefix cache asked, and those it held
         self.prefix_hits = 0
 
-    def add(self, seq: Sequence) -> None:
+    def add(self, seq: EngineSequence) -> None:
         self.waiting.append(seq)
 
-    def remove(self, request_id: str) -> Sequence | None:
+    def remove(self, request_id: str) -> EngineSequence | None:
         """Take a request out of whichever queue holds it (abort, finish); the caller frees its KV."""
         for queue in (self.waiting, self.running):
             for seq in queue:
@@ -99,7 +100,7 @@ class Scheduler:
     def schedule(self) -> Schedule:
         budget = self.cfg.max_num_batched_tokens
         failed: list[Failed] = []
-        decodes = [s for s in sorted(self.running, key=Sequence.order_key) if self._pending(s) == 1]
+        decodes = [s for s in sorted(self.running, key=EngineSequence.order_key) if self._pending(s) == 1]
         works: list[Work] = []
         for seq in decodes:  # 1: running decodes, one token each
             if seq.status is SeqStatus.RUNNING and self._reserve_or_preempt(seq, 1):
@@ -108,7 +109,7 @@ class Scheduler:
         left = budget - len(works)
         draft_room = min(self.max_k * len(works), left // 2)
         left -= draft_room
-        for seq in sorted(self.running, key=Sequence.order_key):  # 2: running prefills, chunked
+        for seq in sorted(self.running, key=EngineSequence.order_key):  # 2: running prefills, chunked
             if left <= 0:
                 break
             if seq.status is SeqStatus.RUNNING and self._pending(seq) > 1:
@@ -117,7 +118,7 @@ class Scheduler:
                     works.append(Work(seq, self.kv.length(seq.request_id), n))
                     left -= n
         works = [w for w in works if w.seq.status is SeqStatus.RUNNING]
-        for seq in sorted(self.waiting, key=Sequence.order_key):  # 3: admit new and preempted requests
+        for seq in sorted(self.waiting, key=EngineSequence.order_key):  # 3: admit new and preempted requests
             if left <= 0 or len(self.running) >= self.cfg.max_batch_size:
                 break
             start = self._start(seq)  # 0, the KV a migrated request brought along, or a cached prefix
@@ -140,7 +141,7 @@ class Scheduler:
         used = sum(w.num_new for w in works)
         return Schedule(works, budget - used, failed)
 
-    def _start(self, seq: Sequence) -> int:
+    def _start(self, seq: EngineSequence) -> int:
         """Where a request being admitted starts: the KV it holds, or the longest cached prefix of its tokens (all
         but the last: one token must run to give the logits of the next)."""
         rid = seq.request_id
@@ -148,22 +149,22 @@ class Scheduler:
             return self.kv.length(rid)
         return self.kv.match(rid, seq.target_names.upto(seq.token_ids, len(seq.token_ids) - 1))
 
-    def _pending(self, seq: Sequence) -> int:
+    def _pending(self, seq: EngineSequence) -> int:
         """Known tokens the target has not processed yet (1 when decoding)."""
         return len(seq.token_ids) - self.kv.length(seq.request_id)
 
-    def _reserve_or_preempt(self, seq: Sequence, num_new: int) -> bool:
+    def _reserve_or_preempt(self, seq: EngineSequence, num_new: int) -> bool:
         """Reserve KV for `num_new` more tokens of a running request, preempting lower-ranked requests as
         needed; False if `seq` itself was preempted."""
         total = self.kv.length(seq.request_id) + num_new
         while not self.kv.reserve(seq.request_id, total):
-            victim = max(self.running, key=Sequence.order_key)
+            victim = max(self.running, key=EngineSequence.order_key)
             self.preempt(victim)
             if victim is seq:
                 return False
         return True
 
-    def preempt(self, seq: Sequence) -> None:
+    def preempt(self, seq: EngineSequence) -> None:
         """Send a running request back to the queue; its KV is freed and recomputed later."""
         self.running.remove(seq)
         self._release(seq)

@@ -21,7 +21,7 @@ class SeqStatus(enum.Enum):
 
 
 @dataclass
-class Sequence:
+class EngineSequence:
     """One request being served. `token_ids` is the prompt followed by every generated token."""
 
     request: Request

@@ -29,7 +29,7 @@ from actors.kv.ledger import CacheOp, Free
 from actors.model.loader import LoadedModel
 from actors.model.metadata import SeqChunk
 from actors.moe.ep import EPStats
-from actors.moe.profile import RoutingStats
+from actors.moe.profile import ExpertRoutingStats
 from actors.moe.shuffle import join_kv, split_kv
 from actors.executors.rank_group import RankGroup
 from cluster.config import ExpertParallelConfig
@@ -48,7 +48,7 @@ def placer(cfg: ExpertParallelConfig) -> Placer:
     """The config's request placement: by predicted experts when it names routing statistics, else the lightest."""
     if cfg.stats is None:
         return lightest
-    stats = RoutingStats.load_file(Path(cfg.stats))
+    stats = ExpertRoutingStats.load_file(Path(cfg.stats))
     plan = (ExpertPlan.model_validate_json(Path(cfg.plan).read_text()) if cfg.plan is not None
             else contiguous_plan(stats.layers, stats.num_experts, cfg.ranks))
     if plan.num_ranks != cfg.ranks:
@@ -79,7 +79,7 @@ class ExpertRankGroup:
         out, self.since = self.since, [EPStats() for _ in self.group.actors]
         return out
 
-    def routing(self) -> RoutingStats:
+    def routing(self) -> ExpertRoutingStats:
         """The routing statistics of every rank's tokens since the last call (online profiling)."""
         parts = self.group.each(lambda a: a.take_routing.remote(), "routing statistics")
         for p in parts[1:]:

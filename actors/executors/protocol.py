@@ -21,7 +21,7 @@ from actors.kv.ledger import CacheOp
 from actors.kv.links import LinkedKV, LinkPart
 from actors.model.metadata import SeqChunk
 from actors.moe.ep import EPStats
-from actors.moe.profile import RoutingStats
+from actors.moe.profile import ExpertRoutingStats
 from cluster.migration import Link
 
 
@@ -117,6 +117,6 @@ class ExpertRanks(Protocol):
         """Each rank's expert-parallel figures since the last call."""
         ...
 
-    def routing(self) -> RoutingStats:
+    def routing(self) -> ExpertRoutingStats:
         """The routing statistics of every rank's tokens since the last call (online profiling)."""
         ...

@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from actors.model.layers import MoE
 from actors.model.metadata import SeqChunk
 from actors.model.runner import ModelRunner
-from actors.moe.profile import RoutingStats
+from actors.moe.profile import ExpertRoutingStats
 from placement.experts import ExpertPlan, expert_shares
 
 
@@ -250,7 +250,7 @@ class RoutingRecorder:
         by_index = {index: pos for pos, index in enumerate(plan.layers)} if plan is not None else {}
         self.orders = [torch.tensor(plan.order(by_index[layer.index]), device=device)  # new index -> own id
                        if layer.index in by_index else None for layer in self.layers]
-        self.stats = RoutingStats.empty([layer.index for layer in self.layers], runner.model.config.vocab_size,
+        self.stats = ExpertRoutingStats.empty([layer.index for layer in self.layers], runner.model.config.vocab_size,
                                         first.router.shape[0], first.top_k, device)
 
     def record(self, chunks: list[SeqChunk]) -> None:
@@ -263,10 +263,10 @@ class RoutingRecorder:
             ids.append(order[got] if order is not None else got)
         self.stats.add(token_ids, ids)
 
-    def take(self) -> RoutingStats:
+    def take(self) -> ExpertRoutingStats:
         """The statistics so far; counting starts again from zero."""
         out = self.stats
-        self.stats = RoutingStats.empty(out.layers, out.token_expert.shape[1], out.num_experts, out.top_k,
+        self.stats = ExpertRoutingStats.empty(out.layers, out.token_expert.shape[1], out.num_experts, out.top_k,
                                         out.load.device)
         return out
 

@@ -31,7 +31,7 @@ STATS_VERSION = 1
 
 
 @dataclass
-class RoutingStats:
+class ExpertRoutingStats:
     """Routing counts of one model's MoE layers (see the module docstring for each tensor's meaning)."""
 
     layers: tuple[int, ...]
@@ -44,7 +44,7 @@ class RoutingStats:
 
     @classmethod
     def empty(cls, layers: Sequence[int], vocab_size: int, num_experts: int, top_k: int,
-              device: torch.device | str = "cpu") -> "RoutingStats":
+              device: torch.device | str = "cpu") -> "ExpertRoutingStats":
         n = len(layers)
         zeros = lambda *shape: torch.zeros(shape, dtype=torch.int64, device=device)  # noqa: E731
         return cls(tuple(layers), top_k, zeros(n, vocab_size, num_experts), zeros(n, num_experts, num_experts),
@@ -74,7 +74,7 @@ class RoutingStats:
         usage = usage / usage.sum(-1, keepdim=True).clamp_min(1)
         return -(usage * usage.clamp_min(1e-12).log()).sum(-1) / torch.log(torch.tensor(float(self.num_experts)))
 
-    def merge(self, other: "RoutingStats") -> None:
+    def merge(self, other: "ExpertRoutingStats") -> None:
         """Add another count of the same model's routing (e.g. another rank's, or a later window)."""
         if other.layers != self.layers or other.token_expert.shape != self.token_expert.shape:
             raise ValueError(f"routing statistics of layers {other.layers} {tuple(other.token_expert.shape)} do not "
@@ -99,7 +99,7 @@ class RoutingStats:
         return {k: v.contiguous() for k, v in tensors.items()}, header
 
     @classmethod
-    def load_file(cls, path: Path) -> "RoutingStats":
+    def load_file(cls, path: Path) -> "ExpertRoutingStats":
         from safetensors import safe_open
 
         with safe_open(str(path), "pt") as f:
@@ -129,7 +129,7 @@ def moe_layers(runner: ModelRunner) -> list[int]:
     return [layer.index for layer in runner.layers if isinstance(layer.ffn, MoE)]
 
 
-def profile(runner: ModelRunner, prompts: Iterable[Sequence[int]], chunk_tokens: int = 256) -> RoutingStats:
+def profile(runner: ModelRunner, prompts: Iterable[Sequence[int]], chunk_tokens: int = 256) -> ExpertRoutingStats:
     """Routing statistics of `prompts` (token ids) run as prefills through a whole-model runner.
 
     Each prompt runs in chunks of `chunk_tokens` under a throwaway request id whose KV is freed afterwards.
@@ -141,7 +141,7 @@ def profile(runner: ModelRunner, prompts: Iterable[Sequence[int]], chunk_tokens:
         raise ValueError("profiling needs a runner that embeds tokens (the first stage or a whole model)")
     first = moes[0].ffn
     device = first.router.device
-    stats = RoutingStats.empty([m.index for m in moes], runner.model.config.vocab_size, first.router.shape[0],
+    stats = ExpertRoutingStats.empty([m.index for m in moes], runner.model.config.vocab_size, first.router.shape[0],
                                first.top_k, device)
     seen: list[torch.Tensor] = []
     originals = [m.ffn for m in moes]

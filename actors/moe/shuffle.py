@@ -36,7 +36,7 @@ from actors.model.layers import Attention, DecoderLayer, MoE, rms_norm
 from actors.model.metadata import AttentionMetadata
 from actors.model.runner import ModelRunner
 from actors.moe import ep
-from actors.moe.profile import RoutingStats
+from actors.moe.profile import ExpertRoutingStats
 from placement.experts import ExpertPlan
 
 
@@ -113,7 +113,7 @@ class TokenPredictor:
     the rank's loaded expert indices (after the plan's permutation, actors/moe/permute.py).
     """
 
-    def __init__(self, stats: RoutingStats, plan: ExpertPlan, device: torch.device) -> None:
+    def __init__(self, stats: ExpertRoutingStats, plan: ExpertPlan, device: torch.device) -> None:
         if tuple(plan.layers) != tuple(stats.layers):
             raise ValueError(f"the expert plan covers MoE layers {plan.layers}, the statistics {stats.layers}")
         self.layers = {index: pos for pos, index in enumerate(stats.layers)}

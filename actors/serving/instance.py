@@ -22,9 +22,9 @@ from actors.engine.migration import EngineMigration
 from actors.executors.protocol import ExpertRanks, ShardFailure
 from actors.kv.cache import KVExport
 from actors.kv.links import MigratedKV
-from actors.moe.profile import RoutingStats
+from actors.moe.profile import ExpertRoutingStats
 from actors.executors.pipeline import PipelineRunner
-from actors.engine.sequence import Sequence
+from actors.engine.sequence import EngineSequence
 from actors.speculation.calibration import CalibrationFile, setup_of
 from actors.speculation.structured import CompiledGrammar
 from cluster.config import EngineConfig
@@ -85,11 +85,11 @@ class Instance:
 
     # ---- what the serving loop drives (actors/serving/loop.py) and offline generation (actors/engine/offline.py) ----------
     @property
-    def waiting(self) -> list[Sequence]:
+    def waiting(self) -> list[EngineSequence]:
         return self.engine.waiting
 
     @property
-    def running(self) -> list[Sequence]:
+    def running(self) -> list[EngineSequence]:
         return self.engine.running
 
     def has_unfinished(self) -> bool:
@@ -100,7 +100,7 @@ class Instance:
         self._check_healthy()
         return self.engine.check_request(request, grammar)
 
-    def add_request(self, request: Request, grammar: CompiledGrammar | None = None) -> Sequence:
+    def add_request(self, request: Request, grammar: CompiledGrammar | None = None) -> EngineSequence:
         """Queue a request; RequestError if it can never be served, InstanceUnhealthy after a shard failure.
         `grammar`: its structured output compiled beforehand (actors/serving/grammar_pool.py), else compiled here."""
         self._check_healthy()
@@ -178,7 +178,7 @@ class Instance:
         draft = self.draft.cache.num_used_blocks if self.draft is not None else 0
         return self.target.cache.num_used_blocks, draft
 
-    def expert_routing(self) -> RoutingStats | None:
+    def expert_routing(self) -> ExpertRoutingStats | None:
         """The routing statistics of the tokens its expert-parallel ranks ran since the last call; None if the
         target is not expert parallel."""
         executor = self.target.executor
@@ -212,13 +212,13 @@ class Instance:
         return self._guarded(lambda: self._moves.export(pipeline, request_id, start, end, links))
 
     def stop_out(self, request_id: str, start: int, links: list[Link] | None = None
-                 ) -> tuple[Sequence, Resume, MigratedKV, int] | None:
+                 ) -> tuple[EngineSequence, Resume, MigratedKV, int] | None:
         return self._guarded(lambda: self._moves.stop_out(request_id, start, links))
 
-    def release_detached(self, seq: Sequence) -> None:
+    def release_detached(self, seq: EngineSequence) -> None:
         self._moves.release_detached(seq)
 
-    def reattach(self, seq: Sequence) -> None:
+    def reattach(self, seq: EngineSequence) -> None:
         self._moves.reattach(seq)
 
     def reserve_incoming(self, request_id: str, tokens: int, names: BlockNames = BlockNames()) -> Reservation | None:

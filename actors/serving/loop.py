@@ -1,10 +1,10 @@
 """The serving loop: an engine's step() on its own thread, with requests coming in and deltas going out between steps.
 
 This is continuous batching as a server needs it: `submit`, `abort`, `call` and `hand_over` may be called from any
-thread (the Ray actor's event loop, in actors/serving/server.py); each posts a typed command (Add, Abort, Call,
-HandOver, Pause, Resume) that the loop applies before the next step; it runs the step, and hands each request's delta to that
-request's sink (StreamItems, cluster/request.py). The engine is only ever touched by the loop thread, so it needs
-no locks. The loop sleeps while there is no work and wakes when a request arrives. A `between_steps` hook
+thread (the Ray actor's event loop, in actors/serving/server.py); each posts a typed command (Add, Abort, RunOnLoop,
+HandOver, Pause, EndPause) that the loop applies before the next step; it runs the step, and hands each request's
+delta to that request's sink (StreamItems, cluster/request.py). The engine is only ever touched by the loop thread, so
+it needs no locks. The loop sleeps while there is no work and wakes when a request arrives. A `between_steps` hook
 (StepBarrier) lets a test hold the loop between two chosen steps.
 """
 
@@ -20,7 +20,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from actors.engine.sequence import Sequence, SeqStatus
+from actors.engine.sequence import EngineSequence, SeqStatus
 from actors.speculation.structured import CompiledGrammar
 from cluster.request import FinishReason, Request, RequestStatus, SpecStats, StreamItem, TokenDelta
 
@@ -46,7 +46,7 @@ class Abort:
 
 
 @dataclass(frozen=True)
-class Call:
+class RunOnLoop:
     """Run `fn` on the loop thread (it may use the engine)."""
 
     fn: Callable[[], object]
@@ -62,7 +62,7 @@ class HandOver:
 
 @dataclass(frozen=True)
 class Pause:
-    """Take no step until `until` (time.monotonic) or a Resume; commands are still applied meanwhile (a migration's
+    """Take no step until `until` (time.monotonic) or an EndPause; commands are still applied meanwhile (a migration's
     copies go on, aborts end streams), and requests keep their place. As vLLM's pause_generation, with a deadline
     so that a pause nobody ends cannot hold an instance for good."""
 
@@ -70,20 +70,20 @@ class Pause:
 
 
 @dataclass(frozen=True)
-class Resume:
+class EndPause:
     """End a pause."""
 
 
-Command = Add | Abort | Call | HandOver | Pause | Resume
+Command = Add | Abort | RunOnLoop | HandOver | Pause | EndPause
 
 
 class Steppable(Protocol):
     """What the loop drives: an Instance (actors/serving/instance.py) or a bare Engine (actors/engine/core.py)."""
 
-    waiting: list[Sequence]
-    running: list[Sequence]
+    waiting: list[EngineSequence]
+    running: list[EngineSequence]
 
-    def add_request(self, request: Request, grammar: CompiledGrammar | None = None) -> Sequence: ...
+    def add_request(self, request: Request, grammar: CompiledGrammar | None = None) -> EngineSequence: ...
     def abort(self, request_id: str) -> TokenDelta | None: ...
     def step(self) -> list[TokenDelta]: ...
     def has_unfinished(self) -> bool: ...
@@ -137,7 +137,7 @@ class ServingLoop:
 
     def call(self, fn: Callable[[], object]) -> Future:
         """Run `fn` on the loop thread between two steps (it may use the engine); the future has its result."""
-        return self._post(Call(fn))
+        return self._post(RunOnLoop(fn))
 
     def hand_over(self, request_id: str, destination: tuple[str, object]) -> Future:
         """A request left for another instance (migration): its stream ends with a `migrated_to` item, and the loop
@@ -151,7 +151,7 @@ class ServingLoop:
 
     def resume(self) -> Future:
         """Step again (a loop that is not paused is unchanged)."""
-        return self._post(Resume())
+        return self._post(EndPause())
 
     @property
     def paused(self) -> bool:
@@ -242,7 +242,7 @@ class ServingLoop:
         match command:
             case Add(request, sink, grammar):
                 return self._add(request, sink, grammar)
-            case Call(fn):
+            case RunOnLoop(fn):
                 return fn()
             case HandOver(rid, destination):
                 return self._hand_over(rid, destination)
@@ -251,7 +251,7 @@ class ServingLoop:
             case Pause(until):
                 self._paused_until = until
                 return None
-            case Resume():
+            case EndPause():
                 self._paused_until = 0.0
                 return None
         raise TypeError(f"not a serving loop command: {command!r}")

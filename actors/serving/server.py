@@ -41,7 +41,7 @@ from actors.kv.links import LinkedKV, MigratedKV, kv_span
 from actors.serving.leases import Leases
 from actors.transport.p2p import use_node_interface
 from actors.executors.pipeline import PipelineRunner
-from actors.engine.sequence import Sequence
+from actors.engine.sequence import EngineSequence
 from actors.serving.loop import ServingLoop
 from actors.speculation.structured import CompiledGrammar
 from actors.start_phases import StartClock, StartPhases
@@ -139,7 +139,7 @@ class InstanceServer:
         self.loop = ServingLoop(self.instance, name=f"engine-loop-{spec.instance_id}", idle=self.instance.idle_work)
         # structured outputs' grammars, compiled on a pool of their own (never on the loop thread that steps)
         self.grammars = GrammarPool(self.instance.engine.grammars, spec.engine.grammar)
-        self._detached: dict[str, Sequence] = {}  # migrating out: stopped here, KV kept until the commit
+        self._detached: dict[str, EngineSequence] = {}  # migrating out: stopped here, KV kept until the commit
         self._handed_in: dict[str, asyncio.Queue[StreamItem]] = {}  # migrated in: items until the client follows
         self._links: dict[str, dict[str, list[Link]]] = {}  # each migration's open links: channel -> pipeline -> links
         # what a migration leaves here, let go of by the instance itself if its coordinator does not come back:

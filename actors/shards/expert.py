@@ -16,7 +16,7 @@ import torch
 from actors.kv.ledger import CacheOp, replay
 from actors.model.metadata import SeqChunk
 from actors.moe import ep, shuffle
-from actors.moe.profile import RoutingStats
+from actors.moe.profile import ExpertRoutingStats
 from actors.transport.p2p import P2P
 from actors.shards.stage import Shard, ShardSpec
 from placement.experts import ExpertPlan, contiguous_plan
@@ -67,7 +67,7 @@ class ExpertWorker(Shard):
         spec = self.spec
         if spec.stats is None:
             return None
-        stats = RoutingStats.load_file(Path(spec.stats))
+        stats = ExpertRoutingStats.load_file(Path(spec.stats))
         plan = self.plan or contiguous_plan(stats.layers, stats.num_experts, spec.size)
         return shuffle.TokenPredictor(stats, plan, self.runner.device)
 
@@ -101,7 +101,7 @@ class ExpertWorker(Shard):
         shuffle.set_stats(self.runner, self.ep_stats)
         return out
 
-    def take_routing(self) -> RoutingStats:
+    def take_routing(self) -> ExpertRoutingStats:
         """The routing statistics of the tokens this rank ran since the last call (in the model's expert ids)."""
         if self.routing is None:
             raise RuntimeError("this rank has not joined its group")

@@ -124,7 +124,7 @@ def _measure(s: Setting, target_path: str, draft_path: str, target_runner: Model
             s.stats.merge(c.stats)
             s.outputs.append(c.token_ids)
         # the engine's draft seconds per drafted token covers the warm-up too: take its share out
-        per_token = engine.stats().draft_s_per_token
+        per_token = engine.stats().spec.draft_s_per_token
         total = per_token * (warm.stats.proposed + s.stats.proposed)
         s.draft_s = total - per_token * warm.stats.proposed
     finally:

@@ -104,11 +104,11 @@ def _one_process(cfg: EngineConfig, target_model, prompts, params) -> dict:
     engine = Engine(ModelRunner(target_model, range(target_model.num_layers), cfg.cache),
                     ModelRunner(draft_model, range(draft_model.num_layers), cfg.cache), cfg.speculation, cfg.scheduler)
     generate(engine, prompts[:1], SamplingParams(temperature=0.0, max_tokens=4))  # warm-up
-    steps0 = engine.stats().num_steps
+    steps0 = engine.stats().step.num_steps
     start = time.perf_counter()
     outputs = [c.token_ids for c in generate(engine, prompts, params)]
     seconds = time.perf_counter() - start
-    return _result(1, ["(this process)"], outputs, seconds, engine.stats().num_steps - steps0, [])
+    return _result(1, ["(this process)"], outputs, seconds, engine.stats().step.num_steps - steps0, [])
 
 
 def _distributed(cfg: EngineConfig, state, n: int, prompts, params, num_cpus: float, timeout_s: float) -> dict:
@@ -120,12 +120,12 @@ def _distributed(cfg: EngineConfig, state, n: int, prompts, params, num_cpus: fl
     try:
         stages = instance.target.executor.actors
         generate(instance, prompts[:1], SamplingParams(temperature=0.0, max_tokens=4))  # warm-up
-        steps0 = instance.stats().num_steps
+        steps0 = instance.stats().step.num_steps
         ray.get([s.take_transfers.remote() for s in stages])
         start = time.perf_counter()
         completions = generate(instance, prompts, params)
         seconds = time.perf_counter() - start
-        steps = instance.stats().num_steps - steps0
+        steps = instance.stats().step.num_steps - steps0
         transfers = ray.get([s.take_transfers.remote() for s in stages])
     finally:
         instance.shutdown()

@@ -142,7 +142,7 @@ class Fleet:
     def cache_figures(self) -> tuple[int, int]:
         """(prompt tokens looked up, found cached) over every instance since it started."""
         stats = ray.get([s.stats.remote() for s in self.servers.values()], timeout=60)
-        return sum(s.prefix_cache_queries for s in stats), sum(s.prefix_cache_hits for s in stats)
+        return sum(s.prefix_cache.queries for s in stats), sum(s.prefix_cache.hits for s in stats)
 
 
 class Chats:

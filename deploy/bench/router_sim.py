@@ -32,7 +32,7 @@ from cluster.prefix import block_hashes, root_hash
 from cluster.prefix_index import CacheEvents, PrefixIndex
 from cluster.registry import Registry
 from cluster.request import RequestStatus
-from cluster.stats import EngineStats
+from cluster.stats import EngineStats, LoadStats, StepStats
 from deploy.bench.output import save
 from deploy.bench.prompts import DATASETS
 
@@ -172,11 +172,9 @@ class SimInstance:
 
     def stats(self) -> EngineStats:
         used = self.used()
-        return EngineStats(running=len(self.running), waiting=len(self.queue), kv_blocks_used=used,
-                           kv_blocks_free=self.num_blocks - used, draft_kv_blocks_used=0, draft_kv_blocks_free=0,
-                           num_steps=0, step_time_s=0.0, step_time_ema_s=0.0, batch_size=len(self.running),
-                           batch_tokens=0, prefill_tokens=0, mean_k=0.0, acceptance=0.0, tokens_emitted=0,
-                           num_preemptions=0, policy="off")
+        return EngineStats(LoadStats(running=len(self.running), waiting=len(self.queue), kv_blocks_used=used,
+                                     kv_blocks_free=self.num_blocks - used),
+                           StepStats(batch_size=len(self.running)))
 
     def load(self) -> InstanceLoad:
         bs = self.block_size

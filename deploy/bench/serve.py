@@ -132,13 +132,13 @@ class Direct:
         self.route_s: list[float] = []
 
     async def stream(self, ids: list[int], max_tokens: int) -> Trace:
-        from cluster.request import Request, SamplingParams
+        from cluster.request import Request, RequestStatus, SamplingParams
 
         rid = f"bench-direct-{uuid.uuid4().hex}"
         t = Trace(time.perf_counter())
         _, handle = await self.router.route.remote(rid, 0, self.model, None)
         self.route_s.append(time.perf_counter() - t.sent)
-        status = "aborted"
+        status = RequestStatus.ABORTED
         try:
             request = Request(rid, tuple(ids), SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True),
                               0, time.time())
@@ -153,8 +153,7 @@ class Direct:
                     t.chunk_times.append(now)
                 if d.finished:
                     t.finish_reason, t.error, t.done, t.last = d.finish_reason.value, d.error, True, now
-                    status = {"stop": "finished", "length": "finished", "abort": "aborted"}.get(t.finish_reason,
-                                                                                               "failed")
+                    status = RequestStatus.of(d.finish_reason)
                     break
         finally:
             await self.router.finish.remote(rid, status)

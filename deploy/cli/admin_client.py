@@ -2,7 +2,7 @@
 
     client = AdminClient("http://127.0.0.1:8000", admin_key="sk-...")
     for inst in client.instances().instances:
-        print(inst.instance_id, inst.stats.running if inst.stats else "-")
+        print(inst.instance_id, inst.stats.load.running if inst.stats else "-")
 
 Failures a user can fix (app not reachable, wrong key, unknown id) raise AdminError, a UsageError, so the CLI
 prints the message and exits 2; the server failing (5xx) raises ServerError. Keys never appear in messages.
@@ -101,6 +101,44 @@ class Dispatch(_Row):
     decisions: dict[str, int]  # prefix | load_over_prefix | load (cluster/registry.py)
     index_entries: int
     index_instances: int
+    disaggregation: dict[str, int] = {}  # placements by the prefill/decode pair policy, by reason (cluster/disagg.py)
+    handoffs: dict[str, int] = {}  # prefilled requests moved to their decode instance, by outcome
+    handoffs_pending: int = 0
+
+
+class ScaleEventRow(_Row):
+    """One scale step of the autoscaler (cluster/autoscale.py, ScaleEvent)."""
+
+    at: float
+    action: str  # up | down
+    instance_id: str
+    reason: str
+    outcome: str  # done | failed | cancelled
+    detail: str = ""
+    duration_s: float = 0.0
+    migrated: int = 0
+
+
+class DecisionRow(_Row):
+    action: str  # up | down | hold
+    reason: str
+    instances: int
+    remove: str | None = None
+
+
+class Autoscaling(_Row):
+    """The autoscaler's bounds, last decision and recent steps (GET /admin/autoscaler); `enabled` False for a fixed
+    fleet."""
+
+    enabled: bool
+    min_instances: int = 0
+    max_instances: int = 0
+    instances: int = 0
+    last: DecisionRow | None = None
+    events: list[ScaleEventRow] = []
+    counts: list[tuple[str, str, str, int]] = []  # (action, outcome, cause, steps)
+    ttft_p99_s: float | None = None
+    itl_p99_s: float | None = None
 
 
 class AdminClient:
@@ -133,6 +171,9 @@ class AdminClient:
 
     def migrations(self) -> Migrations:
         return Migrations.model_validate(self._call("GET", "/admin/migrations"))
+
+    def autoscaler(self) -> Autoscaling:
+        return Autoscaling.model_validate(self._call("GET", "/admin/autoscaler"))
 
     def dispatch(self) -> Dispatch:
         return Dispatch.model_validate(self._call("GET", "/admin/dispatch"))

@@ -21,8 +21,9 @@ from pathlib import Path
 
 from cluster.config import AuthConfig, load_config
 from cluster.instances import InstancePlace, InstanceRow
+from cluster.stats import MoEStats, PrefixCacheStats
 from deploy import DEFAULT_CONFIG, model_store
-from deploy.cli.admin_client import AdminClient, Instances, ServerError
+from deploy.cli.admin_client import AdminClient, Autoscaling, Dispatch, Instances, ServerError
 from deploy.cli.flags import UsageError
 from deploy.cli.tables import show, table
 from deploy.infra import local_cluster
@@ -34,7 +35,9 @@ REQUEST_STATUSES = ("running", "finished", "aborted", "failed")
 
 # ---- where the app is and which keys open it --------------------------------------------------------------
 @dataclass(frozen=True)
-class Endpoint:
+class AppEndpoint:
+    """Where the app answers and the keys that open it (not the migration's `Endpoint`)."""
+
     url: str
     admin_key: str | None
     api_key: str | None
@@ -66,14 +69,14 @@ def first_key(auth: AuthConfig, admin: bool) -> str | None:
         return None
 
 
-def endpoint(args: argparse.Namespace) -> Endpoint:
+def endpoint(args: argparse.Namespace) -> AppEndpoint:
     cfg = load_config(args.config)
     url = args.url or f"http://127.0.0.1:{cfg.serve.http_port}"
     if not url.startswith(("http://", "https://")):
         raise UsageError(f"--url must start with http:// or https://, got {url!r}")
     admin_file, api_file = getattr(args, "admin_key_file", None), getattr(args, "api_key_file", None)
-    return Endpoint(url, args.admin_key or _key_file(admin_file, "admin") or first_key(cfg.serve.auth, admin=True),
-                    args.api_key or _key_file(api_file, "API") or first_key(cfg.serve.auth, admin=False))
+    return AppEndpoint(url, args.admin_key or _key_file(admin_file, "admin") or first_key(cfg.serve.auth, admin=True),
+                       args.api_key or _key_file(api_file, "API") or first_key(cfg.serve.auth, admin=False))
 
 
 def _key_file(path: Path | None, what: str) -> str | None:
@@ -178,6 +181,7 @@ def run_status(args: argparse.Namespace) -> int:
         inst = c.instances()
         moves = c.migrations()
         dispatch = c.dispatch()
+        scaling = c.autoscaler()
     nodes, node_problem = _nodes(args.state)
     names = {n["node_id"]: n["name"] for n in nodes or [] if n.get("name")}
     problems = [f"/health: {health.status}"] if not health.ok else []
@@ -187,7 +191,7 @@ def run_status(args: argparse.Namespace) -> int:
     report = {"url": c.url, "healthy": not problems, "problems": problems, "health": health.model_dump(),
               "nodes": nodes, "load": _load(inst), "instances": [_row(i, names) for i in inst.instances],
               "removed": [_row(i, names) for i in inst.removed], "migrations": moves.model_dump(),
-              "dispatch": dispatch.model_dump()}
+              "dispatch": dispatch.model_dump(), "autoscaling": scaling.model_dump()}
     if args.json:
         print(json.dumps(report))
         return 0 if not problems else 1
@@ -219,10 +223,15 @@ def run_status(args: argparse.Namespace) -> int:
     print(f"dispatch: {dispatch.policy}; {d.get('prefix', 0)} routed to a cached prefix, "
           f"{d.get('load_over_prefix', 0)} away from one (too loaded), {d.get('load', 0)} by load alone; "
           f"prefix index: {dispatch.index_entries} blocks of {dispatch.index_instances} instance(s)")
+    roles = {i.role for i in inst.instances}
+    if roles - {"both"} or dispatch.disaggregation:
+        print(_disaggregation_line(inst, dispatch))
     by = moves.by_status
     print(f"migrations: {by.get('finished', 0)} finished, {by.get('aborted_src', 0)} aborted at the source, "
           f"{by.get('aborted_dst', 0)} at the destination; downtime mean {moves.downtime_mean_s * 1e3:.1f} ms, "
           f"max {moves.downtime_max_s * 1e3:.1f} ms; {moves.failovers} request(s) failed over")
+    if scaling.enabled:
+        print(_autoscaling_line(scaling))
     if moves.failover_wait is not None:
         w = moves.failover_wait
         why = ("no start seen yet: the floor" if w.slowest_s is None else
@@ -234,6 +243,20 @@ def run_status(args: argparse.Namespace) -> int:
     for p in problems:
         print(f"UNHEALTHY: {p}")
     return 0 if not problems else 1
+
+
+def _autoscaling_line(a: Autoscaling) -> str:
+    """`specfleet status`'s autoscaling line: size within bounds, the last decision and the last step, with reasons."""
+    last = f"; last decision: {a.last.action} ({a.last.reason})" if a.last is not None else ""
+    steps = sum(n for *_, n in a.counts)
+    step = ""
+    if a.events:
+        e = a.events[-1]
+        moved = f", {e.migrated} request(s) migrated" if e.action == "down" else ""
+        step = (f"; last step: {e.action} {e.instance_id} {e.outcome} in {e.duration_s:.1f} s ({e.reason}{moved}"
+                f"{': ' + e.detail if e.detail else ''})")
+    return (f"autoscaling: {a.instances} instance(s) within {a.min_instances}-{a.max_instances}; {steps} step(s)"
+            f"{last}{step}")
 
 
 def run_instances(args: argparse.Namespace) -> int:
@@ -359,34 +382,49 @@ def _place(place: InstancePlace) -> str:
 
 def _load(inst: Instances) -> dict:
     stats = [i.stats for i in inst.instances if i.stats is not None]
-    spec = [s for s in stats if s.policy != "off"]
-    return {"running": sum(s.running for s in stats), "waiting": sum(s.waiting for s in stats),
+    spec = [s.spec for s in stats if s.spec.policy != "off"]
+    return {"running": sum(s.load.running for s in stats), "waiting": sum(s.load.waiting for s in stats),
             "in_flight": sum(i.in_flight for i in inst.instances),
             "pending": sum(i.in_flight for i in inst.instances),  # the router's backpressure count
-            "kv_blocks_used": sum(s.kv_blocks_used for s in stats),
-            "kv_blocks_total": sum(s.kv_blocks_used + s.kv_blocks_free for s in stats),
+            "kv_blocks_used": sum(s.load.kv_blocks_used for s in stats),
+            "kv_blocks_total": sum(s.load.kv_blocks_used + s.load.kv_blocks_free for s in stats),
             "acceptance": round(sum(s.acceptance for s in spec) / len(spec), 4) if spec else None,
             "mean_k": round(sum(s.mean_k for s in spec) / len(spec), 3) if spec else None,
             "draft_ms_per_token": round(1e3 * sum(s.draft_s_per_token for s in spec) / len(spec), 3) if spec else None,
             "calibration_tokens": sum(s.calibration_tokens for s in spec),
             "calibration_s": round(sum(s.calibration_s for s in spec), 3),
-            **_prefix_cache(stats),
-            **_expert_load([s for s in stats if s.moe_alltoall_bytes_per_token or s.moe_local_rate])}
+            **_prefix_cache([s.prefix_cache for s in stats]),
+            **_expert_load([s.moe for s in stats if s.moe.active])}
 
 
-def _prefix_cache(stats: list) -> dict:
+def _prefix_cache(stats: list[PrefixCacheStats]) -> dict:
     """Fleet-wide prefix cache figures in tokens (each instance's since it started), and the hit rate."""
-    queries, hits = sum(s.prefix_cache_queries for s in stats), sum(s.prefix_cache_hits for s in stats)
+    queries, hits = sum(s.queries for s in stats), sum(s.hits for s in stats)
     return {"prefix_cache_queries": queries, "prefix_cache_hits": hits,
             "prefix_cache_hit_rate": round(hits / queries, 4) if queries else None}
 
 
-def _expert_load(ep: list) -> dict:
+def _expert_load(ep: list[MoEStats]) -> dict:
     """Expert-parallel figures, mean over the instances that have them (None without any)."""
     mean = lambda f: round(sum(f(s) for s in ep) / len(ep), 4) if ep else None  # noqa: E731
-    return {"moe_local_rate": mean(lambda s: s.moe_local_rate),
-            "moe_bytes_per_token": mean(lambda s: s.moe_alltoall_bytes_per_token),
-            "moe_ms_per_token": mean(lambda s: 1e3 * s.moe_s_per_token)}
+    return {"moe_local_rate": mean(lambda s: s.local_rate),
+            "moe_bytes_per_token": mean(lambda s: s.alltoall_bytes_per_token),
+            "moe_ms_per_token": mean(lambda s: 1e3 * s.s_per_token)}
+
+
+def _disaggregation_line(inst: Instances, dispatch: Dispatch) -> str:
+    """Prefill/decode disaggregation in one line: instances per role, placements, handoffs (docs/disaggregation.md)."""
+    per_role = {r: sum(i.role == r for i in inst.instances) for r in ("prefill", "decode", "both")}
+    running = "/".join(str(sum(i.stats.load.running for i in inst.instances if i.role == r and i.stats))
+                       for r in per_role)
+    d, h = dispatch.disaggregation, dispatch.handoffs
+    named = ("disaggregated", "prefix_hit", "short_prompt")
+    other = sum(d.values()) - sum(d.get(k, 0) for k in named)
+    return (f"disaggregation: {per_role['prefill']} prefill, {per_role['decode']} decode, {per_role['both']} both "
+            f"instance(s), running {running}; {d.get('disaggregated', 0)} requests split, {d.get('prefix_hit', 0)} "
+            f"decoded where their prefix was cached, {d.get('short_prompt', 0)} short, {other} otherwise; handoffs "
+            f"{h.get('finished', 0)} done, {sum(h.values()) - h.get('finished', 0)} not, "
+            f"{dispatch.handoffs_pending} waiting for a first token")
 
 
 def _print_instances(inst: Instances, names: dict[str, str]) -> None:
@@ -397,13 +435,14 @@ def _print_instances(inst: Instances, names: dict[str, str]) -> None:
     for i in inst.instances:
         state = "unhealthy" if not i.healthy else "draining" if i.draining else "ok"
         s = i.stats
-        kv = f"{s.kv_blocks_used}/{s.kv_blocks_used + s.kv_blocks_free}" if s else "-"
-        hit = f"{s.prefix_cache_hits / s.prefix_cache_queries:.2f}" if s and s.prefix_cache_queries else "-"
-        cols = (str(s.running), str(s.waiting), kv, f"{s.acceptance:.2f}", f"{s.mean_k:.2f}",
-                f"{s.step_time_ema_s * 1e3:.1f}", hit) if s else ("-", "-", kv, "-", "-", "-", "-")
+        kv = f"{s.load.kv_blocks_used}/{s.load.kv_blocks_used + s.load.kv_blocks_free}" if s else "-"
+        hit = f"{s.prefix_cache.hits / s.prefix_cache.queries:.2f}" if s and s.prefix_cache.queries else "-"
+        cols = (str(s.load.running), str(s.load.waiting), kv, f"{s.spec.acceptance:.2f}", f"{s.spec.mean_k:.2f}",
+                f"{s.step.step_time_ema_s * 1e3:.1f}", hit) if s else ("-", "-", kv, "-", "-", "-", "-")
         t.add_row(i.instance_id, i.model[:24], names.get(i.node, i.node[:12]), state, str(i.in_flight), *cols)
         notes += [f"{i.instance_id} place: {_place(i.place)}"] if i.place.stages else []
         notes += [f"{i.instance_id} model: {i.backend}"] if i.backend else []
+        notes += [f"{i.instance_id} role: {i.role}"] if i.role != "both" else []
         notes += [f"{i.instance_id} error: {i.error}"] if i.error else []
     if inst.instances:
         show(t)

@@ -104,10 +104,10 @@ def _profile_online(args: argparse.Namespace) -> int:
 
 
 def _stats(path: Path):
-    from actors.moe.profile import RoutingStats
+    from actors.moe.profile import ExpertRoutingStats
 
     try:
-        return RoutingStats.load_file(path)
+        return ExpertRoutingStats.load_file(path)
     except (OSError, ValueError, KeyError) as e:
         raise UsageError(f"{path}: not routing statistics this build reads ({e})") from None
 

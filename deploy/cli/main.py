@@ -38,6 +38,8 @@ COMMANDS: list[tuple[tuple[str, ...], str, str, str]] = [
      "deploy.bench.group_step", "add_arguments"),
     (("bench", "migration"), "live migration's downtime (staged vs stop-and-copy) by context length, failover, and "
      "migration policies under skewed load, on the local cluster", "deploy.bench.migration", "add_arguments"),
+    (("bench", "disagg"), "long-prompt interference: short requests' ITL p99 while long prompts arrive, aggregated vs "
+     "prefill/decode disaggregated, on 3 local nodes", "deploy.bench.disagg", "add_arguments"),
     (("bench", "moe"), "plain expert parallelism vs Speculative MoE's expert grouping and request placement, on "
      "the local cluster", "deploy.bench.moe", "add_arguments"),
     (("bench", "faults"), "each fault (router, instance, shard, node killed; link cut or degraded; a migration's "
@@ -50,6 +52,12 @@ COMMANDS: list[tuple[tuple[str, ...], str, str, str]] = [
     (("bench", "router-sim"), "the router's dispatch and migration planning at fleet scale (1,000 simulated "
      "instances, a multi-turn trace): route() and planning latency, prefix hit rate, index memory",
      "deploy.bench.router_sim", "add_arguments"),
+    (("bench", "elastic"), "a load that rises and falls against a fixed fleet of the max size, one of the min size "
+     "and the autoscaled one, on the local cluster: TTFT/ITL p99 vs target, instance-seconds, streams lost",
+     "deploy.bench.elastic", "add_arguments"),
+    (("bench", "autoscale-sim"), "the SLO autoscaler driving a simulated fleet of up to 1,000 instances under a "
+     "load stepped up then down: steps and reasons, decision latency, requests lost, instance-seconds",
+     "deploy.bench.autoscale_sim", "add_arguments"),
     (("bench", "prefix"), "prefix caching off vs on with least-load vs cache-aware dispatch on a multi-turn chat "
      "workload (and a long shared system prompt), and a migration's bytes with its prefix cached, on the local cluster",
      "deploy.bench.prefix", "add_arguments"),

@@ -28,6 +28,7 @@ from cluster.router import INSTANCE_ACTOR_PREFIX, NAMESPACE, find_router, get_or
 from cluster.router_client import RouterClient
 from deploy import DEFAULT_CONFIG
 from deploy.rpc import codegen
+from deploy.serve.autoscaler import SpecfleetAutoscaler
 from deploy.serve.fleet import fleet_specs, live_nodes, replan
 from placement.fleet import InstanceSpec
 from placement.planner import PlacementError
@@ -80,16 +81,17 @@ class SpecfleetInstance:
         began = time.monotonic()
         self.instance_id = spec.instance_id
         self.router_cfg = router_cfg
+        self.role = router_cfg.disaggregation.role_of(index)  # prefill, decode or both (docs/disaggregation.md)
         self.router = router_client(router_cfg)
         try:  # requests waiting for an instance wait for this start (cluster/start_times.py)
-            self.router.call_blocking(lambda r: r.starting.remote(self.instance_id), timeout_s=HEALTH_TIMEOUT_S)
+            self.router.sync.starting(self.instance_id, timeout_s=HEALTH_TIMEOUT_S)
         except Exception as e:  # noqa: BLE001 - the router is away: start anyway; it learns of us at registration
             log.warning("%s: could not tell the router it starts (%s: %s)", self.instance_id, type(e).__name__, e)
         self.spec, self.server, self.info = self._start(index, spec, began + LOAD_TIMEOUT_S)
         self.start_s = time.monotonic() - began  # what the router's failover wait learns from (cluster/start_times.py)
         log.info("%s: %s runs on the %s", self.instance_id, spec.engine.model.target, self.info.backend)
         self.phases = self._phases()
-        self.router.call_blocking(self._register)
+        self.router.sync.register(*self._registration())
         self._registering: asyncio.Task | None = None
 
     def _start(self, index: int, spec: InstanceSpec, deadline: float):
@@ -125,7 +127,7 @@ class SpecfleetInstance:
         now; with no room, wait for a node to join (until `deadline`)."""
         while True:
             try:
-                rows = self.router.call_blocking(lambda r: r.instances.remote())
+                rows = self.router.sync.instances()
             except Exception as e:  # noqa: BLE001 - no router to ask: plan as if no other instance held a device
                 log.warning("%s: no instances from the router (%s: %s)", self.instance_id, type(e).__name__, e)
                 rows = []
@@ -153,10 +155,11 @@ class SpecfleetInstance:
             return ()
         return (("replica", round(max(0.0, self.start_s - got.total_s), 3)),) + got.phases
 
-    def _register(self, router):
+    def _registration(self) -> tuple:
+        """`router.register`'s arguments for this incarnation (cluster/router.py)."""
         i = self.info
-        return router.register.remote(self.instance_id, self.server, i.model, i.max_model_len, i.node_id,
-                                      self.spec.place, i.actor_id, self.start_s, i.backend, self.phases)
+        return (self.instance_id, self.server, i.model, i.max_model_len, i.node_id, self.spec.place, i.actor_id,
+                self.start_s, i.backend, self.phases, self.role)
 
     async def check_health(self) -> None:
         """Serve calls this every few seconds; raising makes Serve replace the replica (and so the instance). Only
@@ -168,12 +171,13 @@ class SpecfleetInstance:
             self._registering = asyncio.get_running_loop().create_task(self._keep_registered())
 
     async def _keep_registered(self) -> None:
-        """Register again if the router does not know this incarnation (it restarted, or removed us)."""
+        """Register again if the router does not know this incarnation (it restarted, or removed us), or not its role
+        (a restarted router rebuilds from the instances, which do not know their roles)."""
         try:
-            known = await self.router.call(lambda r: r.is_registered.remote(self.instance_id, self.info.actor_id),
-                                           timeout_s=HEALTH_TIMEOUT_S)
+            known = await self.router.is_registered(self.instance_id, self.info.actor_id, self.role,
+                                                    timeout_s=HEALTH_TIMEOUT_S)
             if not known:
-                await self.router.call(self._register, timeout_s=HEALTH_TIMEOUT_S)
+                await self.router.register(*self._registration(), timeout_s=HEALTH_TIMEOUT_S)
                 log.warning("%s registered again with the router", self.instance_id)
         except Exception as e:  # noqa: BLE001 - the router is away: the next health check tries again
             log.warning("%s: could not reach the router (%s: %s)", self.instance_id, type(e).__name__, e)
@@ -194,7 +198,8 @@ class SpecfleetInstance:
 class SpecfleetAPI(HttpRoutes, ResponsesRoutes, GrpcMethods):
     """The ingress: HTTP routes (FastAPI) and gRPC methods over one Frontend."""
 
-    def __init__(self, cfg: SpecfleetConfig, instances: list[DeploymentHandle]) -> None:
+    def __init__(self, cfg: SpecfleetConfig, instances: list[DeploymentHandle],
+                 autoscaler: DeploymentHandle | None = None) -> None:
         from deploy.model_store import resolve_model
         from deploy.serve.auth import KeySet
         from deploy.serve.cached import Cached
@@ -203,15 +208,15 @@ class SpecfleetAPI(HttpRoutes, ResponsesRoutes, GrpcMethods):
 
         self.cfg = cfg
         self.instances = instances  # keeps the instance deployments part of the app
-        self.router = router_client(cfg.router)  # routes call `await self.router.call(lambda r: r.<method>.remote())`
-        self.router.call_blocking(lambda r: r.configure.remote(cfg.router), timeout_s=30)
+        self.autoscaler = autoscaler  # router.autoscaling's (deploy/serve/autoscaler.py), None for a fixed fleet
+        self.router = router_client(cfg.router)  # routes call `await self.router.<method>(...)` (typed)
+        self.router.sync.configure(cfg.router, timeout_s=30)
         self.frontend = Frontend(cfg, self.router, resolve=lambda s: resolve_model(s, cfg.engine.model.dtype))
         self.edge = Edge(cfg.serve, self.frontend)
         # what the unauthenticated /health, /metrics and gRPC Health read: one router call a second per replica
-        self.instances_view = Cached(lambda: self.router.call(lambda r: r.instances.remote()))
+        self.instances_view = Cached(lambda: self.router.instances())
         self.fleet_view = Cached(lambda: asyncio.gather(
-            self.router.call(lambda r: r.instances.remote()), self.router.call(lambda r: r.migration_stats.remote()),
-            self.router.call(lambda r: r.routing_stats.remote())))
+            self.router.instances(), self.router.migration_stats(), self.router.routing_stats()))
         self.api_keys = KeySet.load(cfg.serve.auth)
         self.admin_keys = KeySet.load(cfg.serve.auth, admin=True)
         log.info("API keys: %d for /v1 and gRPC, %d for /admin (from %s)", len(self.api_keys), len(self.admin_keys),
@@ -254,6 +259,10 @@ class SpecfleetAPI(HttpRoutes, ResponsesRoutes, GrpcMethods):
     @http_app.get("/admin/dispatch")
     async def admin_dispatch(self, request: Request) -> Response:
         return await self._admin_dispatch(request)
+
+    @http_app.get("/admin/autoscaler")
+    async def admin_autoscaler(self, request: Request) -> Response:
+        return await self._admin_autoscaler(request)
 
     @http_app.get("/admin/requests")
     async def admin_requests(self, request: Request) -> Response:
@@ -303,7 +312,12 @@ def compose(cfg: SpecfleetConfig, replica_resources: dict[str, float] | None = N
     instances = [SpecfleetInstance.options(name=f"SpecfleetInstance-{s.instance_id}", num_replicas=1, **opts)
                  .bind(i, s, cfg.router) for i, s in enumerate(specs)]
     api = SpecfleetAPI.options(ray_actor_options={"num_cpus": 0, "resources": {**cfg.serve.api_resources, **extra}})
-    return api.bind(cfg, instances)
+    autoscaler = None  # router.autoscaling: one replica that adds instances planned as these are, and drains them
+    if cfg.router.autoscaling is not None and specs:
+        autoscaler = SpecfleetAutoscaler.options(name="SpecfleetAutoscaler", num_replicas=1,
+                                                 ray_actor_options={"num_cpus": 0, "resources": extra})
+        autoscaler = autoscaler.bind(cfg, specs[0])
+    return api.bind(cfg, instances, autoscaler)
 
 
 __all__ = ["build_app", "compose", "find_router", "APP_NAME"]

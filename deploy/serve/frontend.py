@@ -51,6 +51,7 @@ from cluster.registry import NoInstanceAvailable
 from cluster.request import (FinishReason, InvalidRequest, Request, RequestStatus, Resume, SamplingParams,
                              SpecStats, StreamItem, StructuredOutput, TokenDelta, TokenLogprob, check_prompt,
                              context_length)
+from cluster.disagg import PromptShape
 from cluster.router import Overloaded
 from cluster.router_client import RouterClient
 from deploy.serve.chat_output import ChatFormats
@@ -138,7 +139,9 @@ class Frontend:
                                     else max(6 * self.max_prompt_chars, 11 * self.max_model_len) + (16 << 10))
         # cache-aware dispatch: the router is told the names of a prompt's full KV blocks (cluster/prefix.py), the
         # same names the instances give the blocks they cache
-        caching = cfg.engine.cache.prefix_caching and cfg.router.dispatch == "cache_aware"
+        # and so is a router that places requests on prefill/decode pairs (docs/disaggregation.md), with their length
+        self.disaggregated = cfg.router.disaggregation.enabled
+        caching = cfg.engine.cache.prefix_caching and (cfg.router.dispatch == "cache_aware" or self.disaggregated)
         self.block_size = cfg.engine.cache.block_size if caching else None
         self.prefix_identity = cfg.engine.prefix_identity
         # how the model writes tool calls and reasoning (deploy/serve/chat_output.py), found once
@@ -235,9 +238,10 @@ class Frontend:
         ids = [prep.request_id if len(prep.params) == 1 else f"{prep.request_id}-{i}" for i in range(len(prep.params))]
         routed: list[tuple[str, ActorHandle]] = []
         blocks = self.block_names(prep)
+        shape = PromptShape(len(prep.prompt_ids), self.cfg.engine.cache.block_size) if self.disaggregated else None
         try:
             for rid in ids:
-                routed.append(await self._route(rid, prep.priority, blocks))
+                routed.append(await self._route(rid, prep.priority, blocks, shape))
         except Overloaded as e:
             self.release(ids[:len(routed)], routed, RequestStatus.ABORTED)
             retry = str(self.cfg.serve.retry_after_s)
@@ -252,13 +256,14 @@ class Frontend:
             raise
         return Call(self, prep, ids, routed)
 
-    async def _route(self, rid: str, priority: int, blocks: tuple[int, ...] = ()) -> tuple[str, ActorHandle]:
+    async def _route(self, rid: str, priority: int, blocks: tuple[int, ...] = (),
+                     shape: PromptShape | None = None) -> tuple[str, ActorHandle]:
         """One `router.route`; if the caller is cancelled while it is under way, its result is released later."""
         limit = self.cfg.serve.max_pending_requests
         wait_s = self.cfg.router.failover.max_wait_s  # the router may wait up to that for an instance to come up
         routing = asyncio.get_running_loop().create_task(
-            self.router.call(lambda r: r.route.remote(rid, priority, self.model_name, limit, blocks),
-                             timeout_s=wait_s + RELEASE_TIMEOUT_S),
+            self.router.route(rid, priority, self.model_name, limit, blocks, shape,
+                              timeout_s=wait_s + RELEASE_TIMEOUT_S),
             context=contextvars.Context())  # no child of the request: see above
         try:
             return await asyncio.shield(routing)
@@ -287,7 +292,7 @@ class Frontend:
             except (RayError, asyncio.TimeoutError) as e:
                 log.warning("aborting request %s at its instance failed (%s: %s)", rid, type(e).__name__, e)
         try:  # idempotent at the router: a request that already ended keeps its status
-            await self.router.call(lambda r: r.finish.remote(rid, status.value), timeout_s=RELEASE_TIMEOUT_S)
+            await self.router.finish(rid, status, timeout_s=RELEASE_TIMEOUT_S)
         except (RayError, asyncio.TimeoutError) as e:
             log.error("telling the router that request %s ended (%s) failed (%s: %s); its next poll closes it",
                       rid, status.value, type(e).__name__, e)
@@ -299,9 +304,8 @@ class Frontend:
         (learned from the starts it saw, at most `router.failover.max_wait_s`), so the deadline leaves it that long."""
         instance_id, handle = failed
         wait_s = self.cfg.router.failover.max_wait_s
-        return await self.router.call(lambda r: r.failover.remote(rid, instance_id, handle, priority, self.model_name,
-                                                                  blocks),
-                                      timeout_s=wait_s + RELEASE_TIMEOUT_S)
+        return await self.router.failover(rid, instance_id, handle, priority, self.model_name, blocks,
+                                          timeout_s=wait_s + RELEASE_TIMEOUT_S)
 
     def _supervise(self, coro, rid: str) -> None:
         """Run a release in its own task, in a fresh context: its Ray calls are no children of the request."""

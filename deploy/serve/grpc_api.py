@@ -223,7 +223,7 @@ class GrpcMethods:
         except APIError as e:
             self._fail(grpc_context, e)
             return pb.ListModelsResponse()
-        models = await self.router.call(lambda r: r.models.remote())
+        models = await self.router.models()
         return pb.ListModelsResponse(models=[pb.Model(id=m, max_model_len=n) for m, n in sorted(models.items())])
 
     async def Health(self, request: pb.HealthRequest, grpc_context) -> pb.HealthResponse:  # noqa: N802
@@ -241,8 +241,7 @@ class GrpcMethods:
         except APIError as e:
             self._fail(grpc_context, e)
             return pb.FleetStatsResponse()
-        instances, m = await asyncio.gather(self.router.call(lambda r: r.instances.remote()),
-                                            self.router.call(lambda r: r.migration_stats.remote()))
+        instances, m = await asyncio.gather(self.router.instances(), self.router.migration_stats())
         return pb.FleetStatsResponse(healthy_instances=sum(i.accepting for i in instances), migrations=m.by_status,
                                      failovers=m.failovers, downtime_mean_s=m.downtime_mean_s,
                                      downtime_max_s=m.downtime_max_s)

@@ -21,8 +21,9 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from cluster.autoscale import AutoscaleStatus
 from cluster.config import ServeConfig
-from cluster.request import FinishReason, SpecStats
+from cluster.request import FinishReason, RequestStatus, SpecStats
 from deploy.serve.admission import Ticket
 from deploy.serve.auth import Tenant
 from deploy.serve.chat_output import ChatShape, ChatStream, merge
@@ -36,6 +37,7 @@ from deploy.serve.openai_api import (APIError, ChatCompletionRequest, Completion
 
 log = logging.getLogger(__name__)
 ADMIN_TIMEOUT_S = 600.0  # a migration or a migrating drain, which move requests one after another
+AUTOSCALER_TIMEOUT_S = 5.0  # the autoscaler replica answers its status from memory
 http_app = FastAPI(title="specfleet", docs_url=None, redoc_url=None, openapi_url="/openapi.json")
 openapi.install(http_app)
 
@@ -174,7 +176,7 @@ class HttpRoutes:
     # ---- OpenAI ---------------------------------------------------------------------------------------
     async def _models(self, request: Request) -> JSONResponse:
         self._auth(request)
-        return JSONResponse(model_list(await self.router.call(lambda r: r.models.remote())))
+        return JSONResponse(model_list(await self.router.models()))
 
     async def _completions(self, request: Request) -> Response:
         tenant = self._auth(request)
@@ -347,21 +349,39 @@ class HttpRoutes:
         self.frontend.metrics.set_instances(instances)
         self.frontend.metrics.migration_figures = migrations
         self.frontend.metrics.routing_figures = routing
+        self.frontend.metrics.autoscale_figures = await self._autoscale_status()
         return Response(self.frontend.metrics.render(), media_type=CONTENT_TYPE)
+
+    async def _autoscale_status(self) -> AutoscaleStatus | None:
+        """The autoscaler's status (deploy/serve/autoscaler.py); None for a fixed fleet, or while it does not answer
+        (logged: the rest of /metrics still answers)."""
+        if self.autoscaler is None:
+            return None
+        try:
+            return await asyncio.wait_for(self.autoscaler.status.remote(), AUTOSCALER_TIMEOUT_S)
+        except Exception as e:  # noqa: BLE001 - figures of one part missing must not fail the whole scrape
+            log.warning("the autoscaler did not answer (%s: %s)", type(e).__name__, e)
+            return None
 
     # ---- admin ----------------------------------------------------------------------------------------
     async def _admin_instances(self, request: Request) -> JSONResponse:
         self._auth(request, admin=True)
-        rows, removed = await asyncio.gather(self.router.call(lambda r: r.instances.remote()),
-                                             self.router.call(lambda r: r.removed_instances.remote()))
+        rows, removed = await asyncio.gather(self.router.instances(), self.router.removed_instances())
         return JSONResponse({"instances": [r.model_dump(mode="json") for r in rows],
                              "removed": [r.model_dump(mode="json") for r in removed]})
+
+    async def _admin_autoscaler(self, request: Request) -> JSONResponse:
+        """The autoscaler's bounds, last decision and recent scale steps (cluster/autoscale.py, AutoscaleStatus)."""
+        self._auth(request, admin=True)
+        if self.autoscaler is None:
+            return JSONResponse({"enabled": False})
+        status = await asyncio.wait_for(self.autoscaler.status.remote(), AUTOSCALER_TIMEOUT_S)
+        return JSONResponse({"enabled": True, **dataclasses.asdict(status)})
 
     async def _admin_migrations(self, request: Request) -> JSONResponse:
         """The router's migration and failover figures (cluster/stats.py, MigrationStats)."""
         self._auth(request, admin=True)
-        figures, wait = await asyncio.gather(self.router.call(lambda r: r.migration_stats.remote()),
-                                             self.router.call(lambda r: r.failover_wait.remote()))
+        figures, wait = await asyncio.gather(self.router.migration_stats(), self.router.failover_wait())
         return JSONResponse({**figures.as_dict(), "downtime_mean_s": figures.downtime_mean_s,
                              "failover_wait": dataclasses.asdict(wait)})
 
@@ -369,19 +389,19 @@ class HttpRoutes:
         """The router's dispatch policy, its decisions by reason and its prefix index (cluster/stats.py,
         RoutingStats)."""
         self._auth(request, admin=True)
-        return JSONResponse((await self.router.call(lambda r: r.routing_stats.remote())).as_dict())
+        return JSONResponse((await self.router.routing_stats()).as_dict())
 
     async def _admin_requests(self, request: Request) -> JSONResponse:
         self._auth(request, admin=True)
         status = request.query_params.get("status")
         if status not in (None, "running", "finished", "aborted", "failed"):
             raise APIError(400, f"unknown status {status!r}", param="status")
-        rows = await self.router.call(lambda r: r.requests.remote(status))
+        rows = await self.router.requests(RequestStatus(status) if status else None)
         return JSONResponse({"requests": [row.model_dump(mode="json") for row in rows]})
 
     async def _admin_abort(self, request_id: str, request: Request) -> JSONResponse:
         admin = self._auth(request, admin=True)
-        found = await self.router.call(lambda r: r.abort.remote(request_id))
+        found = await self.router.abort(request_id)
         self._audit(request, admin, "abort", request_id, "ok" if found else "not found")
         if not found:
             raise APIError(404, f"no running request {request_id!r} (unknown, or it has just ended)", param="request_id",
@@ -400,10 +420,9 @@ class HttpRoutes:
                                                                         "abort" if abort else "finish there"))
         try:
             if migrate:
-                moved = await self.router.call(lambda r: r.drain_migrate.remote(instance_id), retry=False,
-                                               timeout_s=ADMIN_TIMEOUT_S)
+                moved = await self.router.drain_migrate(instance_id, timeout_s=ADMIN_TIMEOUT_S)
                 return JSONResponse(moved.model_dump(mode="json"))
-            running = await self.router.call(lambda r: r.drain.remote(instance_id, abort))
+            running = await self.router.drain(instance_id, abort)
         except ValueError as e:
             raise APIError(404, _reason(e), param="instance_id", code="instance_not_found") from None
         finally:
@@ -416,8 +435,7 @@ class HttpRoutes:
         try:
             to = request.query_params.get("to")
             self._audit(request, admin, "migrate", request_id, f"asked: to {to or 'dispatch'}")
-            result = await self.router.call(lambda r: r.migrate.remote(request_id, to), retry=False,
-                                            timeout_s=ADMIN_TIMEOUT_S)
+            result = await self.router.migrate(request_id, to, timeout_s=ADMIN_TIMEOUT_S)
         except ValueError as e:
             raise APIError(404, _reason(e), param="request_id", code="request_not_found") from None
         except NoInstanceAvailable as e:
@@ -427,7 +445,7 @@ class HttpRoutes:
     async def _admin_undrain(self, instance_id: str, request: Request) -> JSONResponse:
         self._audit(request, self._auth(request, admin=True), "undrain", instance_id, "asked")
         try:
-            await self.router.call(lambda r: r.undrain.remote(instance_id))
+            await self.router.undrain(instance_id)
         except ValueError as e:
             raise APIError(404, _reason(e), param="instance_id", code="instance_not_found") from None
         finally:
@@ -439,7 +457,7 @@ class HttpRoutes:
         """An expert-parallel instance's online routing statistics since the last call: a statistics file."""
         self._auth(request, admin=True)
         try:
-            data = await self.router.call(lambda r: r.expert_routing.remote(instance_id), retry=False)
+            data = await self.router.expert_routing(instance_id)
         except ValueError as e:
             raise APIError(404, _reason(e), param="instance_id", code="instance_not_found") from None
         except LookupError as e:

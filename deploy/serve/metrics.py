@@ -20,6 +20,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from cluster.autoscale import AutoscaleStatus, cause_of
 from cluster.instances import InstanceRow
 from cluster.request import SpecStats
 from cluster.stats import DOWNTIME_BUCKETS, MigrationStats, RoutingStats
@@ -81,6 +82,14 @@ class Metrics:
                            "MoE-layer seconds per token (over every MoE layer, all-to-all included)", inst, registry=r)
         self.healthy_instances = Gauge("specfleet:healthy_instances", "Instances the router dispatches to", m,
                                        registry=r)
+        # prefill/decode disaggregation (docs/disaggregation.md): each instance's role as an info gauge (1), and the
+        # running and waiting requests summed per role
+        self.instance_role = Gauge("specfleet:instance_role", "An instance's role (prefill, decode or both): 1",
+                                   inst + ["role"], registry=r)
+        self.role_running = Gauge("specfleet:num_requests_running_by_role", "Requests running, per instance role",
+                                  m + ["role"], registry=r)
+        self.role_waiting = Gauge("specfleet:num_requests_waiting_by_role", "Requests waiting, per instance role",
+                                  m + ["role"], registry=r)
         # requests that did not end as asked, by outcome: `failure` (a non-streamed request that failed: a 503),
         # `partial_failure` (one some of whose choices failed: a 503 too, not a 200 with holes), `stream_error` (an
         # error event in a stream), `client_stopped_reading` (a stream cut after the client read nothing for
@@ -90,7 +99,9 @@ class Metrics:
         self.migration_figures: MigrationStats | None = None  # the router's, as of the last scrape
         self.routing_figures: RoutingStats | None = None  # the router's, as of the last scrape
         self.instance_rows: list[InstanceRow] = []  # the router's rows, as of the last scrape
+        self.autoscale_figures: AutoscaleStatus | None = None  # the autoscaler's, as of the last scrape
         r.register(_MigrationCollector(self))
+        r.register(_AutoscaleCollector(self))
         r.register(_RoutingCollector(self))
 
     def failed(self, outcome: str) -> None:
@@ -113,29 +124,32 @@ class Metrics:
         """Refresh the load gauges from the router's `instances()` rows."""
         for g in (self.running, self.waiting, self.kv_usage, self.preemptions, self.router_in_flight,
                   self.draft_s_per_token, self.calibration_tokens, self.calibration_s, self.moe_local_rate,
-                  self.moe_bytes, self.moe_s):
+                  self.moe_bytes, self.moe_s, self.instance_role, self.role_running, self.role_waiting):
             g.clear()
         self.instance_rows = list(instances)
         healthy = 0
         for row in instances:
             healthy += row.accepting
             self.router_in_flight.labels(row.model, row.instance_id).set(row.in_flight)
+            self.instance_role.labels(row.model, row.instance_id, row.role).set(1)
             s = row.stats
             if s is None:
                 continue
             labels = (row.model, row.instance_id)
-            self.running.labels(*labels).set(s.running)
-            self.waiting.labels(*labels).set(s.waiting)
-            total = s.kv_blocks_used + s.kv_blocks_free
-            self.kv_usage.labels(*labels).set(s.kv_blocks_used / total if total else 0.0)
-            self.preemptions.labels(*labels).set(s.num_preemptions)
-            self.draft_s_per_token.labels(*labels).set(s.draft_s_per_token)
-            self.calibration_tokens.labels(*labels).set(s.calibration_tokens)
-            self.calibration_s.labels(*labels).set(s.calibration_s)
-            if s.moe_alltoall_bytes_per_token or s.moe_local_rate:  # an expert-parallel instance
-                self.moe_local_rate.labels(*labels).set(s.moe_local_rate)
-                self.moe_bytes.labels(*labels).set(s.moe_alltoall_bytes_per_token)
-                self.moe_s.labels(*labels).set(s.moe_s_per_token)
+            self.role_running.labels(row.model, row.role).inc(s.load.running)
+            self.role_waiting.labels(row.model, row.role).inc(s.load.waiting)
+            self.running.labels(*labels).set(s.load.running)
+            self.waiting.labels(*labels).set(s.load.waiting)
+            total = s.load.kv_blocks_used + s.load.kv_blocks_free
+            self.kv_usage.labels(*labels).set(s.load.kv_blocks_used / total if total else 0.0)
+            self.preemptions.labels(*labels).set(s.load.num_preemptions)
+            self.draft_s_per_token.labels(*labels).set(s.spec.draft_s_per_token)
+            self.calibration_tokens.labels(*labels).set(s.spec.calibration_tokens)
+            self.calibration_s.labels(*labels).set(s.spec.calibration_s)
+            if s.moe.active:  # an expert-parallel instance
+                self.moe_local_rate.labels(*labels).set(s.moe.local_rate)
+                self.moe_bytes.labels(*labels).set(s.moe.alltoall_bytes_per_token)
+                self.moe_s.labels(*labels).set(s.moe.s_per_token)
         self.healthy_instances.labels(self.model).set(healthy)
         self.router_pending.labels(self.model).set(sum(row.in_flight for row in instances))
 
@@ -190,3 +204,50 @@ class _RoutingCollector(_ScrapeCollector):
         yield decisions
         yield GaugeMetricFamily("specfleet:router_prefix_index_entries",
                                 "(instance, KV block) pairs the router's prefix index holds", value=s.index_entries)
+        if s.disaggregation or s.handoffs or s.handoffs_pending:  # instances with a prefill or decode role
+            placed = CounterMetricFamily("specfleet:disagg_placements", "New requests placed by the prefill/decode "
+                                         "pair policy, by reason (cluster/disagg.py)", labels=["reason"])
+            for reason, n in sorted(s.disaggregation.items()):
+                placed.add_metric([reason], n)
+            yield placed
+            handoffs = CounterMetricFamily("specfleet:disagg_handoffs", "Prefilled requests moved to their decode "
+                                           "instance, by the migration's outcome", labels=["status"])
+            for status, n in sorted(s.handoffs.items()):
+                handoffs.add_metric([status], n)
+            yield handoffs
+            yield GaugeMetricFamily("specfleet:disagg_handoffs_pending",
+                                    "Requests waiting for their first token at a prefill instance",
+                                    value=s.handoffs_pending)
+
+
+class _AutoscaleCollector(_ScrapeCollector):
+    """The autoscaler's figures (router.autoscaling; nothing for a fixed fleet), after Ray Serve's
+    `serve_autoscaling_*` gauges: its bounds, the fleet's size and the size it decided on, the p99 latencies it
+    sees, its last decision with its reason, and `specfleet:autoscaling_scale_events_total{action,outcome,cause}`."""
+
+    def collect(self):
+        s = self.metrics.autoscale_figures
+        if s is None:
+            return
+        desired = s.last.desired if s.last is not None else s.instances
+        for name, doc, value in (("min_instances", "The autoscaler's lower bound", s.min_instances),
+                                 ("max_instances", "The autoscaler's upper bound", s.max_instances),
+                                 ("current_instances", "Instances serving or starting, as the autoscaler counts",
+                                  s.instances),
+                                 ("desired_instances", "Instances the autoscaler's last decision asks for", desired)):
+            yield GaugeMetricFamily(f"specfleet:autoscaling_{name}", doc, value=value)
+        for name, value in (("ttft", s.ttft_p99_s), ("itl", s.itl_p99_s)):
+            if value is not None:
+                yield GaugeMetricFamily(f"specfleet:autoscaling_{name}_p99_seconds",
+                                        f"The {name} p99 the autoscaler compares with its target (recent window)",
+                                        value=value)
+        steps = CounterMetricFamily("specfleet:autoscaling_scale_events", "Scale steps by action, outcome and cause",
+                                    labels=["action", "outcome", "cause"])
+        for action, outcome, cause, n in s.counts:
+            steps.add_metric([action, outcome, cause], n)
+        yield steps
+        if s.last is not None:
+            last = GaugeMetricFamily("specfleet:autoscaling_last_decision_info", "The autoscaler's last decision",
+                                     labels=["action", "cause", "reason"])
+            last.add_metric([s.last.action, cause_of(s.last.reason), s.last.reason], 1)
+            yield last

@@ -48,7 +48,7 @@ def test_layer_parallel_draft_group_is_lossless(ray_driver, tiny_models, tiny_dr
         assert [c.stats.proposed for c in completions] == [c.stats.proposed for c in same]
         assert sum(c.stats.accepted for c in completions) > 0
         stats = inst.stats()
-        assert stats.calibration_tokens > 0 and stats.draft_s_per_token > 0
+        assert stats.spec.calibration_tokens > 0 and stats.spec.draft_s_per_token > 0
         usage = inst.shard_cache_usage()
         assert [used for used, _ in usage["target"] + usage["draft"]] == [0, 0, 0]
         assert inst.health().healthy
@@ -72,6 +72,6 @@ def test_draft_group_runner_drafts_for_an_engine_in_this_process(ray_driver, tin
 
         for prompt, c in zip(prompts, completions):
             assert c.token_ids == reference_greedy(tiny_models["llama"], prompt, NEW_TOKENS)
-        assert engine.stats().calibration_tokens > 0
+        assert engine.stats().spec.calibration_tokens > 0
     finally:
         stop()

@@ -24,7 +24,7 @@ from actors.executors.protocol import ExpertRanks
 from actors.model.loader import load_model
 from actors.model.metadata import SeqChunk
 from actors.moe.ep import EPStats
-from actors.moe.profile import RoutingStats, profile
+from actors.moe.profile import ExpertRoutingStats, profile
 from actors.engine.offline import generate
 from cluster.config import CacheConfig, ExpertParallelConfig
 from cluster.request import Request, SamplingParams
@@ -96,8 +96,9 @@ def test_expert_parallel_instance_is_lossless(ray_driver, tiny_models, tiny_draf
             total.add(s)
         assert 0 < total.local < total.activations and total.bytes_sent > 0
         engine = inst.engine.stats()  # the same figures, since the start, in the engine's stats (/metrics, status)
-        assert engine.moe_local_rate == pytest.approx(total.local_rate)
-        assert engine.moe_alltoall_bytes_per_token == pytest.approx(total.bytes_per_token) and total.bytes_per_token > 0
+        assert engine.moe.local_rate == pytest.approx(total.local_rate)
+        assert engine.moe.alltoall_bytes_per_token == pytest.approx(total.bytes_per_token)
+        assert total.bytes_per_token > 0
         # every finished request's KV was freed on its rank (only data-parallel ranks give requests a home)
         assert not isinstance(executor, EPStages) or executor.home == {}
     finally:
@@ -120,7 +121,7 @@ def test_tensor_parallel_ranks_share_cached_prefixes_losslessly(ray_driver, tiny
         for prompt, hits in zip([base + other[:1], base + other[:5], list(base)], (0, 40, 76)):
             c = generate(inst, [prompt], SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS))[0]
             assert c.error is None and c.token_ids == reference_greedy(tiny_models["mixtral"], prompt, NEW_TOKENS)
-            assert inst.engine.stats().prefix_cache_hits == hits
+            assert inst.engine.stats().prefix_cache.hits == hits
         assert inst.target.cache.num_used_blocks == 0 and inst.target.cache.num_cached_blocks > 0
     finally:
         inst.shutdown()
@@ -198,8 +199,8 @@ async def _generate_all(handle, requests) -> list[list[int]]:
     return await asyncio.gather(*(one(r) for r in requests))
 
 
-def _stats_of(data: bytes) -> RoutingStats:
+def _stats_of(data: bytes) -> ExpertRoutingStats:
     with tempfile.NamedTemporaryFile(suffix=".safetensors") as f:
         f.write(data)
         f.flush()
-        return RoutingStats.load_file(Path(f.name))
+        return ExpertRoutingStats.load_file(Path(f.name))

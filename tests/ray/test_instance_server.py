@@ -76,7 +76,7 @@ def test_concurrent_streams_give_the_targets_greedy_output(server, tiny_models) 
 def test_a_consumer_that_goes_away_aborts_its_request_and_frees_kv(server, tiny_models) -> None:
     prompt = text_prompts(load(tiny_models["llama"]), 1, offset=2)[0]
     request = Request("gone", tuple(prompt), SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True))
-    emitted_before = ray.get(server.stats.remote()).tokens_emitted
+    emitted_before = ray.get(server.stats.remote()).step.tokens_emitted
     items = asyncio.run(collect(server, request, stop_after=2))
     assert len(items) == 2 and not items[-1].delta.finished
     deadline = time.monotonic() + 30
@@ -84,7 +84,7 @@ def test_a_consumer_that_goes_away_aborts_its_request_and_frees_kv(server, tiny_
         assert time.monotonic() < deadline, "the cancelled request still holds KV"
         time.sleep(0.1)
     assert ray.get(server.abort.remote("gone")) is False  # already gone
-    assert ray.get(server.stats.remote()).tokens_emitted - emitted_before < 150  # stopped well before its 200
+    assert ray.get(server.stats.remote()).step.tokens_emitted - emitted_before < 150  # stopped well before its 200
 
 
 def test_a_request_the_engine_refuses_comes_back_as_one_rejected_item(server) -> None:

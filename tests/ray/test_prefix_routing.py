@@ -49,7 +49,7 @@ class Cluster:
         ray.get(self.router.poll.remote(), timeout=60)
 
     def hits(self) -> dict[str, int]:
-        return {i: ray.get(s.stats.remote(), timeout=60).prefix_cache_hits for i, s in self.servers.items()}
+        return {i: ray.get(s.stats.remote(), timeout=60).prefix_cache.hits for i, s in self.servers.items()}
 
 
 @pytest.fixture(scope="module")

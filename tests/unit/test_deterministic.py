@@ -128,9 +128,9 @@ def test_every_shape_equals_plain_decoding_in_bf16(shape: str, params: str, mode
             if policy == "fixed":
                 assert sum(c.stats.accepted for c in done) > 0, "no draft accepted: the test would be vacuous"
             if shape == "preempted" and batch == 4:
-                assert e.stats().num_preemptions > 0, "nothing was preempted"
+                assert e.stats().load.num_preemptions > 0, "nothing was preempted"
             if shape == "prefix cached":
-                assert e.stats().prefix_cache_hits > 0, "no prompt started from cached blocks"
+                assert e.stats().prefix_cache.hits > 0, "no prompt started from cached blocks"
 
 
 @pytest.mark.heavy

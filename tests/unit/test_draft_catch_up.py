@@ -53,7 +53,7 @@ def test_when_drafting_does_not_pay_the_draft_runs_no_forward(tiny_models, tiny_
         assert engine.draft.cache.num_used_blocks == 0  # not a token of any request went through the draft
     for i, p in enumerate(prompts):
         assert outputs[f"r{i}"] == reference_greedy(tiny_models["llama"], p, 24)
-    assert engine.stats().mean_k == 0
+    assert engine.stats().spec.mean_k == 0
 
 
 def test_when_drafting_pays_the_same_engine_drafts(tiny_models, tiny_draft_models) -> None:

@@ -62,7 +62,7 @@ def test_layer_parallel_drafting_is_lossless(tiny_models, tiny_draft_models, gro
         assert c.token_ids == reference_greedy(tiny_models["llama"], prompt, NEW_TOKENS)
     assert_all_blocks_free(engine)
     stats = engine.stats()
-    assert len(stats.acceptance_by_position) == 3 and stats.draft_s_per_token > 0
+    assert len(stats.spec.acceptance_by_position) == 3 and stats.spec.draft_s_per_token > 0
 
 
 def test_a_parallel_forward_approximates_and_a_sequential_one_is_exact(tiny_models, tiny_draft_models) -> None:
@@ -127,5 +127,5 @@ def test_bonus_calibration_leaves_only_exact_kv(tiny_models, tiny_draft_models, 
     (exact, calibrated), (fuzzy, uncalibrated) = found[True], found[False]
     assert exact < 1e-5, f"calibrated draft KV differs from a sequential forward's by {exact}"
     assert fuzzy > 1e-3, "without calibration the accepted drafts' KV should be the parallel forwards' approximation"
-    assert calibrated.calibration_tokens > 0 and calibrated.calibration_s > 0
-    assert uncalibrated.calibration_tokens == 0
+    assert calibrated.spec.calibration_tokens > 0 and calibrated.spec.calibration_s > 0
+    assert uncalibrated.spec.calibration_tokens == 0

@@ -7,7 +7,7 @@ import json
 import pytest
 import yaml
 
-from actors.moe.profile import RoutingStats
+from actors.moe.profile import ExpertRoutingStats
 from cluster.config import load_config
 from placement.experts import ExpertPlan
 from tests.unit.test_cli import specfleet
@@ -22,7 +22,7 @@ def test_profile_plan_apply_status_end_to_end(tiny_models, tmp_path) -> None:
     out = specfleet("experts", "profile", "--model", model, "--num-prompts", "6", "--max-prompt-tokens", "32",
                     "--out", str(stats))
     assert out.returncode == 0, out.stderr
-    got = RoutingStats.load_file(stats)
+    got = ExpertRoutingStats.load_file(stats)
     assert got.layers == (0, 1, 2, 3) and got.tokens == 6 * 32 and int(got.load.sum()) == got.tokens * 2 * 4
 
     out = specfleet("experts", "plan", "--stats", str(stats), "--ranks", "2", "--out", str(plan))

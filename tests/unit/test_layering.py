@@ -81,7 +81,7 @@ def test_no_import_goes_up():
     "def f():\n    import actors.serving.build\n",  # inside a function
     "from actors import engine\n",  # the folder itself
     "from ..engine import core\n",  # relative
-    "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from actors.engine.sequence import Sequence\n",
+    "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from actors.engine.sequence import EngineSequence\n",
 ])
 def test_an_upward_import_is_named(source):
     """The check can fail: a model module importing the engine (any spelling) is reported with its line."""

@@ -101,6 +101,6 @@ def test_a_prompt_scored_after_being_preempted_is_scored_once(tiny_models, tiny_
                     SchedulerConfig(max_num_batched_tokens=8))
     prompts = text_prompts(engine.target.model, 3, offset=0)
     got = run(engine, prompts, SamplingParams(temperature=0.0, max_tokens=8, prompt_logprobs=0, ignore_eos=True))
-    assert engine.stats().num_preemptions > 0
+    assert engine.stats().load.num_preemptions > 0
     for i, p in enumerate(prompts):
         assert len(got[f"r{i}"]["prompt"]) == len(p)

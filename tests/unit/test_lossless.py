@@ -6,7 +6,7 @@ import pytest
 
 from actors.engine.core import Engine
 from actors.engine.offline import generate
-from actors.engine.sequence import Sequence
+from actors.engine.sequence import EngineSequence
 from cluster.config import SchedulerConfig, SpeculationConfig
 from cluster.request import FinishReason, Request, SamplingParams
 from tests.fixtures.tiny_models import FAMILIES
@@ -268,13 +268,13 @@ def test_preemption_under_a_small_cache_keeps_the_output(tiny_models, tiny_draft
     prompts = [p for p in text_prompts(engine.target.model, 8) if len(p) <= 31][:4]
     for i, prompt in enumerate(prompts):  # with `urgent`, the last to arrive has the highest priority
         engine.add_request(Request(f"r{i}", tuple(prompt), GREEDY, priority=int(urgent and i == len(prompts) - 1)))
-    sequences: list[Sequence] = list(engine.waiting)
+    sequences: list[EngineSequence] = list(engine.waiting)
 
     results = drain(engine, check=assert_kv_accounting)
 
     assert sum(seq.num_preemptions for seq in sequences) >= 1
     # the victim is the lowest-priority, latest-arrived running request: the first in order is never preempted
-    assert min(sequences, key=Sequence.order_key).num_preemptions == 0
+    assert min(sequences, key=EngineSequence.order_key).num_preemptions == 0
     for i, prompt in enumerate(prompts):
         assert_matches_reference(engine, tiny_models[family], prompt, results[f"r{i}"], NEW_TOKENS)
     assert_all_blocks_free(engine)

@@ -12,7 +12,7 @@ def _stats(**kw) -> EngineStats:
                 draft_kv_blocks_free=0, num_steps=4, step_time_s=0.01, step_time_ema_s=0.01, batch_size=1,
                 batch_tokens=1, prefill_tokens=0, mean_k=0.0, acceptance=0.0, tokens_emitted=9, num_preemptions=0,
                 policy="off")
-    return EngineStats(**{**base, **kw})
+    return EngineStats.from_dict({**base, **kw})  # the flat form the admin API sends
 
 
 def test_no_per_instance_prefix_cache_figure_is_published() -> None:
@@ -39,3 +39,25 @@ def test_failures_are_counted_by_outcome_and_clients_get_no_internal_detail() ->
     assert 'specfleet:request_failures_total{model_name="tiny",outcome="client_stopped_reading"} 1.0' in text
     message = public_error("cmpl-1")
     assert "cmpl-1" in message and "log" in message
+
+
+def test_scale_events_are_published_with_their_cause_and_the_last_decision_with_its_reason() -> None:
+    from cluster.autoscale import AutoscaleStatus, ScaleDecision, ScaleEvent
+
+    m = Metrics("tiny")
+    assert "autoscaling" not in m.render().decode()  # a fixed fleet: nothing
+    up = ScaleEvent(1.0, "up", "auto-0", "queue 3.00/instance > target 2 for 30.0 s", "done", duration_s=4.0)
+    down = ScaleEvent(9.0, "down", "auto-0", "queue on 1 instances 0.00/instance below 0.5 x target for 600.0 s",
+                      "done", duration_s=2.5, migrated=3)
+    m.autoscale_figures = AutoscaleStatus(1, 4, 2, ScaleDecision("hold", "within targets", 2), (up, down),
+                                          (("down", "done", "low_load", 1), ("up", "done", "queue", 1)),
+                                          ttft_p99_s=0.25, itl_p99_s=None)
+    text = m.render().decode()
+    assert 'specfleet:autoscaling_scale_events_total{action="up",cause="queue",outcome="done"} 1.0' in text
+    assert 'specfleet:autoscaling_scale_events_total{action="down",cause="low_load",outcome="done"} 1.0' in text
+    for line in ("specfleet:autoscaling_min_instances 1.0", "specfleet:autoscaling_max_instances 4.0",
+                 "specfleet:autoscaling_current_instances 2.0", "specfleet:autoscaling_desired_instances 2.0",
+                 "specfleet:autoscaling_ttft_p99_seconds 0.25",
+                 'specfleet:autoscaling_last_decision_info{action="hold",cause="within_targets",reason="within targets"} 1.0'):
+        assert line in text, line
+    assert "autoscaling_itl_p99_seconds" not in text  # no sample: no figure

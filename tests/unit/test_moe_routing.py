@@ -9,19 +9,19 @@ import torch
 from actors.model.loader import load_model
 from actors.model.metadata import SeqChunk
 from actors.moe.permute import apply_plan, permute_experts
-from actors.moe.profile import RoutingStats, moe_layers, profile
+from actors.moe.profile import ExpertRoutingStats, moe_layers, profile
 from placement.experts import ExpertPlan
 from tests.unit.helpers import runner, text_prompts
 
 MOE_FAMILIES = ("mixtral", "qwen2_moe")
 
 
-def reference_stats(model, prompts) -> RoutingStats:
+def reference_stats(model, prompts) -> ExpertRoutingStats:
     """The same statistics counted directly from transformers' own router logits (output_router_logits)."""
     cfg = model.config
     layers = list(range(cfg.num_hidden_layers))
     num_experts = getattr(cfg, "num_local_experts", None) or cfg.num_experts
-    stats = RoutingStats.empty(layers, cfg.vocab_size, num_experts, cfg.num_experts_per_tok)
+    stats = ExpertRoutingStats.empty(layers, cfg.vocab_size, num_experts, cfg.num_experts_per_tok)
     for prompt in prompts:
         ids = torch.tensor([prompt])
         with torch.no_grad():
@@ -49,13 +49,13 @@ def test_stats_round_trip_and_version_check(tiny_models, tmp_path):
     model = load_model(str(tiny_models["mixtral"]), "fp32")
     stats = profile(runner(model), text_prompts(model, 2))
     stats.save(tmp_path / "routing.safetensors", model="tiny-mixtral")
-    back = RoutingStats.load_file(tmp_path / "routing.safetensors")
+    back = ExpertRoutingStats.load_file(tmp_path / "routing.safetensors")
     assert back.layers == stats.layers and back.tokens == stats.tokens and torch.equal(back.coact, stats.coact)
     from safetensors.torch import save_file
 
     save_file({"load": stats.load}, str(tmp_path / "old.safetensors"), metadata={"version": "0"})
     with pytest.raises(ValueError, match="version"):
-        RoutingStats.load_file(tmp_path / "old.safetensors")
+        ExpertRoutingStats.load_file(tmp_path / "old.safetensors")
 
 
 def logits_of(r, prompt) -> torch.Tensor:

@@ -73,13 +73,13 @@ def test_caching_on_equals_caching_off_and_the_reference(tiny_models, tiny_draft
     for p, out in zip(ps, got):
         assert out == reference_greedy(tiny_models["llama"], p, GREEDY.max_tokens)
     stats = cached.stats()
-    assert stats.prefix_cache_queries >= sum(len(p) for p in ps)
+    assert stats.prefix_cache.queries >= sum(len(p) for p in ps)
     if not together:  # admitted in one step, requests find nothing cached yet: their blocks are committed twice
-        assert stats.prefix_cache_hits > 0
-    assert plain.stats().prefix_cache_hits == 0
+        assert stats.prefix_cache.hits > 0
+    assert plain.stats().prefix_cache.hits == 0
     assert cached.target.cache.num_used_blocks == 0 and cached.target.cache.num_cached_blocks > 0
     if shape.get("num_blocks") and together:
-        assert stats.num_preemptions > 0, "the small cache was meant to preempt"
+        assert stats.load.num_preemptions > 0, "the small cache was meant to preempt"
 
 
 def test_hits_follow_the_shared_prefix_block_by_block(tiny_models, tiny_draft_models) -> None:
@@ -88,9 +88,9 @@ def test_hits_follow_the_shared_prefix_block_by_block(tiny_models, tiny_draft_mo
     generate(engine, [ps[0]], GREEDY)
     hits = []
     for p in ps[1:]:
-        before = engine.stats().prefix_cache_hits
+        before = engine.stats().prefix_cache.hits
         generate(engine, [p], GREEDY)
-        hits.append(engine.stats().prefix_cache_hits - before)
+        hits.append(engine.stats().prefix_cache.hits - before)
     assert hits == [0, 4, 4, 8, 36]  # whole blocks of the shared prefix; the whole prompt leaves its last block
 
 
@@ -103,7 +103,7 @@ def test_a_salt_keeps_tenants_apart(tiny_models, tiny_draft_models) -> None:
         engine.add_request(Request(f"r{i}", tuple(p), GREEDY, cache_salt=salt))
         while engine.has_unfinished():
             engine.step()
-    assert engine.stats().prefix_cache_hits == 36  # only the third, salted like the first, found it
+    assert engine.stats().prefix_cache.hits == 36  # only the third, salted like the first, found it
 
 
 def test_tenants_do_not_share_cached_blocks_unless_the_fleet_says_so(tiny_models, tiny_draft_models) -> None:
@@ -118,4 +118,4 @@ def test_tenants_do_not_share_cached_blocks_unless_the_fleet_says_so(tiny_models
             engine.add_request(Request(f"r{i}", tuple(p), GREEDY, tenant=tenant))
             while engine.has_unfinished():
                 engine.step()
-        assert engine.stats().prefix_cache_hits == expected, share
+        assert engine.stats().prefix_cache.hits == expected, share

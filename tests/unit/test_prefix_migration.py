@@ -93,13 +93,13 @@ def test_a_failed_over_request_reprefills_only_what_its_new_instance_lacks(tiny_
     results = started(dead, [moving], steps=3)
     so_far = results["r0"]
     assert 0 < len(so_far.token_ids) < TOKENS
-    hits = spare.stats().prefix_cache_hits
+    hits = spare.stats().prefix_cache.hits
 
     spare.add_request(Request("r0", tuple(moving), GREEDY, resume=Resume(tuple(so_far.token_ids), len(so_far.text))))
     drain(spare, results)
 
     assert results["r0"].token_ids == reference_greedy(path, moving, TOKENS)
-    assert spare.stats().prefix_cache_hits - hits == SHARED
+    assert spare.stats().prefix_cache.hits - hits == SHARED
     assert spare.target.cache.num_used_blocks == 0
 
 

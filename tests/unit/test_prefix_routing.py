@@ -18,14 +18,14 @@ from actors.kv.cache import BlockPool
 from cluster.prefix_index import CacheEvents, EventLog, PrefixIndex
 from cluster.registry import NoInstanceAvailable, Registry
 from cluster.request import RequestStatus
-from cluster.stats import EngineStats
+from cluster.stats import EngineStats, LoadStats, SpecDecodingStats, StepStats
 
 
 def stats(used: int, free: int, running: int = 0, waiting: int = 0) -> EngineStats:
-    return EngineStats(running=running, waiting=waiting, kv_blocks_used=used, kv_blocks_free=free,
-                       draft_kv_blocks_used=0, draft_kv_blocks_free=0, num_steps=1, step_time_s=0.01,
-                       step_time_ema_s=0.01, batch_size=running, batch_tokens=running, prefill_tokens=0, mean_k=0.0,
-                       acceptance=0.0, tokens_emitted=0, num_preemptions=0, policy="off")
+    return EngineStats(LoadStats(running=running, waiting=waiting, kv_blocks_used=used, kv_blocks_free=free),
+                       StepStats(num_steps=1, step_time_s=0.01, step_time_ema_s=0.01, batch_size=running,
+                                 batch_tokens=running),
+                       SpecDecodingStats(policy="off"))
 
 
 # ---- block names --------------------------------------------------------------------------------------------

@@ -6,14 +6,14 @@ import pytest
 
 from cluster.dispatch import InstanceView, LeastLoad, ListFleet, RoundRobin, make_dispatch
 from cluster.registry import NoInstanceAvailable, Registry, RequestStatus
-from cluster.stats import EngineStats
+from cluster.stats import EngineStats, LoadStats, SpecDecodingStats, StepStats
 
 
 def stats(used: int, free: int, running: int = 0, waiting: int = 0) -> EngineStats:
-    return EngineStats(running=running, waiting=waiting, kv_blocks_used=used, kv_blocks_free=free,
-                       draft_kv_blocks_used=0, draft_kv_blocks_free=0, num_steps=1, step_time_s=0.01,
-                       step_time_ema_s=0.01, batch_size=running, batch_tokens=running, prefill_tokens=0, mean_k=0.0,
-                       acceptance=0.0, tokens_emitted=0, num_preemptions=0, policy="fixed")
+    return EngineStats(LoadStats(running=running, waiting=waiting, kv_blocks_used=used, kv_blocks_free=free),
+                       StepStats(num_steps=1, step_time_s=0.01, step_time_ema_s=0.01, batch_size=running,
+                                 batch_tokens=running),
+                       SpecDecodingStats(policy="fixed"))
 
 
 def test_least_load_picks_the_lowest_virtual_usage_counting_queued_demand() -> None:
@@ -95,7 +95,7 @@ def test_re_registration_keeps_the_requests_in_flight() -> None:
     reg.register("i0", "m", "n0", now=5.0)  # e.g. after a health check found the router had dropped it
     assert reg.pending() == 1
     reg.update("i0", stats(3, 97, running=1), healthy=True, error=None, now=6.0)
-    assert reg.instances["i0"].row().stats.kv_blocks_used == 3
+    assert reg.instances["i0"].row().stats.load.kv_blocks_used == 3
 
 
 def test_an_instance_row_says_which_path_its_model_runs_on() -> None:

@@ -52,7 +52,7 @@ def test_a_long_prompt_is_prefilled_in_chunks_while_decodes_go_on(tiny_models, t
         drain(engine, results, steps=1, start_step=4 + steps)
         steps += 1
         stats = engine.stats()
-        assert stats.batch_tokens <= 16
+        assert stats.step.batch_tokens <= 16
         for rid, n in before.items():  # every running decode produced at least one token in this step
             assert results[rid].finish_reason is not None or len(results[rid].token_ids) > n
         assert steps < 50
@@ -71,7 +71,7 @@ def test_without_a_tight_budget_the_prompt_goes_in_one_step(tiny_models) -> None
     prompt = long_prompt(engine.target.model, 100)
     engine.add_request(Request("long", tuple(prompt), SamplingParams(temperature=0, max_tokens=2)))
     engine.step()
-    assert engine.stats().prefill_tokens == 100
+    assert engine.stats().step.prefill_tokens == 100
 
 
 # ---- lossless under load --------------------------------------------------------------------------
@@ -157,20 +157,21 @@ def test_engine_and_request_stats(tiny_models, tiny_draft_models) -> None:
     for i, p in enumerate(text_prompts(engine.target.model, 3)):
         engine.add_request(Request(f"r{i}", tuple(p), SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)))
     before = engine.stats()
-    assert (before.running, before.waiting, before.kv_blocks_used, before.num_steps) == (0, 3, 0, 0)
+    load = before.load
+    assert (load.running, load.waiting, load.kv_blocks_used, before.step.num_steps) == (0, 3, 0, 0)
 
     deltas = engine.step()
     s = engine.stats()
-    assert (s.running, s.waiting, s.batch_size, s.num_steps) == (2, 1, 2, 1)
-    assert s.kv_blocks_used + s.kv_blocks_free == 63 and s.kv_blocks_used > 0
-    assert s.draft_kv_blocks_used > 0 and s.step_time_s > 0 and s.policy == "fixed"
-    assert s.tokens_emitted == sum(len(d.token_ids) for d in deltas) and s.mean_k == 3
+    assert (s.load.running, s.load.waiting, s.step.batch_size, s.step.num_steps) == (2, 1, 2, 1)
+    assert s.load.kv_blocks_used + s.load.kv_blocks_free == 63 and s.load.kv_blocks_used > 0
+    assert s.load.draft_kv_blocks_used > 0 and s.step.step_time_s > 0 and s.spec.policy == "fixed"
+    assert s.step.tokens_emitted == sum(len(d.token_ids) for d in deltas) and s.spec.mean_k == 3
 
     seqs = list(engine.running)
     drain(engine)
     s = engine.stats()
-    assert (s.running, s.waiting, s.kv_blocks_used, s.draft_kv_blocks_used) == (0, 0, 0, 0)
-    assert s.tokens_emitted == 36
+    assert (s.load.running, s.load.waiting, s.load.kv_blocks_used, s.load.draft_kv_blocks_used) == (0, 0, 0, 0)
+    assert s.step.tokens_emitted == 36
     for seq in seqs:
         st = seq.stats
         assert sum(st.accepted_per_position) == st.accepted and st.proposed == sum(st.k_history)

@@ -164,11 +164,11 @@ def test_a_paused_loop_takes_no_step_but_applies_commands_until_resumed_or_its_d
         barrier.release()
         paused.result(30)
         assert loop.paused
-        steps = engine.stats().num_steps
+        steps = engine.stats().step.num_steps
         held = loop.call(lambda: EngineMigration(engine).kv_length("r")).result(30)  # commands still run
         assert held == len(prompt) + 1
         time.sleep(0.5)
-        assert engine.stats().num_steps == steps == 2 and not got.done["r"].is_set()
+        assert engine.stats().step.num_steps == steps == 2 and not got.done["r"].is_set()
         loop.resume().result(30)
         items = got.wait("r")
         assert [t for it in items for t in it.delta.token_ids] == reference_greedy(tiny_models["llama"], prompt, 12)

@@ -81,8 +81,8 @@ def test_predicted_ranks_change_what_crosses_not_the_logits(tiny_models, world) 
 
 
 def test_the_predictor_follows_the_token_table_and_the_previous_layer() -> None:
-    from actors.moe.profile import RoutingStats
-    stats = RoutingStats.empty([0, 1], vocab_size=4, num_experts=4, top_k=1)
+    from actors.moe.profile import ExpertRoutingStats
+    stats = ExpertRoutingStats.empty([0, 1], vocab_size=4, num_experts=4, top_k=1)
     stats.token_expert[0, 1, 3] = 50  # token 1 goes to expert 3 in the first layer: rank 1
     stats.token_expert[0, 2, 0] = 50  # token 2 to expert 0: rank 0
     stats.affinity[0, 3, 1] = 50  # expert 3 leads to expert 1 in the next layer: rank 0

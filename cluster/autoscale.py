@@ -1,0 +1,350 @@
+"""SLO autoscaling policy: from the load the router sees, scale the fleet up, down, or hold (pure, no Ray).
+
+The signals are the ones the systems we are compared with scale on: p99 time to first token (Ray Serve LLM's
+`TTFTAutoscalingPolicy`, Dynamo's planner in SLA mode), p99 inter-token latency (Dynamo), and requests queued per
+instance (llm-d's KEDA scaler, Ray Serve's `target_ongoing_requests`). A fleet scales up when any signal is above
+its target, and down when every signal would stay below `scale_in_below` of its target on one instance fewer: the
+band between the two is the hysteresis that keeps a load at a threshold from flapping. A condition must hold for
+`up_after_s` (or `down_after_s`) before it acts, as Ray Serve's `upscale_delay_s` / `downscale_delay_s`; it moves
+one instance at a time, never while a step is still under way, and not again within `cooldown_s` of the last.
+Bounds come first: below `min_instances` it scales up at once, above `max_instances` down.
+
+Scaling in removes an instance by draining it through live migration (Llumnix, OSDI '24: its running requests move
+to the others, its queue too), so the policy names which instance leaves: the one with the least to move.
+
+    policy = AutoscalePolicy(AutoscalingConfig(min_instances=1, max_instances=4), slots_per_instance=8)
+    decision = policy.decide(FleetSignal(instances=(...), ttft_p99_s=0.4, itl_p99_s=0.05), now=12.0)
+    decision.action, decision.reason  # "up", "ttft p99 0.400 s > target 0.250 s for 10.0 s"
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from cluster.instances import InstanceRow
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class AutoscaleTarget(_Frozen):
+    """The service level the fleet sizes itself to; a target left out (null) is not scaled on."""
+
+    ttft_p99_s: float | None = Field(default=None, gt=0.0)
+    itl_p99_s: float | None = Field(default=None, gt=0.0)
+    # requests waiting (admitted, not yet scheduled) per instance; Ray Serve's default target_ongoing_requests is 2
+    queue_per_instance: float | None = Field(default=2.0, gt=0.0)
+
+    @model_validator(mode="after")
+    def _one_target(self) -> "AutoscaleTarget":
+        if self.ttft_p99_s is None and self.itl_p99_s is None and self.queue_per_instance is None:
+            raise ValueError("set at least one of ttft_p99_s, itl_p99_s, queue_per_instance")
+        return self
+
+
+class AutoscalingConfig(_Frozen):
+    """`router.autoscaling` (docs/autoscaling.md): the fleet's bounds, its targets, and how long a condition must hold.
+
+    Defaults follow Ray Serve's autoscaling (`upscale_delay_s` 30 s, `downscale_delay_s` 600 s, metrics looked at
+    every few seconds). `window_s`: the latency samples a p99 is taken over; `drain_timeout_s`: how long scaling in
+    may take to move an instance's requests away before it is given up (the instance is then put back in service,
+    never stopped with a stream on it)."""
+
+    min_instances: int = Field(default=1, ge=1)
+    max_instances: int = Field(default=1, ge=1)
+    target: AutoscaleTarget = AutoscaleTarget()
+    up_after_s: float = Field(default=30.0, ge=0.0)
+    down_after_s: float = Field(default=600.0, ge=0.0)
+    cooldown_s: float = Field(default=30.0, ge=0.0)
+    scale_in_below: float = Field(default=0.5, gt=0.0, lt=1.0)
+    interval_s: float = Field(default=1.0, gt=0.0)
+    window_s: float = Field(default=30.0, gt=0.0)
+    drain_timeout_s: float = Field(default=300.0, gt=0.0)
+
+    @model_validator(mode="after")
+    def _bounds(self) -> "AutoscalingConfig":
+        if self.min_instances > self.max_instances:
+            raise ValueError(f"min_instances ({self.min_instances}) must not exceed max_instances "
+                             f"({self.max_instances})")
+        return self
+
+
+@dataclass(frozen=True)
+class InstanceSignal:
+    """One instance as the autoscaler sees it: what it queues and runs, and whether the autoscaler may remove it."""
+
+    instance_id: str
+    waiting: int
+    running: int
+    draining: bool = False
+    removable: bool = True  # started by the autoscaler (the deployed floor is Serve's, replaced when it fails)
+
+
+@dataclass(frozen=True)
+class FleetSignal:
+    """The fleet's load at one moment: each registered healthy instance, the latency percentiles over the recent
+    window (None: no sample, not scaled on), and scale steps under way (instances starting or draining)."""
+
+    instances: tuple[InstanceSignal, ...]
+    ttft_p99_s: float | None = None
+    itl_p99_s: float | None = None
+    starting: int = 0
+
+    @property
+    def serving(self) -> list[InstanceSignal]:
+        return [i for i in self.instances if not i.draining]
+
+    @property
+    def size(self) -> int:
+        """Instances the fleet counts: serving ones and those starting (a draining one is already leaving)."""
+        return len(self.serving) + self.starting
+
+    @property
+    def draining(self) -> int:
+        return sum(i.draining for i in self.instances)
+
+
+@dataclass(frozen=True)
+class ScaleDecision:
+    """What the policy decided, and why, in words an operator reads in `specfleet status` and the logs."""
+
+    action: Literal["up", "down", "hold"]
+    reason: str
+    instances: int  # the fleet's size when decided
+    remove: str | None = None  # the instance to drain (action "down")
+
+    @property
+    def desired(self) -> int:
+        return self.instances + {"up": 1, "down": -1, "hold": 0}[self.action]
+
+
+class AutoscalePolicy:
+    """Hysteresis over the signals, bounds, one step at a time, cooldown. `slots_per_instance`: requests one instance
+    runs at once (engine.scheduler.max_batch_size), to project the queue on one instance fewer."""
+
+    def __init__(self, cfg: AutoscalingConfig, slots_per_instance: int) -> None:
+        if slots_per_instance < 1:
+            raise ValueError(f"slots_per_instance must be at least 1, got {slots_per_instance}")
+        self.cfg = cfg
+        self.slots = slots_per_instance
+        self._up_since: float | None = None  # when the scale-up condition began to hold without a break
+        self._down_since: float | None = None
+        self._last_step: float | None = None
+
+    def decide(self, signal: FleetSignal, now: float) -> ScaleDecision:
+        """The decision at `now` (seconds, monotonic); "up" or "down" starts the cooldown: the caller acts on it."""
+        cfg, n = self.cfg, signal.size
+        over = self._over(signal)
+        under = self._under(signal)
+        self._up_since = (self._up_since if self._up_since is not None else now) if over else None
+        self._down_since = (self._down_since if self._down_since is not None else now) if under else None
+        if signal.starting or signal.draining:
+            return self._hold(n, f"a scale step is under way ({signal.starting} starting, {signal.draining} draining)")
+        if n < cfg.min_instances:
+            return self._step("up", n, f"{n} instances < min_instances {cfg.min_instances}", now)
+        if n > cfg.max_instances:
+            return self._down(signal, f"{n} instances > max_instances {cfg.max_instances}", now)
+        if self._last_step is not None and now - self._last_step < cfg.cooldown_s:
+            return self._hold(n, f"cooling down ({now - self._last_step:.1f} s of {cfg.cooldown_s:g} s since the "
+                                 "last step)")
+        if over:
+            if n >= cfg.max_instances:
+                return self._hold(n, f"{over}, but at max_instances {cfg.max_instances}")
+            held = now - self._up_since
+            if held >= cfg.up_after_s:
+                return self._step("up", n, f"{over} for {held:.1f} s", now)
+            return self._hold(n, f"{over} for {held:.1f} s of {cfg.up_after_s:g} s")
+        if under:
+            if n <= cfg.min_instances:
+                return self._hold(n, f"at min_instances {cfg.min_instances}")
+            held = now - self._down_since
+            if held >= cfg.down_after_s:
+                return self._down(signal, f"{under} for {held:.1f} s", now)
+            return self._hold(n, f"{under} for {held:.1f} s of {cfg.down_after_s:g} s")
+        return self._hold(n, "within targets")
+
+    def done(self, now: float) -> None:
+        """The step decided last has been carried out (an instance started or stopped, or the step failed): the
+        cooldown and the conditions' clocks start from here, not from the decision (a start may take minutes)."""
+        self._last_step, self._up_since, self._down_since = now, None, None
+
+    # ---- the conditions ---------------------------------------------------------------------------------------
+    def _over(self, s: FleetSignal) -> str:
+        """Why the fleet is above a target now ("" if it is not)."""
+        t, serving = self.cfg.target, s.serving
+        if t.ttft_p99_s is not None and s.ttft_p99_s is not None and s.ttft_p99_s > t.ttft_p99_s:
+            return f"ttft p99 {s.ttft_p99_s:.3f} s > target {t.ttft_p99_s:g} s"
+        if t.itl_p99_s is not None and s.itl_p99_s is not None and s.itl_p99_s > t.itl_p99_s:
+            return f"itl p99 {s.itl_p99_s:.3f} s > target {t.itl_p99_s:g} s"
+        if t.queue_per_instance is not None and serving:
+            queue = sum(i.waiting for i in serving) / len(serving)
+            if queue > t.queue_per_instance:
+                return f"queue {queue:.2f}/instance > target {t.queue_per_instance:g}"
+        return ""
+
+    def _under(self, s: FleetSignal) -> str:
+        """Why one instance fewer would still be well within every target ("" if it would not): each latency
+        scaled by n/(n-1), the queue as the fleet's requests would queue on n-1 instances of `slots` each."""
+        t, serving, b = self.cfg.target, s.serving, self.cfg.scale_in_below
+        n = len(serving)
+        if n < 2:
+            return ""
+        grow = n / (n - 1)
+        parts = []
+        for name, value, target in (("ttft", s.ttft_p99_s, t.ttft_p99_s), ("itl", s.itl_p99_s, t.itl_p99_s)):
+            if target is None:
+                continue
+            if value is not None and value * grow >= b * target:
+                return ""
+            parts.append(f"{name} p99 {0.0 if value is None else value:.3f} s")
+        if t.queue_per_instance is not None:
+            demand = sum(i.waiting + i.running for i in serving)
+            queue = max(0, demand - (n - 1) * self.slots) / (n - 1)
+            if queue >= b * t.queue_per_instance:
+                return ""
+            parts.append(f"queue on {n - 1} instances {queue:.2f}/instance")
+        return ", ".join(parts) + f" below {b:g} x target"
+
+    # ---- decisions ----------------------------------------------------------------------------------------------
+    def _down(self, s: FleetSignal, reason: str, now: float) -> ScaleDecision:
+        removable = [i for i in s.serving if i.removable]
+        if not removable:
+            return self._hold(s.size, f"{reason}, but no instance the autoscaler started is left to remove")
+        leave = min(removable, key=lambda i: (i.waiting + i.running, i.instance_id))  # the least to move
+        return self._step("down", s.size, reason, now, leave.instance_id)
+
+    def _step(self, action: Literal["up", "down"], n: int, reason: str, now: float,
+              remove: str | None = None) -> ScaleDecision:
+        self._last_step, self._up_since, self._down_since = now, None, None
+        return ScaleDecision(action, reason, n, remove)
+
+    @staticmethod
+    def _hold(n: int, reason: str) -> ScaleDecision:
+        return ScaleDecision("hold", reason, n)
+
+
+class LatencyWindow:
+    """Latency samples of the last `window_s` seconds and their p99 (nearest rank), O(1) amortised per sample."""
+
+    def __init__(self, window_s: float, max_samples: int = 100_000) -> None:
+        self.window_s = window_s
+        self._samples: deque[tuple[float, float]] = deque(maxlen=max_samples)  # (time, seconds)
+
+    def add(self, now: float, values: Iterable[float]) -> None:
+        self._samples.extend((now, v) for v in values)
+        self._expire(now)
+
+    def p99(self, now: float) -> float | None:
+        self._expire(now)
+        return percentile([v for _, v in self._samples], 0.99)
+
+    def _expire(self, now: float) -> None:
+        while self._samples and self._samples[0][0] < now - self.window_s:
+            self._samples.popleft()
+
+
+def percentile(values: Sequence[float], q: float) -> float | None:
+    """The nearest-rank `q` quantile of `values`, None for none."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))]
+
+
+def starts_at_min(raw: object) -> object:
+    """A raw `router` mapping with `instances` defaulted to `autoscaling.min_instances` (an autoscaled fleet starts at
+    its minimum), for RouterConfig's validation."""
+    if isinstance(raw, dict) and isinstance(raw.get("autoscaling"), dict) and "instances" not in raw:
+        return {**raw, "instances": raw["autoscaling"].get("min_instances", 1)}
+    return raw
+
+
+# ---- what the autoscaler reads and reports -----------------------------------------------------------------------
+AUTOSCALED_PREFIX = "auto-"  # the ids of instances the autoscaler starts (and alone may remove)
+
+
+class SignalReader:
+    """Turns the router's instance rows (polled every `interval_s`) into FleetSignals, keeping the latency windows.
+
+    The router is off the token path, so it measures no request's latency; it sees each instance's engine step.
+    Every running request gets one token-bearing delta per step, so an instance's last step time is the inter-token
+    gap its running requests see (one sample per instance and poll). Time to first token is predicted from the
+    queue, as llm-d scales on predicted latency: a request queued behind `waiting` others at an instance whose steps
+    take `step_time_ema_s` waits about (1 + waiting / slots) steps of prefill and admission. Both feed `window_s`
+    windows whose p99 the policy compares with its targets."""
+
+    def __init__(self, window_s: float, slots_per_instance: int) -> None:
+        self.ttft = LatencyWindow(window_s)
+        self.itl = LatencyWindow(window_s)
+        self.slots = slots_per_instance
+
+    def read(self, rows: Sequence[InstanceRow], now: float, starting: int = 0) -> FleetSignal:
+        instances = []
+        for r in rows:
+            if not r.healthy:
+                continue
+            running = r.stats.load.running if r.stats is not None else 0
+            waiting = max(r.stats.load.waiting if r.stats is not None else 0, r.in_flight - running, 0)
+            instances.append(InstanceSignal(r.instance_id, waiting, running, r.draining,
+                                            r.instance_id.startswith(AUTOSCALED_PREFIX)))
+            if r.stats is not None and not r.draining:
+                step = r.stats.step.step_time_ema_s
+                if running:
+                    self.itl.add(now, [r.stats.step.step_time_s])
+                if running or waiting:
+                    self.ttft.add(now, [step * (1.0 + waiting / self.slots)])
+        return FleetSignal(tuple(instances), self.ttft.p99(now), self.itl.p99(now), starting)
+
+
+@dataclass(frozen=True)
+class ScaleEvent:
+    """One scale step as it ended: `outcome` "done", or "failed" / "cancelled" with why (a drain that could not move
+    every request puts the instance back in service: no stream is ever cut)."""
+
+    at: float  # wall clock, when it was decided
+    action: Literal["up", "down"]
+    instance_id: str
+    reason: str
+    outcome: Literal["done", "failed", "cancelled"]
+    detail: str = ""
+    duration_s: float = 0.0
+    migrated: int = 0  # requests moved off the leaving instance (scale-in)
+
+
+@dataclass(frozen=True)
+class AutoscaleStatus:
+    """What `/admin/autoscaler`, `/metrics` and `specfleet status` show: the bounds, the last decision, the recent
+    steps (newest last) and the count of steps by (action, outcome) since the autoscaler started."""
+
+    min_instances: int
+    max_instances: int
+    instances: int
+    last: ScaleDecision | None
+    events: tuple[ScaleEvent, ...]
+    counts: tuple[tuple[str, str, str, int], ...]  # (action, outcome, cause, steps)
+    ttft_p99_s: float | None = None
+    itl_p99_s: float | None = None
+
+
+def cause_of(reason: str) -> str:
+    """A decision's reason reduced to the signal that caused it, a label with few values (metrics): ttft, itl,
+    queue (over a target), min_instances, max_instances (a bound), low_load (well below every target), and for a
+    hold within_targets, cooldown or step_under_way; manual for a step an operator or a test asked for."""
+    for words, cause in (("within targets", "within_targets"), ("cooling down", "cooldown"),
+                         ("under way", "step_under_way")):
+        if words in reason:
+            return cause
+    for cause in ("min_instances", "max_instances"):
+        if f" {cause} " in f"{reason} " and ("<" in reason or ">" in reason):
+            return cause
+    for cause in ("ttft", "itl", "queue"):
+        if reason.startswith(cause) and ">" in reason.split(" for ")[0]:
+            return cause
+    return "low_load" if " below " in reason else "manual"

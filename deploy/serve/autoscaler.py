@@ -1,0 +1,258 @@
+"""The autoscaler at work: reads the router's load, asks the policy (cluster/autoscale.py), starts or drains instances.
+
+Scale out: an instance is planned by the same planner as the deployed fleet, on the devices no instance holds
+(deploy/serve/fleet.py `replan`), started as the deployed ones are (`InstanceServer.spawn`, named so that a
+restarted router finds it), and registered with the router. Scale in never cuts a stream (Llumnix's scale-in, OSDI
+'24): the leaving instance is drained through live migration (`Router.drain_migrate`: it takes no new request, its
+running requests move live to the others and its queue is redistributed, each through the migration coordinator),
+and only once the router counts nothing on it is it deregistered and stopped. A drain that cannot move everything
+within `drain_timeout_s` is cancelled: the instance is put back in service, and the step is recorded as cancelled.
+
+The deployed floor (`min_instances`, Serve's `SpecfleetInstance` deployments, replaced by Serve when they fail) is
+never removed; the autoscaler removes only instances it started (ids `auto-<n>`). `SpecfleetAutoscaler` runs it as
+a one-replica Serve deployment beside the API, which reads its status for /metrics and `specfleet status`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Protocol
+
+import ray
+from ray import serve
+from ray.actor import ActorHandle
+
+from actors.serving.server import InstanceInfo, InstanceServer
+from cluster.autoscale import (AUTOSCALED_PREFIX, AutoscalePolicy, AutoscaleStatus, AutoscalingConfig, ScaleDecision,
+                               ScaleEvent, SignalReader, cause_of)
+from cluster.config import RouterConfig, SpecfleetConfig
+from cluster.instances import InstanceRow
+from cluster.router import INSTANCE_ACTOR_PREFIX, NAMESPACE, get_or_create_router
+from cluster.router_client import RouterClient
+from deploy.serve.fleet import replan
+from placement.fleet import InstanceSpec
+
+log = logging.getLogger(__name__)
+LOAD_TIMEOUT_S = 900.0  # for a new instance to load its models (as deploy/serve/app.py's)
+CALL_TIMEOUT_S = 30.0
+# after the router counts no request on a drained instance, the streams that moved off it may still be reading their
+# last item from it (the one that says where they went): it stops this much later, so none of them fails over
+STOP_GRACE_S = 2.0
+MAX_EVENTS = 100
+
+
+@dataclass(frozen=True)
+class Launched:
+    """An instance started and loaded, not yet registered."""
+
+    spec: InstanceSpec
+    server: ActorHandle
+    info: InstanceInfo
+    start_s: float
+
+
+class Launcher(Protocol):
+    async def launch(self, instance_id: str, index: int, taken: set[tuple[str, int]]) -> Launched:
+        """Start instance `instance_id` (the `index`-th the autoscaler started) on devices not in `taken`."""
+        ...
+
+
+class PlannedLauncher:
+    """Starts instances as the deployed fleet's are: `template` (a planned spec of the fleet, its engine resolved)
+    planned again for the new id over the live nodes' free devices, spawned with the fleet's resources."""
+
+    def __init__(self, template: InstanceSpec, router_cfg: RouterConfig) -> None:
+        self.template = template
+        self.router_cfg = router_cfg
+
+    async def launch(self, instance_id: str, index: int, taken: set[tuple[str, int]]) -> Launched:
+        began = time.monotonic()
+        spec = self.template.model_copy(update={"instance_id": instance_id})
+        placed = await asyncio.to_thread(replan, spec, self.router_cfg, index, taken)  # PlacementError: no room
+        name = f"{INSTANCE_ACTOR_PREFIX}{instance_id}/{uuid.uuid4().hex[:8]}"  # a restarted router finds it by name
+        server = InstanceServer.spawn(placed, resources={**InstanceServer.pin(placed),
+                                                         **self.router_cfg.instance_resources},
+                                      name=name, namespace=NAMESPACE)
+        try:
+            info = await asyncio.wait_for(server.info.remote(), LOAD_TIMEOUT_S)  # its models load here
+        except BaseException:
+            ray.kill(server, no_restart=True)
+            raise
+        return Launched(placed, server, info, time.monotonic() - began)
+
+
+class Autoscaler:
+    """One decision per `tick`, carried out before the next (one step at a time)."""
+
+    def __init__(self, cfg: AutoscalingConfig, slots_per_instance: int, router: RouterClient, launcher: Launcher,
+                 clock=time.monotonic, floor: int | None = None) -> None:
+        self.cfg = cfg
+        # the deployed instances (Serve's); while fewer are registered (starting, or being replaced by Serve) they
+        # count as starting: the autoscaler waits for them rather than starting others in their place
+        self.floor = cfg.min_instances if floor is None else floor
+        self.policy = AutoscalePolicy(cfg, slots_per_instance)
+        self.reader = SignalReader(cfg.window_s, slots_per_instance)
+        self.router = router
+        self.launcher = launcher
+        self.clock = clock
+        self.servers: dict[str, ActorHandle] = {}  # the instances this autoscaler started and runs
+        self.events: collections.deque[ScaleEvent] = collections.deque(maxlen=MAX_EVENTS)
+        self.counts: collections.Counter[tuple[str, str, str]] = collections.Counter()
+        self.last: ScaleDecision | None = None
+        self.size = 0
+
+    async def run(self) -> None:
+        """Decide and act every `interval_s`, for good; a failed round is logged with its cause and the next runs."""
+        while True:
+            try:
+                await self.tick()
+            except Exception:  # noqa: BLE001 - a failed round (the router away) must not stop autoscaling
+                log.exception("an autoscaling round failed")
+            await asyncio.sleep(self.cfg.interval_s)
+
+    async def tick(self) -> ScaleDecision:
+        rows = await self._rows()
+        now = self.clock()
+        deployed = sum(not r.instance_id.startswith(AUTOSCALED_PREFIX) for r in rows if r.healthy)
+        signal = self.reader.read(rows, now, starting=max(0, self.floor - deployed))
+        decision = self.last = self.policy.decide(signal, now)
+        self.size = signal.size
+        try:
+            if decision.action == "up":
+                await self.scale_out(decision.reason, rows)
+            elif decision.action == "down" and decision.remove is not None:
+                await self.scale_in(decision.remove, decision.reason)
+        finally:
+            if decision.action != "hold":
+                self.policy.done(self.clock())
+        return decision
+
+    def status(self) -> AutoscaleStatus:
+        now = self.clock()
+        return AutoscaleStatus(self.cfg.min_instances, self.cfg.max_instances, self.size, self.last,
+                               tuple(self.events), tuple((a, o, c, n) for (a, o, c), n in sorted(self.counts.items())),
+                               self.reader.ttft.p99(now), self.reader.itl.p99(now))
+
+    # ---- scale out ---------------------------------------------------------------------------------------------
+    async def scale_out(self, reason: str, rows: list[InstanceRow]) -> ScaleEvent:
+        at, began = time.time(), self.clock()
+        used = [int(r.instance_id[len(AUTOSCALED_PREFIX):]) for r in rows
+                if r.instance_id.startswith(AUTOSCALED_PREFIX) and r.instance_id[len(AUTOSCALED_PREFIX):].isdigit()]
+        index = max([*used, *(int(i[len(AUTOSCALED_PREFIX):]) for i in self.servers), -1]) + 1
+        instance_id = f"{AUTOSCALED_PREFIX}{index}"
+        taken = {(p.node, p.device) for r in rows for p in r.place.stages + ((r.place.draft,) if r.place.draft else ())}
+        log.warning("autoscaler: starting %s (%s)", instance_id, reason)
+        try:
+            await self.router.call(lambda r: r.starting.remote(instance_id), timeout_s=CALL_TIMEOUT_S)
+            got = await self.launcher.launch(instance_id, index, taken)
+            self.servers[instance_id] = got.server
+            i = got.info
+            await self.router.call(lambda r: r.register.remote(instance_id, got.server, i.model, i.max_model_len,
+                                                               i.node_id, got.spec.place, i.actor_id, got.start_s,
+                                                               i.backend), timeout_s=CALL_TIMEOUT_S)
+        except Exception as e:  # noqa: BLE001 - recorded as a failed step, with its cause; the policy decides again
+            log.exception("autoscaler: starting %s failed", instance_id)
+            server = self.servers.pop(instance_id, None)
+            if server is not None:
+                ray.kill(server, no_restart=True)
+            return self._record(ScaleEvent(at, "up", instance_id, reason, "failed", f"{type(e).__name__}: {e}",
+                                           self.clock() - began))
+        return self._record(ScaleEvent(at, "up", instance_id, reason, "done", duration_s=self.clock() - began))
+
+    # ---- scale in ----------------------------------------------------------------------------------------------
+    async def scale_in(self, instance_id: str, reason: str) -> ScaleEvent:
+        """Drain `instance_id` through migration until the router counts nothing on it, then stop it; within
+        `drain_timeout_s`, else put it back in service."""
+        at, began = time.time(), self.clock()
+        deadline = began + self.cfg.drain_timeout_s
+        migrated, row = 0, None
+        log.warning("autoscaler: draining %s through migration (%s)", instance_id, reason)
+        while True:
+            left = max(1.0, deadline - self.clock())
+            drained = await self.router.call(lambda r: r.drain_migrate.remote(instance_id), timeout_s=left,
+                                             retry=False)
+            migrated += drained.migrated
+            row = next((r for r in await self._rows() if r.instance_id == instance_id), None)
+            if row is None:
+                return self._record(ScaleEvent(at, "down", instance_id, reason, "failed", "it left the fleet while "
+                                               "it drained (failed health)", self.clock() - began, migrated))
+            if row.in_flight == 0:
+                break
+            if self.clock() > deadline:
+                await self.router.call(lambda r: r.undrain.remote(instance_id), timeout_s=CALL_TIMEOUT_S)
+                why = "; ".join(drained.not_moved) or f"{row.in_flight} requests still on it"
+                return self._record(ScaleEvent(at, "down", instance_id, reason, "cancelled",
+                                               f"not drained within {self.cfg.drain_timeout_s:g} s ({why}): back in "
+                                               "service", self.clock() - began, migrated))
+            await asyncio.sleep(0.2)
+        await asyncio.sleep(STOP_GRACE_S)
+        server = self.servers.pop(instance_id, None) or await _find_instance(instance_id, row.incarnation)
+        kv = await asyncio.wait_for(server.kv_blocks_used.remote(), CALL_TIMEOUT_S) if server is not None else (0, 0)
+        await self.router.call(lambda r: r.deregister.remote(instance_id, row.incarnation), timeout_s=CALL_TIMEOUT_S)
+        if server is not None:
+            ray.kill(server, no_restart=True)
+        detail = "" if tuple(kv) == (0, 0) else f"it still held KV blocks {tuple(kv)} (target, draft) when stopped"
+        return self._record(ScaleEvent(at, "down", instance_id, reason, "done", detail, self.clock() - began,
+                                       migrated))
+
+    # ---- helpers -------------------------------------------------------------------------------------------------
+    async def _rows(self) -> list[InstanceRow]:
+        return await self.router.call(lambda r: r.instances.remote(), timeout_s=CALL_TIMEOUT_S)
+
+    def _record(self, event: ScaleEvent) -> ScaleEvent:
+        self.events.append(event)
+        self.counts[(event.action, event.outcome, cause_of(event.reason))] += 1
+        log.warning("autoscaler: %s %s %s in %.1f s (%s)%s", event.action, event.instance_id, event.outcome,
+                    event.duration_s, event.reason, f": {event.detail}" if event.detail else "")
+        return event
+
+    def stop_all(self) -> None:
+        """Stop the instances this autoscaler started (the app is being deleted)."""
+        for server in self.servers.values():
+            ray.kill(server, no_restart=True)
+        self.servers.clear()
+
+
+async def _find_instance(instance_id: str, incarnation: str) -> ActorHandle | None:
+    """The named instance actor of `instance_id` (one a previous autoscaler started), None if none is alive."""
+    named = await asyncio.to_thread(ray.util.list_named_actors, all_namespaces=True)
+    prefix = f"{INSTANCE_ACTOR_PREFIX}{instance_id}/"
+    for a in named:
+        if a["namespace"] == NAMESPACE and a["name"].startswith(prefix):
+            handle = await asyncio.to_thread(ray.get_actor, a["name"], namespace=NAMESPACE)
+            if not incarnation or handle._actor_id.hex() == incarnation:
+                return handle
+    return None
+
+
+@serve.deployment(ray_actor_options={"num_cpus": 0}, health_check_period_s=2.0, max_ongoing_requests=100)
+class SpecfleetAutoscaler:
+    """The autoscaler as one Serve replica: its loop is started (and watched) from Serve's health checks."""
+
+    def __init__(self, cfg: SpecfleetConfig, template: InstanceSpec) -> None:
+        if cfg.router.autoscaling is None:
+            raise ValueError("SpecfleetAutoscaler needs router.autoscaling")
+        router = RouterClient.resolving(lambda: get_or_create_router(cfg.router), reconnect_s=cfg.router.reconnect_s)
+        self.autoscaler = Autoscaler(cfg.router.autoscaling, cfg.engine.scheduler.max_batch_size, router,
+                                     PlannedLauncher(template, cfg.router), floor=cfg.router.instances)
+        self._loop: asyncio.Task | None = None
+
+    async def check_health(self) -> None:
+        if self._loop is None:
+            self._loop = asyncio.get_running_loop().create_task(self.autoscaler.run())
+        elif self._loop.done():  # it runs for good: an end is a defect; Serve replaces this replica
+            raise RuntimeError(f"the autoscaling loop ended: {self._loop.exception()!r}")
+
+    async def status(self) -> AutoscaleStatus:
+        return self.autoscaler.status()
+
+    def __del__(self) -> None:
+        try:
+            self.autoscaler.stop_all()
+        except Exception:  # noqa: BLE001 - best effort at teardown; the router drops instances that vanish
+            log.warning("could not stop the autoscaled instances at shutdown")

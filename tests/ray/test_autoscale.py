@@ -1,0 +1,134 @@
+"""SLO autoscaling on the real local cluster: the autoscaler (deploy/serve/autoscaler.py) scales out under load with
+an instance planned and started as the deployed fleet's are, and scales in by draining through live migration.
+Every stream completes with the output of an unscaled run (temperature 0), none fails over, and nothing leaks: the
+router's table and pending count, the KV blocks of the instance that stays and of the one that left."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+
+import pytest
+import ray
+
+from actors.serving.server import InstanceServer
+from ray.exceptions import ActorDiedError
+
+from cluster.config import SpecfleetConfig, parse_config
+from cluster.request import FinishReason
+from cluster.router import Router
+from cluster.router_client import RouterClient
+from deploy.serve.autoscaler import Autoscaler, PlannedLauncher
+from deploy.serve.fleet import fleet_specs
+from deploy.serve.frontend import Frontend
+from tests.ray.test_migration import HOLD_S, Fleet, Streamed, held, kv_free, stream, wait_no_pending
+from tests.unit.helpers import load, text_prompts
+
+TOKENS = 100
+SLOTS = 2
+
+
+def config(target, draft) -> SpecfleetConfig:
+    return parse_config({
+        "engine": {"model": {"target": str(target), "draft": str(draft), "name": "tiny-llama"},
+                   "speculation": {"policy": "fixed", "k": 3}, "scheduler": {"max_batch_size": SLOTS},
+                   "cache": {"block_size": 4, "num_blocks": 256}},
+        "router": {"instance_num_cpus": 0.5, "stats_interval_s": 0.2,
+                   "autoscaling": {"min_instances": 1, "max_instances": 2, "up_after_s": 0, "down_after_s": 0,
+                                   "cooldown_s": 0, "interval_s": 0.2,
+                                   "target": {"queue_per_instance": 1}}},
+    })
+
+
+@pytest.fixture(scope="module")
+def scaled(ray_driver, tiny_models, tiny_draft_models):
+    """The deployed floor (one instance, planned by `fleet_specs` as build_app plans it) behind a router, a frontend,
+    and an autoscaler whose launcher plans and starts more the same way."""
+    cfg = config(tiny_models["llama"], tiny_draft_models["llama"])
+    [spec] = fleet_specs(cfg)
+    router = ray.remote(Router).options(max_concurrency=100, num_cpus=0).remote(cfg.router)
+    fl = Fleet(router, Frontend(cfg, router), cfg=cfg.engine)
+    server = InstanceServer.spawn(spec)
+    info = ray.get(server.info.remote(), timeout=300)
+    ray.get(router.register.remote(spec.instance_id, server, info.model, info.max_model_len, info.node_id, spec.place,
+                                   info.actor_id))
+    fl.servers[spec.instance_id] = server
+    autoscaler = Autoscaler(cfg.router.autoscaling, SLOTS, RouterClient(router), PlannedLauncher(spec, cfg.router))
+    try:
+        yield fl, autoscaler, spec.instance_id
+    finally:
+        autoscaler.stop_all()
+        for s in fl.servers.values():
+            ray.kill(s)
+        ray.kill(router)
+
+
+def test_scale_out_under_load_and_in_through_migration_loses_no_stream(scaled) -> None:
+    fl, autoscaler, floor = scaled
+    prompts = text_prompts(load(fl.cfg.model.target), 8, offset=3)
+
+    async def unscaled() -> list[Streamed]:
+        return await asyncio.gather(*(stream(fl, p, tokens=TOKENS) for p in prompts))
+
+    alone = asyncio.run(unscaled())
+    assert [len(s.tokens) for s in alone] == [TOKENS] * 8 and {s.instance for s in alone} == {floor}
+    wait_no_pending(fl)
+    decisions, scale_in = [], []
+
+    async def scaled_run() -> list[Streamed]:
+        first = [asyncio.create_task(stream(fl, p, tokens=TOKENS)) for p in prompts[:4]]
+        # 4 requests on 2 slots: 2 queued on the one instance, above the target of 1: the autoscaler adds one
+        for _ in range(100):
+            await asyncio.sleep(0.2)
+            decisions.append(await autoscaler.tick())
+            if decisions[-1].action == "up":
+                break
+        assert decisions[-1].action == "up" and "queue" in decisions[-1].reason, decisions
+        added = autoscaler.events[-1]
+        assert (added.action, added.outcome) == ("up", "done"), added
+        fl.servers[added.instance_id] = autoscaler.servers[added.instance_id]
+        # held: no stream can end before the drain moves what runs on the new instance (which it then stops)
+        async with held(fl, floor), _paused(fl.servers[added.instance_id]):
+            second = [asyncio.create_task(stream(fl, p, tokens=TOKENS)) for p in prompts[4:]]
+            while not await _on(fl, added.instance_id):  # the newcomer, empty, gets new requests first
+                await asyncio.sleep(0.05)
+            await asyncio.sleep(0.5)  # the rest of the second wave is routed
+            # falling load, forced: the same step the policy's "down" takes
+            scale_in.append(await autoscaler.scale_in(added.instance_id, "test: forced drain"))
+        return await asyncio.gather(*first, *second)
+
+    moved = asyncio.run(scaled_run())
+
+    [event] = scale_in
+    assert (event.action, event.outcome, event.detail) == ("down", "done", ""), event  # detail: no KV left on it
+    assert event.migrated >= 1
+    assert [m.finish for m in moved] == [FinishReason.LENGTH] * 8
+    for m, a in zip(moved, alone):  # every stream complete, token for token the unscaled run's
+        assert (m.tokens, m.text) == (a.tokens, a.text)
+    stats = ray.get(fl.router.migration_stats.remote())
+    assert stats.failovers == 0 and stats.by_status["finished"] >= event.migrated  # moved live, never restarted
+    wait_no_pending(fl)
+    rows = ray.get(fl.router.instances.remote())
+    assert [r.instance_id for r in rows] == [floor]  # the one that left is out of the router's table
+    fl.servers.pop(event.instance_id)
+    kv_free(fl)
+    # the load gone, at min_instances: the autoscaler holds
+    d = asyncio.run(autoscaler.tick())
+    assert d.action == "hold" and d.desired == 1, d
+    assert [(e.action, e.outcome) for e in autoscaler.events] == [("up", "done"), ("down", "done")]
+
+
+async def _on(fl: Fleet, instance_id: str) -> int:
+    rows = await fl.router.instances.remote()
+    return next((r.in_flight for r in rows if r.instance_id == instance_id), 0)
+
+
+@contextlib.asynccontextmanager
+async def _paused(server):
+    """`held` for an instance that may be stopped inside: resumed after, unless it is gone."""
+    await server.pause.remote(HOLD_S)
+    try:
+        yield
+    finally:
+        with contextlib.suppress(ActorDiedError):
+            await server.resume.remote()

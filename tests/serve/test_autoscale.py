@@ -1,0 +1,121 @@
+"""`router.autoscaling` in the served app: the autoscaler deployment adds an instance under a load over HTTP and
+drains it through migration once the load falls; every stream completes with the unscaled run's text (temperature 0),
+none fails over, and the steps with their reasons show in /admin/autoscaler, /metrics and `specfleet status`."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+import yaml
+
+from tests.fixtures.tiny_models import DRAFT_NOISE, build_tiny_model, perturbed_copy
+from tests.serve.conftest import ADMIN_KEY, API_KEY, ServedApp, _wait_healthy, specfleet
+
+MODEL = "tiny-elastic"
+TOKENS = 120
+PROMPTS = [f"Tell me about the number {n} and why it matters." for n in range(8)]
+
+
+@pytest.fixture(scope="module")
+def elastic_app(served_app, ray_cluster, tmp_path_factory) -> Iterator[ServedApp]:
+    """`specfleet serve` with autoscaling between 1 and 2 instances of 2 slots, on the ports of the session's app
+    (Serve's proxies keep the first app's), which is served again afterwards."""
+    root = tmp_path_factory.mktemp("elastic-models")
+    target = build_tiny_model("llama", root / "target", max_position_embeddings=1024)
+    draft = perturbed_copy(target, root / "draft", DRAFT_NOISE)
+    http_port, grpc_port = int(served_app.url.rsplit(":", 1)[1]), int(served_app.grpc_target.rsplit(":", 1)[1])
+    config = {
+        "engine": {"model": {"target": str(target), "draft": str(draft), "name": MODEL},
+                   "speculation": {"policy": "fixed", "k": 3}, "scheduler": {"max_batch_size": 2},
+                   "cache": {"block_size": 4, "num_blocks": 512}},
+        "router": {"instance_num_cpus": 0.5, "stats_interval_s": 0.2,
+                   "autoscaling": {"min_instances": 1, "max_instances": 2, "up_after_s": 0, "down_after_s": 2,
+                                   "cooldown_s": 0, "interval_s": 0.5, "target": {"queue_per_instance": 1}}},
+        "serve": {"http_port": http_port, "grpc_port": grpc_port,
+                  "auth": {"api_keys": [API_KEY], "admin_keys": [ADMIN_KEY]}},
+    }
+    path = tmp_path_factory.mktemp("elastic-serve") / "config.yaml"
+    path.write_text(yaml.safe_dump(config))
+    out = specfleet("serve", "--config", str(path), "--state", str(ray_cluster.state_path), "--timeout", "240")
+    assert out.returncode == 0, out.stdout + out.stderr
+    app = ServedApp(f"http://127.0.0.1:{http_port}", f"127.0.0.1:{grpc_port}", path, ray_cluster.state_path, target)
+    _wait_healthy(app, instances=1)
+    try:
+        yield app
+    finally:
+        out = specfleet("serve", "--config", str(served_app.config_path), "--state", str(ray_cluster.state_path),
+                        "--timeout", "240")
+        assert out.returncode == 0, out.stdout + out.stderr
+        _wait_healthy(served_app, instances=2)
+
+
+def complete(app: ServedApp, prompt: str) -> str:
+    """A streamed completion's text, at temperature 0, to its length limit."""
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": TOKENS, "temperature": 0, "ignore_eos": True,
+            "stream": True}
+    text, finish = "", None
+    with app.client() as c, c.stream("POST", "/v1/completions", json=body) as r:
+        assert r.status_code == 200, r.read()
+        for line in r.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                choice = json.loads(line[6:])["choices"][0]
+                text += choice["text"]
+                finish = choice.get("finish_reason") or finish
+    assert finish == "length", (finish, text)
+    return text
+
+
+def autoscaler(app: ServedApp) -> dict:
+    with app.client(ADMIN_KEY) as c:
+        r = c.get("/admin/autoscaler")
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def wait_for_step(app: ServedApp, action: str, timeout_s: float = 240.0) -> dict:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        status = autoscaler(app)
+        done = [e for e in status["events"] if e["action"] == action]
+        if done:
+            return done[0]
+        assert time.monotonic() < deadline, status
+        time.sleep(0.5)
+
+
+def test_the_fleet_grows_under_load_and_shrinks_after_without_losing_a_stream(elastic_app: ServedApp) -> None:
+    app = elastic_app
+    status = autoscaler(app)
+    assert status["enabled"] and (status["min_instances"], status["max_instances"]) == (1, 2)
+    unscaled = [complete(app, p) for p in PROMPTS[:2]]  # one at a time: no queue, no step
+    assert autoscaler(app)["events"] == []
+    with ThreadPoolExecutor(len(PROMPTS)) as pool:
+        first = [pool.submit(complete, app, p) for p in PROMPTS[:4]]  # 2 queued on 2 slots: above the target of 1
+        up = wait_for_step(app, "up")
+        assert up["outcome"] == "done" and "queue" in up["reason"], up
+        second = [pool.submit(complete, app, p) for p in PROMPTS[4:]]
+        texts = [f.result(timeout=600) for f in first + second]
+    down = wait_for_step(app, "down")  # the load gone: the added instance leaves through a migrating drain
+    assert (down["instance_id"], down["outcome"], down["detail"]) == (up["instance_id"], "done", ""), down
+    assert texts[:2] == unscaled  # the same text as the unscaled run, token for token
+    alone = [complete(app, p) for p in PROMPTS[2:]]  # the fleet back at its floor
+    assert texts[2:] == alone
+
+    with app.client(ADMIN_KEY) as c:
+        assert c.get("/admin/migrations").json()["failovers"] == 0  # nothing restarted
+        rows = c.get("/admin/instances").json()["instances"]
+    assert [r["instance_id"] for r in rows] == [r["instance_id"] for r in rows if not r["instance_id"].startswith(
+        "auto-")] and len(rows) == 1
+    metrics = httpx.get(f"{app.url}/metrics", timeout=30).text
+    assert 'specfleet:autoscaling_scale_events_total{action="up",cause="queue",outcome="done"} 1.0' in metrics
+    assert 'specfleet:autoscaling_scale_events_total{action="down",cause="low_load",outcome="done"} 1.0' in metrics
+    assert "specfleet:autoscaling_current_instances 1.0" in metrics
+    out = specfleet("status", "--config", str(app.config_path), "--state", str(app.state_path))
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "autoscaling: 1 instance(s) within 1-2; 2 step(s)" in out.stdout, out.stdout
+    assert f"last step: down {up['instance_id']} done" in out.stdout, out.stdout
