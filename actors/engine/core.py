@@ -76,7 +76,6 @@ class Engine:
         scheduler: SchedulerConfig = SchedulerConfig(),
         max_model_len: int | None = None,
         cost_model: StepCostModel | None = None,
-        draft_quantized: bool = False,
         calibration: CalibrationFile | None = None,
         prefix_caching: bool = False,
         prefix_identity: str | None = None,
@@ -95,7 +94,7 @@ class Engine:
         # deterministic mode: the target's forward is batch-invariant (its runners'), and sampled tokens are drawn
         # by position-keyed noise, so output does not depend on k or the batch (docs/determinism.md)
         self.deterministic = deterministic
-        self.drafter: Drafter | None = make_drafter(speculation, draft, draft_quantized, self.device, deterministic)
+        self.drafter: Drafter | None = make_drafter(speculation, draft, self.device, deterministic)
         self._drafter_kind = self.drafter.kind if self.drafter is not None else ""  # what each RoundRecord names
         self.cost_model = cost_model or StepCostModel()
         policy = make_policy(speculation, self.drafter is not None, self.cost_model,
@@ -143,7 +142,7 @@ class Engine:
         if calibration_dir is not None and cfg.speculation.policy == "goodput":
             calibration = CalibrationFile(calibration_dir, setup_of(cfg, target[0].device))
         return cls(target[0], draft, cfg.speculation, cfg.scheduler, cfg.model.max_model_len,
-                   draft_quantized=cfg.model.draft_quantization != "none", calibration=calibration,
+                   calibration=calibration,
                    prefix_caching=cfg.cache.prefix_caching, prefix_identity=cfg.prefix_identity,
                    deterministic=cfg.deterministic, share_across_tenants=cfg.cache.share_across_tenants,
                    grammar=cfg.grammar)

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from actors.kv.cache import KVCache
+from actors.model.attention_backends import Heads
 from actors.model.metadata import AttentionMetadata
 
 TILE = 16  # rows per matmul call: one shape for every call (a decode pays 16 rows of compute, not of weight reads)
@@ -54,37 +55,46 @@ def row_invariant(linear: nn.Module) -> nn.Module:
     return Tiled(linear)
 
 
-def attend(attn, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata, cache: KVCache,
-           layer: int) -> torch.Tensor:
-    """Attention of each query row over exactly the keys it sees, the same computation whatever the batch.
-    q (N, nh, hd), k, v (N, kvh, hd) -> (N, nh*hd); writes the new K, V into the cache. `attn`: layers.Attention."""
-    fused, window = attn.fused if attn.kv_map is None else None, attn.sliding_window or 0
-    if fused is not None and meta.span is not None:  # one sequence on consecutive blocks: in place, no copy
-        kpool, vpool = cache.pools(layer)
-        return fused.span_attention(q, k, v, kpool, vpool, meta.slots, *meta.span, window)
-    cache.write(layer, meta.slots, k, v)
-    keys, values = cache.gather(layer, meta.block_tables)  # (B, S, kvh, hd) each
-    if attn.kv_map is not None:
-        keys, values = keys[:, :, attn.kv_map], values[:, :, attn.kv_map]  # (B, S, nh, hd) each
-    outs, offset = [], 0
-    for b, (n, length) in enumerate(meta.seqs):
-        qb, kb, vb = q[offset:offset + n], keys[b, :length].contiguous(), values[b, :length].contiguous()
-        if fused is not None:  # the kernel computes each row alone; it rewrites the new K, V (same values)
-            slots = torch.arange(length - n, length, device=q.device)
-            outs.append(fused.span_attention(qb, k[offset:offset + n], v[offset:offset + n], kb, vb, slots, 0,
-                                             length, window))
-        else:
-            outs.extend(_row(attn, qb[i], kb, vb, length - n + i, window) for i in range(n))
-        offset += n
-    return torch.cat(outs)  # (N, nh*hd)
+class DeterministicAttention:
+    """The batch-invariant attention backend (actors/model/attention_backends.py): each query row over exactly the
+    keys it sees, the same computation whatever the batch. `ops`: our CPU kernels where they run the layer (not a
+    tensor-parallel slice), else None. Per call, from the step's block tables: one sequence on consecutive blocks
+    runs our kernel in place; otherwise each sequence alone, on our kernel over a copy of its slots or SDPA per row."""
 
+    def __init__(self, heads: Heads, ops: object | None) -> None:
+        self.heads = heads
+        self.ops = ops if heads.kv_map is None else None
 
-def _row(attn, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, pos: int, window: int) -> torch.Tensor:
-    """One query row q (nh, hd) at position `pos` over keys, values (S, h, hd) [first, pos] -> (1, nh*hd)."""
-    first = max(0, pos - window + 1) if window else 0
-    out = F.scaled_dot_product_attention(
-        q[None, :, None],  # (1, nh, 1, hd)
-        keys[None, first:pos + 1].transpose(1, 2), values[None, first:pos + 1].transpose(1, 2),  # (1, h, s, hd)
-        enable_gqa=attn.kv_map is None and attn.num_heads != attn.num_kv_heads,
-    )  # (1, nh, 1, hd)
-    return out.reshape(1, -1)
+    def write_and_attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata,
+                         cache: KVCache, layer: int) -> torch.Tensor:
+        """q (N, nh, hd), k, v (N, kvh, hd) -> (N, nh*hd); writes the new K, V into the cache."""
+        fused, window, kv_map = self.ops, self.heads.sliding_window or 0, self.heads.kv_map
+        if fused is not None and meta.span is not None:  # one sequence on consecutive blocks: in place, no copy
+            kpool, vpool = cache.pools(layer)
+            return fused.span_attention(q, k, v, kpool, vpool, meta.slots, *meta.span, window)
+        cache.write(layer, meta.slots, k, v)
+        keys, values = cache.gather(layer, meta.block_tables)  # (B, S, kvh, hd) each
+        if kv_map is not None:
+            keys, values = keys[:, :, kv_map], values[:, :, kv_map]  # (B, S, nh, hd) each
+        outs, offset = [], 0
+        for b, (n, length) in enumerate(meta.seqs):
+            qb, kb, vb = q[offset:offset + n], keys[b, :length].contiguous(), values[b, :length].contiguous()
+            if fused is not None:  # the kernel computes each row alone; it rewrites the new K, V (same values)
+                slots = torch.arange(length - n, length, device=q.device)
+                outs.append(fused.span_attention(qb, k[offset:offset + n], v[offset:offset + n], kb, vb, slots, 0,
+                                                 length, window))
+            else:
+                outs.extend(self._row(qb[i], kb, vb, length - n + i, window) for i in range(n))
+            offset += n
+        return torch.cat(outs)  # (N, nh*hd)
+
+    def _row(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, pos: int, window: int) -> torch.Tensor:
+        """One query row q (nh, hd) at position `pos` over keys, values (S, h, hd) [first, pos] -> (1, nh*hd)."""
+        h = self.heads
+        first = max(0, pos - window + 1) if window else 0
+        out = F.scaled_dot_product_attention(
+            q[None, :, None],  # (1, nh, 1, hd)
+            keys[None, first:pos + 1].transpose(1, 2), values[None, first:pos + 1].transpose(1, 2),  # (1, h, s, hd)
+            enable_gqa=h.kv_map is None and h.num_heads != h.num_kv_heads,
+        )  # (1, nh, 1, hd)
+        return out.reshape(1, -1)

@@ -9,15 +9,18 @@ E experts, I expert width.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from actors.kv.cache import KVCache
+from actors.model.attention_backends import AttentionBackend, FusedCpuAttention, Heads, PaddedSdpa, SpanAttention
+from actors.model.deterministic import DeterministicAttention
 from actors.model.metadata import AttentionMetadata
-from actors.model.qlinear import DENSE_ROWS, Int4Linear
+from actors.model.qlinear import DENSE_ROWS, CpuInt4Linear
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, fp32: bool = False) -> torch.Tensor:
@@ -70,9 +73,25 @@ class RopeTable:
         self.sin = torch.cat([-sin[0, :, :half], sin[0, :, half:]], dim=-1)[:, None]  # (P, 1, hd)
 
 
-@dataclass
+def attention_backend(heads: Heads, fused: object | None, deterministic: bool) -> AttentionBackend:
+    """The attention backend of a layer (actors/model/attention_backends.py), chosen once when the layer is built:
+    the batch-invariant one in deterministic mode; torch's SDPA for a tensor-parallel slice of the heads (our kernels
+    and the in-place span take grouped-query heads only); our fused CPU kernel where it runs the layer (`fused`,
+    see fused_ops); else torch's ops, reading one sequence's keys in place."""
+    if deterministic:
+        return DeterministicAttention(heads, fused)
+    if heads.kv_map is not None:
+        return PaddedSdpa(heads)
+    if fused is not None:
+        return FusedCpuAttention(heads, fused)
+    return SpanAttention(heads)
+
+
+@dataclass(frozen=True)
 class Attention:
-    """Self-attention of one layer: a fused q/k/v projection (biases as the checkpoint has them) and o_proj."""
+    """Self-attention of one layer: a fused q/k/v projection (biases as the checkpoint has them) and o_proj, its
+    attention backend chosen at construction (`attention_backend`); frozen, so a change is a new layer
+    (dataclasses.replace), whose backend is chosen again."""
 
     qkv_proj: nn.Module  # (N, H) -> (N, (nh + 2 kvh) * hd): q, k, v side by side
     o_proj: nn.Module
@@ -92,6 +111,11 @@ class Attention:
     # the score scale over the default hd ** -0.5, applied to q after RoPE (Gemma's query_pre_attn_scalar ** -0.5
     # where it is not hd ** -0.5): every attention kernel then keeps its own hd ** -0.5; None where it is 1
     q_scale: float | None = None
+    backend: AttentionBackend = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        heads = Heads(self.num_heads, self.num_kv_heads, self.head_dim, self.sliding_window, self.kv_map)
+        object.__setattr__(self, "backend", attention_backend(heads, self.fused, self.deterministic))
 
     def qkv(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
@@ -121,67 +145,14 @@ class Attention:
         layer: int,
     ) -> torch.Tensor:
         """x: (N, H) -> (N, H). Writes this layer's K, V for the new tokens into the cache."""
-        q, k, v = self.qkv(x, cos, sin)
-        if self.deterministic:
-            from actors.model.deterministic import attend
-
-            return self.o_proj(attend(self, q, k, v, meta, cache, layer))
-        if meta.span is not None and self.kv_map is None and self.fused is not None:  # write and attend, one call
-            kpool, vpool = cache.pools(layer)
-            out = self.fused.span_attention(q, k, v, kpool, vpool, meta.slots, *meta.span, self.sliding_window or 0)
-            return self.o_proj(out)
-        cache.write(layer, meta.slots, k, v)
-        if meta.span is not None and self.kv_map is None:  # one sequence on consecutive blocks: read in place
-            return self.o_proj(self._attend_span(q, cache, layer, meta))
-        keys, values = cache.gather(layer, meta.block_tables)  # (B, S, kvh, hd) each
-        if len(meta.seqs) == 1 and self.kv_map is None and self.fused is not None:
-            # one sequence on blocks that are not consecutive (the prefix cache shares its leading ones): the same
-            # kernel as in place, over a copy of its S slots, so its output is the same as on consecutive blocks
-            n, length = meta.seqs[0]
-            slots = torch.arange(length - n, length, device=q.device)  # (T,)
-            return self.o_proj(self.fused.span_attention(q, k, v, keys[0, :length], values[0, :length], slots, 0,
-                                                         length, self.sliding_window or 0))
-        if self.kv_map is not None:
-            keys, values = keys[:, :, self.kv_map], values[:, :, self.kv_map]  # (B, S, nh, hd) each
-        b, t = meta.padded_shape
-        if meta.packed_is_padded:  # every sequence brings T tokens: the packed rows are the padded layout
-            q_pad = q
-        else:
-            q_pad = q.new_zeros(b * t, self.num_heads, self.head_dim)
-            q_pad[meta.pad_index] = q
-        out = F.scaled_dot_product_attention(
-            q_pad.view(b, t, self.num_heads, self.head_dim).transpose(1, 2),  # (B, nh, T, hd)
-            keys.transpose(1, 2),
-            values.transpose(1, 2),
-            attn_mask=meta.mask(self.sliding_window),  # (B, 1, T, S)
-            enable_gqa=self.kv_map is None and self.num_heads != self.num_kv_heads,
-        )  # (B, nh, T, hd)
-        out = out.transpose(1, 2).reshape(b * t, self.num_heads * self.head_dim)  # (B*T, nh*hd)
-        if not meta.packed_is_padded:
-            out = out[meta.pad_index]  # (N, nh*hd)
-        return self.o_proj(out)
-
-    def _attend_span(self, q: torch.Tensor, cache: KVCache, layer: int, meta: AttentionMetadata) -> torch.Tensor:
-        """Attention of one sequence whose blocks are consecutive in the pool: its keys and values are a slice
-        of the layer's storage (no copy of the pool), exactly its S = start + T slots (no padding). q (T, nh, hd)
-        -> (T, nh*hd). Two batched matmuls per KV head in fp32 (the query heads of a group as rows): at a few
-        new tokens this is several times faster on the CPU than SDPA's flash kernel (docs/benchmarks.md)."""
-        start, length = meta.span
-        keys, values = cache.span(layer, start, length)  # (S, kvh, hd) each, views
-        t, kvh, hd = q.shape[0], self.num_kv_heads, self.head_dim
-        g = self.num_heads // kvh
-        qh = q.view(t, kvh, g, hd).transpose(0, 1).reshape(kvh, t * g, hd).float()  # (kvh, T*g, hd)
-        scores = torch.bmm(qh, keys.permute(1, 2, 0).float()).mul_(hd ** -0.5)  # (kvh, T*g, S)
-        mask = meta.span_mask(self.sliding_window)  # (1, 1, T, S) or None
-        if mask is not None:
-            scores.view(kvh, t, g, length).masked_fill_(~mask[0, 0, :, None, :], float("-inf"))
-        out = torch.bmm(torch.softmax(scores, dim=-1), values.transpose(0, 1).float())  # (kvh, T*g, hd)
-        return out.view(kvh, t, g, hd).transpose(0, 1).reshape(t, self.num_heads * hd).to(q.dtype)
+        q, k, v = self.qkv(x, cos, sin)  # (N, nh, hd), (N, kvh, hd) each
+        return self.o_proj(self.backend.write_and_attend(q, k, v, meta, cache, layer))  # (N, nh*hd) -> (N, H)
 
 
-@dataclass
+@dataclass(frozen=True)
 class DenseMLP:
-    """Gated MLP: down(act(gate(x)) * up(x)), gate and up in one fused projection."""
+    """Gated MLP: down(act(gate(x)) * up(x)), gate and up in one fused projection. Frozen: a change is a new MLP
+    (dataclasses.replace)."""
 
     gate_up_proj: nn.Module  # (N, H) -> (N, 2I): gate, then up
     down_proj: nn.Module
@@ -189,7 +160,7 @@ class DenseMLP:
     fused: object | None = None  # our CPU kernels where they run this MLP (SiLU, bf16: fused_ops)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.fused is not None:
+        if self.fused is not None:  # act(gate) * up in one call
             return self.down_proj(self.fused.silu_mul(self.gate_up_proj(x)))
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # (N, I) each
         return self.down_proj(self.act(gate) * up)
@@ -246,7 +217,13 @@ class MoE:
 @dataclass
 class DecoderLayer:
     """Pre-norm decoder layer: x + attn(norm(x)), then h + ffn(norm(h)). Gemma 2 and 3 ("sandwich" norms) also norm
-    each half's output before its residual add: x + norm(attn(norm(x))), then h + norm(ffn(norm(h)))."""
+    each half's output before its residual add: x + norm(attn(norm(x))), then h + norm(ffn(norm(h))).
+
+    Its path is chosen once, at construction, from its parts: Gemma's norms (`_halves`); the norms on our CPU kernels
+    (`_on_kernels`, with the one-call decode step where every part runs on them); or torch's ops (`_op_by_op`). A
+    layer whose attention or dense MLP changes is built again (dataclasses.replace), which chooses again; the
+    feed-forward of a MoE layer may be swapped in place (expert parallelism, routing profiles): no path depends
+    on it."""
 
     index: int
     input_norm: torch.Tensor  # (H,)
@@ -259,26 +236,47 @@ class DecoderLayer:
     sandwich: tuple[torch.Tensor, torch.Tensor] | None = None
     norm_fp32: bool = False  # Gemma's RMSNorm: every gain is its 1 + w in fp32 (rms_norm's fp32)
     rope: int | None = None  # which of the forward's rotary tables it reads (Gemma 3: local, global); None: the one
-    # the decode step in one call (layer_cpu.cpp) where every part runs on our kernels: (projections it was made
-    # for, their operands); rebuilt when a projection is swapped (a draft's weights, deterministic wrappers)
+    # the weights of the decode step in one call (layer_cpu.cpp) where every part runs on our kernels, else None
     _one_call: tuple | None = field(default=None, init=False, repr=False, compare=False)
+    _path: Callable[..., torch.Tensor] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if self.sandwich is not None or self.norm_fp32 or self.rope is not None:
+            self._path = self._halves
+        elif self.fused is not None:
+            self._one_call = self._decode_args()
+            self._path = self._on_kernels
+        else:
+            self._path = self._op_by_op
 
     def __call__(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata, cache: KVCache
     ) -> torch.Tensor:
-        if self.sandwich is not None or self.norm_fp32 or self.rope is not None:
-            h = x + self.attention_update(x, cos, sin, meta, cache)
-            return h + self.ffn_update(h)
-        if meta.span is not None and x.shape[0] <= DENSE_ROWS and self.fused is not None:
-            args = self._decode_args()
-            if args is not None:  # one sequence on consecutive blocks, every projection on our int4 kernel
-                kpool, vpool = cache.pools(self.index)
-                return self.fused.decode_layer(x, self.input_norm, self.post_norm, self.eps, *args, cos, sin, kpool,
-                                               vpool, meta.slots, *meta.span, self.attn.sliding_window or 0)
-        if self.fused is not None:  # the residual add and the second norm in one call
-            a = self.attn(self.fused.rms_norm(x, self.input_norm, self.eps), cos, sin, meta, cache, self.index)
-            h, normed = self.fused.add_rms_norm(x, a, self.post_norm, self.eps)
-            return h + self.ffn(normed)
+        """x (N, H) -> (N, H); writes the layer's K, V of the new tokens. cos, sin: (N, 1, hd), or (R, N, 1, hd)
+        where the layer picks one of R tables (`rope`)."""
+        return self._path(x, cos, sin, meta, cache)
+
+    def _halves(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata,
+                cache: KVCache) -> torch.Tensor:
+        h = x + self.attention_update(x, cos, sin, meta, cache)
+        return h + self.ffn_update(h)
+
+    def _on_kernels(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata,
+                    cache: KVCache) -> torch.Tensor:
+        """On our CPU kernels. Per call: a step of one sequence on consecutive blocks and at most DENSE_ROWS rows (a
+        decode, a verification; known only from the step's tokens and block tables) is one `decode_layer` call
+        where the layer has its weights (`_one_call`); anything else runs op by op, the residual add and the second
+        norm in one call."""
+        if self._one_call is not None and meta.span is not None and x.shape[0] <= DENSE_ROWS:
+            kpool, vpool = cache.pools(self.index)
+            return self.fused.decode_layer(x, self.input_norm, self.post_norm, self.eps, *self._one_call, cos, sin,
+                                           kpool, vpool, meta.slots, *meta.span, self.attn.sliding_window or 0)
+        a = self.attn(self.fused.rms_norm(x, self.input_norm, self.eps), cos, sin, meta, cache, self.index)
+        h, normed = self.fused.add_rms_norm(x, a, self.post_norm, self.eps)
+        return h + self.ffn(normed)
+
+    def _op_by_op(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata,
+                  cache: KVCache) -> torch.Tensor:
         h = x + self.attn(rms_norm(x, self.input_norm, self.eps), cos, sin, meta, cache, self.index)
         return h + self.ffn(rms_norm(h, self.post_norm, self.eps))
 
@@ -301,31 +299,28 @@ class DecoderLayer:
         where a part of its decode step does not run on our kernels (then the layer runs op by op)."""
         a, ffn = self.attn, self.ffn
         projs = (a.qkv_proj, a.o_proj, getattr(ffn, "gate_up_proj", None), getattr(ffn, "down_proj", None))
-        if self._one_call is not None and all(p is q for p, q in zip(self._one_call[0], projs)):
-            return self._one_call[1]
         ours = (a.fused is not None and a.kv_map is None and a.qk_norm is None and a.q_scale is None
                 and isinstance(ffn, DenseMLP) and ffn.fused is not None
-                and all(isinstance(p, Int4Linear) and p.own is not None for p in projs)
+                and all(isinstance(p, CpuInt4Linear) for p in projs)
                 and len({p.activations for p in projs}) == 1)
-        args = None if not ours else (*(p.operands() for p in projs), [p.out_features for p in projs],
+        return None if not ours else (*(p.operands() for p in projs), [p.out_features for p in projs],
                                       projs[0].activations == "int8", [a.num_heads, a.num_kv_heads, a.head_dim])
-        self._one_call = (projs, args)
-        return args
 
 
-def fused_ops(layer: DecoderLayer, act: str, device: torch.device, dtype: torch.dtype) -> None:
-    """Hand our CPU kernels (actors/model/cpu_kernels.py) to the parts of `layer` they can run: bf16 on a CPU where
-    they are built, widths in whole vectors (hidden size and MLP width multiples of 16, head dim of 32), SiLU. The
-    layer's own norms (and with them the one-call decode step) only where they are Llama's form (not Gemma's
-    sandwich of fp32 norms); the one-call decode step also takes no q/k norms (Qwen3's layers run op by op)."""
+def fused_ops(layer: DecoderLayer, act: str, device: torch.device, dtype: torch.dtype) -> DecoderLayer:
+    """`layer` with our CPU kernels (actors/model/cpu_kernels.py) handed to the parts they can run (a new layer,
+    whose paths are chosen for them; `layer` itself where they run none): bf16 on a CPU where they are built, widths
+    in whole vectors (hidden size and MLP width multiples of 16, head dim of 32), SiLU. The layer's own norms (and
+    with them the one-call decode step) only where they are Llama's form (not Gemma's sandwich of fp32 norms); the
+    one-call decode step also takes no q/k norms (Qwen3's layers run op by op)."""
     from actors.model import cpu_kernels
 
     ops = cpu_kernels.ops() if (device.type, dtype) == ("cpu", torch.bfloat16) else None
     a = layer.attn
     if ops is None or layer.input_norm.shape[0] % 16 or a.head_dim % 32 or a.head_dim > 256:
-        return
-    a.fused = ops
-    if layer.sandwich is None and not layer.norm_fp32 and layer.rope is None:
-        layer.fused = ops
-    if isinstance(layer.ffn, DenseMLP) and act == "silu" and layer.ffn.down_proj.in_features % 16 == 0:
-        layer.ffn.fused = ops
+        return layer
+    norms = layer.sandwich is None and not layer.norm_fp32 and layer.rope is None
+    ffn = layer.ffn
+    if isinstance(ffn, DenseMLP) and act == "silu" and ffn.down_proj.in_features % 16 == 0:
+        ffn = replace(ffn, fused=ops)
+    return replace(layer, attn=replace(a, fused=ops), ffn=ffn, fused=ops if norms else layer.fused)

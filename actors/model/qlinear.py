@@ -5,7 +5,8 @@ preconditions checked before it is chosen.
   weight-only matmul: `_weight_int4pack_mm_for_cpu` on the CPU, `_weight_int4pack_mm` (tinygemm) on CUDA; both
   dequantize w = (code - 8) * scale + zero inside the kernel. Codes of 5 to 8 bits are split into two 4-bit
   planes, code = low + 16 * high, laid side by side along K (the input is repeated to match): exact, at the
-  bytes of int8.
+  bytes of int8. One class per kernel, chosen when the layer is built: `TorchInt4Linear` (torch's kernels) and
+  `CpuInt4Linear` (ours, below).
 - `Int8Linear`: int8 codes with one scale per output row (`_weight_int8pack_mm`, a CPU kernel).
 
 Preconditions (measured on torch 2.13; tests/unit/test_qlinear.py holds them):
@@ -74,62 +75,87 @@ def int8_unsupported(k: int, device: torch.device) -> str | None:
 
 
 class Int4Linear(nn.Module):
-    """y = x @ W.T + b, W (N, K) as 4-bit codes in P planes with a scale and an offset per group. On a CPU with
-    AVX512-BF16/VNNI and bf16 inputs, our kernel (actors/model/int4_cpu.cpp: fp32 scales, the planes and the bias in
-    one call; the inputs as `activations` says); otherwise torch's int4 weight-only kernel for `device`. Build it
-    only where `int4_unsupported` says nothing."""
+    """y = x @ W.T + b, W (N, K) as 4-bit codes in P planes with a scale and an offset per group. Two kernels, one
+    class each, chosen when the layer is built (`Int4Linear(...)` gives the one that runs here): on a CPU where our
+    kernels run, with bf16 inputs and groups of 32, `CpuInt4Linear` (actors/model/int4_cpu.cpp: fp32 scales, the
+    planes and the bias in one call; the inputs as `activations` says); otherwise `TorchInt4Linear`, torch's int4
+    weight-only kernel for `device`. Build it only where `int4_unsupported` says nothing."""
 
-    def __init__(self, w: GroupedInts, bias: torch.Tensor | None, device: torch.device, dtype: torch.dtype,
-                 ours: bool = True, activations: Activations = "int8") -> None:
-        """`ours=False` keeps torch's kernel even where ours runs (the benchmark's comparison); `activations`: how
-        ours takes the input (torch's kernels take it as given)."""
-        super().__init__()
+    own: object | None = None  # our kernel's op (int4_mm_q8 or int4_mm) where it computes this layer
+
+    def __new__(cls, *args, **kwargs) -> "Int4Linear":  # noqa: ANN002, ANN003 - the chosen class's arguments
+        """`Int4Linear(w, bias, device, dtype, ours=True, activations="int8")`: the class whose kernel runs `w` here
+        (`kernel_class`); a subclass named directly is built as it is."""
+        if cls is Int4Linear:
+            cls = kernel_class(*args, **kwargs)
+        return super().__new__(cls)
+
+    def _setup(self, w: GroupedInts, bias: torch.Tensor | None, device: torch.device, dtype: torch.dtype,
+               activations: Activations) -> tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """What both kernels start from: the checked shape, and the codes as planes (N + pad, P*K) with each plane's
+        scales and offsets (N + pad, P*G), padded with zero rows to the kernel's N multiple (`pad`)."""
+        nn.Module.__init__(self)
         why = int4_unsupported(w, device, dtype)
         if why is not None:
             raise ValueError(f"the int4 kernel cannot take this weight: {why}")
         self.out_features, self.in_features = w.shape
         self.planes = -(-w.bits // 4)
         self.group = w.group
-        mine = ours and (device.type, dtype, w.group) == ("cpu", torch.bfloat16, cpu_kernels.GROUP)
-        own = cpu_kernels.kernel(activations) if mine else None
         self.activations = activations
         pad = -self.out_features % (16 if device.type == "cpu" else 8)  # zero rows: the kernel's N multiple
         codes, scale, offset = (F.pad(t, (0, 0, 0, pad)) for t in (w.codes, w.scale, w.offset))
-        self.padded = pad > 0 and own is None  # our kernel stores only the real rows
         planes = torch.cat([codes & 0x0F] + ([codes >> 4] if self.planes == 2 else []), dim=1)  # (N, P*K)
         scales = torch.cat([scale * 16**p for p in range(self.planes)], dim=1)  # (N, P*G): plane p's is 16**p * scale
         offsets = torch.cat([offset] + [torch.zeros_like(offset)] * (self.planes - 1), dim=1)  # the first carries it
         self.bias = None if bias is None else bias.to(device, dtype)
-        self.own = own
-        self.lib = cpu_kernels.ops() if own is not None else None  # the ISA's build `own` is of
+        return pad, planes, scales, offsets
+
+    def packed(self) -> dict | None:
+        """What `CpuInt4Linear.from_packed` rebuilds this module from; None if our kernel does not compute it."""
+        return None
+
+
+def kernel_class(w: GroupedInts, bias: torch.Tensor | None, device: torch.device, dtype: torch.dtype,
+                 ours: bool = True, activations: Activations = "int8") -> type[Int4Linear]:
+    """Which kernel computes `w`: ours (`CpuInt4Linear`) on the CPU in bf16 with groups of 32 where our kernels run,
+    else torch's (`TorchInt4Linear`). `ours=False` keeps torch's kernel even where ours runs (the benchmark's
+    comparison); `activations`: how ours takes the input (torch's kernels take it as given)."""
+    mine = ours and (device.type, dtype, w.group) == ("cpu", torch.bfloat16, cpu_kernels.GROUP)
+    return CpuInt4Linear if mine and cpu_kernels.kernel(activations) is not None else TorchInt4Linear
+
+
+class CpuInt4Linear(Int4Linear):
+    """Int4Linear on our CPU kernel (int4_cpu.cpp) of the process's ISA, weights in its packed layout
+    (cpu_kernels.pack). Which computation a call takes depends on its rows, known per call: up to DENSE_ROWS (a
+    decode, a verification) the kernel; more (a prefill) the weights expanded once and a dense GEMM, unless the
+    layer is `invariant` (deterministic mode: every row on the kernel, whose sums do not depend on M)."""
+
+    def __init__(self, w: GroupedInts, bias: torch.Tensor | None, device: torch.device, dtype: torch.dtype,
+                 ours: bool = True, activations: Activations = "int8") -> None:
+        pad, planes, scales, offsets = self._setup(w, bias, device, dtype, activations)
+        self.own = cpu_kernels.kernel(activations)
+        self.lib = cpu_kernels.ops()  # the ISA's build `own` is of
+        self.padded = False  # our kernel stores only the real rows
         # deterministic mode: every row on our kernel, whatever M (the dense path rounds each weight to bf16 and
         # its GEMM's order depends on M)
         self.invariant = False
-        if own is not None:
-            levels = None
-            if w.levels is not None:  # the same per plane: d scaled by 16**p, the offset's on the first plane only
-                d, sc, dm, mn = (F.pad(t, (0, 0, 0, pad)) for t in w.levels)
-                levels = (torch.cat([d * 16**p for p in range(self.planes)], 1), sc.repeat(1, self.planes),
-                          torch.cat([dm] + [torch.zeros_like(dm)] * (self.planes - 1), 1), mn.repeat(1, self.planes))
-            self.weight, self.scale, self.offset, self.scale_mult, self.offset_mult = cpu_kernels.pack(
-                planes, scales, offsets, levels)
-            return
-        self.weight = _pack(planes, device)  # packed for torch's kernel
-        # torch's kernels dequantize (code - 8) * scale + zero: zero = offset + 8 * scale
-        self.scale_zeros = torch.stack([scales, offsets + 8 * scales], dim=-1).transpose(0, 1) \
-            .contiguous().to(device, dtype)  # (P*G, N, 2)
-        self.kernel = torch.ops.aten._weight_int4pack_mm_for_cpu if device.type == "cpu" \
-            else torch.ops.aten._weight_int4pack_mm
+        levels = None
+        if w.levels is not None:  # the same per plane: d scaled by 16**p, the offset's on the first plane only
+            d, sc, dm, mn = (F.pad(t, (0, 0, 0, pad)) for t in w.levels)
+            levels = (torch.cat([d * 16**p for p in range(self.planes)], 1), sc.repeat(1, self.planes),
+                      torch.cat([dm] + [torch.zeros_like(dm)] * (self.planes - 1), 1), mn.repeat(1, self.planes))
+        self.weight, self.scale, self.offset, self.scale_mult, self.offset_mult = cpu_kernels.pack(
+            planes, scales, offsets, levels)
 
     @classmethod
     def from_packed(cls, packed: dict, bias: torch.Tensor | None, dtype: torch.dtype,
-                    activations: Activations = "int8") -> "Int4Linear | None":
+                    activations: Activations = "int8") -> "CpuInt4Linear | None":
         """The module our kernel computes from operands `pack` wrote earlier (actors/model/layout_cache.py: their
         shape, planes and group, and the FIELDS), on the CPU in bf16; None where our kernel does not run now."""
         own = cpu_kernels.kernel(activations) if dtype == torch.bfloat16 else None
         if own is None or packed["group"] != cpu_kernels.GROUP:
             return None
-        m = cls.__new__(cls)
+        m = nn.Module.__new__(cls)
         nn.Module.__init__(m)
         m.out_features, m.in_features = packed["out_features"], packed["in_features"]
         m.planes, m.group, m.activations = packed["planes"], packed["group"], activations
@@ -140,10 +166,8 @@ class Int4Linear(nn.Module):
             "weight", "scale", "offset", "scale_mult", "offset_mult"))
         return m
 
-    def packed(self) -> dict | None:
-        """What `from_packed` rebuilds this module from; None if our kernel does not compute it."""
-        if self.own is None:
-            return None
+    def packed(self) -> dict:
+        """What `from_packed` rebuilds this module from."""
         return {"out_features": self.out_features, "in_features": self.in_features, "planes": self.planes,
                 "group": self.group, "weight": self.weight, "scale": self.scale, "offset": self.offset,
                 "scale_mult": self.scale_mult, "offset_mult": self.offset_mult}
@@ -158,20 +182,39 @@ class Int4Linear(nn.Module):
     def dequantized(self) -> torch.Tensor:
         """The weights (N, K) bf16 expanded from our kernel's codes (planes summed, each weight rounded once)."""
         return self.lib.int4_dequant(self.weight, self.scale, self.offset, self.scale_mult,
-                                              self.offset_mult, self.out_features, self.in_features)
+                                     self.offset_mult, self.out_features, self.in_features)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, self.in_features)  # (M, K)
-        if self.own is not None:
-            if x2.shape[0] > DENSE_ROWS and not self.invariant:  # a prefill: the weights expanded once, a dense GEMM
-                if self.activations == "int8":  # on the rows as the kernel rounds them
-                    x2 = self.lib.int8_rows(x2.contiguous())
-                y = F.linear(x2, self.dequantized(), self.bias)
-            else:
-                y = self.own(x2.contiguous(), self.weight, self.scale, self.offset, self.scale_mult, self.offset_mult,
-                             self.bias, self.out_features)
-            return y.view(*shape[:-1], self.out_features)
+        if x2.shape[0] > DENSE_ROWS and not self.invariant:  # a prefill: the weights expanded once, a dense GEMM
+            if self.activations == "int8":  # on the rows as the kernel rounds them
+                x2 = self.lib.int8_rows(x2.contiguous())
+            y = F.linear(x2, self.dequantized(), self.bias)
+        else:
+            y = self.own(x2.contiguous(), self.weight, self.scale, self.offset, self.scale_mult, self.offset_mult,
+                         self.bias, self.out_features)  # (M, N)
+        return y.view(*shape[:-1], self.out_features)
+
+
+class TorchInt4Linear(Int4Linear):
+    """Int4Linear on torch's int4 weight-only kernel: `_weight_int4pack_mm_for_cpu` on the CPU,
+    `_weight_int4pack_mm` (tinygemm) on CUDA; 5-8 bit codes as two planes with the input repeated per plane."""
+
+    def __init__(self, w: GroupedInts, bias: torch.Tensor | None, device: torch.device, dtype: torch.dtype,
+                 ours: bool = True, activations: Activations = "int8") -> None:
+        pad, planes, scales, offsets = self._setup(w, bias, device, dtype, activations)
+        self.padded = pad > 0
+        self.weight = _pack(planes, device)  # packed for torch's kernel
+        # torch's kernels dequantize (code - 8) * scale + zero: zero = offset + 8 * scale
+        self.scale_zeros = torch.stack([scales, offsets + 8 * scales], dim=-1).transpose(0, 1) \
+            .contiguous().to(device, dtype)  # (P*G, N, 2)
+        self.kernel = torch.ops.aten._weight_int4pack_mm_for_cpu if device.type == "cpu" \
+            else torch.ops.aten._weight_int4pack_mm
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x2 = x.reshape(-1, self.in_features)  # (M, K)
         if self.planes > 1:
             x2 = x2.repeat(1, self.planes)  # (M, P*K): one input copy per plane
         y = self.kernel(x2.contiguous(), self.weight, self.group, self.scale_zeros)  # (M, N padded)

@@ -8,6 +8,7 @@ target's layers, sharing its weights, with a cache of its own).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Protocol
 
 import torch
@@ -98,8 +99,7 @@ def build_layer(model: LoadedModel, index: int, device: torch.device, weights: W
     else:
         layer = DecoderLayer(index=index, input_norm=hf.input_layernorm.weight,
                              post_norm=hf.post_attention_layernorm.weight, eps=cfg.rms_norm_eps, attn=attn, ffn=ffn)
-    fused_ops(layer, activation(cfg), device, model.dtype)
-    return layer
+    return fused_ops(layer, activation(cfg), device, model.dtype)
 
 
 def activation(config) -> str:
@@ -211,11 +211,11 @@ class ModelRunner:
     def use_weights(self, weights: WeightMode) -> None:
         """Compute this runner's linear maps in `weights` mode from now on (a draft quantized after loading)."""
         self.weights = weights
-        for layer in self.layers:
+        for pos, layer in enumerate(self.layers):  # new layers around the new projections: their paths chosen again
             proj = layer_projections(self.model, layer.index, self.device, weights, self.activations)
-            layer.attn.qkv_proj, layer.attn.o_proj = proj.qkv, proj.o
-            if isinstance(layer.ffn, DenseMLP):
-                layer.ffn.gate_up_proj, layer.ffn.down_proj = proj.gate_up, proj.down
+            ffn = replace(layer.ffn, gate_up_proj=proj.gate_up, down_proj=proj.down) \
+                if isinstance(layer.ffn, DenseMLP) else layer.ffn
+            self.layers[pos] = replace(layer, attn=replace(layer.attn, qkv_proj=proj.qkv, o_proj=proj.o), ffn=ffn)
         if self.last:
             self.lm_head = head_projection(self.model, self.device, weights, self.activations)
         self._invariant()
@@ -225,14 +225,13 @@ class ModelRunner:
         shared projections themselves are not changed)."""
         if not self.deterministic:
             return
-        for layer in self.layers:
+        for pos, layer in enumerate(self.layers):
             if isinstance(layer.ffn, MoE):
                 raise ValueError("deterministic mode does not cover mixture-of-experts layers (docs/determinism.md)")
-            layer.attn.deterministic = True
-            layer.attn.qkv_proj = row_invariant(layer.attn.qkv_proj)
-            layer.attn.o_proj = row_invariant(layer.attn.o_proj)
-            layer.ffn.gate_up_proj, layer.ffn.down_proj = (row_invariant(layer.ffn.gate_up_proj),
-                                                           row_invariant(layer.ffn.down_proj))
+            a, ffn = layer.attn, layer.ffn
+            attn = replace(a, deterministic=True, qkv_proj=row_invariant(a.qkv_proj), o_proj=row_invariant(a.o_proj))
+            ffn = replace(ffn, gate_up_proj=row_invariant(ffn.gate_up_proj), down_proj=row_invariant(ffn.down_proj))
+            self.layers[pos] = replace(layer, attn=attn, ffn=ffn)  # its paths chosen again: batch-invariant attention
         if self.lm_head is not None:
             self.lm_head = row_invariant(self.lm_head)
 

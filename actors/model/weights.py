@@ -23,7 +23,8 @@ from torch import nn
 
 from actors.model.gguf_blocks import GroupedInts, concat_rows
 from actors.model.layout_cache import LayoutCache
-from actors.model.qlinear import Activations, Int4Linear, dense_linear, int4_unsupported, int8_linear, stored_linear
+from actors.model.qlinear import (Activations, CpuInt4Linear, Int4Linear, dense_linear, int4_unsupported, int8_linear,
+                                   stored_linear)
 from actors.model.quant import rtn_int4
 
 WeightMode = Literal["stored", "dequantized", "int8", "int4"]
@@ -93,7 +94,7 @@ def fuse(parts: Sequence[Part], device: torch.device, dtype: torch.dtype, mode: 
         else:
             modules.append(stored_linear(concat_rows([g for _, g in run]), b, device, dtype,  # type: ignore[misc]
                                          activations))
-    if layout is not None and all(isinstance(m, Int4Linear) and m.own is not None for m in modules):
+    if layout is not None and all(isinstance(m, CpuInt4Linear) for m in modules):
         layout.keep(key, [m.packed() for m in modules])  # the next start maps them instead of packing again
     return modules[0] if len(modules) == 1 else Concat(modules)
 
@@ -107,7 +108,7 @@ def _from_layout(packed: list[dict] | None, bias: torch.Tensor | None, dtype: to
     modules, start = [], 0
     for p in packed:
         n = p["out_features"]
-        m = Int4Linear.from_packed(p, None if bias is None else bias[start:start + n], dtype, activations)
+        m = CpuInt4Linear.from_packed(p, None if bias is None else bias[start:start + n], dtype, activations)
         if m is None:
             return None
         modules.append(m)

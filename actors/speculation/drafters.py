@@ -29,13 +29,13 @@ from actors.speculation.step import Drafting, Drafts, Proposal, Work
 from actors.speculation.step import SeqState as Sequence  # the engine's request state, as speculation reads it
 from cluster.config import DraftParallelConfig, SpeculationConfig
 
-DraftKind = Literal["model", "model_int8", "ngram", "suffix"]
+DraftKind = Literal["model", "ngram", "suffix"]  # a model draft of any weights (plain, int8, a layer subset) is "model"
 
 
 class Drafter(Protocol):
     """What the engine needs of a draft kind."""
 
-    kind: DraftKind
+    kind: DraftKind  # which method proposes (cluster.config SpeculationConfig.method)
     runs_forwards: bool  # whether proposing costs draft forwards (the cost model's `draft` part)
 
     def lookahead(self, seq: Sequence, k: int) -> int:
@@ -66,15 +66,15 @@ class Drafter(Protocol):
 class ModelDrafter:
     """A draft model with its own KV cache, drafting autoregressively, batched position by position."""
 
+    kind: DraftKind = "model"
     runs_forwards = True
 
-    def __init__(self, runner: ModelRunner, quantized: bool = False, device: torch.device | None = None,
+    def __init__(self, runner: ModelRunner, device: torch.device | None = None,
                  parallel: DraftParallelConfig = DraftParallelConfig(), coupled: bool = False) -> None:
         self.runner = runner
         self.device = device  # where the target's logits arrive: q must sit beside p
         # sampled proposals by position-keyed noise, as the target's (actors/speculation/coupled.py)
         self.coupled = coupled
-        self.kind: DraftKind = "model_int8" if quantized else "model"
         # EasySpec (actors/speculation/easyspec.py): forwards after a round's first run the layer groups in parallel;
         # with bonus calibration the first runs in true order and the KV of the parallel ones is dropped after verifying
         self.parallel = parallel.enabled
@@ -213,30 +213,20 @@ class Calibration:
 
 
 class LookupDrafter:
-    """n-gram prompt lookup or suffix-tree lookup: proposals from the request's own tokens (and recent outputs)."""
+    """What the model-free drafters share (n-gram and suffix lookup, actors/speculation/lookup.py): proposals from
+    the request's own tokens, found once per step by `_lookup` (a subclass's) and reused by `propose`; no forward,
+    no KV."""
 
+    kind: DraftKind
     runs_forwards = False
 
-    def __init__(self, kind: Literal["ngram", "suffix"], cfg: SpeculationConfig) -> None:
-        self.kind: DraftKind = kind
+    def __init__(self, cfg: SpeculationConfig) -> None:
         self.cfg = cfg
-        self.shared = OutputCache(cfg.suffix.depth, cfg.suffix.cache_tokens) if kind == "suffix" else None
-        self._ngrams: dict[str, NgramIndex] = {}
-        self._suffixes: dict[str, SuffixIndex] = {}
         self._pending: dict[str, list[int]] = {}  # this step's lookahead, reused by propose
 
     def _lookup(self, seq: Sequence, k: int) -> list[int]:
-        rid = seq.request_id
-        if self.kind == "ngram":
-            index = self._ngrams.setdefault(rid, NgramIndex(self.cfg.ngram.min_n, self.cfg.ngram.max_n))
-            return index.propose(seq.token_ids, k)
-        own = self._suffixes.setdefault(rid, SuffixIndex(self.cfg.suffix.depth))
-        shared = self.shared.trie(self._scope(seq)) if self.shared is not None else None
-        return suffix_propose(own, shared, seq.token_ids, k, self.cfg.suffix.min_prob)
-
-    def _scope(self, seq: Sequence) -> str:
-        """Whose recent outputs a request drafts from: its tenant's (suffix.scope: tenant), or everyone's."""
-        return seq.request.tenant if self.cfg.suffix.scope == "tenant" else ""
+        """Up to k tokens the lookup proposes after `seq`'s tokens."""
+        raise NotImplementedError
 
     def lookahead(self, seq: Sequence, k: int) -> int:
         tokens = self._lookup(seq, k) if k > 0 else []
@@ -267,17 +257,57 @@ class LookupDrafter:
         pass  # the indexes only ever read accepted tokens
 
     def release(self, seq: Sequence, finished: bool) -> None:
-        rid = seq.request_id
-        self._ngrams.pop(rid, None)
-        self._suffixes.pop(rid, None)
-        if finished and self.shared is not None:
+        raise NotImplementedError
+
+
+class NgramDrafter(LookupDrafter):
+    """n-gram prompt lookup: the tokens that followed the latest earlier occurrence of the request's last n tokens."""
+
+    kind: DraftKind = "ngram"
+
+    def __init__(self, cfg: SpeculationConfig) -> None:
+        super().__init__(cfg)
+        self._ngrams: dict[str, NgramIndex] = {}
+
+    def _lookup(self, seq: Sequence, k: int) -> list[int]:
+        index = self._ngrams.setdefault(seq.request_id, NgramIndex(self.cfg.ngram.min_n, self.cfg.ngram.max_n))
+        return index.propose(seq.token_ids, k)
+
+    def release(self, seq: Sequence, finished: bool) -> None:
+        self._ngrams.pop(seq.request_id, None)
+
+
+class SuffixDrafter(LookupDrafter):
+    """Suffix-tree lookup (SuffixDecoding) over the request's own tokens and its scope's recent outputs."""
+
+    kind: DraftKind = "suffix"
+
+    def __init__(self, cfg: SpeculationConfig) -> None:
+        super().__init__(cfg)
+        self.shared = OutputCache(cfg.suffix.depth, cfg.suffix.cache_tokens)
+        self._suffixes: dict[str, SuffixIndex] = {}
+
+    def _lookup(self, seq: Sequence, k: int) -> list[int]:
+        own = self._suffixes.setdefault(seq.request_id, SuffixIndex(self.cfg.suffix.depth))
+        shared = self.shared.trie(self._scope(seq))
+        return suffix_propose(own, shared, seq.token_ids, k, self.cfg.suffix.min_prob)
+
+    def _scope(self, seq: Sequence) -> str:
+        """Whose recent outputs a request drafts from: its tenant's (suffix.scope: tenant), or everyone's."""
+        return seq.request.tenant if self.cfg.suffix.scope == "tenant" else ""
+
+    def release(self, seq: Sequence, finished: bool) -> None:
+        self._suffixes.pop(seq.request_id, None)
+        if finished:
             self.shared.add(self._scope(seq), seq.output.token_ids)
 
 
-def make_drafter(cfg: SpeculationConfig, draft: ModelRunner | None, quantized: bool = False,
-                 device: torch.device | None = None, coupled: bool = False) -> Drafter | None:
+def make_drafter(cfg: SpeculationConfig, draft: ModelRunner | None, device: torch.device | None = None,
+                 coupled: bool = False) -> Drafter | None:
     """The drafter `cfg.method` names; None when there is nothing to draft with (method model, no draft runner).
     `coupled`: sampled requests draw by position-keyed noise (deterministic mode, actors/speculation/coupled.py)."""
-    if cfg.method in ("ngram", "suffix"):
-        return LookupDrafter(cfg.method, cfg)
-    return ModelDrafter(draft, quantized, device, cfg.draft_parallel, coupled) if draft is not None else None
+    if cfg.method == "ngram":
+        return NgramDrafter(cfg)
+    if cfg.method == "suffix":
+        return SuffixDrafter(cfg)
+    return ModelDrafter(draft, device, cfg.draft_parallel, coupled) if draft is not None else None

@@ -154,8 +154,7 @@ def _engines(setup: Setup, args: argparse.Namespace, batch: int, costs: dict[str
         for policy in ("fixed", "goodput"):
             spec = SpeculationConfig(method=kind, policy=policy, k=args.k)
             cost = costs.get(kind + suffix) if policy == "goodput" else None  # calibrated once per draft kind
-            e = Engine(target_runner, runner, spec, sched, cost_model=cost, draft_quantized=int8 and kind == "model",
-                       deterministic=target_runner.deterministic)
+            e = Engine(target_runner, runner, spec, sched, cost_model=cost, deterministic=target_runner.deterministic)
             if policy == "goodput":
                 costs[kind + suffix] = e.cost_model
             engines[f"{label} {policy}"] = e

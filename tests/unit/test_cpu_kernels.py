@@ -5,6 +5,7 @@ bit-for-bit agreement is tests/unit/test_cpu_isa.py's."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -81,7 +82,7 @@ def test_span_attention_writes_kv_and_attends_like_the_torch_path(ops, window: i
                 outs.append(ops.span_attention(q, k, v, kpool, vpool, meta.slots, *meta.span, window or 0))
             else:
                 cache.write(0, meta.slots, k, v)
-                outs.append(attn._attend_span(q, cache, 0, meta))
+                outs.append(attn.backend.attend_span(q, cache, 0, meta))  # torch's span backend
             cache.set_length("r", meta.span[1])
         torch.testing.assert_close(outs[1], outs[0], **BF16)
     assert torch.equal(our_cache.k, torch_cache.k) and torch.equal(our_cache.v, torch_cache.v)
@@ -94,8 +95,8 @@ def test_a_bf16_model_on_our_kernels_is_as_close_to_fp32_as_on_torchs_ops(tmp_pa
     ours = ModelRunner(model, range(4), CacheConfig(block_size=4, num_blocks=64))
     assert ours.layers[0].fused is getattr(torch.ops, f"specfleet_{kernel_isa}") and ours.layers[0].ffn.fused is not None
     plain = ModelRunner(model, range(4), CacheConfig(block_size=4, num_blocks=64))
-    for layer in plain.layers:
-        layer.fused = layer.attn.fused = layer.ffn.fused = None
+    plain.layers = [replace(layer, fused=None, attn=replace(layer.attn, fused=None), ffn=replace(layer.ffn, fused=None))
+                    for layer in plain.layers]  # the same layers on torch's ops (their paths chosen again)
     prompt = text_prompts(model, 1)[0]  # 40 tokens: past mistral's window of 24
     logits = {}
     for name, runner in (("exact", exact), ("ours", ours), ("plain", plain)):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import random
 from types import SimpleNamespace
 
-from actors.speculation.drafters import LookupDrafter
+from actors.speculation.drafters import SuffixDrafter
 from actors.speculation.lookup import NgramIndex, OutputCache, SuffixIndex, SuffixTrie, suffix_propose
 from cluster.config import SpeculationConfig
 
@@ -103,12 +103,12 @@ def _seq(rid: str, tenant: str, tokens: list[int]):
 
 
 def test_a_tenant_never_drafts_from_another_tenants_outputs() -> None:
-    drafter = LookupDrafter("suffix", SpeculationConfig(method="suffix"))
+    drafter = SuffixDrafter(SpeculationConfig(method="suffix"))
     secret = [1, 2, 3, 41, 42, 43, 44, 45, 46]
     drafter.release(_seq("a-1", "alice", secret), finished=True)
     probe = [9, 9, 9, 41, 42, 43]
     assert drafter._lookup(_seq("a-2", "alice", probe), 3) == [44, 45, 46]  # alice drafts from her own outputs
     assert drafter._lookup(_seq("b-1", "bob", probe), 3) == []  # bob does not see them
-    shared = LookupDrafter("suffix", SpeculationConfig(method="suffix", suffix={"scope": "shared"}))
+    shared = SuffixDrafter(SpeculationConfig(method="suffix", suffix={"scope": "shared"}))
     shared.release(_seq("a-1", "alice", secret), finished=True)
     assert shared._lookup(_seq("b-1", "bob", probe), 3) == [44, 45, 46]  # scope: shared (single-tenant setups)
