@@ -299,7 +299,7 @@ def test_health_and_metrics_parse_and_their_counters_move(served_app: ServedApp)
     assert moved("specfleet:time_to_first_token_seconds_count") == 2
     assert moved("specfleet:spec_decode_num_draft_tokens_total") >= moved("specfleet:spec_decode_num_accepted_tokens_total") > 0
     assert moved("specfleet:spec_decode_num_accepted_tokens_per_pos_total,position=0") > 0
-    gauges = [k for k in after if k.startswith("specfleet:num_requests_running")]
+    gauges = [k for k in after if k.split(",")[0] == "specfleet:num_requests_running"]
     assert len(gauges) == 2  # one per instance
     # the instances' figures reach /metrics through the router's poll and the replica's fleet view, reused for
     # about a second (deploy/serve/cached.py): read until they show these requests' drafting
@@ -373,7 +373,8 @@ def test_cache_salt_keeps_its_own_prefix_cache_and_changes_no_output(served_app:
         assert "cache_salt" in schema
     # 32 tokens (8 blocks) of the prompt could come from the cache: the first salted request found none cached
     steps = [b - a for a, b in zip(hits, hits[1:])]
-    assert steps[1:] == [0, 32, 32, 0] and steps[0] in (0, 32), hits  # the other key's found none of them
+    # the first request finds whatever earlier tests of this session's app left: any whole blocks of its prefix
+    assert steps[1:] == [0, 32, 32, 0] and steps[0] in range(0, 33, 4), hits  # the other key's found none of them
     report = json.loads(specfleet("status", "--json", "--config", str(served_app.config_path)).stdout)
     assert report["dispatch"]["policy"] == "least_load" and report["dispatch"]["decisions"]["load"] >= 4
     text = httpx.get(f"{served_app.url}/metrics").text
