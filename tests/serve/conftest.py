@@ -8,6 +8,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -92,6 +93,32 @@ def served_app(ray_cluster, tmp_path_factory) -> Iterator[ServedApp]:
     app = ServedApp(f"http://127.0.0.1:{http_port}", f"127.0.0.1:{grpc_port}", path, ray_cluster.state_path, target)
     _wait_healthy(app, instances=2)
     yield app
+
+
+def ports_of(app: ServedApp) -> tuple[int, int]:
+    """The HTTP and gRPC ports `app` is served on."""
+    return int(app.url.rsplit(":", 1)[1]), int(app.grpc_target.rsplit(":", 1)[1])
+
+
+@contextmanager
+def served_in_place_of(served_app: ServedApp, ray_cluster, config: dict, folder: Path, target: Path
+                       ) -> Iterator[ServedApp]:
+    """`specfleet serve` of `config` (on `served_app`'s ports: Serve's proxies keep the session's first ports) for
+    the block, with one instance; the session's app is served again afterwards."""
+    path = folder / "config.yaml"
+    path.write_text(yaml.safe_dump(config))
+    out = specfleet("serve", "--config", str(path), "--state", str(ray_cluster.state_path), "--timeout", "240")
+    assert out.returncode == 0, out.stdout + out.stderr
+    http_port, grpc_port = ports_of(served_app)
+    app = ServedApp(f"http://127.0.0.1:{http_port}", f"127.0.0.1:{grpc_port}", path, ray_cluster.state_path, target)
+    _wait_healthy(app, instances=1)
+    try:
+        yield app
+    finally:
+        out = specfleet("serve", "--config", str(served_app.config_path), "--state", str(ray_cluster.state_path),
+                        "--timeout", "240")
+        assert out.returncode == 0, out.stdout + out.stderr
+        _wait_healthy(served_app, instances=2)
 
 
 def _wait_healthy(app: ServedApp, instances: int, timeout_s: float = 60.0) -> None:

@@ -11,10 +11,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
-import yaml
 
 from tests.fixtures.tiny_models import DRAFT_NOISE, build_tiny_model, perturbed_copy
-from tests.serve.conftest import ADMIN_KEY, API_KEY, ServedApp, _wait_healthy, specfleet
+from tests.serve.conftest import ADMIN_KEY, API_KEY, ServedApp, ports_of, served_in_place_of, specfleet
 
 MODEL = "tiny-elastic"
 TOKENS = 120
@@ -28,7 +27,7 @@ def elastic_app(served_app, ray_cluster, tmp_path_factory) -> Iterator[ServedApp
     root = tmp_path_factory.mktemp("elastic-models")
     target = build_tiny_model("llama", root / "target", max_position_embeddings=1024)
     draft = perturbed_copy(target, root / "draft", DRAFT_NOISE)
-    http_port, grpc_port = int(served_app.url.rsplit(":", 1)[1]), int(served_app.grpc_target.rsplit(":", 1)[1])
+    http_port, grpc_port = ports_of(served_app)
     config = {
         "engine": {"model": {"target": str(target), "draft": str(draft), "name": MODEL},
                    "speculation": {"policy": "fixed", "k": 3}, "scheduler": {"max_batch_size": 2},
@@ -39,19 +38,8 @@ def elastic_app(served_app, ray_cluster, tmp_path_factory) -> Iterator[ServedApp
         "serve": {"http_port": http_port, "grpc_port": grpc_port,
                   "auth": {"api_keys": [API_KEY], "admin_keys": [ADMIN_KEY]}},
     }
-    path = tmp_path_factory.mktemp("elastic-serve") / "config.yaml"
-    path.write_text(yaml.safe_dump(config))
-    out = specfleet("serve", "--config", str(path), "--state", str(ray_cluster.state_path), "--timeout", "240")
-    assert out.returncode == 0, out.stdout + out.stderr
-    app = ServedApp(f"http://127.0.0.1:{http_port}", f"127.0.0.1:{grpc_port}", path, ray_cluster.state_path, target)
-    _wait_healthy(app, instances=1)
-    try:
+    with served_in_place_of(served_app, ray_cluster, config, tmp_path_factory.mktemp("elastic-serve"), target) as app:
         yield app
-    finally:
-        out = specfleet("serve", "--config", str(served_app.config_path), "--state", str(ray_cluster.state_path),
-                        "--timeout", "240")
-        assert out.returncode == 0, out.stdout + out.stderr
-        _wait_healthy(served_app, instances=2)
 
 
 def complete(app: ServedApp, prompt: str) -> str:

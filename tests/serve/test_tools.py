@@ -16,13 +16,12 @@ import httpx
 import jsonschema
 import openai
 import pytest
-import yaml
 from transformers import AutoTokenizer
 
 from tests.fixtures.agent_model import (AFTER_RESULT, ASK_BOTH, ASK_CHAT, ASK_WEATHER, CALL_WEATHER, SCRIPT, TOOLS,
                                         WEATHER, build_agent_model, encode)
 from tests.fixtures.tiny_models import DRAFT_NOISE, perturbed_copy
-from tests.serve.conftest import API_KEY, ServedApp, _wait_healthy, specfleet
+from tests.serve.conftest import API_KEY, ServedApp, ports_of, served_in_place_of
 from tests.unit.test_tool_calls import FUNCTION_SCHEMAS
 from deploy.rpc import codegen
 
@@ -42,7 +41,7 @@ def agent_app(served_app, ray_cluster, tmp_path_factory) -> Iterator[ServedApp]:
     root = tmp_path_factory.mktemp("agent-models")
     target = build_agent_model(root / "target")
     draft = perturbed_copy(target, root / "draft", DRAFT_NOISE)
-    http_port, grpc_port = int(served_app.url.rsplit(":", 1)[1]), int(served_app.grpc_target.rsplit(":", 1)[1])
+    http_port, grpc_port = ports_of(served_app)
     config = {
         "engine": {"model": {"target": str(target), "draft": str(draft), "name": MODEL},
                    "speculation": {"policy": "fixed", "k": 3},
@@ -51,19 +50,8 @@ def agent_app(served_app, ray_cluster, tmp_path_factory) -> Iterator[ServedApp]:
         "router": {"instances": 1, "instance_num_cpus": 0.5, "stats_interval_s": 0.2},
         "serve": {"http_port": http_port, "grpc_port": grpc_port, "auth": {"api_keys": [API_KEY]}},
     }
-    path = tmp_path_factory.mktemp("agent-serve") / "config.yaml"
-    path.write_text(yaml.safe_dump(config))
-    out = specfleet("serve", "--config", str(path), "--state", str(ray_cluster.state_path), "--timeout", "240")
-    assert out.returncode == 0, out.stdout + out.stderr
-    app = ServedApp(f"http://127.0.0.1:{http_port}", f"127.0.0.1:{grpc_port}", path, ray_cluster.state_path, target)
-    _wait_healthy(app, instances=1)
-    try:
+    with served_in_place_of(served_app, ray_cluster, config, tmp_path_factory.mktemp("agent-serve"), target) as app:
         yield app
-    finally:
-        out = specfleet("serve", "--config", str(served_app.config_path), "--state", str(ray_cluster.state_path),
-                        "--timeout", "240")
-        assert out.returncode == 0, out.stdout + out.stderr
-        _wait_healthy(served_app, instances=2)
 
 
 @pytest.fixture(scope="module")
