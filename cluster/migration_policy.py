@@ -19,6 +19,12 @@ Pure module, no Ray: the router feeds it plain `InstanceLoad`s and carries out t
 
 No policy ever moves a request toward an instance that is draining or not accepting, moves a request
 already migrating, or sends a destination more blocks than it has free.
+
+Roles (prefill/decode disaggregation, cluster/disagg.py): a prefill-only instance is never a destination (a moved
+request decodes where it lands), and Defrag and Balance never take a request from one: its requests leave it
+through the router's hand-off once they have their first token (cluster/handoff.py). Drain still empties it, and
+Queue may move a request waiting there to a decode-capable instance that starts it at once (it then prefills
+there, as a request the pair policy placed aggregated does).
 """
 
 from __future__ import annotations
@@ -28,6 +34,8 @@ from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 from pydantic import BaseModel, ConfigDict, Field
+
+from cluster.disagg import Role
 
 
 class MigrationPolicyConfig(BaseModel):
@@ -69,6 +77,12 @@ class InstanceLoad:
     accepting: bool = True  # healthy and not draining: may receive requests
     max_running: int = 0  # requests it runs at once (its scheduler's max_batch_size); 0: no limit but blocks
     arriving: tuple[RequestLoad, ...] = ()  # moves toward it planned this round: they count, they do not move
+    role: Role = "both"  # its disaggregation role (cluster/disagg.py): a `prefill` one is no destination
+
+    @property
+    def decodes(self) -> bool:
+        """Whether a request may decode here (role `decode` or `both`)."""
+        return self.role != "prefill"
 
     @property
     def waiting_blocks(self) -> tuple[int, ...]:
@@ -137,8 +151,9 @@ def cheapest_first(requests: Sequence[RequestLoad]) -> list[RequestLoad]:
 
 def _destinations(loads: Sequence[InstanceLoad], source: str, blocks: int, cfg: MigrationPolicyConfig
                   ) -> list[InstanceLoad]:
-    """Accepting instances other than `source` with `blocks` free, least virtual usage first."""
-    ok = [d for d in loads if d.accepting and not d.draining and d.instance_id != source and d.free_blocks >= blocks]
+    """Accepting, decode-capable instances other than `source` with `blocks` free, least virtual usage first."""
+    ok = [d for d in loads if d.accepting and not d.draining and d.decodes and d.instance_id != source
+          and d.free_blocks >= blocks]
     return sorted(ok, key=lambda d: (d.virtual_usage(cfg.priority_headroom_blocks), d.instance_id))
 
 
@@ -194,8 +209,8 @@ class Defrag:
 
     def propose(self, loads: Sequence[InstanceLoad], cfg: MigrationPolicyConfig) -> list[Migration]:
         for src in loads:
-            if src.draining or not src.waiting_blocks or src.waiting_blocks[0] <= src.free_blocks:
-                continue
+            if src.draining or not src.decodes or not src.waiting_blocks or src.waiting_blocks[0] <= src.free_blocks:
+                continue  # (a prefill instance frees its room by handing requests off after their first token)
             if src.waiting_blocks[0] > src.capacity_blocks:
                 continue  # it can never fit here; moving requests out would not help
             if move := _move_cheapest(src, loads, cfg, self.name):
@@ -210,7 +225,7 @@ class Balance:
 
     def propose(self, loads: Sequence[InstanceLoad], cfg: MigrationPolicyConfig) -> list[Migration]:
         h = cfg.priority_headroom_blocks
-        live = [x for x in loads if not x.draining and x.capacity_blocks > 0]
+        live = [x for x in loads if not x.draining and x.decodes and x.capacity_blocks > 0]
         sources = sorted((x for x in live if x.running and x.virtual_usage(h) > cfg.high_water),
                          key=lambda x: -x.virtual_usage(h))
         for src in sources:

@@ -418,7 +418,8 @@ class Router:
             entry = self.registry.instances.get(instance_id)
             if isinstance(load, BaseException) or entry is None:
                 continue  # health polling deals with an instance that does not answer
-            loads.append(replace(load, draining=entry.draining, accepting=entry.accepting))
+            loads.append(replace(load, draining=entry.draining, accepting=entry.accepting,
+                                 role=self.roles.get(instance_id, "both")))
         return loads
 
     async def _plan_forever(self) -> None:

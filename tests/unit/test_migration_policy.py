@@ -1,5 +1,6 @@
 """Migration policies (cluster/migration_policy.py) with plain data: the right pairs, the right requests, and
-invariants over 1,000 randomised rounds (never toward a draining or closed instance, never over capacity)."""
+invariants over 1,000 randomised rounds (never toward a draining, closed or prefill-only instance, never over
+capacity)."""
 
 from __future__ import annotations
 
@@ -148,7 +149,8 @@ def test_randomised_rounds_keep_every_invariant():
             draining = rng.random() < 0.2
             loads.append(InstanceLoad(f"i{i}", cap, tuple(running), tuple(waiting), draining,
                                       accepting=not draining and rng.random() < 0.9,
-                                      max_running=rng.choice([0, 4])))
+                                      max_running=rng.choice([0, 4]),
+                                      role=rng.choice(["both", "both", "both", "prefill", "decode"])))
         migrating = frozenset(r.request_id for x in loads for r in x.running + x.waiting if rng.random() < 0.1)
         moves = planner.plan(loads, migrating)
         # what the planner sees: requests already migrating no longer count at their instance
@@ -159,7 +161,8 @@ def test_randomised_rounds_keep_every_invariant():
         for m in moves:  # each checked against the loads as the moves before it left them
             src, dst = by_id[m.source], by_id[m.destination]
             assert m.source != m.destination
-            assert dst.accepting and not dst.draining
+            assert dst.accepting and not dst.draining and dst.role != "prefill"
+            assert src.role != "prefill" or m.reason in ("drain", "queue")  # its hand-off moves it otherwise
             moved_from = src.waiting if m.reason == "queue" else src.running
             req = next((r for r in moved_from if r.request_id == m.request_id), None)
             assert req is not None and m.request_id not in migrating
@@ -180,6 +183,27 @@ def test_randomised_rounds_keep_every_invariant():
         assert len(ends) == len(set(ends))
         # a draining instance with a request that fits somewhere accepting always gets a move planned
         for x in loads:
-            if x.draining and any(any(d.accepting and d.free_blocks >= r.blocks for d in loads)
+            if x.draining and any(any(d.accepting and d.decodes and d.free_blocks >= r.blocks for d in loads)
                                   for r in x.running if r.request_id not in migrating):
                 assert moves, "a drainable request was left in place"
+
+
+def test_no_policy_moves_a_request_onto_a_prefill_instance_nor_balances_one_away_from_it():
+    # p is prefill-only and the emptiest: without roles Balance, Defrag and Drain would all pick it
+    loads = [replace(inst("p", running=[(85, 0)], waiting=[30]), role="prefill"),
+             inst("a", running=[(60, 0), (25, 0)], waiting=[40]), inst("b", running=[(70, 0)]),
+             replace(inst("e"), role="prefill"), inst("d", running=[(10, 0)], draining=True)]
+    moves = Planner(cfg=CFG.model_copy(update={"max_per_round": 10})).plan(loads)
+    assert moves, "the decode-capable instances still balance and drain among themselves"
+    assert all(m.destination not in ("p", "e") for m in moves)
+    assert all(m.source != "p" or m.reason in ("drain", "queue") for m in moves)
+    # the same loads with every role `both`: the prefill-only instances are the chosen destinations
+    both = Planner(cfg=CFG.model_copy(update={"max_per_round": 10})).plan([replace(x, role="both") for x in loads])
+    assert any(m.destination in ("p", "e") for m in both)
+
+
+def test_queue_moves_a_request_waiting_at_a_prefill_instance_to_an_idle_decode_instance():
+    loads = [replace(inst("p", capacity=100, running=[(90, 0)], waiting=[20], max_running=1), role="prefill"),
+             replace(inst("q"), role="prefill"), inst("d")]
+    [m] = Queue().propose(loads, CFG)
+    assert (m.source, m.destination, m.request_id) == ("p", "d", "p-w0")
