@@ -12,6 +12,12 @@ Bounds come first: below `min_instances` it scales up at once, above `max_instan
 Scaling in removes an instance by draining it through live migration (Llumnix, OSDI '24: its running requests move
 to the others, its queue too), so the policy names which instance leaves: the one with the least to move.
 
+With prefill/decode disaggregation (instances of role `prefill` or `decode`, cluster/disagg.py) the ratio of the two
+follows the load, as Dynamo's planner sizes its prefill and decode pools apart: a step up adds a prefill instance when
+time to first token is what is over its target (prefill's work), a decode instance when it is the inter-token
+latency, and for a queue the role whose instances queue more each; a step down never removes the last instance of
+a role. Without roles every instance is `both`, as before.
+
     policy = AutoscalePolicy(AutoscalingConfig(min_instances=1, max_instances=4), slots_per_instance=8)
     decision = policy.decide(FleetSignal(instances=(...), ttft_p99_s=0.4, itl_p99_s=0.05), now=12.0)
     decision.action, decision.reason  # "up", "ttft p99 0.400 s > target 0.250 s for 10.0 s"
@@ -27,6 +33,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from cluster.disagg import Role
 from cluster.instances import InstanceRow
 
 
@@ -85,6 +92,7 @@ class InstanceSignal:
     running: int
     draining: bool = False
     removable: bool = True  # started by the autoscaler (the deployed floor is Serve's, replaced when it fails)
+    role: Role = "both"  # its disaggregation role (cluster/disagg.py)
 
 
 @dataclass(frozen=True)
@@ -110,6 +118,14 @@ class FleetSignal:
     def draining(self) -> int:
         return sum(i.draining for i in self.instances)
 
+    @property
+    def disaggregated(self) -> bool:
+        """Whether any serving instance has a role other than `both` (then steps pick a role)."""
+        return any(i.role != "both" for i in self.serving)
+
+    def of_role(self, role: Role) -> list[InstanceSignal]:
+        return [i for i in self.serving if i.role == role]
+
 
 @dataclass(frozen=True)
 class ScaleDecision:
@@ -119,6 +135,7 @@ class ScaleDecision:
     reason: str
     instances: int  # the fleet's size when decided
     remove: str | None = None  # the instance to drain (action "down")
+    role: Role = "both"  # the role of the instance to start (action "up"; `both` without disaggregation)
 
     @property
     def desired(self) -> int:
@@ -148,7 +165,7 @@ class AutoscalePolicy:
         if signal.starting or signal.draining:
             return self._hold(n, f"a scale step is under way ({signal.starting} starting, {signal.draining} draining)")
         if n < cfg.min_instances:
-            return self._step("up", n, f"{n} instances < min_instances {cfg.min_instances}", now)
+            return self._up(signal, f"{n} instances < min_instances {cfg.min_instances}", now)
         if n > cfg.max_instances:
             return self._down(signal, f"{n} instances > max_instances {cfg.max_instances}", now)
         if self._last_step is not None and now - self._last_step < cfg.cooldown_s:
@@ -159,7 +176,7 @@ class AutoscalePolicy:
                 return self._hold(n, f"{over}, but at max_instances {cfg.max_instances}")
             held = now - self._up_since
             if held >= cfg.up_after_s:
-                return self._step("up", n, f"{over} for {held:.1f} s", now)
+                return self._up(signal, f"{over} for {held:.1f} s", now)
             return self._hold(n, f"{over} for {held:.1f} s of {cfg.up_after_s:g} s")
         if under:
             if n <= cfg.min_instances:
@@ -213,21 +230,45 @@ class AutoscalePolicy:
         return ", ".join(parts) + f" below {b:g} x target"
 
     # ---- decisions ----------------------------------------------------------------------------------------------
+    def _up(self, s: FleetSignal, reason: str, now: float) -> ScaleDecision:
+        role = role_to_add(s, reason)
+        return self._step("up", s.size, reason if role == "both" else f"{reason}: adds a {role} instance", now,
+                          role=role)
+
     def _down(self, s: FleetSignal, reason: str, now: float) -> ScaleDecision:
         removable = [i for i in s.serving if i.removable]
+        if s.disaggregated:  # never the last instance of a role: its half of every request would have nowhere to run
+            removable = [i for i in removable if i.role == "both" or len(s.of_role(i.role)) > 1]
         if not removable:
             return self._hold(s.size, f"{reason}, but no instance the autoscaler started is left to remove")
         leave = min(removable, key=lambda i: (i.waiting + i.running, i.instance_id))  # the least to move
         return self._step("down", s.size, reason, now, leave.instance_id)
 
     def _step(self, action: Literal["up", "down"], n: int, reason: str, now: float,
-              remove: str | None = None) -> ScaleDecision:
+              remove: str | None = None, role: Role = "both") -> ScaleDecision:
         self._last_step, self._up_since, self._down_since = now, None, None
-        return ScaleDecision(action, reason, n, remove)
+        return ScaleDecision(action, reason, n, remove, role)
 
     @staticmethod
     def _hold(n: int, reason: str) -> ScaleDecision:
         return ScaleDecision("hold", reason, n)
+
+
+def role_to_add(s: FleetSignal, reason: str) -> Role:
+    """The role of the instance a step up starts: `both` without disaggregation; else `prefill` when time to first
+    token is over its target, `decode` for the inter-token latency, for a queue the role whose instances queue more
+    requests each, and below the bounds the role with fewer instances (decode on a tie)."""
+    if not s.disaggregated:
+        return "both"
+    cause = cause_of(reason)
+    if cause in ("ttft", "itl"):
+        return "prefill" if cause == "ttft" else "decode"
+    prefill, decode = s.of_role("prefill"), s.of_role("decode")
+    if cause == "queue":
+        def per_instance(group: list[InstanceSignal]) -> float:
+            return sum(i.waiting for i in group) / len(group) if group else math.inf
+        return "prefill" if per_instance(prefill) > per_instance(decode) else "decode"
+    return "prefill" if len(prefill) < len(decode) else "decode"
 
 
 class LatencyWindow:
@@ -293,7 +334,7 @@ class SignalReader:
             running = r.stats.load.running if r.stats is not None else 0
             waiting = max(r.stats.load.waiting if r.stats is not None else 0, r.in_flight - running, 0)
             instances.append(InstanceSignal(r.instance_id, waiting, running, r.draining,
-                                            r.instance_id.startswith(AUTOSCALED_PREFIX)))
+                                            r.instance_id.startswith(AUTOSCALED_PREFIX), r.role))
             if r.stats is not None and not r.draining:
                 step = r.stats.step.step_time_ema_s
                 if running:

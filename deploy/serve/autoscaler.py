@@ -31,6 +31,7 @@ from actors.serving.server import InstanceInfo, InstanceServer
 from cluster.autoscale import (AUTOSCALED_PREFIX, AutoscalePolicy, AutoscaleStatus, AutoscalingConfig, ScaleDecision,
                                ScaleEvent, SignalReader, cause_of)
 from cluster.config import RouterConfig, SpecfleetConfig
+from cluster.disagg import Role
 from cluster.instances import InstanceRow
 from cluster.router import INSTANCE_ACTOR_PREFIX, NAMESPACE, get_or_create_router
 from cluster.router_client import RouterClient
@@ -124,7 +125,7 @@ class Autoscaler:
         self.size = signal.size
         try:
             if decision.action == "up":
-                await self.scale_out(decision.reason, rows)
+                await self.scale_out(decision.reason, rows, decision.role)
             elif decision.action == "down" and decision.remove is not None:
                 await self.scale_in(decision.remove, decision.reason)
         finally:
@@ -139,7 +140,8 @@ class Autoscaler:
                                self.reader.ttft.p99(now), self.reader.itl.p99(now))
 
     # ---- scale out ---------------------------------------------------------------------------------------------
-    async def scale_out(self, reason: str, rows: list[InstanceRow]) -> ScaleEvent:
+    async def scale_out(self, reason: str, rows: list[InstanceRow], role: Role = "both") -> ScaleEvent:
+        """Start the next `auto-N` instance on free devices and register it with `role` (prefill, decode or both)."""
         at, began = time.time(), self.clock()
         used = [int(r.instance_id[len(AUTOSCALED_PREFIX):]) for r in rows
                 if r.instance_id.startswith(AUTOSCALED_PREFIX) and r.instance_id[len(AUTOSCALED_PREFIX):].isdigit()]
@@ -154,7 +156,7 @@ class Autoscaler:
             i = got.info
             await self.router.call(lambda r: r.register.remote(instance_id, got.server, i.model, i.max_model_len,
                                                                i.node_id, got.spec.place, i.actor_id, got.start_s,
-                                                               i.backend), timeout_s=CALL_TIMEOUT_S)
+                                                               i.backend, role=role), timeout_s=CALL_TIMEOUT_S)
         except Exception as e:  # noqa: BLE001 - recorded as a failed step, with its cause; the policy decides again
             log.exception("autoscaler: starting %s failed", instance_id)
             server = self.servers.pop(instance_id, None)

@@ -3,6 +3,8 @@ no flapping under a load at the threshold."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from cluster.autoscale import (AutoscalePolicy, AutoscaleTarget, AutoscalingConfig, FleetSignal, InstanceSignal,
@@ -222,3 +224,41 @@ def test_the_cooldown_runs_from_when_the_step_was_carried_out() -> None:
     p.done(25.0)  # the new instance took 25 s to start
     assert "cooling down" in p.decide(fleet((9, 4), (9, 4), ttft=5.0), 30.0).reason
     assert p.decide(fleet((9, 4), (9, 4), ttft=5.0), 35.0).action == "up"
+
+
+# ---- prefill/decode disaggregation: the ratio follows the load ------------------------------------------------
+def roles(signal: FleetSignal, *names: str) -> FleetSignal:
+    """`signal` with its instances given `names` as roles, in order."""
+    return FleetSignal(tuple(replace(i, role=r) for i, r in zip(signal.instances, names)), signal.ttft_p99_s,
+                       signal.itl_p99_s, signal.starting)
+
+
+@pytest.mark.parametrize("signal, role", [
+    (roles(fleet((0, 4), (0, 4), ttft=3.0), "prefill", "decode"), "prefill"),  # TTFT is prefill's work
+    (roles(fleet((0, 4), (0, 4), itl=0.3), "prefill", "decode"), "decode"),
+    (roles(fleet((9, 4), (1, 4)), "prefill", "decode"), "prefill"),  # the prefill instance queues more
+    (roles(fleet((1, 4), (4, 4), (5, 4)), "prefill", "decode", "decode"), "decode"),
+    (fleet((0, 4), (0, 4), ttft=3.0), "both"),  # no roles: an instance that does both, as before
+])
+def test_a_step_up_adds_the_role_whose_signal_is_over(signal: FleetSignal, role: str) -> None:
+    d = AutoscalePolicy(cfg(up_after_s=0.0), SLOTS).decide(signal, 0.0)
+    assert (d.action, d.role) == ("up", role)
+    assert (f"adds a {role} instance" in d.reason) == (role != "both")
+
+
+def test_below_the_minimum_the_role_with_fewer_instances_is_added() -> None:
+    p = AutoscalePolicy(cfg(min_instances=4, max_instances=6), SLOTS)
+    d = p.decide(roles(fleet((0, 0), (0, 0), (0, 0), ttft=0.0), "prefill", "decode", "decode"), 0.0)
+    assert (d.action, d.role) == ("up", "prefill")
+
+
+def test_a_step_down_never_removes_the_last_instance_of_a_role() -> None:
+    idle = dict(ttft=0.0, itl=0.0)
+    # the prefill instance has the least to move, but it is the only one: the emptier decode one leaves
+    d = AutoscalePolicy(cfg(down_after_s=0.0), SLOTS).decide(
+        roles(fleet((0, 0), (0, 1), (0, 2), **idle), "prefill", "decode", "decode"), 0.0)
+    assert (d.action, d.remove) == ("down", "i1")
+    # one of each and the rest deployed (not removable): nothing the autoscaler may remove
+    d = AutoscalePolicy(cfg(down_after_s=0.0), SLOTS).decide(
+        roles(fleet((0, 0), (0, 0), (0, 0), fixed=(2,), **idle), "prefill", "decode", "both"), 0.0)
+    assert d.action == "hold" and "no instance the autoscaler started" in d.reason
