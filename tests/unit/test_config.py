@@ -159,9 +159,9 @@ def test_loaded_config_is_frozen_and_hashable() -> None:
 
 def test_expert_parallel_ranks_need_as_many_planned_slots() -> None:
     raw = {"engine": {"model": {"target": "m.gguf"}, "experts": {"ranks": 2}}}
-    with pytest.raises(ConfigError, match="set router.pipeline_stages to 2"):
+    with pytest.raises(ConfigError, match="set fleet.pipeline_stages to 2"):
         parse_config(raw)
-    cfg = parse_config({**raw, "router": {"pipeline_stages": 2}})
+    cfg = parse_config({**raw, "fleet": {"pipeline_stages": 2}})
     assert cfg.engine.experts.enabled and cfg.engine.experts.plan is None and cfg.engine.experts.slack == 2
     with pytest.raises(ConfigError, match="engine.experts.ranks"):
         parse_config({"engine": {"model": {"target": "m.gguf"}, "experts": {"ranks": 0}}})
