@@ -57,7 +57,7 @@ class AutoscaleTarget(_Frozen):
 
 
 class AutoscalingConfig(_Frozen):
-    """`router.autoscaling` (docs/autoscaling.md): the fleet's bounds, its targets, and how long a condition must hold.
+    """`fleet.autoscaling` (docs/autoscaling.md): the fleet's bounds, its targets, and how long a condition must hold.
 
     Defaults follow Ray Serve's autoscaling (`upscale_delay_s` 30 s, `downscale_delay_s` 600 s, metrics looked at
     every few seconds). `window_s`: the latency samples a p99 is taken over; `drain_timeout_s`: how long scaling in
@@ -297,14 +297,6 @@ def percentile(values: Sequence[float], q: float) -> float | None:
         return None
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))]
-
-
-def starts_at_min(raw: object) -> object:
-    """A raw `router` mapping with `instances` defaulted to `autoscaling.min_instances` (an autoscaled fleet starts at
-    its minimum), for RouterConfig's validation."""
-    if isinstance(raw, dict) and isinstance(raw.get("autoscaling"), dict) and "instances" not in raw:
-        return {**raw, "instances": raw["autoscaling"].get("min_instances", 1)}
-    return raw
 
 
 # ---- what the autoscaler reads and reports -----------------------------------------------------------------------

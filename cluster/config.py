@@ -9,20 +9,16 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, model_validator
 
-from cluster.autoscale import AutoscalingConfig, starts_at_min
+from cluster.config_file import ConfigError, describe, read_yaml
 from cluster.disagg import DisaggConfig
+from cluster.fleet_config import MOVED_TO_FLEET, FleetConfig
 from cluster.migration_policy import MigrationPolicyConfig
 
 
 class _Frozen(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
-
-
-class ConfigError(ValueError):
-    """A configuration file or value is wrong; the message names the file and the key."""
 
 
 class ModelConfig(_Frozen):
@@ -415,9 +411,9 @@ class CacheAwareConfig(_Frozen):
 
 
 class RouterConfig(_Frozen):
-    """The router actor (cluster/router.py) and the instances it dispatches to."""
+    """The router actor (cluster/router.py): how it dispatches, polls, migrates, fails over and splits prefill from
+    decode. The instances it dispatches to are the fleet's (`FleetConfig`)."""
 
-    instances: int = Field(default=1, ge=1)  # engine instances to start
     # least_load: Llumnix's virtual usage; round_robin; cache_aware: where the prompt's prefix is cached (with
     # engine.cache.prefix_caching on), within `cache_aware`'s margins of the least loaded (docs/prefix_caching.md)
     dispatch: Literal["least_load", "round_robin", "cache_aware"] = "least_load"
@@ -426,13 +422,6 @@ class RouterConfig(_Frozen):
     # a request routed this long ago that its instance has never received is closed as aborted (its caller went
     # away between routing and sending it); younger ones may still be on their way (Registry.reconcile)
     orphan_grace_s: float = Field(default=30.0, gt=0.0)
-    instance_num_cpus: float = Field(default=1.0, ge=0.0)  # CPUs each instance's engine (and each shard) reserves
-    # 1: each instance is one process; N > 1: the target split over N stage actors (plus a draft actor),
-    # placed by the planner over the cluster's labelled nodes (placement/planner.py, actors/serving/build.py)
-    pipeline_stages: int = Field(default=1, ge=1)
-    # custom Ray resources each instance's engine actor needs, e.g. an accelerator kind of the inventory
-    # (placement/inventory.py, ray_resources) to pin instances to a worker group
-    instance_resources: dict[str, float] = {}
     migration: MigrationConfig = MigrationConfig()
     failover: FailoverConfig = FailoverConfig()
     # prefill/decode disaggregation: each instance's role (docs/disaggregation.md); none: every instance does both
@@ -440,28 +429,10 @@ class RouterConfig(_Frozen):
     # API replicas and instances find a router that died again by its name (a restarted or new one), retrying
     # for at most this long before a call fails
     reconnect_s: float = Field(default=20.0, gt=0.0)
-    # SLO autoscaling (cluster/autoscale.py, docs/autoscaling.md); absent: a fixed fleet of `instances`; with it the
-    # fleet starts at min_instances (`instances` defaults to it and may not differ)
-    autoscaling: AutoscalingConfig | None = None
-
-    _starts_at_min = model_validator(mode="before")(classmethod(lambda cls, raw: starts_at_min(raw)))
 
     @model_validator(mode="after")
-    def _instances_at_min(self) -> "RouterConfig":
-        if self.autoscaling is not None and self.instances != self.autoscaling.min_instances:
-            raise ValueError(f"instances ({self.instances}) must equal autoscaling.min_instances "
-                             f"({self.autoscaling.min_instances}): an autoscaled fleet starts at its minimum")
-        return self
-
-    def __hash__(self) -> int:  # frozen, but a dict field is unhashable: hash the canonical JSON instead
-        return hash(self.model_dump_json())
-
-    @model_validator(mode="after")
-    def _one_role_per_instance(self) -> "RouterConfig":
+    def _some_instance_decodes(self) -> "RouterConfig":
         roles = self.disaggregation.roles
-        if roles and len(roles) != self.instances:
-            raise ValueError(f"router.disaggregation.roles names {len(roles)} roles for router.instances = "
-                             f"{self.instances}: give one role per instance")
         if roles and all(r == "prefill" for r in roles):
             raise ValueError("router.disaggregation.roles: every instance is `prefill`, so none decodes; make at "
                              "least one `decode` or `both`")
@@ -469,44 +440,43 @@ class RouterConfig(_Frozen):
 
 
 class SpecfleetConfig(_Frozen):
-    """The root of the tree, as read from a YAML file."""
+    """The root of the tree, as read from a YAML file. The rules that relate two sections are checked here."""
 
     engine: EngineConfig
+    fleet: FleetConfig = FleetConfig()
     router: RouterConfig = RouterConfig()
     serve: ServeConfig = ServeConfig()
 
     @model_validator(mode="after")
     def _expert_ranks_have_slots(self) -> "SpecfleetConfig":
         ranks = self.engine.experts.ranks
-        if ranks > 1 and self.router.pipeline_stages != ranks:
+        if ranks > 1 and self.fleet.pipeline_stages != ranks:
             raise ValueError(f"engine.experts.ranks is {ranks}: the fleet plan places one expert-parallel rank per "
-                             f"planned slot, so set router.pipeline_stages to {ranks} too "
-                             f"(it is {self.router.pipeline_stages})")
+                             f"planned slot, so set fleet.pipeline_stages to {ranks} too "
+                             f"(it is {self.fleet.pipeline_stages})")
+        return self
+
+    @model_validator(mode="after")
+    def _one_role_per_instance(self) -> "SpecfleetConfig":
+        roles = self.router.disaggregation.roles
+        if roles and len(roles) != self.fleet.instances:
+            raise ValueError(f"router.disaggregation.roles names {len(roles)} roles for fleet.instances = "
+                             f"{self.fleet.instances}: give one role per instance")
         return self
 
 
 def load_config(path: str | Path) -> SpecfleetConfig:
     """Read and validate a YAML config; errors name the file and the offending key."""
-    path = Path(path)
-    try:
-        raw = yaml.safe_load(path.read_text())
-    except FileNotFoundError:
-        raise ConfigError(f"{path}: no such config file") from None
-    except yaml.YAMLError as e:
-        raise ConfigError(f"{path}: not valid YAML: {e}") from None
-    return parse_config(raw, source=str(path))
+    return parse_config(read_yaml(path, "config"), source=str(path))
 
 
 def parse_config(raw: object, source: str = "<config>") -> SpecfleetConfig:
-    """Validate an already-parsed mapping; `source` names where it came from in errors."""
+    """Validate an already-parsed mapping; `source` names where it came from in errors (a key of an older config
+    that moved, such as `router.instances`, is named with its new place)."""
     if not isinstance(raw, dict):
         raise ConfigError(f"{source}: expected a mapping at the top level, got {type(raw).__name__}")
     try:
         return SpecfleetConfig.model_validate(raw)
     except ValidationError as e:
-        problems = []
-        for err in e.errors():
-            key = ".".join(str(p) for p in err["loc"]) or "<root>"
-            msg = "unknown key" if err["type"] == "extra_forbidden" else err["msg"]
-            problems.append(f"{source}: {key}: {msg}")
-        raise ConfigError("\n".join(problems)) from None
+        raise ConfigError(describe(e, source, moved=MOVED_TO_FLEET)) from None
+

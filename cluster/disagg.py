@@ -40,7 +40,7 @@ class DisaggConfig(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    # one role per instance, in the order instances are numbered (router.instances of them); empty: every instance
+    # one role per instance, in the order instances are numbered (fleet.instances of them); empty: every instance
     # is `both`, and dispatch is as without disaggregation
     roles: tuple[Role, ...] = ()
     # a request whose prompt has fewer tokens than this that its decode instance does not cache is prefilled there

@@ -8,7 +8,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from cluster.config import EngineConfig, RouterConfig
+from cluster.config import EngineConfig, FleetConfig
 from cluster.instances import DraftPlace, InstancePlace, StagePlace
 from placement.inventory import Inventory, NodeSpec
 from placement.layout import ShardLayout
@@ -44,10 +44,10 @@ class InstanceSpec(BaseModel):
                                           for s in lay.stages), draft=draft, executor=self.executor)
 
 
-def plan_fleet(engine: EngineConfig, router: RouterConfig, inventory: Inventory, target: ModelSize,
+def plan_fleet(engine: EngineConfig, fleet: FleetConfig, inventory: Inventory, target: ModelSize,
                draft: ModelSize | None, *, pins: Mapping[str, str] | None = None,
                gpu_nodes: Collection[str] = (), prefix: str = "inst") -> list[InstanceSpec]:
-    """The whole fleet, planned once: `router.instances` instances of `router.pipeline_stages` stages each over
+    """The whole fleet, planned once: `fleet.instances` instances of `fleet.pipeline_stages` stages each over
     `inventory`'s devices (placement/planner.py deals devices to instances, so no two share one), instance i
     named f"{prefix}-{i}". Re-planning after a change of nodes is a call with the new inventory.
 
@@ -59,8 +59,8 @@ def plan_fleet(engine: EngineConfig, router: RouterConfig, inventory: Inventory,
     each shard (or the local instance) asks Ray for its share of its device's GPU (`_with_gpus`).
     """
     p = plan(inventory, target, draft if engine.speculation.policy != "off" else None,
-             kv_tokens=engine.cache.num_blocks * engine.cache.block_size, num_stages=router.pipeline_stages,
-             num_instances=router.instances)
+             kv_tokens=engine.cache.num_blocks * engine.cache.block_size, num_stages=fleet.pipeline_stages,
+             num_instances=fleet.instances)
     specs = []
     for i, instance in enumerate(p.instances):
         layout = ShardLayout.from_plan(instance).model_copy(update={"pins": dict(pins or {})})
@@ -71,11 +71,11 @@ def plan_fleet(engine: EngineConfig, router: RouterConfig, inventory: Inventory,
         executor = "local" if len(layout.places) == 1 and not engine.experts.enabled else "ray"
         layout = _with_gpus(layout, engine.model.device, gpu_nodes, f"{prefix}-{i}")
         specs.append(InstanceSpec(instance_id=f"{prefix}-{i}", engine=engine, layout=layout, executor=executor,
-                                  num_cpus=router.instance_num_cpus))
+                                  num_cpus=fleet.instance_num_cpus))
     return specs
 
 
-def plan_instance(engine: EngineConfig, router: RouterConfig, inventory: Inventory, target: ModelSize,
+def plan_instance(engine: EngineConfig, fleet: FleetConfig, inventory: Inventory, target: ModelSize,
                   draft: ModelSize | None, index: int, *, taken: Collection[tuple[str, int]] = (),
                   pins: Mapping[str, str] | None = None, gpu_nodes: Collection[str] = (),
                   prefix: str = "inst") -> InstanceSpec:
@@ -87,7 +87,7 @@ def plan_instance(engine: EngineConfig, router: RouterConfig, inventory: Invento
     name = f"{prefix}-{index}"
     taken = set(taken)
     try:
-        mine = plan_fleet(engine, router, inventory, target, draft, pins=pins, gpu_nodes=gpu_nodes, prefix=prefix)[index]
+        mine = plan_fleet(engine, fleet, inventory, target, draft, pins=pins, gpu_nodes=gpu_nodes, prefix=prefix)[index]
         if mine.layout.places.isdisjoint(taken):
             return mine
     except (PlacementError, IndexError):  # the fleet no longer fits as a whole: place this one where there is room
@@ -95,7 +95,7 @@ def plan_instance(engine: EngineConfig, router: RouterConfig, inventory: Invento
     free, devices = _free(inventory, taken)
     if not free:
         raise PlacementError(f"{name}: every device of the live nodes is held by another instance")
-    [alone] = plan_fleet(engine, router.model_copy(update={"instances": 1}), Inventory(nodes=free), target, draft,
+    [alone] = plan_fleet(engine, fleet.model_copy(update={"instances": 1}), Inventory(nodes=free), target, draft,
                          pins=pins, gpu_nodes=gpu_nodes, prefix=prefix)
     lay = alone.layout  # device i of a node in `free` is the node's i-th free device
     stages = tuple(s.model_copy(update={"device": devices[s.node][s.device]}) for s in lay.stages)

@@ -7,10 +7,9 @@ from pathlib import Path
 from collections.abc import Mapping
 from typing import Annotated, Any
 
-import yaml
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from cluster.config import ConfigError
+from cluster.config_file import ConfigError, describe, read_yaml
 from placement.catalog import CatalogError, fill_figures
 
 # Node names and accelerator kinds become Ray label values and parts of Ray resource names, so they follow
@@ -103,13 +102,7 @@ def load_inventory(path: str | Path) -> Inventory:
 
     A node's missing `memory_gb` or `speed` is filled from the device catalog (placement/catalog.py).
     """
-    path = Path(path)
-    try:
-        raw = yaml.safe_load(path.read_text())
-    except FileNotFoundError:
-        raise ConfigError(f"{path}: no such inventory file") from None
-    except yaml.YAMLError as e:
-        raise ConfigError(f"{path}: not valid YAML: {e}") from None
+    raw = read_yaml(path, "inventory")
     return parse_inventory(raw, source=str(path))
 
 
@@ -127,22 +120,13 @@ def parse_inventory(raw: object, source: str = "<inventory>") -> Inventory:
                 except CatalogError as e:
                     raise ConfigError(f"{source}: nodes.{i}: {e}") from None
                 except ValidationError as e:
-                    raise ConfigError(_describe(e, source, prefix=f"nodes.{i}.")) from None
+                    raise ConfigError(describe(e, source, prefix=f"nodes.{i}.")) from None
             filled.append(entry)
         raw = {**raw, "nodes": filled}
     try:
         return Inventory.model_validate(raw)
     except ValidationError as e:
-        raise ConfigError(_describe(e, source)) from None
-
-
-def _describe(e: ValidationError, source: str, prefix: str = "") -> str:
-    problems = []
-    for err in e.errors():
-        key = prefix + ".".join(str(p) for p in err["loc"]) or "<root>"
-        msg = "unknown key" if err["type"] == "extra_forbidden" else err["msg"]
-        problems.append(f"{source}: {key}: {msg}")
-    return "\n".join(problems)
+        raise ConfigError(describe(e, source)) from None
 
 
 def inventory_from_labels(nodes: list[dict[str, str]]) -> Inventory:

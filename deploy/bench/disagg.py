@@ -22,8 +22,8 @@ from pathlib import Path
 import ray
 
 from actors.model.loader import load_model
-from cluster.config import (CacheConfig, EngineConfig, ModelConfig, RouterConfig, SchedulerConfig, SpecfleetConfig,
-                            SpeculationConfig)
+from cluster.config import (CacheConfig, EngineConfig, FleetConfig, ModelConfig, RouterConfig, SchedulerConfig,
+                            SpecfleetConfig, SpeculationConfig)
 from cluster.disagg import DisaggConfig
 from deploy.bench.migration import Bench, Streamed, long_prompt
 from deploy.bench.output import pct, save
@@ -114,9 +114,10 @@ def _one(args, target: str, tok, nodes: list[str], roles: tuple[str, ...], arriv
                        else SpeculationConfig(policy="off"),
                        scheduler=SchedulerConfig(max_batch_size=16),
                        cache=CacheConfig(block_size=16, num_blocks=4 * longest // 16 + 64, prefix_caching=False))
-    router_cfg = RouterConfig(instances=3, stats_interval_s=0.2, disaggregation=DisaggConfig(roles=roles))
+    router_cfg = RouterConfig(stats_interval_s=0.2, disaggregation=DisaggConfig(roles=roles))
     b = Bench(cfg, tok.num_layers, args.num_cpus, router_cfg)
-    b.frontend = Frontend(SpecfleetConfig(engine=cfg, router=router_cfg), b.router)  # it sends the prompt's shape
+    b.frontend = Frontend(SpecfleetConfig(engine=cfg, fleet=FleetConfig(instances=len(roles)), router=router_cfg),
+                          b.router)  # it sends the prompt's shape
     try:
         for i, role in enumerate(roles):
             name = f"pd-{i}"

@@ -1,5 +1,5 @@
 """`specfleet bench elastic`: a load that rises and falls, against a fixed fleet of the maximum size, a fixed fleet of
-the minimum size, and the autoscaled one (router.autoscaling, deploy/serve/autoscaler.py), on the local cluster.
+the minimum size, and the autoscaled one (fleet.autoscaling, deploy/serve/autoscaler.py), on the local cluster.
 
 The same Poisson arrivals (rates stepped up, then down: `--rates`, each held `--phase-s`) of real prompts go to each
 fleet through the API's own frontend and a router actor, as `bench migration` drives them. For each fleet: p99 time

@@ -58,8 +58,8 @@ def app_config(target: Path, draft: Path | None, *, instances: int, stages: int 
     return parse_config({
         "engine": {"model": model, "speculation": {"policy": "fixed", "k": 3}, "scheduler": {"max_batch_size": 8},
                    "cache": {"block_size": 16, "num_blocks": 512}, **(engine or {})},
-        "router": {"instances": instances, "pipeline_stages": stages, "instance_num_cpus": 0.5,
-                   "stats_interval_s": 0.2, "failover": {"wait_s": wait_s}},
+        "fleet": {"instances": instances, "pipeline_stages": stages, "instance_num_cpus": 0.5},
+        "router": {"stats_interval_s": 0.2, "failover": {"wait_s": wait_s}},
         "serve": {"max_pending_requests": 64, "auth": {"api_keys": [API_KEY], "admin_keys": [ADMIN_KEY]}},
     })
 
@@ -137,7 +137,7 @@ class Hosts:
                 raise RuntimeError(f"the fault app is not running after {timeout_s:.0f} s")
             time.sleep(0.5)
         served = App(self, cfg, f"http://127.0.0.1:{self.http_port}", target)
-        served.wait_instances(cfg.router.instances, timeout_s)
+        served.wait_instances(cfg.fleet.instances, timeout_s)
         return served
 
     def delete_app(self) -> None:

@@ -204,7 +204,7 @@ def _until_back(app: App, victim: str, was: str) -> After:
     """Until the fleet is whole again: `victim` replaced (another incarnation accepts requests), every instance up."""
     async def back() -> None:
         await asyncio.to_thread(app.wait_replaced, victim, was)
-        await asyncio.to_thread(app.wait_instances, app.cfg.router.instances, 240.0)
+        await asyncio.to_thread(app.wait_instances, app.cfg.fleet.instances, 240.0)
     return back
 
 

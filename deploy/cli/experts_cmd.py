@@ -155,7 +155,7 @@ def run_apply(args: argparse.Namespace) -> int:
         experts["stats"] = str(_stats_path(args.stats))
     if args.attention is not None:
         experts["attention"] = args.attention
-    raw.setdefault("router", {})["pipeline_stages"] = plan.num_ranks
+    raw.setdefault("fleet", {})["pipeline_stages"] = plan.num_ranks
     from cluster.config import parse_config
 
     parse_config(raw, source=str(args.out))  # what is written must load

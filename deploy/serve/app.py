@@ -23,7 +23,7 @@ from fastapi import Request, Response
 from ray.serve.handle import DeploymentHandle
 
 from actors.serving.server import InstanceServer
-from cluster.config import ConfigError, RouterConfig, SpecfleetConfig, load_config, parse_config
+from cluster.config import ConfigError, FleetConfig, RouterConfig, SpecfleetConfig, load_config, parse_config
 from cluster.router import INSTANCE_ACTOR_PREFIX, NAMESPACE, find_router, get_or_create_router
 from cluster.router_client import RouterClient
 from deploy import DEFAULT_CONFIG
@@ -77,10 +77,10 @@ class SpecfleetInstance:
     Its health is its instance's alone: the router being away (restarting, killed) never fails it; registration is
     kept up beside the health checks, with the router found again by name when it comes back."""
 
-    def __init__(self, index: int, spec: InstanceSpec, router_cfg: RouterConfig) -> None:
+    def __init__(self, index: int, spec: InstanceSpec, router_cfg: RouterConfig, fleet_cfg: FleetConfig) -> None:
         began = time.monotonic()
         self.instance_id = spec.instance_id
-        self.router_cfg = router_cfg
+        self.fleet_cfg = fleet_cfg
         self.role = router_cfg.disaggregation.role_of(index)  # prefill, decode or both (docs/disaggregation.md)
         self.router = router_client(router_cfg)
         try:  # requests waiting for an instance wait for this start (cluster/start_times.py)
@@ -101,7 +101,7 @@ class SpecfleetInstance:
             placed = self._placed(index, spec, deadline)
             name = f"{INSTANCE_ACTOR_PREFIX}{self.instance_id}/{uuid.uuid4().hex[:8]}"  # the router finds it by name
             server = InstanceServer.spawn(placed, resources={**InstanceServer.pin(placed),
-                                                             **self.router_cfg.instance_resources},
+                                                             **self.fleet_cfg.instance_resources},
                                           name=name, namespace=NAMESPACE)
             loading = server.info.remote()  # models load here
             failure = f"not loaded within {LOAD_TIMEOUT_S:.0f} s"
@@ -134,7 +134,7 @@ class SpecfleetInstance:
             taken = {(p.node, p.device) for r in rows if r.instance_id != self.instance_id
                      for p in r.place.stages + ((r.place.draft,) if r.place.draft else ())}
             try:
-                placed = replan(spec, self.router_cfg, index, taken)
+                placed = replan(spec, self.fleet_cfg, index, taken)
             except PlacementError as e:
                 if time.monotonic() > deadline:
                     raise
@@ -208,7 +208,7 @@ class SpecfleetAPI(HttpRoutes, ResponsesRoutes, GrpcMethods):
 
         self.cfg = cfg
         self.instances = instances  # keeps the instance deployments part of the app
-        self.autoscaler = autoscaler  # router.autoscaling's (deploy/serve/autoscaler.py), None for a fixed fleet
+        self.autoscaler = autoscaler  # fleet.autoscaling's (deploy/serve/autoscaler.py), None for a fixed fleet
         self.router = router_client(cfg.router)  # routes call `await self.router.<method>(...)` (typed)
         self.router.sync.configure(cfg.router, timeout_s=30)
         self.frontend = Frontend(cfg, self.router, resolve=lambda s: resolve_model(s, cfg.engine.model.dtype))
@@ -310,10 +310,10 @@ def compose(cfg: SpecfleetConfig, replica_resources: dict[str, float] | None = N
         actor_opts = {"num_cpus": 0, **actor_opts, "runtime_env": {"env_vars": dict(instance_env)}}
     opts = {"ray_actor_options": actor_opts} if actor_opts else {}
     instances = [SpecfleetInstance.options(name=f"SpecfleetInstance-{s.instance_id}", num_replicas=1, **opts)
-                 .bind(i, s, cfg.router) for i, s in enumerate(specs)]
+                 .bind(i, s, cfg.router, cfg.fleet) for i, s in enumerate(specs)]
     api = SpecfleetAPI.options(ray_actor_options={"num_cpus": 0, "resources": {**cfg.serve.api_resources, **extra}})
-    autoscaler = None  # router.autoscaling: one replica that adds instances planned as these are, and drains them
-    if cfg.router.autoscaling is not None and specs:
+    autoscaler = None  # fleet.autoscaling: one replica that adds instances planned as these are, and drains them
+    if cfg.fleet.autoscaling is not None and specs:
         autoscaler = SpecfleetAutoscaler.options(name="SpecfleetAutoscaler", num_replicas=1,
                                                  ray_actor_options={"num_cpus": 0, "resources": extra})
         autoscaler = autoscaler.bind(cfg, specs[0])

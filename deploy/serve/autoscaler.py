@@ -30,8 +30,12 @@ from ray.actor import ActorHandle
 from actors.serving.server import InstanceInfo, InstanceServer
 from cluster.autoscale import (AUTOSCALED_PREFIX, AutoscalePolicy, AutoscaleStatus, AutoscalingConfig, ScaleDecision,
                                ScaleEvent, SignalReader, cause_of)
+<<<<<<< HEAD
 from cluster.config import RouterConfig, SpecfleetConfig
 from cluster.disagg import Role
+=======
+from cluster.config import FleetConfig, SpecfleetConfig
+>>>>>>> issue-41a
 from cluster.instances import InstanceRow
 from cluster.router import INSTANCE_ACTOR_PREFIX, NAMESPACE, get_or_create_router
 from cluster.router_client import RouterClient
@@ -67,17 +71,17 @@ class PlannedLauncher:
     """Starts instances as the deployed fleet's are: `template` (a planned spec of the fleet, its engine resolved)
     planned again for the new id over the live nodes' free devices, spawned with the fleet's resources."""
 
-    def __init__(self, template: InstanceSpec, router_cfg: RouterConfig) -> None:
+    def __init__(self, template: InstanceSpec, fleet_cfg: FleetConfig) -> None:
         self.template = template
-        self.router_cfg = router_cfg
+        self.fleet_cfg = fleet_cfg
 
     async def launch(self, instance_id: str, index: int, taken: set[tuple[str, int]]) -> Launched:
         began = time.monotonic()
         spec = self.template.model_copy(update={"instance_id": instance_id})
-        placed = await asyncio.to_thread(replan, spec, self.router_cfg, index, taken)  # PlacementError: no room
+        placed = await asyncio.to_thread(replan, spec, self.fleet_cfg, index, taken)  # PlacementError: no room
         name = f"{INSTANCE_ACTOR_PREFIX}{instance_id}/{uuid.uuid4().hex[:8]}"  # a restarted router finds it by name
         server = InstanceServer.spawn(placed, resources={**InstanceServer.pin(placed),
-                                                         **self.router_cfg.instance_resources},
+                                                         **self.fleet_cfg.instance_resources},
                                       name=name, namespace=NAMESPACE)
         try:
             info = await asyncio.wait_for(server.info.remote(), LOAD_TIMEOUT_S)  # its models load here
@@ -237,11 +241,11 @@ class SpecfleetAutoscaler:
     """The autoscaler as one Serve replica: its loop is started (and watched) from Serve's health checks."""
 
     def __init__(self, cfg: SpecfleetConfig, template: InstanceSpec) -> None:
-        if cfg.router.autoscaling is None:
-            raise ValueError("SpecfleetAutoscaler needs router.autoscaling")
+        if cfg.fleet.autoscaling is None:
+            raise ValueError("SpecfleetAutoscaler needs fleet.autoscaling")
         router = RouterClient.resolving(lambda: get_or_create_router(cfg.router), reconnect_s=cfg.router.reconnect_s)
-        self.autoscaler = Autoscaler(cfg.router.autoscaling, cfg.engine.scheduler.max_batch_size, router,
-                                     PlannedLauncher(template, cfg.router), floor=cfg.router.instances)
+        self.autoscaler = Autoscaler(cfg.fleet.autoscaling, cfg.engine.scheduler.max_batch_size, router,
+                                     PlannedLauncher(template, cfg.fleet), floor=cfg.fleet.instances)
         self._loop: asyncio.Task | None = None
 
     async def check_health(self) -> None:

@@ -16,7 +16,7 @@ import logging
 
 from actors.model.device import choose_dtype
 from actors.model.loader import load_model_config
-from cluster.config import EngineConfig, RouterConfig, SpecfleetConfig
+from cluster.config import EngineConfig, FleetConfig, SpecfleetConfig
 from deploy import model_store
 from deploy.model_store import resolve_model
 from placement.fleet import InstanceSpec, plan_fleet, plan_instance
@@ -82,12 +82,12 @@ def fleet_specs(cfg: SpecfleetConfig, inventory: Inventory | None = None, pins: 
     dtype_bytes = DTYPE_BYTES[m.dtype]
     target = model_size_from_config(load_model_config(m.target), dtype_bytes=dtype_bytes)
     draft = model_size_from_config(load_model_config(m.draft), dtype_bytes=dtype_bytes) if m.draft else None
-    specs = plan_fleet(engine, cfg.router, inventory, target, draft, pins=pins, gpu_nodes=gpu_nodes or set())
+    specs = plan_fleet(engine, cfg.fleet, inventory, target, draft, pins=pins, gpu_nodes=gpu_nodes or set())
     # a goodput calibration is kept between starts, so a replacement reads it back instead of timing it
     return [s.model_copy(update={"calibration_dir": str(model_store.calibration_dir())}) for s in specs]
 
 
-def replan(spec: InstanceSpec, router: RouterConfig, index: int, taken: set[tuple[str, int]]) -> InstanceSpec:
+def replan(spec: InstanceSpec, fleet: FleetConfig, index: int, taken: set[tuple[str, int]]) -> InstanceSpec:
     """`spec` (instance `index`, its engine resolved) as it should start now: itself if every node it names is alive
     and none of its devices is `taken` by another instance, else planned again over the live nodes
     (placement/fleet.py, plan_instance). PlacementError if there is no room now."""
@@ -100,7 +100,7 @@ def replan(spec: InstanceSpec, router: RouterConfig, index: int, taken: set[tupl
     target = model_size_from_config(load_model_config(m.target), dtype_bytes=dtype_bytes)
     draft = model_size_from_config(load_model_config(m.draft), dtype_bytes=dtype_bytes) if m.draft else None
     prefix = spec.instance_id.rsplit("-", 1)[0]
-    placed = plan_instance(spec.engine, router, inventory, target, draft, index, taken=taken, pins=pins,
+    placed = plan_instance(spec.engine, fleet, inventory, target, draft, index, taken=taken, pins=pins,
                            gpu_nodes=gpu_nodes, prefix=prefix)
     return placed.model_copy(update={"calibration_dir": spec.calibration_dir})
 

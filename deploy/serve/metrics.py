@@ -221,7 +221,7 @@ class _RoutingCollector(_ScrapeCollector):
 
 
 class _AutoscaleCollector(_ScrapeCollector):
-    """The autoscaler's figures (router.autoscaling; nothing for a fixed fleet), after Ray Serve's
+    """The autoscaler's figures (fleet.autoscaling; nothing for a fixed fleet), after Ray Serve's
     `serve_autoscaling_*` gauges: its bounds, the fleet's size and the size it decided on, the p99 latencies it
     sees, its last decision with its reason, and `specfleet:autoscaling_scale_events_total{action,outcome,cause}`."""
 

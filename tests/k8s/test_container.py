@@ -65,7 +65,7 @@ def test_the_images_command_line_serves_on_the_apps_ports_only(tmp_path: Path) -
     config.write_text(yaml.safe_dump({
         "engine": {"model": {"target": str(target), "name": "tiny"}, "speculation": {"policy": "off"},
                    "cache": {"block_size": 4, "num_blocks": 128}},
-        "router": {"instances": 1, "instance_num_cpus": 1}}))
+        "fleet": {"instances": 1, "instance_num_cpus": 1}}))
     http, grpc = free_port(), free_port()
     keys, state = tmp_path / "keys", tmp_path / "cluster.json"
     entrypoint, _ = image_command(DOCKERFILES[0])

@@ -37,7 +37,7 @@ def test_cpu_demo_serves_what_make_serve_runs():
 
 def test_instances_ask_only_for_resources_the_workers_offer(rayservice):
     (app,) = serve_config(rayservice)["applications"]
-    wanted = parse_config(app["args"]["config"]).router.instance_resources
+    wanted = parse_config(app["args"]["config"]).fleet.instance_resources
     cluster = rayservice["spec"]["rayClusterConfig"]
     assert not wanted.keys() & cluster["headGroupSpec"].get("resources", {}).keys()  # never on the head
     for group in cluster["workerGroupSpecs"]:

@@ -33,10 +33,11 @@ def config(target, draft) -> SpecfleetConfig:
         "engine": {"model": {"target": str(target), "draft": str(draft), "name": "tiny-llama"},
                    "speculation": {"policy": "fixed", "k": 3}, "scheduler": {"max_batch_size": SLOTS},
                    "cache": {"block_size": 4, "num_blocks": 256}},
-        "router": {"instance_num_cpus": 0.5, "stats_interval_s": 0.2,
-                   "autoscaling": {"min_instances": 1, "max_instances": 2, "up_after_s": 0, "down_after_s": 0,
-                                   "cooldown_s": 0, "interval_s": 0.2,
-                                   "target": {"queue_per_instance": 1}}},
+        "fleet": {"instance_num_cpus": 0.5,
+                  "autoscaling": {"min_instances": 1, "max_instances": 2, "up_after_s": 0, "down_after_s": 0,
+                                  "cooldown_s": 0, "interval_s": 0.2,
+                                  "target": {"queue_per_instance": 1}}},
+        "router": {"stats_interval_s": 0.2},
     })
 
 
@@ -53,7 +54,7 @@ def scaled(ray_driver, tiny_models, tiny_draft_models):
     ray.get(router.register.remote(spec.instance_id, server, info.model, info.max_model_len, info.node_id, spec.place,
                                    info.actor_id))
     fl.servers[spec.instance_id] = server
-    autoscaler = Autoscaler(cfg.router.autoscaling, SLOTS, RouterClient(router), PlannedLauncher(spec, cfg.router))
+    autoscaler = Autoscaler(cfg.fleet.autoscaling, SLOTS, RouterClient(router), PlannedLauncher(spec, cfg.fleet))
     try:
         yield fl, autoscaler, spec.instance_id
     finally:

@@ -12,8 +12,8 @@ import pytest
 import ray
 
 from actors.serving.server import InstanceServer
-from cluster.config import (CacheConfig, EngineConfig, ModelConfig, RouterConfig, SchedulerConfig, SpecfleetConfig,
-                            SpeculationConfig)
+from cluster.config import (CacheConfig, EngineConfig, FleetConfig, ModelConfig, RouterConfig, SchedulerConfig,
+                            SpecfleetConfig, SpeculationConfig)
 from cluster.disagg import DisaggConfig
 from cluster.request import FinishReason
 from cluster.router import Router
@@ -47,10 +47,11 @@ def fleet(request, ray_driver, tmp_path_factory) -> Iterator[Fleet]:
                        speculation=SpeculationConfig(method=request.param, policy="fixed", k=3),
                        scheduler=SchedulerConfig(max_batch_size=8), cache=CacheConfig(block_size=16, num_blocks=512))
     # every request is split (no prompt is short enough to skip the prefill instance)
-    router_cfg = RouterConfig(instances=2, stats_interval_s=0.2,
+    router_cfg = RouterConfig(stats_interval_s=0.2,
                               disaggregation=DisaggConfig(roles=tuple(ROLES.values()), skip_prefill_tokens=0))
     router = ray.remote(Router).options(max_concurrency=100, num_cpus=0).remote(router_cfg)
-    fl = Fleet(router, Frontend(SpecfleetConfig(engine=cfg, router=router_cfg), router), cfg=cfg)
+    fl = Fleet(router, Frontend(SpecfleetConfig(engine=cfg, fleet=FleetConfig(instances=2), router=router_cfg), router),
+               cfg=cfg)
     try:
         for name in ROLES:
             spec = InstanceSpec(instance_id=name, layout=LAYOUTS["local"], executor="local", num_cpus=CPUS, engine=cfg)

@@ -25,7 +25,7 @@ def test_two_instances_of_two_stages_on_four_devices_as_planned(ray_driver, tiny
         "engine": {"model": {"target": str(tiny_models["llama"]), "draft": str(tiny_draft_models["llama"])},
                    "speculation": {"policy": "fixed", "k": 3}, "scheduler": {"max_batch_size": 4},
                    "cache": {"block_size": 4, "num_blocks": 128}},
-        "router": {"instances": 2, "pipeline_stages": 2, "instance_num_cpus": 0.5},
+        "fleet": {"instances": 2, "pipeline_stages": 2, "instance_num_cpus": 0.5},
     })
     specs = fleet_specs(cfg)  # the cluster's inventory, read from its nodes' labels
 

@@ -32,9 +32,10 @@ def elastic_app(served_app, ray_cluster, tmp_path_factory) -> Iterator[ServedApp
         "engine": {"model": {"target": str(target), "draft": str(draft), "name": MODEL},
                    "speculation": {"policy": "fixed", "k": 3}, "scheduler": {"max_batch_size": 2},
                    "cache": {"block_size": 4, "num_blocks": 512}},
-        "router": {"instance_num_cpus": 0.5, "stats_interval_s": 0.2,
-                   "autoscaling": {"min_instances": 1, "max_instances": 2, "up_after_s": 0, "down_after_s": 2,
-                                   "cooldown_s": 0, "interval_s": 0.5, "target": {"queue_per_instance": 1}}},
+        "fleet": {"instance_num_cpus": 0.5,
+                  "autoscaling": {"min_instances": 1, "max_instances": 2, "up_after_s": 0, "down_after_s": 2,
+                                  "cooldown_s": 0, "interval_s": 0.5, "target": {"queue_per_instance": 1}}},
+        "router": {"stats_interval_s": 0.2},
         "serve": {"http_port": http_port, "grpc_port": grpc_port,
                   "auth": {"api_keys": [API_KEY], "admin_keys": [ADMIN_KEY]}},
     }

@@ -47,7 +47,8 @@ def agent_app(served_app, ray_cluster, tmp_path_factory) -> Iterator[ServedApp]:
                    "speculation": {"policy": "fixed", "k": 3},
                    "scheduler": {"max_batch_size": 8},
                    "cache": {"block_size": 4, "num_blocks": 2048}},
-        "router": {"instances": 1, "instance_num_cpus": 0.5, "stats_interval_s": 0.2},
+        "fleet": {"instances": 1, "instance_num_cpus": 0.5},
+        "router": {"stats_interval_s": 0.2},
         "serve": {"http_port": http_port, "grpc_port": grpc_port, "auth": {"api_keys": [API_KEY]}},
     }
     with served_in_place_of(served_app, ray_cluster, config, tmp_path_factory.mktemp("agent-serve"), target) as app:

@@ -9,7 +9,7 @@ import pytest
 
 from cluster.autoscale import (AutoscalePolicy, AutoscaleTarget, AutoscalingConfig, FleetSignal, InstanceSignal,
                                LatencyWindow, percentile)
-from cluster.config import ConfigError, RouterConfig, parse_config
+from cluster.config import ConfigError, FleetConfig, parse_config
 
 SLOTS = 4
 
@@ -29,33 +29,33 @@ def fleet(*loads: tuple[int, int], ttft: float | None = 0.5, itl: float | None =
 
 # ---- config --------------------------------------------------------------------------------------------------
 def test_absent_autoscaling_keeps_the_fixed_fleet() -> None:
-    r = RouterConfig(instances=3)
-    assert r.autoscaling is None and r.instances == 3
+    f = FleetConfig(instances=3)
+    assert f.autoscaling is None and f.instances == 3
 
 
 def test_an_autoscaled_fleet_starts_at_its_minimum() -> None:
     raw = {"engine": {"model": {"target": "m"}},
-           "router": {"autoscaling": {"min_instances": 2, "max_instances": 5,
-                                      "target": {"ttft_p99_s": 0.5, "itl_p99_s": 0.05, "queue_per_instance": 4},
-                                      "up_after_s": 10, "down_after_s": 60}}}
+           "fleet": {"autoscaling": {"min_instances": 2, "max_instances": 5,
+                                     "target": {"ttft_p99_s": 0.5, "itl_p99_s": 0.05, "queue_per_instance": 4},
+                                     "up_after_s": 10, "down_after_s": 60}}}
     c = parse_config(raw)
-    a = c.router.autoscaling
-    assert c.router.instances == 2
+    a = c.fleet.autoscaling
+    assert c.fleet.instances == 2
     assert (a.min_instances, a.max_instances, a.target.ttft_p99_s, a.up_after_s, a.down_after_s) == (2, 5, 0.5, 10, 60)
 
 
-@pytest.mark.parametrize("router, key", [
-    ({"autoscaling": {"min_instances": 3, "max_instances": 2}}, "router.autoscaling"),
-    ({"autoscaling": {"max_instances": 2, "target": {"ttft_p99_s": 0}}}, "router.autoscaling.target.ttft_p99_s"),
-    ({"autoscaling": {"max_instances": 2, "target": {"itl_p99_s": -1}}}, "router.autoscaling.target.itl_p99_s"),
-    ({"autoscaling": {"max_instances": 2, "target": {"queue_per_instance": None}}}, "router.autoscaling.target"),
-    ({"autoscaling": {"max_instances": 2, "up_after_s": -1}}, "router.autoscaling.up_after_s"),
-    ({"autoscaling": {"max_instances": 2, "bogus": 1}}, "router.autoscaling.bogus"),
-    ({"instances": 3, "autoscaling": {"min_instances": 1, "max_instances": 4}}, "router"),
+@pytest.mark.parametrize("fleet, key", [
+    ({"autoscaling": {"min_instances": 3, "max_instances": 2}}, "fleet.autoscaling"),
+    ({"autoscaling": {"max_instances": 2, "target": {"ttft_p99_s": 0}}}, "fleet.autoscaling.target.ttft_p99_s"),
+    ({"autoscaling": {"max_instances": 2, "target": {"itl_p99_s": -1}}}, "fleet.autoscaling.target.itl_p99_s"),
+    ({"autoscaling": {"max_instances": 2, "target": {"queue_per_instance": None}}}, "fleet.autoscaling.target"),
+    ({"autoscaling": {"max_instances": 2, "up_after_s": -1}}, "fleet.autoscaling.up_after_s"),
+    ({"autoscaling": {"max_instances": 2, "bogus": 1}}, "fleet.autoscaling.bogus"),
+    ({"instances": 3, "autoscaling": {"min_instances": 1, "max_instances": 4}}, "fleet"),
 ])
-def test_bad_autoscaling_is_named_by_its_key(router: dict, key: str) -> None:
+def test_bad_autoscaling_is_named_by_its_key(fleet: dict, key: str) -> None:
     with pytest.raises(ConfigError) as e:
-        parse_config({"engine": {"model": {"target": "m"}}, "router": router})
+        parse_config({"engine": {"model": {"target": "m"}}, "fleet": fleet})
     assert f"<config>: {key}:" in str(e.value)
 
 

@@ -70,6 +70,24 @@ def test_unknown_key_names_path_and_file(tmp_path: Path, text: str, key: str) ->
     assert str(path) in msg
 
 
+def test_a_fleet_key_written_under_router_names_where_it_moved(tmp_path: Path) -> None:
+    """A config of the layout before `fleet:` (its shape under `router:`) is refused, each old key named with its new
+    place, and never read as a one-instance fleet."""
+    path = write(tmp_path, "engine:\n  model: {target: x}\nrouter:\n  instances: 3\n  pipeline_stages: 2\n"
+                           "  instance_num_cpus: 0.5\n  instance_resources: {gpu_a: 1}\n  dispatch: round_robin\n"
+                           "  autoscaling: {min_instances: 3, max_instances: 4}\n", "old.yaml")
+    with pytest.raises(ConfigError) as err:
+        load_config(path)
+    lines = str(err.value).splitlines()
+    assert lines == [f"{path}: router.{key}: moved to fleet.{key}: write it there" for key in
+                     ("instances", "pipeline_stages", "instance_num_cpus", "instance_resources", "autoscaling")]
+    moved = load_config(write(tmp_path, "engine:\n  model: {target: x}\nfleet:\n  instances: 3\n  pipeline_stages: 2\n"
+                                        "  instance_num_cpus: 0.5\n  instance_resources: {gpu_a: 1}\n"
+                                        "router: {dispatch: round_robin}\n", "new.yaml"))
+    assert (moved.fleet.instances, moved.fleet.pipeline_stages, moved.fleet.instance_num_cpus) == (3, 2, 0.5)
+    assert moved.fleet.instance_resources == {"gpu_a": 1.0} and moved.router.dispatch == "round_robin"
+
+
 @pytest.mark.parametrize(
     ("text", "key"),
     [
@@ -159,9 +177,9 @@ def test_loaded_config_is_frozen_and_hashable() -> None:
 
 def test_expert_parallel_ranks_need_as_many_planned_slots() -> None:
     raw = {"engine": {"model": {"target": "m.gguf"}, "experts": {"ranks": 2}}}
-    with pytest.raises(ConfigError, match="set router.pipeline_stages to 2"):
+    with pytest.raises(ConfigError, match="set fleet.pipeline_stages to 2"):
         parse_config(raw)
-    cfg = parse_config({**raw, "router": {"pipeline_stages": 2}})
+    cfg = parse_config({**raw, "fleet": {"pipeline_stages": 2}})
     assert cfg.engine.experts.enabled and cfg.engine.experts.plan is None and cfg.engine.experts.slack == 2
     with pytest.raises(ConfigError, match="engine.experts.ranks"):
         parse_config({"engine": {"model": {"target": "m.gguf"}, "experts": {"ranks": 0}}})

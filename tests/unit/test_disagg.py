@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from cluster.config import RouterConfig
+from cluster.config import RouterConfig, parse_config
 from cluster.disagg import Candidate, DisaggConfig, DisaggPolicy, PromptShape, prefilled
 from cluster.dispatch import make_dispatch
 from cluster.handoff import Handoffs, avoid_prefill_only, handoff_destination, route_pair
@@ -108,16 +108,22 @@ def test_prefilled_means_a_token_beyond_the_prompt() -> None:
 
 
 # ---- the config ---------------------------------------------------------------------------------------------------
+def with_roles(instances: int, roles: list[str]):
+    """A config of `instances` instances with these roles (the count is the fleet's, the roles the router's)."""
+    return parse_config({"engine": {"model": {"target": "m"}}, "fleet": {"instances": instances},
+                         "router": {"disaggregation": {"roles": roles}}})
+
+
 def test_roles_are_one_per_instance_and_some_instance_decodes() -> None:
-    cfg = RouterConfig(instances=3, disaggregation={"roles": ["prefill", "decode", "both"]})
+    cfg = with_roles(3, ["prefill", "decode", "both"]).router
     assert cfg.disaggregation.enabled and cfg.disaggregation.role_of(0) == "prefill"
     assert not RouterConfig().disaggregation.enabled and RouterConfig().disaggregation.role_of(4) == "both"
     with pytest.raises(ValueError, match="one role per instance"):
-        RouterConfig(instances=3, disaggregation={"roles": ["prefill", "decode"]})
+        with_roles(3, ["prefill", "decode"])
     with pytest.raises(ValueError, match="none decodes"):
-        RouterConfig(instances=2, disaggregation={"roles": ["prefill", "prefill"]})
+        with_roles(2, ["prefill", "prefill"])
     with pytest.raises(ValueError, match="roles"):
-        RouterConfig(instances=1, disaggregation={"roles": ["decoder"]})
+        with_roles(1, ["decoder"])
 
 
 # ---- placement over the router's registry ------------------------------------------------------------------------

@@ -39,7 +39,7 @@ def test_profile_plan_apply_status_end_to_end(tiny_models, tmp_path) -> None:
     assert out.returncode == 0, out.stderr
     cfg = load_config(grouped)
     assert cfg.engine.experts.ranks == 2 and cfg.engine.experts.plan == str(plan.resolve())
-    assert cfg.engine.experts.stats == str(stats.resolve()) and cfg.router.pipeline_stages == 2
+    assert cfg.engine.experts.stats == str(stats.resolve()) and cfg.fleet.pipeline_stages == 2
     assert cfg.engine.experts.attention == "data"
     shuffled = tmp_path / "shuffled.yaml"  # token-level pre-scheduling: heads split over the ranks
     out = specfleet("experts", "apply", "--plan", str(plan), "--stats", str(stats), "--attention", "tensor",

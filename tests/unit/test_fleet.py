@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from cluster.config import (CacheConfig, EngineConfig, ExpertParallelConfig, ModelConfig, RouterConfig,
+from cluster.config import (CacheConfig, EngineConfig, ExpertParallelConfig, FleetConfig, ModelConfig,
                             SpeculationConfig)
 from placement.fleet import plan_fleet, plan_instance
 from placement.inventory import Inventory, NodeSpec
@@ -27,7 +27,7 @@ def engine(draft: str | None = "draft.gguf", draft_layers=None, policy: str = "f
 
 
 def test_two_instances_of_two_stages_take_four_distinct_devices() -> None:
-    specs = plan_fleet(engine(), RouterConfig(instances=2, pipeline_stages=2), FOUR_DEVICES,
+    specs = plan_fleet(engine(), FleetConfig(instances=2, pipeline_stages=2), FOUR_DEVICES,
                        model(8), model(2, name="draft"))
 
     assert [s.instance_id for s in specs] == ["inst-0", "inst-1"]
@@ -42,7 +42,7 @@ def test_two_instances_of_two_stages_take_four_distinct_devices() -> None:
 
 
 def test_a_self_draft_sits_on_stage_0s_device_and_one_device_runs_in_process() -> None:
-    [spec] = plan_fleet(engine(draft=None, draft_layers=(0, 1)), RouterConfig(), FOUR_DEVICES, model(4), None)
+    [spec] = plan_fleet(engine(draft=None, draft_layers=(0, 1)), FleetConfig(), FOUR_DEVICES, model(4), None)
 
     assert spec.executor == "local" and len(spec.layout.stages) == 1
     assert (spec.layout.draft_node, spec.layout.draft_device) == (spec.layout.stages[0].node, spec.layout.stages[0].device)
@@ -50,7 +50,7 @@ def test_a_self_draft_sits_on_stage_0s_device_and_one_device_runs_in_process() -
 
 
 def test_without_speculation_no_draft_is_placed() -> None:
-    [spec] = plan_fleet(engine(policy="off"), RouterConfig(), FOUR_DEVICES, model(4), model(2, name="draft"))
+    [spec] = plan_fleet(engine(policy="off"), FleetConfig(), FOUR_DEVICES, model(4), model(2, name="draft"))
     assert spec.layout.draft_node is None and spec.place.draft is None
 
 
@@ -67,7 +67,7 @@ def test_instances_never_share_a_device() -> None:
         stages = rng.randint(1, 3)
         instances = rng.randint(1, max(1, devices // stages))
         try:
-            specs = plan_fleet(engine(), RouterConfig(instances=instances, pipeline_stages=stages), inventory,
+            specs = plan_fleet(engine(), FleetConfig(instances=instances, pipeline_stages=stages), inventory,
                                model(6, layer_gb=2.0), model(2, name="draft"))
         except PlacementError:
             continue
@@ -90,7 +90,7 @@ def test_resolving_models_keeps_the_name_clients_use(tiny_models) -> None:
 
 def test_expert_parallel_ranks_take_one_planned_slot_each_as_actors() -> None:
     cfg = engine(policy="off").model_copy(update={"experts": ExpertParallelConfig(ranks=3)})
-    [spec] = plan_fleet(cfg, RouterConfig(pipeline_stages=3), FOUR_DEVICES, model(8), None)
+    [spec] = plan_fleet(cfg, FleetConfig(pipeline_stages=3), FOUR_DEVICES, model(8), None)
     assert spec.executor == "ray" and len(spec.layout.stages) == 3 == len(spec.layout.places)
     assert spec.engine.experts.ranks == 3
 
@@ -99,24 +99,24 @@ def test_an_instance_planned_again_keeps_its_place_while_it_is_free_and_lands_on
     """Node loss and return (placement/fleet.py, plan_instance): the replacement of instance 1 takes its place in the
     fleet's plan while that place is free; when its node is gone it is planned alone over the devices nobody else
     holds; when nothing is free it waits (PlacementError); when the node returns it is used again."""
-    router = RouterConfig(instances=2)
-    fleet = plan_fleet(engine(), router, FOUR_DEVICES, model(4), model(2, name="draft"))
+    shape = FleetConfig(instances=2)
+    fleet = plan_fleet(engine(), shape, FOUR_DEVICES, model(4), model(2, name="draft"))
     holds = {i: s.layout.places for i, s in enumerate(fleet)}
     # every node alive, instance 0 where the plan put it: instance 1's replacement takes its planned place
-    again = plan_instance(engine(), router, FOUR_DEVICES, model(4), model(2, name="draft"), 1, taken=holds[0])
+    again = plan_instance(engine(), shape, FOUR_DEVICES, model(4), model(2, name="draft"), 1, taken=holds[0])
     assert again.instance_id == "inst-1" and again.layout.places == holds[1]
     # its node died: it lands on a device of the nodes left that instance 0 does not hold
     lost = next(iter(holds[1]))[0]
     left = Inventory(nodes=[n for n in FOUR_DEVICES.nodes if n.name != lost])
-    moved = plan_instance(engine(), router, left, model(4), model(2, name="draft"), 1, taken=holds[0])
+    moved = plan_instance(engine(), shape, left, model(4), model(2, name="draft"), 1, taken=holds[0])
     assert moved.instance_id == "inst-1" and moved.layout.places.isdisjoint(holds[0])
     assert {node for node, _ in moved.layout.places} <= {n.name for n in left.nodes}
     # only devices instance 0 holds are left: nowhere to go until a node returns
     only = Inventory(nodes=[n.model_copy(update={"count": 1}) for n in FOUR_DEVICES.nodes if (n.name, 0) in holds[0]])
     with pytest.raises(PlacementError, match="held by another instance"):
-        plan_instance(engine(), router, only, model(4), model(2, name="draft"), 1, taken=holds[0])
+        plan_instance(engine(), shape, only, model(4), model(2, name="draft"), 1, taken=holds[0])
     # a device that is free on a node with another taken is addressed by its own index there
-    a100_1 = plan_instance(engine(), RouterConfig(instances=3), FOUR_DEVICES, model(4), model(2, name="draft"), 2,
+    a100_1 = plan_instance(engine(), FleetConfig(instances=3), FOUR_DEVICES, model(4), model(2, name="draft"), 2,
                            taken={("a100", 0), ("l4-0", 0), ("l4-1", 0)})
     assert a100_1.layout.places == {("a100", 1)}
 
