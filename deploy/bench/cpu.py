@@ -141,13 +141,16 @@ def _llamas(setup: Setup, args: argparse.Namespace) -> dict[str, Llama]:
     the AVX2-only build (a child process each); none without the binding or with --no-llama."""
     if args.no_llama or not llama_anchor.available():
         return {}
-    gguf, n_ctx = model_path(setup.target), max(args.max_tokens + 2048, args.ttft_tokens + 64)
+    gguf = model_path(setup.target)
+    # the plain engines also take the long prompt of the time to first token; a lookup engine keeps every
+    # position's logits (n_ctx x vocabulary floats: 1.7 GB for Gemma 3's), so its context is the chat prompts'
+    n_ctx = {"plain": max(args.max_tokens + 2048, args.ttft_tokens + 64), "lookup": args.max_tokens + 1536}
     lookups = [("plain", None)] + ([("lookup", args.llama_lookup)] if args.llama_lookup else [])
-    out: dict[str, Llama] = {f"llama.cpp {kind}": llama_anchor.LlamaCpp(gguf, args.threads, n_ctx, k)
+    out: dict[str, Llama] = {f"llama.cpp {kind}": llama_anchor.LlamaCpp(gguf, args.threads, n_ctx[kind], k)
                              for kind, k in lookups}
     if args.llama_avx2_lib:
         out |= {f"llama.cpp {kind} [avx2]": llama_anchor.LlamaCppProcess(args.llama_avx2_lib, gguf, args.threads,
-                                                                         n_ctx, k) for kind, k in lookups}
+                                                                         n_ctx[kind], k) for kind, k in lookups}
     return out
 
 

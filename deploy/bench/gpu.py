@@ -28,7 +28,6 @@ ROOT = Path(__file__).resolve().parents[2]
 DOCS = ROOT / "docs" / "benchmarks.md"
 BEGIN = "<!-- gpu-check:begin (written by `make gpu-check`; what is between the markers is replaced) -->"
 END = "<!-- gpu-check:end -->"
-HEADING = "## On a lent GPU: `make gpu-check` (issue 36)"
 
 # the lossless unit tier: every mode's output equals the target's own greedy output (tests/unit/helpers.py
 # TEST_DEVICE puts their models on SPECFLEET_TEST_DEVICE)
@@ -135,8 +134,9 @@ def summarize(name: str, report: dict) -> str:
 
 
 def render(results: Sequence[StepResult], meta: Mapping[str, str]) -> str:
-    """The docs section's body: what ran where, and a row per step."""
-    lines = [HEADING, "", f"`{meta['command']}` on {meta['devices']} ({meta['date']}, torch {meta['torch']}, "
+    """The docs section's body (below the section's heading and its description, which stay): what ran where, and
+    a row per step."""
+    lines = [f"Latest run: `{meta['command']}` on {meta['devices']} ({meta['date']}, torch {meta['torch']}, "
              f"{meta['seconds']} s in all, budget {meta['budget_s']} s). Written by the command itself; a step's "
              "deadline is its share of the budget.", "",
              "| step | status | seconds | result |", "|---|---|---|---|"]
