@@ -31,7 +31,8 @@ class LlamaCpp:
     prompt-lookup decoding) proposing up to `lookup` tokens a step."""
 
     def __init__(self, gguf: Path, threads: int, n_ctx: int, lookup: int | None = None) -> None:
-        from llama_cpp import Llama, LlamaPromptLookupDecoding, llama_print_system_info
+        from llama_cpp import Llama, llama_print_system_info
+        from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
 
         draft = LlamaPromptLookupDecoding(num_pred_tokens=lookup) if lookup else None
         self.llm = Llama(model_path=str(gguf), n_threads=threads, n_threads_batch=threads, n_ctx=n_ctx,
