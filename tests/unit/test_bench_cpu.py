@@ -50,3 +50,33 @@ def test_without_dequantized_rows_the_report_has_no_stored_vs_dequantized() -> N
 def test_the_avx2_anchor_needs_a_built_library(tmp_path: Path) -> None:
     with pytest.raises(AnchorError, match=f"no libllama.so in {tmp_path}"):
         LlamaCppProcess(tmp_path, tmp_path / "m.gguf", threads=1, n_ctx=64)
+
+
+@pytest.mark.heavy  # a tiny GGUF model loaded once per ISA path, a 300-token prefill on each
+def test_time_to_first_token_prefills_the_same_ids_on_every_isa_path(tmp_path: Path) -> None:
+    import gguf
+
+    from actors.model import cpu_kernels
+    from actors.model.loader import load_model
+    from deploy.bench.cpu import _long_prompt, _ttft
+    from deploy.bench.prompts import DATASETS, load_prompts
+    from deploy.cli.flags import UsageError
+    from tests.fixtures.tiny_models import build_tiny_model, write_tiny_gguf
+
+    src = build_tiny_model("llama", tmp_path / "llama", max_position_embeddings=1024)
+    path = str(write_tiny_gguf(src, tmp_path / "tiny.gguf", {"weight": gguf.GGMLQuantizationType.Q4_0}))
+    isas = list(dict.fromkeys([cpu_kernels.isa(), "torch"]))  # this CPU's path, then torch's ops
+    models = {}
+    for isa in isas:
+        with cpu_kernels.forced(isa):
+            models[isa] = load_model(path, "bf16", weights="stored")
+    model = models[isas[0]]
+    prompt = _long_prompt(model, 300)
+    first = model.encode(load_prompts([DATASETS / "mt_bench_questions.jsonl"], 1)[0], chat=False)
+    assert len(prompt) == 300 and prompt[:min(len(first), 300)] == first[:300]
+    with pytest.raises(UsageError, match="--ttft-tokens asked for 10000000"):
+        _long_prompt(model, 10_000_000)
+    out = _ttft(prompt, models, {})
+    assert list(out) == [f"ours [{isa}]" for isa in isas]
+    assert all(r["seconds"] > 0 and r["prefill_tok_s"] > 0 and r["x_llama_cpp"] is None for r in out.values())
+    assert all(0 <= r["first_token"] < model.config.vocab_size for r in out.values())
