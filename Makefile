@@ -6,7 +6,7 @@ STAMP   := $(VENV)/.installed
 CONFIG  ?= deploy/configs/default.yaml
 PROMPT  ?= Explain speculative decoding in one sentence.
 
-.PHONY: venv install test serve generate clean
+.PHONY: venv install test gpu-check serve generate clean
 
 venv: $(PY)
 install: $(STAMP)
@@ -33,6 +33,12 @@ test: $(STAMP)
 	$(PY) -m pytest -q --durations=30 tests
 	SPECFLEET_CPU_KERNELS=torch ATEN_CPU_CAPABILITY=avx2 DNNL_MAX_CPU_ISA=AVX2 \
 		$(PY) -m pytest -q -m "not slow and not heavy" tests/unit
+
+# on a machine with a GPU (lent or own), within 8 minutes: the lossless unit tier and the pipeline and KV-link paths
+# on CUDA (NCCL between two GPUs), `bench spec` on CUDA; the figures replace docs/benchmarks.md's gpu-check section.
+# Without a CUDA device it stops at once: "no CUDA device"
+gpu-check: $(STAMP)
+	$(PY) -m deploy.cli bench gpu
 
 # the local 3-node cluster (kept if it already runs), then the Serve app on it; `specfleet cluster down` stops all
 serve: $(STAMP)

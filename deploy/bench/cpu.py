@@ -1,5 +1,5 @@
 """`specfleet bench cpu`: llama.cpp's plain decoding (the anchor) against ours, plain and speculative, with the
-weights dequantized and computed as stored, on the default model and the Qwen pair, in one run.
+weights dequantized and computed as stored, on the default model, Gemma 3 270M and the Qwen pair, in one run.
 
 Every row decodes the same chat prompts (each model's chat template, our tokenizer's ids given to llama.cpp too),
 greedy, exactly `--max-tokens` new tokens, timed per request with its prefill, at each of `--batches` (llama.cpp
@@ -7,6 +7,12 @@ at batch 1 only: its row is the anchor of a single user). Rows run interleaved g
 order rotating, so that drift in the machine's speed hits every row alike; ratios come from totals within the run. Each setup also reports how far the stored weights' logits are from the dequantized
 ones and how often their greedy tokens agree, and `--profile` reports the share of a plain decode step spent
 outside torch's kernels.
+
+llama.cpp rows (where `llama_cpp` is importable, deploy/bench/llama_anchor.py): plain and its prompt-lookup
+speculation on the installed build (this CPU's native ISA), and the same on a second, AVX2-only build in a child
+process (`--llama-avx2-lib`); "x llama.cpp" holds each row to the llama.cpp plain row of its own ISA. Time to the
+first token of one long prompt (`--ttft-tokens`, MT-Bench text, the same ids for every engine; ours prefills in
+chunks of 256) is measured per ISA path beside llama.cpp's, one after the other.
 
 ISA paths (`--isas`, default every one this CPU runs, and torch's ops): the first (this machine's default, e.g.
 avx512) runs every row; each other (avx2, torch) adds its own plain and speculative stored rows, named "[isa]", on
@@ -18,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -39,6 +46,7 @@ from deploy.bench.default import cpu_model
 from deploy.bench.output import save
 from deploy.bench.prompts import DATASETS, load_prompts
 from deploy.bench.spec import _agreement
+from deploy.cli.flags import UsageError
 from deploy.model_store import model_path, resolve_model
 
 
@@ -56,6 +64,8 @@ SETUPS = {
     # the default app: n-gram lookup with the goodput policy (deploy/configs/default.yaml)
     "default": Setup("smollm2-135m-instruct", None, SpeculationConfig(method="ngram", policy="goodput", k=4), "none"),
     # the Qwen pair, the 0.5B drafting 4 tokens a round (its best setting so far: docs/benchmarks.md)
+    # Gemma 3 270M (issue 37), n-gram lookup as the default app speculates
+    "gemma3": Setup("gemma3-270m", None, SpeculationConfig(method="ngram", policy="goodput", k=4), "none"),
     "qwen": Setup("qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b", SpeculationConfig(policy="fixed", k=4), "int8"),
 }
 
@@ -77,6 +87,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--fp32-reference", nargs="*", choices=list(SETUPS), default=["default"],
                    help="setups whose bf16 logits are also held to the target's stored weights computed in fp32")
     p.add_argument("--no-llama", action="store_true", help="leave out the llama.cpp row even if it is installed")
+    p.add_argument("--llama-lookup", type=int, default=10,
+                   help="llama.cpp's prompt-lookup row proposes up to this many tokens a step (the binding's "
+                        "default, 10); 0 leaves the row out")
+    p.add_argument("--llama-avx2-lib", type=Path, default=os.environ.get("SPECFLEET_LLAMA_AVX2_LIB"),
+                   help="a folder holding an AVX2-only build of llama.cpp's shared libraries (default "
+                        "$SPECFLEET_LLAMA_AVX2_LIB): adds its rows, named \"[avx2]\", run in a child process")
+    p.add_argument("--no-dequantized", action="store_true",
+                   help="leave out the dequantized rows and the stored-vs-dequantized check (a shorter run)")
+    p.add_argument("--ttft-tokens", type=int, default=2000,
+                   help="time to the first token of a prompt this long (0: not measured)")
+    p.add_argument("--ttft-setups", nargs="*", choices=list(SETUPS), default=["default"],
+                   help="the setups whose time to first token is measured")
     p.add_argument("--profile", action="store_true", help="profile one plain stored request of the first setup")
     p.add_argument("--kernels", action="store_true", help="also time each matmul kernel alone (deploy/bench/kernels.py)")
     p.add_argument("--isas", nargs="+", choices=[*cpu_kernels.ISAS, "torch"], default=None,
@@ -111,21 +133,39 @@ def _engine(target: ModelRunner, draft: ModelRunner | None, spec: SpeculationCon
     return run
 
 
-def _llama_row(setup: Setup, args: argparse.Namespace) -> Row:
-    llama = llama_anchor.LlamaCpp(model_path(setup.target), args.threads, n_ctx=args.max_tokens + 2048)
-    return Row("llama.cpp plain", lambda prompts, n: ([llama.generate(ids, n) for ids in prompts], SpecStats()))
+Llama = llama_anchor.LlamaCpp | llama_anchor.LlamaCppProcess
+
+
+def _llamas(setup: Setup, args: argparse.Namespace) -> dict[str, Llama]:
+    """The setup's llama.cpp engines by row name: plain and prompt lookup on the installed build, then the same on
+    the AVX2-only build (a child process each); none without the binding or with --no-llama."""
+    if args.no_llama or not llama_anchor.available():
+        return {}
+    gguf = model_path(setup.target)
+    # the plain engines also take the long prompt of the time to first token; a lookup engine keeps every
+    # position's logits (n_ctx x vocabulary floats: 1.7 GB for Gemma 3's), so its context is the chat prompts'
+    n_ctx = {"plain": max(args.max_tokens + 2048, args.ttft_tokens + 64), "lookup": args.max_tokens + 1536}
+    lookups = [("plain", None)] + ([("lookup", args.llama_lookup)] if args.llama_lookup else [])
+    out: dict[str, Llama] = {f"llama.cpp {kind}": llama_anchor.LlamaCpp(gguf, args.threads, n_ctx[kind], k)
+                             for kind, k in lookups}
+    if args.llama_avx2_lib:
+        out |= {f"llama.cpp {kind} [avx2]": llama_anchor.LlamaCppProcess(args.llama_avx2_lib, gguf, args.threads,
+                                                                         n_ctx[kind], k) for kind, k in lookups}
+    return out
+
+
+def _llama_row(name: str, llama: Llama) -> Row:
+    return Row(name, lambda prompts, n: ([llama.generate(ids, n) for ids in prompts], SpecStats()))
 
 
 def _rows(setup: Setup, args: argparse.Namespace, target: LoadedModel, draft: LoadedModel | None,
-          batch: int, isa: str | None = None) -> list[Row]:
-    """llama.cpp (batch 1), then ours: plain and speculative, dequantized and stored; with `isa` (another ISA path
+          batch: int, isa: str | None = None, llamas: dict[str, Llama] | None = None) -> list[Row]:
+    """llama.cpp's (batch 1), then ours: plain and speculative, dequantized and stored; with `isa` (another ISA path
     than the default's), only its plain and speculative stored rows (int8 inputs, the first stored draft)."""
     cache = CacheConfig(block_size=16, num_blocks=batch * (args.max_tokens + 2048) // 16 + 8 * batch)
-    rows = []
-    if batch == 1 and llama_anchor.available() and not args.no_llama and isa is None:
-        rows.append(_llama_row(setup, args))
+    rows = [_llama_row(name, llama) for name, llama in (llamas or {}).items()] if batch == 1 and isa is None else []
     paths = [("stored", args.activations[0])] if isa else \
-        [("dequantized", "int8")] + [("stored", a) for a in args.activations]
+        ([] if args.no_dequantized else [("dequantized", "int8")]) + [("stored", a) for a in args.activations]
     for weights, act in paths:
         runner = ModelRunner(target, range(target.num_layers), cache, weights=weights, activations=act)
         name = (weights if act == "int8" else f"{weights} (bf16 in)") + (f" [{isa}]" if isa else "")
@@ -203,7 +243,8 @@ def run(args: argparse.Namespace) -> int:
     report: dict = {"command": "specfleet bench cpu", "cpu": cpu_model(), "threads": args.threads, "isas": isas,
                     "cpu_isa_flags": flags, "default_isa": dict(zip(("isa", "why"), cpu_kernels.choice())),
                     "num_prompts": args.num_prompts, "max_tokens": args.max_tokens, "load_before": cpu_load(),
-                    "llama_cpp": llama_anchor.available() and not args.no_llama, "setups": {}}
+                    "llama_cpp": llama_anchor.available() and not args.no_llama, "llama_cpp_builds": {},
+                    "ttft_tokens": args.ttft_tokens, "ttft": {}, "setups": {}}
     texts = load_prompts(args.prompts, args.num_prompts)
     if args.kernels:
         from deploy.bench import kernels
@@ -217,20 +258,29 @@ def run(args: argparse.Namespace) -> int:
             draft = load_model(resolve_model(setup.draft, "bf16"), "bf16", weights="stored") if setup.draft else None
         print(f"{name}: loaded in {time.perf_counter() - t0:.0f}s", flush=True)
         prompts = [target.encode(t, chat=True) for t in texts]
-        exact = load_model(resolve_model(setup.target, "fp32"), "fp32", weights="stored") \
-            if name in args.fp32_reference else None
-        with cpu_kernels.forced(isas[0]):
-            gap = _logit_gap(target, prompts[0], exact)
-        del exact
+        gap = None
+        if not args.no_dequantized:
+            exact = load_model(resolve_model(setup.target, "fp32"), "fp32", weights="stored") \
+                if name in args.fp32_reference else None
+            with cpu_kernels.forced(isas[0]):
+                gap = _logit_gap(target, prompts[0], exact)
+            del exact
         others = {}  # the other ISA paths' own loads of the models (a model's projections are built for one ISA)
         for isa in isas[1:]:
             with cpu_kernels.forced(isa):
                 others[isa] = (load_model(resolve_model(setup.target, "bf16"), "bf16", weights="stored"),
                                load_model(resolve_model(setup.draft, "bf16"), "bf16", weights="stored")
                                if setup.draft else None)
+        llamas = _llamas(setup, args)
+        report["llama_cpp_builds"] |= {n: llm.system_info for n, llm in llamas.items() if "plain" in n}
+        if args.ttft_tokens and name in args.ttft_setups:
+            ours = {isas[0]: target} | {isa: t for isa, (t, _) in others.items()}
+            report["ttft"][name] = _ttft(_long_prompt(target, args.ttft_tokens), ours, llamas)
+            print(f"{name}: time to first token " + ", ".join(f"{k} {v['seconds']}s"
+                                                             for k, v in report["ttft"][name].items()), flush=True)
         for batch in args.batches:
             with cpu_kernels.forced(isas[0]):
-                rows = _rows(setup, args, target, draft, batch)
+                rows = _rows(setup, args, target, draft, batch, llamas=llamas)
             for isa, (t, d) in others.items():
                 with cpu_kernels.forced(isa):
                     rows += _rows(setup, args, t, d, batch, isa)
@@ -240,7 +290,9 @@ def run(args: argparse.Namespace) -> int:
                 plain = next(r for r in rows if r.name == "plain stored")
                 report["profile"] = {"setup": name, "batch": batch, **_profile(plain.run, prompts[0], args.max_tokens)}
             del rows
-        del target, draft, others
+        for llm in llamas.values():
+            llm.close()
+        del target, draft, others, llamas
     report["load_after"] = cpu_load()
     _print(report)
     save(report, args.json, None, lambda *_: None)
@@ -264,12 +316,28 @@ def _measure(label: str, rows: list[Row], prompts: list[list[int]], batch: int, 
               flush=True)
 
 
-def _report(setup: Setup, rows: list[Row], gap: dict[str, float]) -> dict:
-    anchor = next((r for r in rows if r.name.startswith("llama.cpp")), None)
+def _isa_tag(name: str) -> str:
+    """A row's ISA tag, " [avx2]", or "" for the default path's rows (and the installed llama.cpp build's)."""
+    tag = re.search(r" \[\w+\]", name)
+    return tag.group(0) if tag else ""
+
+
+def _own_plain_name(name: str) -> str | None:
+    """The plain row a speculative row's output and speed are held to: ours to ours, llama.cpp's to llama.cpp's."""
+    if name.startswith("spec"):
+        return name.split(",")[0].replace("spec", "plain", 1)
+    if name.startswith("llama.cpp lookup"):
+        return name.replace("lookup", "plain", 1)
+    return None
+
+
+def _report(setup: Setup, rows: list[Row], gap: dict[str, float] | None) -> dict:
     by_name = {r.name: r for r in rows}
     out = {}
     for r in rows:
-        own_plain = by_name.get(r.name.split(",")[0].replace("spec", "plain")) if r.name.startswith("spec") else None
+        # the llama.cpp plain row of the row's own ISA where there is one, else the installed build's
+        anchor = by_name.get("llama.cpp plain" + _isa_tag(r.name)) or by_name.get("llama.cpp plain")
+        own_plain = by_name.get(_own_plain_name(r.name) or "")
         same, prefix = _agreement(own_plain.outputs, r.outputs) if own_plain else (None, None)
         out[r.name] = {
             "tok_s": round(r.tok_s, 2), "tokens": r.tokens, "seconds": round(r.seconds, 2),
@@ -279,10 +347,53 @@ def _report(setup: Setup, rows: list[Row], gap: dict[str, float]) -> dict:
             "token_agreement_with_own_plain": None if prefix is None else round(prefix, 4),
             "acceptance": round(r.stats.acceptance_rate, 3) if r.stats.proposed else None,
         }
-    stored, dense = by_name["plain stored"], by_name["plain dequantized"]
-    same, prefix = _agreement(dense.outputs, stored.outputs)
-    return {"target": setup.target, "draft": setup.draft or setup.speculation.method, "rows": out,
-            "stored_vs_dequantized": {**gap, "identical_outputs": same, "token_agreement": round(prefix, 4)}}
+    report = {"target": setup.target, "draft": setup.draft or setup.speculation.method, "rows": out}
+    if gap is not None:
+        same, prefix = _agreement(by_name["plain dequantized"].outputs, by_name["plain stored"].outputs)
+        report["stored_vs_dequantized"] = {**gap, "identical_outputs": same, "token_agreement": round(prefix, 4)}
+    return report
+
+
+def _long_prompt(model: LoadedModel, n: int) -> list[int]:
+    """The first `n` tokens of the MT-Bench questions' first turns run together (no chat template)."""
+    ids: list[int] = []
+    for text in load_prompts([DATASETS / "mt_bench_questions.jsonl"]):
+        ids += model.encode(text, chat=False)
+        if len(ids) >= n:
+            return ids[:n]
+    raise UsageError(f"the MT-Bench questions hold {len(ids)} tokens; --ttft-tokens asked for {n}")
+
+
+def _ttft(prompt: list[int], ours: dict[str, LoadedModel], llamas: dict[str, Llama]) -> dict[str, dict]:
+    """Seconds to the first token of `prompt` at batch 1, greedy, from an empty cache: each of our ISA paths (stored
+    weights, int8 inputs, prefill in chunks of 256) and each llama.cpp build's plain engine (n_batch 512), one
+    after the other after a warm-up on the prompt's first 256 tokens; "x llama.cpp" is the time over llama.cpp's of
+    the same ISA (the installed build's where there is no such build)."""
+    greedy = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    runs: dict[str, Callable[[list[int]], list[int]]] = {}
+    for isa, model in ours.items():
+        with cpu_kernels.forced(isa):
+            runner = ModelRunner(model, range(model.num_layers),
+                                 CacheConfig(block_size=16, num_blocks=len(prompt) // 16 + 8), weights="stored")
+        engine = Engine(runner, None, SpeculationConfig(policy="off"),
+                        SchedulerConfig(max_batch_size=1, max_num_batched_tokens=256))
+        runs[f"ours [{isa}]"] = lambda ids, e=engine: generate(e, [ids], greedy)[0].token_ids
+    for name, llama in llamas.items():
+        if " plain" in name:
+            runs[name.replace(" plain", "")] = lambda ids, llm=llama: llm.generate(ids, 1)
+    for run in runs.values():
+        run(prompt[:256])
+    out: dict[str, dict] = {}
+    for name, run in runs.items():
+        t = time.perf_counter()
+        first = run(prompt)
+        seconds = time.perf_counter() - t
+        out[name] = {"seconds": round(seconds, 2), "prefill_tok_s": round(len(prompt) / seconds, 1),
+                     "first_token": first[0]}
+    for name, r in out.items():
+        anchor = out.get("llama.cpp" + _isa_tag(name)) or out.get("llama.cpp")
+        r["x_llama_cpp"] = round(r["seconds"] / anchor["seconds"], 2) if anchor and name.startswith("ours") else None
+    return out
 
 
 def _print(report: dict) -> None:
@@ -312,6 +423,8 @@ def _print(report: dict) -> None:
                       fmt(r["acceptance"]), fmt(r["identical_to_own_plain"]), fmt(r["token_agreement_with_own_plain"],
                                                                                   "{:.3f}"))
         console.print(t)
+        if "stored_vs_dequantized" not in s:
+            continue
         g = s["stored_vs_dequantized"]
         console.print(f"stored vs dequantized (bf16, decode-path logits of a prompt): at most {g['max_abs_diff']} "
                       f"apart (logit std {g['logit_std']}), top-1 agreement {g['top1_agreement']:.3f}; with bf16 "
@@ -321,6 +434,16 @@ def _print(report: dict) -> None:
             console.print("against the GGUF's weights in fp32: " + ", ".join(
                 f"{w} (bf16) at most {g[w + '_vs_fp32_max_abs_diff']}, top-1 {g[w + '_vs_fp32_top1']:.3f}"
                 for w in ("stored", "stored (bf16 in)", "dequantized")))
+    for name, info in report["llama_cpp_builds"].items():
+        console.print(escape(f"{name}: {info}"))
+    for name, runs in report["ttft"].items():
+        t = Table(title=f"{name}: time to the first token of a {report['ttft_tokens']}-token prompt, batch 1")
+        for col in ("engine", "seconds", "prefill tok/s", "x llama.cpp", "first token"):
+            t.add_column(col, justify="left" if col == "engine" else "right", no_wrap=True)
+        for engine, r in runs.items():
+            t.add_row(escape(engine), f"{r['seconds']:.2f}", f"{r['prefill_tok_s']:.0f}",
+                      "-" if r["x_llama_cpp"] is None else f"{r['x_llama_cpp']:.2f}x", str(r["first_token"]))
+        console.print(t)
     if "profile" in report:
         p = report["profile"]
         console.print(f"profile ({p['setup']}, plain stored): {p['ms_per_token']} ms per token, "

@@ -26,6 +26,9 @@ COMMANDS: list[tuple[tuple[str, ...], str, str, str]] = [
      "Qwen pair, batch 1 and 8", "deploy.bench.default", "add_arguments"),
     (("bench", "cpu"), "llama.cpp (if installed) vs plain and speculative decoding, weights dequantized vs stored, "
      "default model and Qwen pair", "deploy.bench.cpu", "add_arguments"),
+    (("bench", "gpu"), "on a lent GPU, within 8 minutes: the lossless unit tier and the link paths on CUDA (NCCL "
+     "between two GPUs), bench spec; writes the figures to docs/benchmarks.md (make gpu-check)",
+     "deploy.bench.gpu", "add_arguments"),
     (("bench", "dtype"), "fp32 vs bf16 on each CPU path (our avx512 and avx2 kernels, torch's ops): prefill and "
      "decoding, the figures behind dtype: auto", "deploy.bench.dtype", "add_arguments"),
     (("bench", "load"), "Poisson load at several rates for each speculation policy (off, fixed, goodput)",
