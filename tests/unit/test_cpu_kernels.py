@@ -1,8 +1,8 @@
 """Our fused CPU kernels (actors/model/fused_cpu.cpp) against the torch ops they replace, op by op and through a
 whole bf16 model (Llama's norms, Qwen3's q/k norms, Gemma 3's (1 + w) norms around each half and GeGLU): each within
 bf16 rounding of the reference, a model on them as close to its fp32 self as the same model on torch's ops, and a
-decode step in one call (layer_cpu.cpp) bit for bit the same layer op by op. Every test runs on each ISA of ours this CPU has (avx512, avx2: `kernel_isa`); their
-bit-for-bit agreement is tests/unit/test_cpu_isa.py's."""
+decode step in one call (layer_cpu.cpp) bit for bit the same layer op by op. Every test runs on each ISA of ours
+this CPU has (avx512, avx2: `kernel_isa`); their bit-for-bit agreement is tests/unit/test_cpu_isa.py's."""
 
 from __future__ import annotations
 
