@@ -109,8 +109,8 @@ def forced(which: str) -> Iterator[None]:
 
 def ops(which: str | None = None):  # noqa: ANN201 - torch's op namespace object
     """`torch.ops.specfleet_<isa>` (int4_mm, int4_mm_q8, int8_rows, int4_dequant, rms_norm, add_rms_norm, rope_,
-    silu_mul, span_attention, decode_layer) of the chosen ISA (or `which`), built on first use; None where they do
-    not run (torch's ops do the work)."""
+    norm_rope_, silu_mul, gelu_tanh_mul, span_attention, decode_layer) of the chosen ISA (or `which`), built on
+    first use; None where they do not run (torch's ops do the work)."""
     name = which or isa()
     if name == "torch":
         return None

@@ -1,9 +1,10 @@
 // The small per-layer steps of a bf16 decode on the CPU, each one call instead of several torch ops: RMSNorm (and
-// the residual add before it), rotary embedding in place, SiLU-gated product, and attention of one sequence over
-// its consecutive cache slots with the new keys and values written first. At one token a step's torch ops take a
-// few microseconds each to dispatch and allocate; a 30-layer model ran about 35 of them per layer
-// (docs/benchmarks.md). Arithmetic is fp32, rounded to bf16 where the reference rounds (noted per op). Written on
-// cpu_isa.h's 16-lane vectors: the same source, and the same bits, on AVX512 and on AVX2.
+// the residual add before it), rotary embedding in place (with Qwen3's and Gemma 3's q/k norms before it), the gated
+// product of the MLP (SiLU, or GELU's tanh form for Gemma's GeGLU), and attention of one sequence over its consecutive
+// cache slots with the new keys and values written first. At one token a step's torch ops take a few microseconds
+// each to dispatch and allocate; a 30-layer model ran about 35 of them per layer (docs/benchmarks.md). Arithmetic is
+// fp32, rounded to bf16 where the reference rounds (noted per op). Written on cpu_isa.h's 16-lane vectors: the same
+// source, and the same bits, on AVX512 and on AVX2.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -15,6 +16,7 @@
 #include <cstring>
 #include <limits>
 #include <tuple>
+#include <type_traits>
 #include <vector>
 
 #include "cpu_isa.h"
@@ -42,26 +44,48 @@ void check_rows(const at::Tensor& x, const char* name) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.stride(1) == 1, name, ": (M, H) bf16 rows");
 }
 
-// Llama's order: h = x / rms(x) in fp32, rounded to bf16, then times the weight (rounded again). h % 16 == 0.
-void rms_rows(const bf16* x, int64_t ldx, const bf16* w, bf16* y, int64_t ldy, int64_t m, int64_t h, double eps) {
+// A norm's gain, by its dtype: bf16 is Llama's (Qwen's) weight, fp32 is Gemma's 1 + w (actors/model/layers.py
+// gemma_gain). 16 lanes of x / rms(x) (fp32) -> the normed values, rounded to bf16: Llama's order rounds x / rms
+// first and again after the weight (transformers' LlamaRMSNorm); Gemma's multiplies the fp32 gain in and rounds once
+// (its Gemma3RMSNorm, computed in fp32).
+template <typename W>
+inline V16 gained(V16 n, const W* w) {
+  if constexpr (std::is_same_v<W, float>) return sfv::round_bf16(sfv::mul(n, sfv::load(w)));
+  else return sfv::round_bf16(sfv::mul(sfv::load_bf16(w), sfv::round_bf16(n)));
+}
+
+// 1 / rms of h values (h % 16 == 0): the sum of squares in 16 lanes, their fixed tree
+inline V16 inv_rms(const bf16* x, int64_t h, double eps) {
+  V16 ss = sfv::zero();
+  for (int64_t j = 0; j < h; j += 16) {
+    const V16 v = sfv::load_bf16(x + j);
+    ss = sfv::fmadd(v, v, ss);
+  }
+  return sfv::set1(1.0f / std::sqrt(sfv::reduce_add(ss) / h + static_cast<float>(eps)));
+}
+
+template <typename W>
+void rms_rows(const bf16* x, int64_t ldx, const W* w, bf16* y, int64_t ldy, int64_t m, int64_t h, double eps) {
   for (int64_t i = 0; i < m; ++i) {
     const bf16* xi = x + i * ldx;
-    V16 ss = sfv::zero();
-    for (int64_t j = 0; j < h; j += 16) {
-      const V16 v = sfv::load_bf16(xi + j);
-      ss = sfv::fmadd(v, v, ss);
-    }
-    const V16 r = sfv::set1(1.0f / std::sqrt(sfv::reduce_add(ss) / h + static_cast<float>(eps)));
-    for (int64_t j = 0; j < h; j += 16)
-      sfv::store_bf16(y + i * ldy + j, sfv::mul(sfv::load_bf16(w + j), sfv::round_bf16(sfv::mul(sfv::load_bf16(xi + j), r))));
+    const V16 r = inv_rms(xi, h, eps);
+    for (int64_t j = 0; j < h; j += 16) sfv::store_bf16(y + i * ldy + j, gained(sfv::mul(sfv::load_bf16(xi + j), r), w + j));
   }
+}
+
+// rms_rows in the form of w's dtype (`gained`); w: (h,)
+void rms_rows(const bf16* x, int64_t ldx, const at::Tensor& w, bf16* y, int64_t ldy, int64_t m, int64_t h, double eps) {
+  TORCH_CHECK(w.dim() == 1 && w.size(0) == h && w.is_contiguous(), "norm gain: (", h, ") contiguous");
+  if (w.scalar_type() == at::kFloat) return rms_rows(x, ldx, w.data_ptr<float>(), y, ldy, m, h, eps);
+  TORCH_CHECK(w.scalar_type() == at::kBFloat16, "norm gain: bf16 (Llama's weight) or fp32 (Gemma's 1 + w)");
+  rms_rows(x, ldx, w.data_ptr<bf16>(), y, ldy, m, h, eps);
 }
 
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
   check_rows(x, "x");
   const int64_t m = x.size(0), h = x.size(1);
   at::Tensor y = at::empty({m, h}, x.options());
-  rms_rows(x.data_ptr<bf16>(), x.stride(0), w.contiguous().data_ptr<bf16>(), y.data_ptr<bf16>(), h, m, h, eps);
+  rms_rows(x.data_ptr<bf16>(), x.stride(0), w.contiguous(), y.data_ptr<bf16>(), h, m, h, eps);
   return y;
 }
 
@@ -78,17 +102,31 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::T
     for (int64_t j = 0; j < h; j += 16)
       sfv::store_bf16(sp + i * h + j, sfv::add(sfv::load_bf16(xp + i * x.stride(0) + j), sfv::load_bf16(rp + i * r.stride(0) + j)));
   at::Tensor y = at::empty({m, h}, x.options());
-  rms_rows(sp, h, w.contiguous().data_ptr<bf16>(), y.data_ptr<bf16>(), h, m, h, eps);
+  rms_rows(sp, h, w.contiguous(), y.data_ptr<bf16>(), h, m, h, eps);
   return {s, y};
 }
 
-// Rotary embedding in place on qk (N, heads, hd), the last dimension contiguous: x * cos + roll(x, hd/2) * sin with
-// sin's first half negated (actors/model/layers.py apply_rope), in fp32, rounded once.
-void rope_(at::Tensor& qk, const at::Tensor& cos, const at::Tensor& sin) {
+// One head's hd values x (fp32, each a bf16) rotated: x * cos + roll(x, hd/2) * sin with sin's first half negated
+// (actors/model/layers.py apply_rope), in fp32, rounded once, stored at v. c, s: the position's (hd,) cos and sin.
+inline void rotate(bf16* v, const V16* x, const bf16* c, const bf16* s, int64_t hd) {
+  for (int64_t j = 0; j < hd; j += 16) {
+    const V16 rolled = x[((j + hd / 2) % hd) / 16];
+    sfv::store_bf16(v + j, sfv::fmadd(rolled, sfv::load_bf16(s + j), sfv::mul(x[j / 16], sfv::load_bf16(c + j))));
+  }
+}
+
+// The rotation's operands for qk (N, heads, hd), the last dimension contiguous: cos and sin as (N, hd) rows
+std::tuple<at::Tensor, at::Tensor> rope_rows(const at::Tensor& qk, const at::Tensor& cos, const at::Tensor& sin) {
   TORCH_CHECK(qk.dim() == 3 && qk.scalar_type() == at::kBFloat16 && qk.stride(2) == 1, "qk: (N, heads, hd) bf16");
-  const int64_t n = qk.size(0), heads = qk.size(1), hd = qk.size(2), half = hd / 2;
+  const int64_t n = qk.size(0), hd = qk.size(2);
   TORCH_CHECK(hd % 32 == 0 && hd <= 256, "rope_: head dim a multiple of 32, at most 256");
-  const at::Tensor c = cos.reshape({n, hd}).contiguous(), s = sin.reshape({n, hd}).contiguous();
+  return {cos.reshape({n, hd}).contiguous(), sin.reshape({n, hd}).contiguous()};
+}
+
+// Rotary embedding in place on qk (N, heads, hd) (`rotate`).
+void rope_(at::Tensor& qk, const at::Tensor& cos, const at::Tensor& sin) {
+  const auto [c, s] = rope_rows(qk, cos, sin);
+  const int64_t n = qk.size(0), heads = qk.size(1), hd = qk.size(2);
   const bf16 *cp = c.data_ptr<bf16>(), *sp = s.data_ptr<bf16>();
   bf16* base = qk.data_ptr<bf16>();
   for (int64_t t = 0; t < n; ++t)
@@ -96,18 +134,49 @@ void rope_(at::Tensor& qk, const at::Tensor& cos, const at::Tensor& sin) {
       bf16* v = base + t * qk.stride(0) + h * qk.stride(1);
       V16 x[16];  // hd <= 256
       for (int64_t j = 0; j < hd; j += 16) x[j / 16] = sfv::load_bf16(v + j);
-      for (int64_t j = 0; j < hd; j += 16) {
-        const V16 rolled = x[((j + half) % hd) / 16];
-        sfv::store_bf16(v + j, sfv::fmadd(rolled, sfv::load_bf16(sp + t * hd + j),
-                                          sfv::mul(x[j / 16], sfv::load_bf16(cp + t * hd + j))));
-      }
+      rotate(v, x, cp + t * hd, sp + t * hd, hd);
     }
 }
 
-// gu (M, 2I): gate then up -> silu(gate) (rounded to bf16, as the activation's output) * up
-at::Tensor silu_mul(const at::Tensor& gu) {
+// Qwen3's and Gemma 3's q/k norms, then rotary embedding, in place on qk (N, nh + kvh, hd): each head RMS-normed over
+// its hd values with q_w (the first nh heads) or k_w (the others), in the form of the gains' dtype (`gained`: bf16
+// Qwen's, fp32 Gemma's 1 + w), rounded to bf16, then rotated as rope_ does. Bit for bit rms_norm over each head and
+// then rope_, in one pass over the heads.
+void norm_rope_(at::Tensor& qk, const at::Tensor& q_w, const at::Tensor& k_w, int64_t nh, double eps,
+                const at::Tensor& cos, const at::Tensor& sin) {
+  at::Tensor c, s;  // named, not bound: the lambda below reads them
+  std::tie(c, s) = rope_rows(qk, cos, sin);
+  const int64_t n = qk.size(0), heads = qk.size(1), hd = qk.size(2);
+  TORCH_CHECK(q_w.scalar_type() == k_w.scalar_type() && q_w.numel() == hd && k_w.numel() == hd && nh <= heads,
+              "q/k norm gains: (hd,) each, one dtype");
+  const at::Tensor qw = q_w.contiguous(), kw = k_w.contiguous();
+  const auto run = [&](const auto* qg, const auto* kg) {
+    const bf16 *cp = c.data_ptr<bf16>(), *sp = s.data_ptr<bf16>();
+    bf16* base = qk.data_ptr<bf16>();
+    for (int64_t t = 0; t < n; ++t)
+      for (int64_t h = 0; h < heads; ++h) {
+        bf16* v = base + t * qk.stride(0) + h * qk.stride(1);
+        const auto* w = h < nh ? qg : kg;
+        const V16 r = inv_rms(v, hd, eps);
+        V16 x[16];  // hd <= 256
+        for (int64_t j = 0; j < hd; j += 16) x[j / 16] = gained(sfv::mul(sfv::load_bf16(v + j), r), w + j);
+        rotate(v, x, cp + t * hd, sp + t * hd, hd);
+      }
+  };
+  if (qw.scalar_type() == at::kFloat) return run(qw.data_ptr<float>(), kw.data_ptr<float>());
+  TORCH_CHECK(qw.scalar_type() == at::kBFloat16, "q/k norm gains: bf16 (Qwen's weight) or fp32 (Gemma's 1 + w)");
+  run(qw.data_ptr<bf16>(), kw.data_ptr<bf16>());
+}
+
+// gu (M, 2I): gate then up -> act(gate) (rounded to bf16, as the activation's output) * up, act(a) = a / (1 + e^z)
+// with z from `exponent`: SiLU's -a; GELU's tanh form (Gemma's GeGLU: transformers' gelu_pytorch_tanh),
+// 0.5 a (1 + tanh u) with u = sqrt(2 / pi) (a + 0.044715 a^3), is a / (1 + e^(-2u)), 0.5 (1 + tanh u) being the
+// logistic function of 2u: z = a (c1 + c2 a^2), c1 = -2 sqrt(2 / pi), c2 = 0.044715 c1.
+template <typename Exponent>
+at::Tensor gated_mul(const at::Tensor& gu, Exponent exponent) {
   check_rows(gu, "gu");
   const int64_t m = gu.size(0), i2 = gu.size(1), in = i2 / 2;
+  TORCH_CHECK(in % 16 == 0, "gu: the gate's width a multiple of 16");
   at::Tensor y = at::empty({m, in}, gu.options());
   const bf16* g = gu.data_ptr<bf16>();
   bf16* yp = y.data_ptr<bf16>();
@@ -115,10 +184,19 @@ at::Tensor silu_mul(const at::Tensor& gu) {
   for (int64_t r = 0; r < m; ++r)
     for (int64_t j = 0; j < in; j += 16) {
       const V16 a = sfv::load_bf16(g + r * gu.stride(0) + j);
-      const V16 act = sfv::round_bf16(sfv::div(a, sfv::add(one, sfv::exp(sfv::sub(sfv::zero(), a)))));
+      const V16 act = sfv::round_bf16(sfv::div(a, sfv::add(one, sfv::exp(exponent(a)))));
       sfv::store_bf16(yp + r * in + j, sfv::mul(act, sfv::load_bf16(g + r * gu.stride(0) + in + j)));
     }
   return y;
+}
+
+at::Tensor silu_mul(const at::Tensor& gu) {
+  return gated_mul(gu, [](V16 a) { return sfv::sub(sfv::zero(), a); });
+}
+
+at::Tensor gelu_tanh_mul(const at::Tensor& gu) {
+  constexpr float c1 = -1.5957691216057308f, c2 = 0.044715f * c1;  // -2 sqrt(2 / pi), 0.044715 of it
+  return gated_mul(gu, [](V16 a) { return sfv::mul(a, sfv::fmadd(sfv::set1(c2), sfv::mul(a, a), sfv::set1(c1))); });
 }
 
 // One sequence whose cache slots [start, start + length) are consecutive: write the T new keys and values at
@@ -178,7 +256,9 @@ SF_FRAGMENT(m) {
   m.def("rms_norm(Tensor x, Tensor w, float eps) -> Tensor");
   m.def("add_rms_norm(Tensor x, Tensor r, Tensor w, float eps) -> (Tensor, Tensor)");
   m.def("rope_(Tensor(a!) qk, Tensor cos, Tensor sin) -> ()");
+  m.def("norm_rope_(Tensor(a!) qk, Tensor q_w, Tensor k_w, int nh, float eps, Tensor cos, Tensor sin) -> ()");
   m.def("silu_mul(Tensor gu) -> Tensor");
+  m.def("gelu_tanh_mul(Tensor gu) -> Tensor");
   m.def("span_attention(Tensor q, Tensor k, Tensor v, Tensor(a!) kpool, Tensor(b!) vpool, Tensor slots, int start, "
         "int length, int window) -> Tensor");
 }
@@ -187,6 +267,8 @@ SF_IMPL(m) {
   m.impl("rms_norm", &rms_norm);
   m.impl("add_rms_norm", &add_rms_norm);
   m.impl("rope_", &rope_);
+  m.impl("norm_rope_", &norm_rope_);
   m.impl("silu_mul", &silu_mul);
+  m.impl("gelu_tanh_mul", &gelu_tanh_mul);
   m.impl("span_attention", &span_attention);
 }

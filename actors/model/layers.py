@@ -124,13 +124,15 @@ class Attention:
         n, nh, kvh, hd = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
         qkv = self.qkv_proj(x).view(n, nh + 2 * kvh, hd)  # (N, nh + 2 kvh, hd)
         qk = qkv[:, :nh + kvh]  # (N, nh + kvh, hd)
-        if self.qk_norm is not None:  # per head, before RoPE
-            q_gain, k_gain = self.qk_norm
-            qk = torch.cat([rms_norm(qk[:, :nh], q_gain, self.eps, self.qk_norm_fp32),
-                            rms_norm(qk[:, nh:], k_gain, self.eps, self.qk_norm_fp32)], dim=1)
-        if self.fused is not None:
+        if self.fused is not None and self.qk_norm is not None:  # per head, then RoPE: in place, one call
+            self.fused.norm_rope_(qk, *self.qk_norm, nh, self.eps, cos, sin)
+        elif self.fused is not None:
             self.fused.rope_(qk, cos, sin)  # in place, one call
         else:
+            if self.qk_norm is not None:  # per head, before RoPE
+                q_gain, k_gain = self.qk_norm
+                qk = torch.cat([rms_norm(qk[:, :nh], q_gain, self.eps, self.qk_norm_fp32),
+                                rms_norm(qk[:, nh:], k_gain, self.eps, self.qk_norm_fp32)], dim=1)
             qk = apply_rope(qk, cos, sin)
         q = qk[:, :nh] if self.q_scale is None else qk[:, :nh] * self.q_scale
         return q, qk[:, nh:], qkv[:, nh + kvh:]
@@ -157,11 +159,13 @@ class DenseMLP:
     gate_up_proj: nn.Module  # (N, H) -> (N, 2I): gate, then up
     down_proj: nn.Module
     act: nn.Module
-    fused: object | None = None  # our CPU kernels where they run this MLP (SiLU, bf16: fused_ops)
+    fused: object | None = None  # our CPU kernels where they run this MLP (SiLU or GELU's tanh form, bf16: fused_ops)
+    gelu: bool = False  # the activation is GELU's tanh form (Gemma's GeGLU), not SiLU: which gated product they run
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.fused is not None:  # act(gate) * up in one call
-            return self.down_proj(self.fused.silu_mul(self.gate_up_proj(x)))
+            gated = self.fused.gelu_tanh_mul if self.gelu else self.fused.silu_mul
+            return self.down_proj(gated(self.gate_up_proj(x)))
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # (N, I) each
         return self.down_proj(self.act(gate) * up)
 
@@ -219,8 +223,9 @@ class DecoderLayer:
     """Pre-norm decoder layer: x + attn(norm(x)), then h + ffn(norm(h)). Gemma 2 and 3 ("sandwich" norms) also norm
     each half's output before its residual add: x + norm(attn(norm(x))), then h + norm(ffn(norm(h))).
 
-    Its path is chosen once, at construction, from its parts: Gemma's norms (`_halves`); the norms on our CPU kernels
-    (`_on_kernels`, with the one-call decode step where every part runs on them); or torch's ops (`_op_by_op`). A
+    Its path is chosen once, at construction, from its parts: the norms on our CPU kernels (`_on_kernels`, Llama's
+    and Gemma's alike, with the one-call decode step where every part runs on them); else torch's ops, Gemma's norms
+    and RoPE tables by layer type (`_halves`) or Llama's (`_op_by_op`). A
     layer whose attention or dense MLP changes is built again (dataclasses.replace), which chooses again; the
     feed-forward of a MoE layer may be swapped in place (expert parallelism, routing profiles): no path depends
     on it."""
@@ -241,11 +246,11 @@ class DecoderLayer:
     _path: Callable[..., torch.Tensor] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        if self.sandwich is not None or self.norm_fp32 or self.rope is not None:
-            self._path = self._halves
-        elif self.fused is not None:
+        if self.fused is not None:
             self._one_call = self._decode_args()
             self._path = self._on_kernels
+        elif self.sandwich is not None or self.norm_fp32 or self.rope is not None:
+            self._path = self._halves
         else:
             self._path = self._op_by_op
 
@@ -266,14 +271,19 @@ class DecoderLayer:
         """On our CPU kernels. Per call: a step of one sequence on consecutive blocks and at most DENSE_ROWS rows (a
         decode, a verification; known only from the step's tokens and block tables) is one `decode_layer` call
         where the layer has its weights (`_one_call`); anything else runs op by op, the residual add and the second
-        norm in one call."""
+        norm in one call. The kernels take each norm in the form of its gain's dtype (bf16 Llama's, fp32 Gemma's)."""
+        if self.rope is not None:
+            cos, sin = cos[self.rope], sin[self.rope]
         if self._one_call is not None and meta.span is not None and x.shape[0] <= DENSE_ROWS:
             kpool, vpool = cache.pools(self.index)
-            return self.fused.decode_layer(x, self.input_norm, self.post_norm, self.eps, *self._one_call, cos, sin,
-                                           kpool, vpool, meta.slots, *meta.span, self.attn.sliding_window or 0)
+            return self.fused.decode_layer(x, self._one_call[0], self.eps, *self._one_call[1:], cos, sin, kpool,
+                                           vpool, meta.slots, *meta.span, self.attn.sliding_window or 0)
         a = self.attn(self.fused.rms_norm(x, self.input_norm, self.eps), cos, sin, meta, cache, self.index)
+        if self.sandwich is not None:
+            a = self.fused.rms_norm(a, self.sandwich[0], self.eps)
         h, normed = self.fused.add_rms_norm(x, a, self.post_norm, self.eps)
-        return h + self.ffn(normed)
+        y = self.ffn(normed)
+        return h + (y if self.sandwich is None else self.fused.rms_norm(y, self.sandwich[1], self.eps))
 
     def _op_by_op(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata,
                   cache: KVCache) -> torch.Tensor:
@@ -295,32 +305,46 @@ class DecoderLayer:
         return y if self.sandwich is None else rms_norm(y, self.sandwich[1], self.eps, self.norm_fp32)
 
     def _decode_args(self) -> tuple | None:
-        """`decode_layer`'s weights for this layer (its projections' operands, widths, input form and heads), or None
-        where a part of its decode step does not run on our kernels (then the layer runs op by op)."""
+        """`decode_layer`'s weights for this layer (its norms' gains, its projections' operands, widths, input form,
+        heads, q/k norms, query scale and activation: the op's arguments but x and eps, then those after the
+        projections), or None where a part of its decode step does not run on our kernels (then the layer runs op
+        by op)."""
         a, ffn = self.attn, self.ffn
         projs = (a.qkv_proj, a.o_proj, getattr(ffn, "gate_up_proj", None), getattr(ffn, "down_proj", None))
-        ours = (a.fused is not None and a.kv_map is None and a.qk_norm is None and a.q_scale is None
-                and isinstance(ffn, DenseMLP) and ffn.fused is not None
+        ours = (a.fused is not None and a.kv_map is None and isinstance(ffn, DenseMLP) and ffn.fused is not None
                 and all(isinstance(p, CpuInt4Linear) for p in projs)
                 and len({p.activations for p in projs}) == 1)
-        return None if not ours else (*(p.operands() for p in projs), [p.out_features for p in projs],
-                                      projs[0].activations == "int8", [a.num_heads, a.num_kv_heads, a.head_dim])
+        if not ours:
+            return None
+        norms = [self.input_norm, self.post_norm, *(self.sandwich or ())]  # the op's order: before, then after
+        return (norms, *(p.operands() for p in projs), [p.out_features for p in projs],
+                projs[0].activations == "int8", [a.num_heads, a.num_kv_heads, a.head_dim], list(a.qk_norm or ()),
+                1.0 if a.q_scale is None else a.q_scale, ffn.gelu)
+
+
+# the activations our gated-product kernels compute: SiLU (SwiGLU), GELU's tanh form (GeGLU; all three names are
+# 0.5 x (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3))) in transformers' activations)
+KERNEL_ACTS = {"silu": False, "swish": False, "gelu_pytorch_tanh": True, "gelu_new": True, "gelu_fast": True}
 
 
 def fused_ops(layer: DecoderLayer, act: str, device: torch.device, dtype: torch.dtype) -> DecoderLayer:
     """`layer` with our CPU kernels (actors/model/cpu_kernels.py) handed to the parts they can run (a new layer,
     whose paths are chosen for them; `layer` itself where they run none): bf16 on a CPU where they are built, widths
-    in whole vectors (hidden size and MLP width multiples of 16, head dim of 32), SiLU. The layer's own norms (and
-    with them the one-call decode step) only where they are Llama's form (not Gemma's sandwich of fp32 norms); the
-    one-call decode step also takes no q/k norms (Qwen3's layers run op by op)."""
+    in whole vectors (hidden size and MLP width multiples of 16, head dim of 32), SiLU or GELU's tanh form
+    (`KERNEL_ACTS`). The layer's norms run on them, and with them the one-call decode step, where every gain is in
+    the form its dtype tells the kernels (bf16: Llama's and Qwen's norms; fp32: Gemma's 1 + w, and its norms after
+    each half): Llama, Qwen2, Qwen3 and Gemma 3 layers alike."""
     from actors.model import cpu_kernels
 
     ops = cpu_kernels.ops() if (device.type, dtype) == ("cpu", torch.bfloat16) else None
     a = layer.attn
     if ops is None or layer.input_norm.shape[0] % 16 or a.head_dim % 32 or a.head_dim > 256:
         return layer
-    norms = layer.sandwich is None and not layer.norm_fp32 and layer.rope is None
+    gains = [layer.input_norm, layer.post_norm, *(layer.sandwich or ())]
+    norms = all(g.dtype == (torch.float32 if layer.norm_fp32 else dtype) for g in gains)
+    qk_form = torch.float32 if a.qk_norm_fp32 else dtype
+    attn = replace(a, fused=ops) if all(g.dtype == qk_form for g in a.qk_norm or ()) else a
     ffn = layer.ffn
-    if isinstance(ffn, DenseMLP) and act == "silu" and ffn.down_proj.in_features % 16 == 0:
-        ffn = replace(ffn, fused=ops)
-    return replace(layer, attn=replace(a, fused=ops), ffn=ffn, fused=ops if norms else layer.fused)
+    if isinstance(ffn, DenseMLP) and act in KERNEL_ACTS and ffn.down_proj.in_features % 16 == 0:
+        ffn = replace(ffn, fused=ops, gelu=KERNEL_ACTS[act])
+    return replace(layer, attn=attn, ffn=ffn, fused=ops if norms else layer.fused)

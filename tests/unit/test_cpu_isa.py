@@ -129,12 +129,19 @@ def test_avx2_gives_the_avx512_bits_op_by_op(half: bool) -> None:
     x, r, wn = torch.randn(7, 96).bfloat16(), torch.randn(7, 96).bfloat16(), torch.randn(96).bfloat16()
     assert torch.equal(a.rms_norm(x, wn, 1e-5), b.rms_norm(x, wn, 1e-5))
     assert all(torch.equal(p, q) for p, q in zip(a.add_rms_norm(x, r, wn, 1e-5), b.add_rms_norm(x, r, wn, 1e-5)))
+    gemma = 1.0 + torch.randn(96)  # Gemma's fp32 gain
+    assert torch.equal(a.rms_norm(x, gemma, 1e-6), b.rms_norm(x, gemma, 1e-6))
     gu = torch.randn(5, 192).bfloat16() * 8  # past exp's clamps too
     assert torch.equal(a.silu_mul(gu), b.silu_mul(gu))
+    assert torch.equal(a.gelu_tanh_mul(gu), b.gelu_tanh_mul(gu))
     qk, cos, sin = torch.randn(3, 4, 64).bfloat16(), torch.randn(3, 64).bfloat16(), torch.randn(3, 64).bfloat16()
     qa, qb = qk.clone(), qk.clone()
     a.rope_(qa, cos, sin), b.rope_(qb, cos, sin)
     assert torch.equal(qa, qb)
+    for gains in (torch.randn(2, 64).bfloat16(), 1.0 + torch.randn(2, 64)):  # Qwen3's q/k norms, Gemma 3's
+        qa, qb = qk.clone(), qk.clone()
+        a.norm_rope_(qa, *gains, 3, 1e-6, cos, sin), b.norm_rope_(qb, *gains, 3, 1e-6, cos, sin)
+        assert torch.equal(qa, qb)
     q, kk, v = torch.randn(5, 6, 32).bfloat16(), torch.randn(5, 2, 32).bfloat16(), torch.randn(5, 2, 32).bfloat16()
     pools = [torch.randn(64, 2, 32).bfloat16() for _ in range(2)]
     for window in (0, 6):
@@ -161,11 +168,13 @@ def test_avx2_gives_the_avx512_bits_on_gguf_blocks(qtype: Q, choose) -> None:
 
 
 @both
+@pytest.mark.parametrize("family", ["qwen2", "gemma3_text"])
 @pytest.mark.parametrize("activations", ["int8", "bf16"])
-def test_a_model_on_avx2_gives_the_avx512_logits(tmp_path: Path, activations: str, choose) -> None:
+def test_a_model_on_avx2_gives_the_avx512_logits(tmp_path: Path, activations: str, family: str, choose) -> None:
     """Prefill chunks (dense GEMM past 16 rows, the kernel below), a verification of 4 drafts and decode steps
-    (one call per layer): the same logits, bit for bit, on either build."""
-    path = build_tiny_model("qwen2", tmp_path / "q", hidden_size=128, head_dim=32, intermediate_size=256)
+    (one call per layer; Gemma 3's with its fp32 norms, q/k norms, query scale, GeGLU and windows): the same logits,
+    bit for bit, on either build."""
+    path = build_tiny_model(family, tmp_path / "q", hidden_size=128, head_dim=32, intermediate_size=256)
     chunks = [(tuple(range(5, 25)), 1), ((7,), 1), ((8, 9, 10, 11, 12), 5), (tuple(range(30, 42)), 2), ((13,), 1)]
     logits = {}
     for isa in cpu_kernels.ISAS:

@@ -1,7 +1,8 @@
 """Our fused CPU kernels (actors/model/fused_cpu.cpp) against the torch ops they replace, op by op and through a
-whole bf16 model: each within bf16 rounding of the reference, and a model on them as close to its fp32 self as the
-same model on torch's ops. Every test runs on each ISA of ours this CPU has (avx512, avx2: `kernel_isa`); their
-bit-for-bit agreement is tests/unit/test_cpu_isa.py's."""
+whole bf16 model (Llama's norms, Qwen3's q/k norms, Gemma 3's (1 + w) norms around each half and GeGLU): each within
+bf16 rounding of the reference, a model on them as close to its fp32 self as the same model on torch's ops, and a
+decode step in one call (layer_cpu.cpp) bit for bit the same layer op by op. Every test runs on each ISA of ours
+this CPU has (avx512, avx2: `kernel_isa`); their bit-for-bit agreement is tests/unit/test_cpu_isa.py's."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import torch.nn.functional as F
 
 from actors.kv.cache import KVCache
 from actors.model import cpu_kernels
-from actors.model.layers import Attention, DecoderLayer, RopeTable, apply_rope
+from actors.model.layers import Attention, DecoderLayer, RopeTable, apply_rope, gemma_gain, rms_norm
 from actors.model.loader import load_model
 from actors.model.metadata import AttentionMetadata, SeqChunk
 from actors.model.runner import ModelRunner
@@ -51,6 +52,57 @@ def test_norms_and_gated_product_match_the_reference_order(ops) -> None:
     torch.testing.assert_close(normed, reference(x + r), **BF16)
     gu = torch.randn(4, 2 * 48).bfloat16()
     torch.testing.assert_close(ops.silu_mul(gu), F.silu(gu[:, :48]) * gu[:, 48:], **BF16)
+    gu = torch.cat([torch.randn(4, 48) * 6, torch.randn(4, 48)], dim=1).bfloat16()  # gates past tanh's flat ends
+    want = F.gelu(gu[:, :48], approximate="tanh") * gu[:, 48:]  # Gemma's GeGLU (gelu_pytorch_tanh)
+    torch.testing.assert_close(ops.gelu_tanh_mul(gu), want, **BF16)
+
+
+def test_a_gemma_gain_is_taken_in_fp32_and_rounded_once(ops) -> None:
+    """An fp32 gain is Gemma's 1 + w (gemma_gain): x / rms(x) times it in fp32, rounded once, as transformers'
+    Gemma3RMSNorm computes it; the residual add before it as torch's."""
+    torch.manual_seed(4)
+    x, r = torch.randn(3, 96).bfloat16(), torch.randn(3, 96).bfloat16()
+    gain = gemma_gain(torch.randn(96).bfloat16())  # (96,) fp32
+
+    def reference(v: torch.Tensor) -> torch.Tensor:
+        h = v.float()
+        return (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6) * gain).bfloat16()
+
+    assert gain.dtype == torch.float32
+    torch.testing.assert_close(ops.rms_norm(x, gain, 1e-6), reference(x), rtol=2**-8, atol=1e-6)
+    s, normed = ops.add_rms_norm(x, r, gain, 1e-6)
+    assert torch.equal(s, x + r) and torch.equal(normed, ops.rms_norm(s, gain, 1e-6))
+    torch.testing.assert_close(normed, rms_norm(s, gain, 1e-6, fp32=True), rtol=2**-8, atol=1e-6)
+
+
+@pytest.mark.parametrize("form", ["qwen3", "gemma3"])
+def test_qk_norms_then_rope_in_place_are_each_heads_norm_then_rope(ops, form: str) -> None:
+    """norm_rope_: each of the nh query heads normed with the q gain and each key head with the k gain (Qwen3's bf16
+    weights, or Gemma 3's fp32 1 + w), then rotated: bit for bit rms_norm over each head and then rope_, and within
+    bf16 rounding of transformers' order (Qwen3RMSNorm: rounded, then times the weight; Gemma3RMSNorm: in fp32,
+    rounded once; the rotation in fp32); the values heads after them untouched."""
+    torch.manual_seed(5)
+    nh, kvh, hd = 4, 2, 64
+    rope = RopeTable(_rotary(hd), torch.bfloat16, torch.device("cpu"))
+    cos, sin = rope(_meta([SeqChunk("r", tuple(range(5)))], _cache(hd)))
+    weights = torch.randn(2, hd).bfloat16()
+    gains = tuple(gemma_gain(w) for w in weights) if form == "gemma3" else tuple(weights)
+    qkv = torch.randn(5, nh + 2 * kvh, hd).bfloat16()
+    fused = qkv.clone()
+    ops.norm_rope_(fused[:, :nh + kvh], *gains, nh, 1e-6, cos, sin)
+
+    by_head = torch.cat([ops.rms_norm(qkv[:, :nh].reshape(-1, hd), gains[0], 1e-6).view(5, nh, hd),
+                         ops.rms_norm(qkv[:, nh:nh + kvh].reshape(-1, hd), gains[1], 1e-6).view(5, kvh, hd)], 1)
+    ops.rope_(by_head, cos, sin)
+    assert torch.equal(fused[:, :nh + kvh], by_head) and torch.equal(fused[:, nh + kvh:], qkv[:, nh + kvh:])
+
+    def reference(v: torch.Tensor, gain: torch.Tensor) -> torch.Tensor:  # (5, heads, hd), transformers' order
+        h = v.float() * torch.rsqrt(v.float().pow(2).mean(-1, keepdim=True) + 1e-6)
+        return (h * gain).bfloat16() if form == "gemma3" else gain * h.bfloat16()
+
+    normed = torch.cat([reference(qkv[:, :nh], gains[0]), reference(qkv[:, nh:nh + kvh], gains[1])], 1)
+    want = apply_rope(normed.float(), cos.float(), sin.float()).bfloat16()
+    torch.testing.assert_close(fused[:, :nh + kvh], want, **BF16)
 
 
 def test_rope_in_place_matches_apply_rope(ops) -> None:
@@ -88,12 +140,17 @@ def test_span_attention_writes_kv_and_attends_like_the_torch_path(ops, window: i
     assert torch.equal(our_cache.k, torch_cache.k) and torch.equal(our_cache.v, torch_cache.v)
 
 
-def test_a_bf16_model_on_our_kernels_is_as_close_to_fp32_as_on_torchs_ops(tmp_path: Path, kernel_isa: str) -> None:
-    path = build_tiny_model("mistral", tmp_path / "m", hidden_size=128, head_dim=32, intermediate_size=256)
+@pytest.mark.parametrize("family", ["mistral", "qwen3", "gemma3_text"])
+def test_a_bf16_model_on_our_kernels_is_as_close_to_fp32_as_on_torchs_ops(tmp_path: Path, kernel_isa: str,
+                                                                          family: str) -> None:
+    """Mistral (Llama's norms, SiLU, a window of 24), Qwen3 (its q/k norms) and Gemma 3 (fp32 (1 + w) norms before
+    and after each half, q/k norms, GeGLU, windows of 6 on alternate layers) with every part on our kernels."""
+    path = build_tiny_model(family, tmp_path / "m", hidden_size=128, head_dim=32, intermediate_size=256)
     exact = ModelRunner(load_model(str(path), "fp32"), range(4), CacheConfig(block_size=4, num_blocks=64))
     model = load_model(str(path), "bf16")
     ours = ModelRunner(model, range(4), CacheConfig(block_size=4, num_blocks=64))
-    assert ours.layers[0].fused is getattr(torch.ops, f"specfleet_{kernel_isa}") and ours.layers[0].ffn.fused is not None
+    assert all(layer.fused is getattr(torch.ops, f"specfleet_{kernel_isa}") and layer.attn.fused is layer.fused
+               and layer.ffn.fused is not None for layer in ours.layers)
     plain = ModelRunner(model, range(4), CacheConfig(block_size=4, num_blocks=64))
     plain.layers = [replace(layer, fused=None, attn=replace(layer.attn, fused=None), ffn=replace(layer.ffn, fused=None))
                     for layer in plain.layers]  # the same layers on torch's ops (their paths chosen again)
@@ -166,14 +223,17 @@ def test_on_our_kernels_a_sequence_on_scattered_blocks_gets_the_logits_of_consec
     assert torch.equal(logits[0], logits[1])
 
 
+@pytest.mark.parametrize("family", ["qwen2", "qwen3", "gemma3_text"])
 @pytest.mark.parametrize("activations", ["int8", "bf16"])
-def test_a_decode_step_in_one_call_per_layer_gives_the_op_by_op_logits(tmp_path: Path, activations: str,
+def test_a_decode_step_in_one_call_per_layer_gives_the_op_by_op_logits(tmp_path: Path, activations: str, family: str,
                                                                        monkeypatch: pytest.MonkeyPatch,
                                                                        kernel_isa: str) -> None:
-    """Where every part of a layer's decode step runs on our kernels (a qwen2: q/k/v biases; weights re-quantized
-    to int4), the step is one call per layer (layer_cpu.cpp), bit for bit the layer run op by op: for a decode, a
+    """Where every part of a layer's decode step runs on our kernels (weights re-quantized to int4; a qwen2: q/k/v
+    biases; a qwen3: q/k norms; a gemma3_text: fp32 (1 + w) norms before and after each half, q/k norms, its query
+    scale (query_pre_attn_scalar 24 at head dim 32), GeGLU, windows of 6 across the 4-slot blocks on alternate
+    layers), the step is one call per layer (layer_cpu.cpp), bit for bit the layer run op by op: for a decode, a
     verification of 4 drafts and the prefill chunks around them; a prefill above 16 rows stays op by op."""
-    path = build_tiny_model("qwen2", tmp_path / "q", hidden_size=128, head_dim=32, intermediate_size=256)
+    path = build_tiny_model(family, tmp_path / "q", hidden_size=128, head_dim=32, intermediate_size=256)
     model = load_model(str(path), "bf16", weights="int4", activations=activations)
     chunks = [(tuple(range(5, 25)), 1), ((7,), 1), ((8, 9, 10, 11, 12), 5), (tuple(range(30, 42)), 2), ((13,), 1)]
     calls = []
