@@ -205,13 +205,15 @@ class SpecfleetAPI(HttpRoutes, ResponsesRoutes, GrpcMethods):
         from deploy.serve.cached import Cached
         from deploy.serve.edge import Edge
         from deploy.serve.frontend import Frontend
+        from deploy.serve.frontend_config import frontend_config
 
         self.cfg = cfg
         self.instances = instances  # keeps the instance deployments part of the app
         self.autoscaler = autoscaler  # router.autoscaling's (deploy/serve/autoscaler.py), None for a fixed fleet
         self.router = router_client(cfg.router)  # routes call `await self.router.<method>(...)` (typed)
         self.router.sync.configure(cfg.router, timeout_s=30)
-        self.frontend = Frontend(cfg, self.router, resolve=lambda s: resolve_model(s, cfg.engine.model.dtype))
+        self.frontend = Frontend(frontend_config(cfg), self.router,
+                                 resolve=lambda s: resolve_model(s, cfg.engine.model.dtype))
         self.edge = Edge(cfg.serve, self.frontend)
         # what the unauthenticated /health, /metrics and gRPC Health read: one router call a second per replica
         self.instances_view = Cached(lambda: self.router.instances())
