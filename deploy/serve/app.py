@@ -17,6 +17,7 @@ import contextlib
 import logging
 import time
 import uuid
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import ray
@@ -37,6 +38,7 @@ from placement.planner import PlacementError
 
 codegen.ensure()  # the gRPC modules, before deploy.serve.grpc_api imports them
 
+from deploy.rpc import specfleet_pb2 as pb  # noqa: E402
 from deploy.serve.grpc_api import GrpcService  # noqa: E402
 from deploy.serve.http_app import build_http_app  # noqa: E402
 
@@ -234,21 +236,22 @@ class SpecfleetAPI:
         return build_http_app(self.context)
 
     # gRPC (service specfleet.v1.Specfleet): Serve's gRPC proxy calls the ingress's methods by name
-    async def Generate(self, request, grpc_context):  # noqa: N802
+    async def Generate(self, request: pb.GenerateRequest, grpc_context) -> pb.GenerateResponse:  # noqa: N802
         return await self.grpc.Generate(request, grpc_context)
 
-    async def GenerateStream(self, request, grpc_context):  # noqa: N802
+    async def GenerateStream(self, request: pb.GenerateRequest, grpc_context  # noqa: N802
+                             ) -> AsyncIterator[pb.GenerateChunk]:
         async with contextlib.aclosing(self.grpc.GenerateStream(request, grpc_context)) as chunks:
             async for chunk in chunks:  # closed at once when the client cancels (it aborts the request)
                 yield chunk
 
-    async def ListModels(self, request, grpc_context):  # noqa: N802
+    async def ListModels(self, request: pb.ListModelsRequest, grpc_context) -> pb.ListModelsResponse:  # noqa: N802
         return await self.grpc.ListModels(request, grpc_context)
 
-    async def Health(self, request, grpc_context):  # noqa: N802
+    async def Health(self, request: pb.HealthRequest, grpc_context) -> pb.HealthResponse:  # noqa: N802
         return await self.grpc.Health(request, grpc_context)
 
-    async def FleetStats(self, request, grpc_context):  # noqa: N802
+    async def FleetStats(self, request: pb.FleetStatsRequest, grpc_context) -> pb.FleetStatsResponse:  # noqa: N802
         return await self.grpc.FleetStats(request, grpc_context)
 
 

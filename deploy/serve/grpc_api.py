@@ -1,6 +1,7 @@
 """gRPC methods of the API replica (service specfleet.v1.Specfleet, deploy/rpc/specfleet.proto).
 
-Ray Serve's gRPC proxy calls these by method name with the request message and a `grpc_context`; errors are
+Ray Serve's gRPC proxy calls the ingress's methods by name (deploy/serve/app.py), which hand each call to a
+`GrpcService` holding the replica's ApiContext (deploy/serve/api_context.py); errors are
 status codes: UNAUTHENTICATED without a valid key, INVALID_ARGUMENT / NOT_FOUND for bad input,
 RESOURCE_EXHAUSTED when too many requests are pending, UNAVAILABLE when no instance can serve. A chat request may
 carry tools (deploy/serve/grpc_tools.py): its answer is shaped as the HTTP API's (content, reasoning, tool calls).
