@@ -31,6 +31,7 @@ from deploy.cli.flags import UsageError
 from deploy.infra import local_cluster
 from deploy.model_store import resolve_model
 from deploy.serve.frontend import Frontend
+from deploy.serve.frontend_config import frontend_config
 
 MODES = {"aggregated": ("both", "both", "both"), "disaggregated": ("prefill", "decode", "decode")}
 
@@ -116,8 +117,8 @@ def _one(args, target: str, tok, nodes: list[str], roles: tuple[str, ...], arriv
                        cache=CacheConfig(block_size=16, num_blocks=4 * longest // 16 + 64, prefix_caching=False))
     router_cfg = RouterConfig(stats_interval_s=0.2, disaggregation=DisaggConfig(roles=roles))
     b = Bench(cfg, tok.num_layers, args.num_cpus, router_cfg)
-    b.frontend = Frontend(SpecfleetConfig(engine=cfg, fleet=FleetConfig(instances=len(roles)), router=router_cfg),
-                          b.router)  # it sends the prompt's shape
+    b.frontend = Frontend(frontend_config(SpecfleetConfig(engine=cfg, fleet=FleetConfig(instances=len(roles)),
+                                                          router=router_cfg)), b.router)  # it sends the prompt's shape
     try:
         for i, role in enumerate(roles):
             name = f"pd-{i}"

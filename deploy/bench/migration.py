@@ -51,6 +51,7 @@ from deploy.cli.flags import UsageError
 from deploy.infra import local_cluster
 from deploy.model_store import resolve_model
 from deploy.serve.frontend import Frontend
+from deploy.serve.frontend_config import frontend_config
 from placement.fleet import InstanceSpec
 from placement.layout import ShardLayout, StageSlot
 
@@ -137,7 +138,7 @@ class Bench:
         self.cfg, self.num_layers, self.num_cpus = cfg, num_layers, num_cpus
         self.nodes, self.stages = nodes or [], stages
         self.router = ray.remote(Router).options(num_cpus=0, max_concurrency=1000).remote(router_cfg)
-        self.frontend = Frontend(SpecfleetConfig(engine=cfg), self.router)
+        self.frontend = Frontend(frontend_config(SpecfleetConfig(engine=cfg)), self.router)
         self.servers: dict[str, ray.actor.ActorHandle] = {}
 
     def start(self, instance_id: str, node: str, shift: int = 0) -> None:

@@ -50,6 +50,7 @@ from deploy.cli.flags import UsageError
 from deploy.infra import local_cluster
 from deploy.model_store import resolve_model
 from deploy.serve.frontend import Frontend
+from deploy.serve.frontend_config import frontend_config
 from placement.fleet import InstanceSpec
 from placement.layout import ShardLayout, StageSlot
 
@@ -104,7 +105,7 @@ class Fleet:
     def __init__(self, cfg: EngineConfig, router_cfg: RouterConfig, nodes: list[str], instances: int,
                  num_layers: int, num_cpus: float) -> None:
         self.router = ray.remote(Router).options(num_cpus=0, max_concurrency=1000).remote(router_cfg)
-        self.frontend = Frontend(SpecfleetConfig(engine=cfg, router=router_cfg), self.router)
+        self.frontend = Frontend(frontend_config(SpecfleetConfig(engine=cfg, router=router_cfg)), self.router)
         self.servers: dict[str, ray.actor.ActorHandle] = {}
         for i in range(instances):
             node = nodes[i % len(nodes)]

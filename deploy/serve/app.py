@@ -4,22 +4,25 @@ The fleet is planned once, here (deploy/serve/fleet.py): one `SpecfleetInstance`
 (one replica: it starts the InstanceServer actor its InstanceSpec describes, registers it with the router and
 reports its health to Serve, which replaces it if it fails: in the same place, or, if that place's node is gone
 or its devices taken, in a place planned again over the nodes alive then), and
-`SpecfleetAPI`, the ingress: OpenAI-compatible HTTP (deploy/serve/http_api.py) and the gRPC service
-(deploy/rpc/specfleet.proto, deploy/serve/grpc_api.py), both over one Frontend (deploy/serve/frontend.py).
+`SpecfleetAPI`, the ingress: OpenAI-compatible HTTP (APIRouters in deploy/serve/http_app.py) and the gRPC service
+(deploy/rpc/specfleet.proto, deploy/serve/grpc_api.py), both over one ApiContext (deploy/serve/api_context.py) whose
+Frontend (deploy/serve/frontend.py) gets its own FrontendConfig (deploy/serve/frontend_config.py).
 
     args = {"config": {...SpecfleetConfig...}}   or   {"config_path": "deploy/configs/default.yaml"}
 """
 
 
 import asyncio
+import contextlib
 import logging
 import time
 import uuid
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import ray
 from ray import serve
-from fastapi import Request, Response
+from fastapi import FastAPI
 from ray.serve.handle import DeploymentHandle
 
 from actors.serving.server import InstanceServer
@@ -35,9 +38,9 @@ from placement.planner import PlacementError
 
 codegen.ensure()  # the gRPC modules, before deploy.serve.grpc_api imports them
 
-from deploy.serve.grpc_api import GrpcMethods  # noqa: E402
-from deploy.serve.http_api import http_app, HttpRoutes  # noqa: E402
-from deploy.serve.responses_routes import ResponsesRoutes  # noqa: E402
+from deploy.rpc import specfleet_pb2 as pb  # noqa: E402
+from deploy.serve.grpc_api import GrpcService  # noqa: E402
+from deploy.serve.http_app import build_http_app  # noqa: E402
 
 log = logging.getLogger(__name__)
 APP_NAME = "specfleet"
@@ -194,99 +197,62 @@ class SpecfleetInstance:
 
 
 @serve.deployment(ray_actor_options={"num_cpus": 0}, max_ongoing_requests=1000)
-@serve.ingress(http_app)
-class SpecfleetAPI(HttpRoutes, ResponsesRoutes, GrpcMethods):
-    """The ingress: HTTP routes (FastAPI) and gRPC methods over one Frontend."""
+@serve.ingress()  # late-bound: the app is built per replica, over its context (__serve_build_asgi_app__)
+class SpecfleetAPI:
+    """The ingress: HTTP routes (FastAPI APIRouters, deploy/serve/http_app.py) and gRPC methods over one ApiContext.
+
+    The root config is read here, once: each part gets its own (the frontend its FrontendConfig, the edge and the
+    routes the serve section, the router client the router section); the routes and the gRPC methods receive the
+    context explicitly (deploy/serve/api_context.py)."""
 
     def __init__(self, cfg: SpecfleetConfig, instances: list[DeploymentHandle],
                  autoscaler: DeploymentHandle | None = None) -> None:
         from deploy.model_store import resolve_model
+        from deploy.serve.api_context import ApiContext
         from deploy.serve.auth import KeySet
         from deploy.serve.cached import Cached
         from deploy.serve.edge import Edge
         from deploy.serve.frontend import Frontend
+        from deploy.serve.frontend_config import frontend_config
 
-        self.cfg = cfg
         self.instances = instances  # keeps the instance deployments part of the app
-        self.autoscaler = autoscaler  # fleet.autoscaling's (deploy/serve/autoscaler.py), None for a fixed fleet
-        self.router = router_client(cfg.router)  # routes call `await self.router.<method>(...)` (typed)
-        self.router.sync.configure(cfg.router, timeout_s=30)
-        self.frontend = Frontend(cfg, self.router, resolve=lambda s: resolve_model(s, cfg.engine.model.dtype))
-        self.edge = Edge(cfg.serve, self.frontend)
-        # what the unauthenticated /health, /metrics and gRPC Health read: one router call a second per replica
-        self.instances_view = Cached(lambda: self.router.instances())
-        self.fleet_view = Cached(lambda: asyncio.gather(
-            self.router.instances(), self.router.migration_stats(), self.router.routing_stats()))
-        self.api_keys = KeySet.load(cfg.serve.auth)
-        self.admin_keys = KeySet.load(cfg.serve.auth, admin=True)
-        log.info("API keys: %d for /v1 and gRPC, %d for /admin (from %s)", len(self.api_keys), len(self.admin_keys),
-                 self.api_keys.source)
+        router = router_client(cfg.router)
+        router.sync.configure(cfg.router, timeout_s=30)
+        frontend = Frontend(frontend_config(cfg), router, resolve=lambda s: resolve_model(s, cfg.engine.model.dtype))
+        self.context = ApiContext(
+            serve=cfg.serve, frontend=frontend, edge=Edge(cfg.serve, frontend), router=router,
+            api_keys=KeySet.load(cfg.serve.auth), admin_keys=KeySet.load(cfg.serve.auth, admin=True),
+            # what the unauthenticated /health, /metrics and gRPC Health read: one router call a second per replica
+            instances_view=Cached(lambda: router.instances()),
+            fleet_view=Cached(lambda: asyncio.gather(router.instances(), router.migration_stats(),
+                                                     router.routing_stats())),
+            autoscaler=autoscaler)  # fleet.autoscaling's (deploy/serve/autoscaler.py), None for a fixed fleet
+        self.grpc = GrpcService(self.context)
+        c = self.context
+        log.info("API keys: %d for /v1 and gRPC, %d for /admin (from %s)", len(c.api_keys), len(c.admin_keys),
+                 c.api_keys.source)
 
-    # The routes are declared here, in the ingress class itself (Serve's class-based views need that);
-    # their bodies are in deploy/serve/http_api.py.
-    @http_app.get("/v1/models")
-    async def models(self, request: Request) -> Response:
-        return await self._models(request)
+    def __serve_build_asgi_app__(self) -> FastAPI:  # noqa: N807 - Serve's hook, called after __init__
+        return build_http_app(self.context)
 
-    @http_app.post("/v1/completions")
-    async def completions(self, request: Request) -> Response:
-        return await self._completions(request)
+    # gRPC (service specfleet.v1.Specfleet): Serve's gRPC proxy calls the ingress's methods by name
+    async def Generate(self, request: pb.GenerateRequest, grpc_context) -> pb.GenerateResponse:  # noqa: N802
+        return await self.grpc.Generate(request, grpc_context)
 
-    @http_app.post("/v1/chat/completions")
-    async def chat_completions(self, request: Request) -> Response:
-        return await self._chat_completions(request)
+    async def GenerateStream(self, request: pb.GenerateRequest, grpc_context  # noqa: N802
+                             ) -> AsyncIterator[pb.GenerateChunk]:
+        async with contextlib.aclosing(self.grpc.GenerateStream(request, grpc_context)) as chunks:
+            async for chunk in chunks:  # closed at once when the client cancels (it aborts the request)
+                yield chunk
 
-    @http_app.post("/v1/responses")
-    async def responses(self, request: Request) -> Response:
-        return await self._responses(request)
+    async def ListModels(self, request: pb.ListModelsRequest, grpc_context) -> pb.ListModelsResponse:  # noqa: N802
+        return await self.grpc.ListModels(request, grpc_context)
 
-    @http_app.get("/health")
-    async def health(self) -> Response:
-        return await self._health()
+    async def Health(self, request: pb.HealthRequest, grpc_context) -> pb.HealthResponse:  # noqa: N802
+        return await self.grpc.Health(request, grpc_context)
 
-    @http_app.get("/metrics")
-    async def metrics(self) -> Response:
-        return await self._metrics()
-
-    @http_app.get("/admin/instances")
-    async def admin_instances(self, request: Request) -> Response:
-        return await self._admin_instances(request)
-
-    @http_app.get("/admin/migrations")
-    async def admin_migrations(self, request: Request) -> Response:
-        return await self._admin_migrations(request)
-
-    @http_app.get("/admin/dispatch")
-    async def admin_dispatch(self, request: Request) -> Response:
-        return await self._admin_dispatch(request)
-
-    @http_app.get("/admin/autoscaler")
-    async def admin_autoscaler(self, request: Request) -> Response:
-        return await self._admin_autoscaler(request)
-
-    @http_app.get("/admin/requests")
-    async def admin_requests(self, request: Request) -> Response:
-        return await self._admin_requests(request)
-
-    @http_app.post("/admin/requests/{request_id}/abort")
-    async def admin_abort(self, request_id: str, request: Request) -> Response:
-        return await self._admin_abort(request_id, request)
-
-    @http_app.post("/admin/requests/{request_id}/migrate")
-    async def admin_migrate(self, request_id: str, request: Request) -> Response:
-        return await self._admin_migrate(request_id, request)
-
-    @http_app.post("/admin/instances/{instance_id}/drain")
-    async def admin_drain(self, instance_id: str, request: Request) -> Response:
-        return await self._admin_drain(instance_id, request)
-
-    @http_app.get("/admin/instances/{instance_id}/routing")
-    async def admin_routing(self, instance_id: str, request: Request) -> Response:
-        return await self._admin_routing(instance_id, request)
-
-    @http_app.post("/admin/instances/{instance_id}/undrain")
-    async def admin_undrain(self, instance_id: str, request: Request) -> Response:
-        return await self._admin_undrain(instance_id, request)
+    async def FleetStats(self, request: pb.FleetStatsRequest, grpc_context) -> pb.FleetStatsResponse:  # noqa: N802
+        return await self.grpc.FleetStats(request, grpc_context)
 
 
 def build_app(args: dict) -> serve.Application:

@@ -1,6 +1,6 @@
 """What the HTTP and gRPC endpoints share: validate and tokenize, ask the router where, stream from the instance.
 
-    frontend = Frontend(cfg, router)                  # in the API replica
+    frontend = Frontend(frontend_config(cfg), router)  # in the API replica (its own sub-config, frontend_config.py)
     call = await frontend.start(frontend.prepare(...))  # routed: 404/429/503 are raised here, before any output
     async for index, item in call: ...                 # StreamItems of every choice, merged
     # leaving the loop early (client disconnect) aborts whatever is still running and frees its KV
@@ -45,7 +45,6 @@ from ray.exceptions import RayError
 from actors.model.loader import load_metadata
 from actors.model.tokenize import encode_chat, encode_text
 from actors.speculation.structured import check as check_structured
-from cluster.config import SpecfleetConfig
 from cluster.prefix import block_hashes, request_root
 from cluster.registry import NoInstanceAvailable
 from cluster.request import (FinishReason, InvalidRequest, Request, RequestStatus, Resume, SamplingParams,
@@ -55,6 +54,7 @@ from cluster.disagg import PromptShape
 from cluster.router import Overloaded
 from cluster.router_client import RouterClient
 from deploy.serve.chat_output import ChatFormats
+from deploy.serve.frontend_config import FrontendConfig
 from deploy.serve.logprobs import TokenStrings
 from deploy.serve.metrics import Metrics
 from deploy.serve.openai_api import APIError, from_validation_error
@@ -112,41 +112,33 @@ class Choice:
 class Frontend:
     """Tokenizer, limits and routing of one served model."""
 
-    def __init__(self, cfg: SpecfleetConfig, router: RouterClient | ActorHandle, resolve=lambda s: s) -> None:
-        m = cfg.engine.model
-        self.cfg = cfg
+    def __init__(self, cfg: FrontendConfig, router: RouterClient | ActorHandle, resolve=lambda s: s) -> None:
+        m = cfg.model
+        self.cfg = cfg  # its own part of the config, assembled by the app (deploy/serve/frontend_config.py)
         self.model_name = m.served_name
         self.meta = load_metadata(resolve(m.target), m.dtype)  # tokenizer, chat template, context length
         self.tokenizer = self.meta.tokenizer
         self.token_strings = TokenStrings(self.tokenizer)  # what logprobs name each token by
         self.max_model_len = context_length(self.meta.max_model_len, m.max_model_len,
-                                            cfg.engine.cache.capacity_tokens)  # as the engine caps it
+                                            cfg.cache_tokens)  # as the engine caps it
         self.vocab_size = self.meta.config.vocab_size
         # a bare handle (tests, benchmarks with their own router) gets deadlines but is never replaced
-        self.router = router if isinstance(router, RouterClient) else RouterClient(router,
-                                                                                  reconnect_s=cfg.router.reconnect_s)
+        self.router = router if isinstance(router, RouterClient) else RouterClient(router, reconnect_s=cfg.reconnect_s)
         self.metrics = Metrics(self.model_name)
         self._releases: set[asyncio.Task] = set()  # supervised release calls under way
         # tokenization is CPU work: off the event loop, on a bounded pool fair among tenants (deploy/serve/tokenizing.py)
-        edge = cfg.serve.edge
-        self.tokenizing = TokenizerPool(self.tokenizer, edge.tokenizer_workers, edge.tokenizer_queue,
-                                        cfg.serve.retry_after_s)
+        self.tokenizing = TokenizerPool(self.tokenizer, cfg.tokenizer_workers, cfg.tokenizer_queue, cfg.retry_after_s)
         chars = max_chars_per_token(self.tokenizer)  # a text longer than the context * this cannot fit
         self.max_prompt_chars = None if chars is None else self.max_model_len * chars
         # a completion body larger than this holds a prompt that cannot fit, as text (6 bytes per character at
         # most, escaped) or as token ids (11 bytes each at most), besides its other fields (a few KB, bounded)
         self.max_completion_body = (None if chars is None
                                     else max(6 * self.max_prompt_chars, 11 * self.max_model_len) + (16 << 10))
-        # cache-aware dispatch: the router is told the names of a prompt's full KV blocks (cluster/prefix.py), the
-        # same names the instances give the blocks they cache
-        # and so is a router that places requests on prefill/decode pairs (docs/disaggregation.md), with their length
-        self.disaggregated = cfg.router.disaggregation.enabled
-        caching = cfg.engine.cache.prefix_caching and (cfg.router.dispatch == "cache_aware" or self.disaggregated)
-        self.block_size = cfg.engine.cache.block_size if caching else None
-        self.prefix_identity = cfg.engine.prefix_identity
+        # cache-aware dispatch (and a router that places requests on prefill/decode pairs, docs/disaggregation.md)
+        # is told the names of a prompt's full KV blocks (cluster/prefix.py), the names the instances give them
+        self.block_size = cfg.block_size if cfg.route_by_blocks else None
         # how the model writes tool calls and reasoning (deploy/serve/chat_output.py), found once
         self.formats = ChatFormats.of(self.tokenizer, m.tool_parser, m.reasoning_parser)
-        self.share_across_tenants = cfg.engine.cache.share_across_tenants  # as the engine names the blocks
 
     # ---- validation ---------------------------------------------------------------------------------
     def check_model(self, model: str) -> None:
@@ -229,7 +221,7 @@ class Frontend:
         cache-aware router; none when the router does not route by them."""
         if self.block_size is None:
             return ()
-        root = request_root(self.prefix_identity, prep.tenant, prep.cache_salt, self.share_across_tenants)
+        root = request_root(self.cfg.prefix_identity, prep.tenant, prep.cache_salt, self.cfg.share_across_tenants)
         return tuple(block_hashes(prep.prompt_ids + tuple(tokens), self.block_size, root))
 
     # ---- dispatch -----------------------------------------------------------------------------------
@@ -238,13 +230,13 @@ class Frontend:
         ids = [prep.request_id if len(prep.params) == 1 else f"{prep.request_id}-{i}" for i in range(len(prep.params))]
         routed: list[tuple[str, ActorHandle]] = []
         blocks = self.block_names(prep)
-        shape = PromptShape(len(prep.prompt_ids), self.cfg.engine.cache.block_size) if self.disaggregated else None
+        shape = PromptShape(len(prep.prompt_ids), self.cfg.block_size) if self.cfg.disaggregated else None
         try:
             for rid in ids:
                 routed.append(await self._route(rid, prep.priority, blocks, shape))
         except Overloaded as e:
             self.release(ids[:len(routed)], routed, RequestStatus.ABORTED)
-            retry = str(self.cfg.serve.retry_after_s)
+            retry = str(self.cfg.retry_after_s)
             raise APIError(429, f"the server is busy: {_cause(e)}; retry after {retry} s", type_="rate_limit_error",
                            code="too_many_pending_requests", headers={"Retry-After": retry}) from None
         except NoInstanceAvailable as e:
@@ -259,8 +251,8 @@ class Frontend:
     async def _route(self, rid: str, priority: int, blocks: tuple[int, ...] = (),
                      shape: PromptShape | None = None) -> tuple[str, ActorHandle]:
         """One `router.route`; if the caller is cancelled while it is under way, its result is released later."""
-        limit = self.cfg.serve.max_pending_requests
-        wait_s = self.cfg.router.failover.max_wait_s  # the router may wait up to that for an instance to come up
+        limit = self.cfg.max_pending_requests
+        wait_s = self.cfg.failover.max_wait_s  # the router may wait up to that for an instance to come up
         routing = asyncio.get_running_loop().create_task(
             self.router.route(rid, priority, self.model_name, limit, blocks, shape,
                               timeout_s=wait_s + RELEASE_TIMEOUT_S),
@@ -303,7 +295,7 @@ class Frontend:
         tokens' full KV blocks, for a cache-aware router); the router may wait for an instance to join
         (learned from the starts it saw, at most `router.failover.max_wait_s`), so the deadline leaves it that long."""
         instance_id, handle = failed
-        wait_s = self.cfg.router.failover.max_wait_s
+        wait_s = self.cfg.failover.max_wait_s
         return await self.router.failover(rid, instance_id, handle, priority, self.model_name, blocks,
                                           timeout_s=wait_s + RELEASE_TIMEOUT_S)
 
@@ -380,7 +372,7 @@ class Call:
                           tenant=self.prep.tenant, cache_salt=self.prep.cache_salt)
         tokens: list[int] = []
         chars = failovers = 0
-        max_failovers = self.f.cfg.router.failover.max_attempts
+        max_failovers = self.f.cfg.failover.max_attempts
         submit = lambda h: h.generate.options(num_returns="streaming").remote(request)  # noqa: E731
         while True:
             instance_id, handle = self.routed[index]

@@ -1,6 +1,7 @@
 """gRPC methods of the API replica (service specfleet.v1.Specfleet, deploy/rpc/specfleet.proto).
 
-Ray Serve's gRPC proxy calls these by method name with the request message and a `grpc_context`; errors are
+Ray Serve's gRPC proxy calls the ingress's methods by name (deploy/serve/app.py), which hand each call to a
+`GrpcService` holding the replica's ApiContext (deploy/serve/api_context.py); errors are
 status codes: UNAUTHENTICATED without a valid key, INVALID_ARGUMENT / NOT_FOUND for bad input,
 RESOURCE_EXHAUSTED when too many requests are pending, UNAVAILABLE when no instance can serve. A chat request may
 carry tools (deploy/serve/grpc_tools.py): its answer is shaped as the HTTP API's (content, reasoning, tool calls).
@@ -19,6 +20,7 @@ from actors.speculation.structured import parse_schema
 from cluster.request import (DEFAULT_MAX_TOKENS, DEFAULT_TEMPERATURE, FinishReason, InvalidRequest, SpecStats,
                              StructuredOutput)
 from deploy.serve.admission import Ticket
+from deploy.serve.api_context import ApiContext
 from deploy.serve.auth import Tenant
 from deploy.serve.chat_output import ChatShape
 from deploy.serve.frontend import Call
@@ -72,19 +74,23 @@ def _failure(error: str | None, rejected: bool) -> APIError:
     return APIError(503, error or "the request failed")
 
 
-class GrpcMethods:
-    """Mixed into the Serve ingress class (deploy/serve/app.py), beside the HTTP routes."""
+class GrpcService:
+    """The gRPC methods over one replica's ApiContext; the Serve ingress (deploy/serve/app.py) declares each method
+    by name, as Serve's gRPC proxy calls it, and hands it here."""
+
+    def __init__(self, api: ApiContext) -> None:
+        self.api = api
 
     def _grpc_auth(self, grpc_context) -> Tenant:
         metadata = dict(grpc_context.invocation_metadata())
-        tenant = self.api_keys.match(metadata.get("authorization"))
+        tenant = self.api.api_keys.match(metadata.get("authorization"))
         if tenant is None:
             raise APIError(401, "missing or invalid API key: send metadata `authorization: Bearer <key>`")
         return tenant
 
     def _grpc_admin(self, grpc_context) -> None:
         """An admin key in the metadata (the operator's figures are not a tenant's), else 401 / UNAUTHENTICATED."""
-        if not self.admin_keys.check(dict(grpc_context.invocation_metadata()).get("authorization")):
+        if not self.api.admin_keys.check(dict(grpc_context.invocation_metadata()).get("authorization")):
             raise APIError(401, "FleetStats needs an admin key: send metadata `authorization: Bearer <admin key>`")
 
     def _fail(self, grpc_context, e: APIError) -> None:
@@ -95,7 +101,7 @@ class GrpcMethods:
         """The request through the edge (deploy/serve/edge.py), and its chat answer's shape (None: plain text).
         Serve's gRPC proxy already refused a message over serve.max_request_bytes (RAY_SERVE_GRPC_MAX_MESSAGE_SIZE,
         deploy/serve/serve_env.py); the check here covers a proxy started without it."""
-        held = self.edge.precheck(tenant)  # one of the key's slots until admission (deploy/serve/edge.py)
+        held = self.api.edge.precheck(tenant)  # one of the key's slots until admission (deploy/serve/edge.py)
         try:
             return await self._admit(request, tenant, held)
         finally:
@@ -103,8 +109,8 @@ class GrpcMethods:
 
     async def _admit(self, request: pb.GenerateRequest, tenant: Tenant,
                      held: Ticket) -> tuple[Call, ChatShape | None]:
-        f = self.frontend
-        limit = self.cfg.serve.max_request_bytes
+        f = self.api.frontend
+        limit = self.api.serve.max_request_bytes
         if request.ByteSize() > limit:
             raise APIError(413, f"the request exceeds this server's limit of {limit} bytes (serve.max_request_bytes)")
         f.check_model(request.model)
@@ -120,7 +126,7 @@ class GrpcMethods:
         elif which == "chat":
             if not request.chat.messages:
                 raise APIError(400, "chat.messages is empty", param="chat")
-            self.edge.check_messages(len(request.chat.messages))
+            self.api.edge.check_messages(len(request.chat.messages))
             encode, param = (lambda: f.encode_chat(messages, tenant.name, template_tools(plan))), "chat"
             default_max = None
         elif which == "prompt_token_ids":
@@ -148,7 +154,7 @@ class GrpcMethods:
             await f.check_structured(spec, spec_param, tenant.name)
             return await encode()
 
-        call = await self.edge.start(
+        call = await self.api.edge.start(
             tenant, n=1, priority=request.priority, max_tokens=max_tokens, encode=checked_encode, held=held,
             prepare=lambda ids: f.prepare(ids, max_tokens=max_tokens, seed=request.seed if request.HasField("seed")
                                           else None, n=1, priority=request.priority, prompt_param=param,
@@ -157,7 +163,7 @@ class GrpcMethods:
 
     def _grpc_logprobs(self, entries, token_ids) -> list[pb.TokenLogprob]:
         """TokenLogprob messages of these tokens (an entry None: the prompt's first token, no logprob)."""
-        strings, out = self.frontend.token_strings, []
+        strings, out = self.api.frontend.token_strings, []
         for token_id, lp in zip(token_ids, entries):
             m = pb.TokenLogprob(token_id=token_id, token=strings.of(token_id))
             if lp is not None:
@@ -179,7 +185,7 @@ class GrpcMethods:
         if shape is not None:
             message, called = shape.message(c.text, c.token_ids)
             reason, shaped = ("tool_calls" if called and reason == "stop" else reason), response_fields(message)
-        return pb.GenerateResponse(id=call.prep.request_id, model=self.frontend.model_name, text=c.text,
+        return pb.GenerateResponse(id=call.prep.request_id, model=self.api.frontend.model_name, text=c.text,
                                    token_ids=c.token_ids, finish_reason=reason, **shaped,
                                    usage=_usage(len(call.prep.prompt_ids), len(c.token_ids)), spec_decode=_spec(c.stats),
                                    logprobs=self._grpc_logprobs(c.logprobs, c.token_ids),
@@ -223,11 +229,11 @@ class GrpcMethods:
         except APIError as e:
             self._fail(grpc_context, e)
             return pb.ListModelsResponse()
-        models = await self.router.models()
+        models = await self.api.router.models()
         return pb.ListModelsResponse(models=[pb.Model(id=m, max_model_len=n) for m, n in sorted(models.items())])
 
     async def Health(self, request: pb.HealthRequest, grpc_context) -> pb.HealthResponse:  # noqa: N802
-        instances = await self.instances_view.get()  # reused for a second (deploy/serve/cached.py)
+        instances = await self.api.instances_view.get()  # reused for a second (deploy/serve/cached.py)
         healthy = sum(i.accepting for i in instances)
         if not healthy:
             grpc_context.set_code(grpc.StatusCode.UNAVAILABLE)
@@ -241,7 +247,7 @@ class GrpcMethods:
         except APIError as e:
             self._fail(grpc_context, e)
             return pb.FleetStatsResponse()
-        instances, m = await asyncio.gather(self.router.instances(), self.router.migration_stats())
+        instances, m = await asyncio.gather(self.api.router.instances(), self.api.router.migration_stats())
         return pb.FleetStatsResponse(healthy_instances=sum(i.accepting for i in instances), migrations=m.by_status,
                                      failovers=m.failovers, downtime_mean_s=m.downtime_mean_s,
                                      downtime_max_s=m.downtime_max_s)

@@ -21,6 +21,7 @@ from cluster.router_client import RouterClient
 from deploy.serve.autoscaler import Autoscaler, PlannedLauncher
 from deploy.serve.fleet import fleet_specs
 from deploy.serve.frontend import Frontend
+from deploy.serve.frontend_config import frontend_config
 from tests.ray.test_migration import HOLD_S, Fleet, Streamed, held, kv_free, stream, wait_no_pending
 from tests.unit.helpers import load, text_prompts
 
@@ -48,7 +49,7 @@ def scaled(ray_driver, tiny_models, tiny_draft_models):
     cfg = config(tiny_models["llama"], tiny_draft_models["llama"])
     [spec] = fleet_specs(cfg)
     router = ray.remote(Router).options(max_concurrency=100, num_cpus=0).remote(cfg.router)
-    fl = Fleet(router, Frontend(cfg, router), cfg=cfg.engine)
+    fl = Fleet(router, Frontend(frontend_config(cfg), router), cfg=cfg.engine)
     server = InstanceServer.spawn(spec)
     info = ray.get(server.info.remote(), timeout=300)
     ray.get(router.register.remote(spec.instance_id, server, info.model, info.max_model_len, info.node_id, spec.place,

@@ -20,6 +20,7 @@ from cluster.router import Router
 from deploy.cli.admin_client import Dispatch, Instances
 from deploy.cli.admin_cmd import _disaggregation_line
 from deploy.serve.frontend import Frontend
+from deploy.serve.frontend_config import frontend_config
 from placement.fleet import InstanceSpec
 from tests.fixtures.tiny_models import build_tiny_model, perturbed_copy
 from tests.ray.test_instance_server import CPUS, LAYOUTS
@@ -50,8 +51,8 @@ def fleet(request, ray_driver, tmp_path_factory) -> Iterator[Fleet]:
     router_cfg = RouterConfig(stats_interval_s=0.2,
                               disaggregation=DisaggConfig(roles=tuple(ROLES.values()), skip_prefill_tokens=0))
     router = ray.remote(Router).options(max_concurrency=100, num_cpus=0).remote(router_cfg)
-    fl = Fleet(router, Frontend(SpecfleetConfig(engine=cfg, fleet=FleetConfig(instances=2), router=router_cfg), router),
-               cfg=cfg)
+    fl = Fleet(router, Frontend(frontend_config(SpecfleetConfig(engine=cfg, fleet=FleetConfig(instances=2),
+                                                                router=router_cfg)), router), cfg=cfg)
     try:
         for name in ROLES:
             spec = InstanceSpec(instance_id=name, layout=LAYOUTS["local"], executor="local", num_cpus=CPUS, engine=cfg)

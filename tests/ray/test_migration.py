@@ -20,6 +20,7 @@ from cluster.migration_policy import MigrationPolicyConfig
 from cluster.request import FinishReason
 from cluster.router import Router
 from deploy.serve.frontend import Frontend
+from deploy.serve.frontend_config import frontend_config
 from placement.fleet import InstanceSpec
 from placement.layout import ShardLayout, StageSlot
 from tests.fixtures.tiny_models import build_tiny_model, perturbed_copy
@@ -57,7 +58,7 @@ def fleet(ray_driver, tmp_path_factory) -> Iterator[Fleet]:
                        speculation=SpeculationConfig(policy="fixed", k=3), scheduler=SchedulerConfig(max_batch_size=8),
                        cache=CacheConfig(block_size=16, num_blocks=1024))
     router = ray.remote(Router).options(max_concurrency=100, num_cpus=0).remote(RouterConfig(stats_interval_s=0.2))
-    fl = Fleet(router, Frontend(SpecfleetConfig(engine=cfg), router), cfg=cfg)
+    fl = Fleet(router, Frontend(frontend_config(SpecfleetConfig(engine=cfg)), router), cfg=cfg)
     try:
         for name in ("mig-a", "mig-b"):
             fl.start(name)

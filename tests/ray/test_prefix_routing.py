@@ -21,6 +21,7 @@ from cluster.config import (CacheConfig, EngineConfig, ModelConfig, RouterConfig
 from cluster.request import Request, SamplingParams
 from cluster.router import Router
 from deploy.serve.frontend import Frontend
+from deploy.serve.frontend_config import frontend_config
 from placement.fleet import InstanceSpec
 from tests.ray.test_instance_server import CPUS, LAYOUTS
 from tests.unit.helpers import load, reference_greedy, text_prompts
@@ -42,7 +43,7 @@ class Cluster:
         for instance_id, server in self.servers.items():
             info = ray.get(server.info.remote(), timeout=60)
             ray.get(self.router.register.remote(instance_id, server, info.model, info.max_model_len, info.node_id))
-        self.frontend = Frontend(SpecfleetConfig(engine=self.engine, router=cfg), self.router)
+        self.frontend = Frontend(frontend_config(SpecfleetConfig(engine=self.engine, router=cfg)), self.router)
         self.poll()
 
     def poll(self) -> None:

@@ -247,6 +247,19 @@ def test_a_keys_concurrency_limit_counts_choices_and_is_checked_first(served_app
         assert c.post("/v1/completions", json={**body, "max_tokens": 2}).status_code == 200
 
 
+def test_a_responses_request_gives_its_bodys_slot_back(served_app: ServedApp) -> None:
+    # /v1/responses took one of the key's slots to read its body and never gave it back, so a key with
+    # max_concurrent N was refused (429) from its (N+1)th Responses request on, for good
+    narrow = key("narrow")  # max_concurrent 2
+    body = {"model": MODEL, "input": "hello", "max_output_tokens": 2, "temperature": 0}
+    with served_app.client(narrow) as c:
+        replies = [c.post("/v1/responses", json=body) for _ in range(4)]
+        assert [r.status_code for r in replies] == [200] * 4, [r.text[:200] for r in replies]
+        assert all(r.json()["status"] in ("completed", "incomplete") for r in replies)
+        assert c.post("/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 2,
+                                                "n": 2}).status_code == 200  # both of its slots are free
+
+
 def test_a_keys_tokens_per_minute_count_prompt_and_n_times_max_tokens(served_app: ServedApp) -> None:
     with served_app.client(key("metered")) as c:  # 200 tokens per minute
         assert_error(c.post("/v1/completions", json={"model": MODEL, "prompt": [1, 2, 3], "max_tokens": 100,

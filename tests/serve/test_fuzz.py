@@ -21,9 +21,8 @@ import secrets
 import schemathesis
 from hypothesis import HealthCheck, seed, settings
 
-from deploy.app import build_app  # noqa: F401 - declares the routes on http_app (deploy/serve/app.py)
 from deploy.serve import openapi
-from deploy.serve.http_api import http_app
+from deploy.serve.http_app import build_http_app
 from tests.serve.conftest import ADMIN_KEY, LIMITED_KEYS, MODEL, ServedApp
 
 EXAMPLES = 250  # per route at most: routes without parameters stop at the few cases there are
@@ -32,6 +31,7 @@ REPLAY = f"replay with SPECFLEET_FUZZ_SEED={SEED}"
 print(f"tests/serve/test_fuzz.py: fuzz seed {SEED} ({REPLAY})")
 
 
+http_app = build_http_app()  # the replica's app, without a context: the same routes, for their schema
 schema = schemathesis.openapi.from_dict(openapi.build(http_app))
 
 

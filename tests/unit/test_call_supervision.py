@@ -8,6 +8,7 @@ import asyncio
 from cluster.config import EngineConfig, ModelConfig, SpecfleetConfig
 from cluster.request import FinishReason, RequestStatus
 from deploy.serve.frontend import Call, Frontend
+from deploy.serve.frontend_config import frontend_config
 
 
 class _Raises:
@@ -25,8 +26,8 @@ class _Raises:
 
 
 def test_a_choice_whose_task_raises_ends_with_an_error_and_is_released(tiny_models, caplog) -> None:
-    frontend = Frontend(SpecfleetConfig(engine=EngineConfig(model=ModelConfig(target=str(tiny_models["llama"])))),
-                        router=None)
+    frontend = Frontend(frontend_config(SpecfleetConfig(engine=EngineConfig(model=ModelConfig(
+        target=str(tiny_models["llama"]))))), router=None)
     released = []
     frontend.release = lambda ids, routed, status, abort=False: released.append((tuple(ids), status, abort))
     prep = frontend.prepare([1, 2, 3], max_tokens=4, temperature=0.0, top_p=1.0, top_k=0, seed=None, stop=(), n=2,
