@@ -30,12 +30,8 @@ from ray.actor import ActorHandle
 from actors.serving.server import InstanceInfo, InstanceServer
 from cluster.autoscale import (AUTOSCALED_PREFIX, AutoscalePolicy, AutoscaleStatus, AutoscalingConfig, ScaleDecision,
                                ScaleEvent, SignalReader, cause_of)
-<<<<<<< HEAD
-from cluster.config import RouterConfig, SpecfleetConfig
-from cluster.disagg import Role
-=======
 from cluster.config import FleetConfig, SpecfleetConfig
->>>>>>> issue-41a
+from cluster.disagg import Role
 from cluster.instances import InstanceRow
 from cluster.router import INSTANCE_ACTOR_PREFIX, NAMESPACE, get_or_create_router
 from cluster.router_client import RouterClient
