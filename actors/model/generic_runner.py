@@ -17,10 +17,8 @@ import torch
 from actors.kv.cache import KVCache
 from actors.model.backends import FINAL_NORMS
 from actors.model.generic import GenericLayer, Rotary, embedding_scale, final_logits
-from actors.model.loader import LoadedModel
 from actors.model.metadata import AttentionMetadata, SeqChunk
-from actors.model.qlinear import Activations
-from actors.model.runner import CacheFull, LayerPass, ModelRunner, check_layers
+from actors.model.runner import CacheFull, ModelRunner
 from actors.model.weights import WeightMode
 from cluster.config import CacheConfig
 
@@ -31,28 +29,12 @@ class GenericRunner(ModelRunner):
     """Runs `layer_ids` of a generic-path model in order; embeds tokens if `first`, returns logits if `last`.
     `ModelRunner(model, ...)` of a model loaded on the generic path builds one."""
 
-    def __init__(
-        self,
-        model: LoadedModel,
-        layer_ids: Sequence[int],
-        cache: CacheConfig,
-        first: bool = True,
-        last: bool = True,
-        device: torch.device | str | None = None,
-        weights: WeightMode | None = None,
-        deterministic: bool = False,
-        activations: Activations | None = None,
-    ) -> None:
-        cfg = model.config
-        check_layers(layer_ids, cfg.num_hidden_layers)
+    def _build(self, layer_ids: Sequence[int], cache: CacheConfig, deterministic: bool) -> None:
+        """The generic path's layers, ends, rotary tables and KV cache (`ModelRunner.__init__` set the rest)."""
         if deterministic:
             raise ValueError("deterministic mode runs on the native path only (engine.model.backend: native)")
-        self.model = model
-        self.device = torch.device(device) if device is not None else model.device
-        self.first, self.last = first, last
-        self.weights: WeightMode = weights or model.weights
+        model, first, last, cfg = self.model, self.first, self.last, self.model.config
         self._dense_only(self.weights)
-        self.activations: Activations = activations or model.activations
         self.deterministic = False
         hf = model.hf_model
         base = hf.model
@@ -69,7 +51,6 @@ class GenericRunner(ModelRunner):
         self.embed_scale = embedding_scale(cfg)
         self.final_norm = final_norm if last else None
         self.lm_head = hf.lm_head if last else None
-        self.layer_parallel: LayerPass | None = None  # EasySpec groups of a draft (actors/speculation/easyspec.py)
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.cache = KVCache(list(layer_ids), cache.num_blocks, cache.block_size, cfg.num_key_value_heads, head_dim,
                              model.dtype, device=self.device)

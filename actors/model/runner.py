@@ -177,15 +177,21 @@ class ModelRunner:
         deterministic: bool = False,
         activations: Activations | None = None,
     ) -> None:
-        cfg = model.config
-        assert cfg.model_type in NATIVE_ARCHITECTURES, cfg.model_type
-        check_layers(layer_ids, cfg.num_hidden_layers)
+        check_layers(layer_ids, model.config.num_hidden_layers)
         self.model = model
         # weights of this runner, its KV cache and every tensor of a forward live here (default: the weights')
         self.device = torch.device(device) if device is not None else model.device
         self.first, self.last = first, last
         self.weights: WeightMode = weights or model.weights
         self.activations: Activations = activations or model.activations
+        self.layer_parallel: LayerPass | None = None  # EasySpec groups of a draft (actors/speculation/easyspec.py)
+        self._build(layer_ids, cache, deterministic)
+
+    def _build(self, layer_ids: Sequence[int], cache: CacheConfig, deterministic: bool) -> None:
+        """The native path's layers, ends, rotary tables and KV cache (the generic runner builds its own)."""
+        model, first, last = self.model, self.first, self.last
+        cfg = model.config
+        assert cfg.model_type in NATIVE_ARCHITECTURES, cfg.model_type
         hf = model.hf_model
         if self.device != model.device:  # move only what this runner runs (a shared checkpoint keeps the rest)
             for module in [_dense_part(hf.model.layers[i], self.weights) for i in layer_ids] + [hf.model.rotary_emb] \
@@ -202,7 +208,6 @@ class ModelRunner:
         self._invariant()
         self.ropes = [RopeTable(hf.model.rotary_emb, model.dtype, self.device, kind) for kind in rope_kinds(model)]
         attn = self.layers[0].attn
-        self.layer_parallel: LayerPass | None = None  # EasySpec groups of a draft (actors/speculation/easyspec.py)
         self.cache = KVCache(
             list(layer_ids), cache.num_blocks, cache.block_size, attn.num_kv_heads, attn.head_dim, model.dtype,
             device=self.device,
