@@ -17,8 +17,8 @@ import torch
 from actors.kv.cache import KVCache
 from actors.model.backends import FINAL_NORMS
 from actors.model.generic import GenericLayer, Rotary, embedding_scale, final_logits
-from actors.model.metadata import AttentionMetadata, SeqChunk
-from actors.model.runner import CacheFull, ModelRunner
+from actors.model.metadata import AttentionMetadata
+from actors.model.runner import ModelRunner
 from actors.model.weights import WeightMode
 from cluster.config import CacheConfig
 
@@ -66,39 +66,17 @@ class GenericRunner(ModelRunner):
         self._dense_only(weights)
         self.weights = weights
 
-    def begin(self, chunks: list[SeqChunk]) -> tuple[AttentionMetadata, torch.Tensor, torch.Tensor]:
-        """Open a forward over `chunks`: room in the cache for their new tokens, the batch's attention metadata and
-        the rotary tables cos, sin (R, N, hd) of its positions (each layer reads its type's)."""
-        for c in chunks:
-            if not self.cache.reserve(c.request_id, self.cache.length(c.request_id) + len(c.token_ids)):
-                raise CacheFull(f"no KV blocks for {c.request_id}")
-        meta = AttentionMetadata.build(chunks, self.cache)
+    def rotary_tables(self, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rotary tables cos, sin (R, N, hd) of the batch's positions (each layer reads its type's)."""
         probe = torch.empty(0, dtype=self.model.dtype, device=self.device)  # the tables' dtype and device
-        cos, sin = self.rotary(probe, meta.positions)  # (R, N, hd) each
-        return meta, cos, sin
+        return self.rotary(probe, meta.positions)  # (R, N, hd) each
 
-    @torch.inference_mode()
-    def forward(self, chunks: list[SeqChunk], hidden: torch.Tensor | None = None,
-                parallel: bool = False) -> torch.Tensor:
-        """As ModelRunner.forward: hidden (N, H) in unless first, logits (sum num_logits, V) fp32 out if last, else
-        hidden (N, H)."""
-        meta, cos, sin = self.begin(chunks)
-        if self.first:
-            x = self.embed(meta.token_ids)  # (N, H)
-            if self.embed_scale is not None:
-                x = x * self.embed_scale
-        else:
-            x = hidden
-        if self.layer_parallel is not None:
-            x = self.layer_parallel.run(self.layers, x, parallel, cos, sin, meta, self.cache)
-        else:
-            for layer in self.layers:
-                x = layer(x, cos, sin, meta, self.cache)
-        self.end(chunks)
-        if not self.last:
-            return x
-        h = x[meta.logits_index]  # (sum num_logits, H)
-        if h.shape[0] == 0:  # prefill chunks only: no logits wanted
-            return torch.empty(0, self.model.config.vocab_size, device=self.device)
+    def embed_tokens(self, token_ids: torch.Tensor) -> torch.Tensor:
+        """Hidden (N, H) of token ids (N,), times the model's embedding multiplier where it has one."""
+        x = self.embed(token_ids)  # (N, H)
+        return x * self.embed_scale if self.embed_scale is not None else x
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """Logits (M, V) fp32 of hidden rows h (M, H): the model's final norm and head, its scaling or softcap."""
         return final_logits(self.model.config, self.lm_head(self.final_norm(h)).float())  # (M, V)
 

@@ -271,12 +271,15 @@ class ModelRunner:
             if not self.cache.reserve(c.request_id, self.cache.length(c.request_id) + len(c.token_ids)):
                 raise CacheFull(f"no KV blocks for {c.request_id}")
         meta = AttentionMetadata.build(chunks, self.cache)
-        if self.ropes[0].layer_type is None:
-            cos, sin = self.ropes[0](meta)  # (N, 1, hd) each
-        else:  # a table per layer type, each layer picks its own (DecoderLayer.rope)
-            tables = [rope(meta) for rope in self.ropes]
-            cos, sin = torch.stack([c for c, _ in tables]), torch.stack([s for _, s in tables])  # (R, N, 1, hd)
+        cos, sin = self.rotary_tables(meta)
         return meta, cos, sin
+
+    def rotary_tables(self, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rotary cos, sin (N, 1, hd) of the batch's positions; (R, N, 1, hd) with a table per layer type."""
+        if self.ropes[0].layer_type is None:
+            return self.ropes[0](meta)  # (N, 1, hd) each
+        tables = [rope(meta) for rope in self.ropes]  # each layer picks its type's (DecoderLayer.rope)
+        return torch.stack([c for c, _ in tables]), torch.stack([s for _, s in tables])  # (R, N, 1, hd)
 
     def end(self, chunks: list[SeqChunk]) -> None:
         """Close a forward: the chunks' new tokens, whose KV the layers wrote, now count in the cache's lengths."""
@@ -296,7 +299,7 @@ class ModelRunner:
         if last, else hidden (N, H), on this runner's device.
         """
         meta, cos, sin = self.begin(chunks)
-        x = self.embed(meta.token_ids) if self.first else hidden  # (N, H)
+        x = self.embed_tokens(meta.token_ids) if self.first else hidden  # (N, H)
         if self.layer_parallel is not None:
             x = self.layer_parallel.run(self.layers, x, parallel, cos, sin, meta, self.cache)
         else:
@@ -308,7 +311,15 @@ class ModelRunner:
         h = x[meta.logits_index]  # (sum num_logits, H)
         if h.shape[0] == 0:  # prefill chunks only: no logits wanted
             return torch.empty(0, self.model.config.vocab_size, device=self.device)
+        return self.logits(h)
+
+    def embed_tokens(self, token_ids: torch.Tensor) -> torch.Tensor:
+        """The first runner's prologue: hidden (N, H) of token ids (N,) (Gemma's embedding scales by sqrt(H) itself)."""
+        return self.embed(token_ids)
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """The last runner's epilogue: logits (M, V) fp32 of hidden rows h (M, H), through the final norm and head."""
         fused = self.layers[-1].fused  # our CPU kernels, where they run this model's norms
         eps = self.model.config.rms_norm_eps
         normed = fused.rms_norm(h, self.norm, eps) if fused is not None else rms_norm(h, self.norm, eps, self.gemma)
-        return final_logits(self.model.config, self.lm_head(normed).float())  # (N, V)
+        return final_logits(self.model.config, self.lm_head(normed).float())  # (M, V)
