@@ -30,7 +30,7 @@ from cluster.router_client import RouterClient
 from deploy.bench.migration import Bench
 from deploy.bench.output import pct, save
 from deploy.bench.prompts import DATASETS, load_prompts
-from deploy.cli.flags import UsageError
+from deploy.cli.flags import UsageError, parse_numbers
 from deploy.infra import local_cluster
 from deploy.model_store import resolve_model
 from deploy.serve.autoscaler import Autoscaler, Launched
@@ -122,10 +122,7 @@ async def drive(b: Bench, prompts: list[list[int]], gaps: list[float], args, aut
 
 
 def run(args: argparse.Namespace) -> int:
-    try:
-        rates = [float(r) for r in args.rates.split(",") if r]
-    except ValueError:
-        raise UsageError(f"--rates: expected rates like 0.3,1.5,0.3, got {args.rates!r}") from None
+    rates = parse_numbers(args.rates, "--rates", float, "rates like 0.3,1.5,0.3")
     fleets = [f for f in args.fleets.split(",") if f]
     if not set(fleets) <= {"max", "min", "autoscaled"} or not rates or min(rates) <= 0:
         raise UsageError("--fleets: choose from max, min, autoscaled; --rates: positive requests/s")

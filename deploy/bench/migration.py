@@ -47,7 +47,7 @@ from cluster.migration_policy import POLICIES, MigrationPolicyConfig
 from cluster.router import Router
 from deploy.bench.output import pct, save
 from deploy.bench.prompts import DATASETS, load_prompts
-from deploy.cli.flags import UsageError
+from deploy.cli.flags import UsageError, parse_numbers
 from deploy.infra import local_cluster
 from deploy.model_store import resolve_model
 from deploy.serve.frontend import Frontend
@@ -293,10 +293,7 @@ async def skew_part(b: Bench, prompts: list[list[int]], gaps: list[float], lengt
 
 
 def run(args: argparse.Namespace) -> int:
-    try:
-        contexts = [int(c) for c in args.contexts.split(",") if c]
-    except ValueError:
-        raise UsageError(f"--contexts: expected lengths like 256,1024, got {args.contexts!r}") from None
+    contexts = parse_numbers(args.contexts, "--contexts", int, "lengths like 256,1024")
     unknown = set(args.skew_policies.split(",")) - set(POLICIES) - {""}
     if unknown:
         raise UsageError(f"--skew-policies: unknown {sorted(unknown)}; choose from {', '.join(POLICIES)}")

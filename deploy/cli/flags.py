@@ -23,6 +23,15 @@ def parse_layers(text: str) -> tuple[int, ...]:
     return tuple(layers)
 
 
+def parse_numbers(text: str, flag: str, kind: type[int] | type[float], example: str) -> list:
+    """A flag's comma-separated numbers: '256,1024' -> [256, 1024] (empty items skipped). UsageError naming the flag
+    and `example` (what it takes, e.g. 'counts like 2,3') if one is not a number of `kind`."""
+    try:
+        return [kind(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise UsageError(f"{flag}: expected {example}, got {text!r}") from None
+
+
 def parse_balance(text: str) -> float | None:
     """An expert grouping's load balance (placement/experts.py group_experts): '0.5' -> 0.5, 'none' -> None."""
     if text == "none":
