@@ -8,7 +8,8 @@ stream, and costs one `load` call per prefill instance every `handoff_poll_s` wh
 otherwise). The price: the prefill instance may decode a few more tokens (those within one poll, plus the staged
 copies' time) before the request leaves; they stream to the client as any token does, and move with it.
 
-No Ray here: the router injects how to read an instance's load and how to move a request (its `migrate`).
+`Disaggregation` is what the router holds of it: each instance's role, the pair policy, the pending handoffs and their
+figures. No Ray here: the router injects how to read an instance's load and how to move a request (its `migrate`).
 """
 
 from __future__ import annotations
@@ -18,12 +19,16 @@ import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from cluster.disagg import Candidate, DisaggPolicy, Placement, PromptShape, Role, prefilled
+from cluster.disagg import ROLES, Candidate, DisaggConfig, DisaggPolicy, Placement, PromptShape, Role, prefilled
 from cluster.migration_policy import InstanceLoad
 from cluster.prefix import BlockHash
 from cluster.registry import Registry
 from cluster.request import RequestStatus
+
+if TYPE_CHECKING:
+    from cluster.migration import MigrationResult
 
 log = logging.getLogger(__name__)
 
@@ -174,3 +179,65 @@ def handoff_destination(registry: Registry, policy: DisaggPolicy, roles: dict[st
         return destination
     return policy.decode_instance(candidates(registry, roles, source.model, {}),
                                   exclude=frozenset({source.instance_id}))
+
+
+class Disaggregation:
+    """The router's disaggregation: each instance's role (absent: both), the pair policy, the pending handoffs, and
+    the figures (new requests' placements by reason, handoffs' migrations by outcome). `load(instance)`: its
+    per-request load, read with a deadline; `migrate(request_id, destination)`: the router's staged migration."""
+
+    def __init__(self, cfg: DisaggConfig, registry: Registry, load: Callable[[str], Awaitable[InstanceLoad]],
+                 migrate: Callable[[str, str], Awaitable[MigrationResult]], lost_after_s: float) -> None:
+        self.registry, self._migrate = registry, migrate
+        self.policy = DisaggPolicy(cfg)
+        self.roles: dict[str, Role] = {}
+        self.handoffs = Handoffs(cfg.handoff_poll_s, load, self.hand_off, lost_after_s=lost_after_s)
+        self.decisions: dict[str, int] = {}  # placements of new requests by reason (disaggregation on)
+        self.results: dict[str, int] = {}  # handoffs' migrations by outcome
+
+    def configure(self, cfg: DisaggConfig) -> None:
+        self.policy = DisaggPolicy(cfg)
+        self.handoffs.poll_s = cfg.handoff_poll_s
+
+    def set_role(self, instance_id: str, role: Role) -> None:
+        if role not in ROLES:
+            raise ValueError(f"unknown role {role!r} for instance {instance_id!r}; choose one of {', '.join(ROLES)}")
+        self.roles[instance_id] = role
+
+    def role(self, instance_id: str) -> Role:
+        return self.roles.get(instance_id, "both")
+
+    @property
+    def split(self) -> bool:
+        """Whether any instance has a prefill or decode role: then new requests are placed on pairs."""
+        return any(r != "both" for r in self.roles.values())
+
+    def route(self, request_id: str, priority: int, now: float, model: str | None, blocks: tuple[BlockHash, ...],
+              prompt: PromptShape | None) -> str:
+        """Place a new request on a pair (`route_pair`), count the decision, and queue its handoff if it splits."""
+        placement = route_pair(self.registry, self.policy, self.roles, request_id, priority, now, model, blocks,
+                               prompt)
+        self.decisions[placement.reason] = self.decisions.get(placement.reason, 0) + 1
+        if placement.decode is not None and prompt is not None:
+            self.handoffs.add(request_id, placement.first, placement.decode, prompt.tokens)
+        return placement.first
+
+    async def hand_off(self, request_id: str, destination: str) -> MigrationResult | None:
+        """Move a prefilled request to its decode instance (or another one if that one left or drains); it stays
+        where it is when none can take it, or the move aborts (both counted)."""
+        if request_id not in self.registry.requests:
+            return None
+        to = handoff_destination(self.registry, self.policy, self.roles, request_id, destination)
+        result = None if to is None else await self._migrate(request_id, to)
+        outcome = "no_decode_instance" if result is None else result.status.value
+        self.results[outcome] = self.results.get(outcome, 0) + 1
+        return result
+
+    def resume_exclude(self, model: str | None, exclude: set[str]) -> set[str]:
+        """Where a failed-over request must not resume: `exclude`, and prefill instances (`avoid_prefill_only`)."""
+        return avoid_prefill_only(self.registry, self.roles, model, exclude)
+
+    def figures(self) -> dict[str, int]:
+        """Handoffs by outcome, and those given up because the request ended before its first token was seen."""
+        dropped = {"ended_before_handoff": self.handoffs.dropped} if self.handoffs.dropped else {}
+        return {**self.results, **dropped}

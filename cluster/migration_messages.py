@@ -39,6 +39,15 @@ class Side(enum.StrEnum):
         """How a reason or an error names it."""
         return "source" if self is Side.SRC else "destination"
 
+    @property
+    def rank(self) -> int:
+        """Its rank in each link's two-rank group: the source hosts the group."""
+        return 0 if self is Side.SRC else 1
+
+    def stage(self, link: Link) -> int:
+        """The stage at this end of `link`."""
+        return link.src if self is Side.SRC else link.dst
+
 
 @dataclass(frozen=True)
 class Link:

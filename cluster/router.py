@@ -18,6 +18,9 @@ instance joins or drains (`plan_migrations`). A request whose instance died resu
 
 Instances may register with a role (`prefill`, `decode`, `both`): then a new request is placed on a pair and moved to
 its decode instance after its first token (cluster/disagg.py, cluster/handoff.py, docs/disaggregation.md).
+
+The actor is the thin part: the polling is cluster/health.py's, disaggregation cluster/handoff.py's, migration
+cluster/migration.py's, placement cluster/registry.py's.
 """
 
 from __future__ import annotations
@@ -34,13 +37,14 @@ from ray.actor import ActorHandle
 from cluster.config import MigrationConfig, RouterConfig
 from cluster.migration import MigrationProgress, MigrationResult, MigrationStatus, RayEndpoint, migrate
 from cluster.migration_policy import InstanceLoad, make_planner
-from cluster.disagg import ROLES, DisaggPolicy, PromptShape, Role
+from cluster.disagg import PromptShape, Role
 from cluster.dispatch import make_dispatch
-from cluster.handoff import Handoffs, avoid_prefill_only, handoff_destination, route_pair
+from cluster.handoff import Disaggregation
+from cluster.health import InstancePoller
 from cluster.instances import DrainResult, InstancePlace, InstanceRow, RequestRow
 from cluster.registry import NoInstanceAvailable, Registry, RequestStatus
 from cluster.prefix_index import PrefixIndex
-from cluster.start_times import FailoverWait, StartHistory
+from cluster.start_times import Arrivals, FailoverWait, StartHistory
 from cluster.stats import MigrationStats, RoutingStats
 
 ROUTER_NAME = "specfleet-router"
@@ -72,22 +76,18 @@ class Router:
         self.handles: dict[str, ActorHandle] = {}
         self.max_model_len: dict[str, int] = {}
         self.health_timeout_s = health_timeout_s
-        self.removed: list[InstanceRow] = []  # instances taken out for failing health, newest last
         self._poller: asyncio.Task | None = None
         self._planner: asyncio.Task | None = None
         self._replan = asyncio.Event()  # an instance joined or is draining: plan migrations now
         self._migrating: dict[str, asyncio.Event] = {}  # requests migrating, each event set when its migration ends
         self._progress: dict[str, tuple[str, str, MigrationProgress | None]] = {}  # (source, destination, progress)
         self.migration_figures = MigrationStats({s.value: 0 for s in MigrationStatus})
-        self._joined = asyncio.Event()  # set (and replaced) whenever an instance registers: failovers wait on it
         fo = cfg.failover  # how long a failover waits for an instance to register: learned from the starts seen
         self.starts = StartHistory(fo.wait_s, fo.max_wait_s, fo.start_multiple)
-        self.roles: dict[str, Role] = {}  # instance -> its role, as it registered (absent: both)
-        self.disagg = DisaggPolicy(cfg.disaggregation)
-        self.handoffs = Handoffs(cfg.disaggregation.handoff_poll_s, self._load_of, self._hand_off,
-                                 lost_after_s=cfg.orphan_grace_s)
-        self.disagg_decisions: dict[str, int] = {}  # placements of new requests by reason (disaggregation on)
-        self.handoff_results: dict[str, int] = {}  # handoffs' migrations by outcome
+        self.arrivals = Arrivals(self.starts, self.registry)  # a request that finds no instance waits for one
+        self.health = InstancePoller(cfg, self.registry, self.handles, self.starts, health_timeout_s, self._migrating)
+        self.disagg = Disaggregation(cfg.disaggregation, self.registry, self._load_of, self.migrate,
+                                     lost_after_s=cfg.orphan_grace_s)
         # as a Ray actor this runs on its event loop: rebuild from the instances, then start polling and planning
         self._started: asyncio.Task | None = asyncio.get_running_loop().create_task(self._start(discover))
 
@@ -98,9 +98,9 @@ class Router:
             except Exception:  # noqa: BLE001 - the instances register again on their own (app.py); start anyway
                 log.exception("rebuilding the registry from the instances failed")
         loop = asyncio.get_running_loop()
-        self._poller = loop.create_task(self._poll_forever())
+        self._poller = loop.create_task(self.health.run_forever())
         self._planner = loop.create_task(self._plan_forever())
-        self._handing_off = loop.create_task(self.handoffs.run_forever())
+        self._handing_off = loop.create_task(self.disagg.handoffs.run_forever())
 
     async def _rebuild(self) -> None:
         """Register every instance actor found by name, with the requests each holds (a restarted router)."""
@@ -133,9 +133,8 @@ class Router:
             self.registry.policy = _dispatch(cfg)
         self.registry.prefix.provisional_s = cfg.cache_aware.provisional_s
         self.registry.prefix.max_entries = cfg.cache_aware.max_entries
-        self.disagg = DisaggPolicy(cfg.disaggregation)
-        self.handoffs.poll_s = cfg.disaggregation.handoff_poll_s
-        self.cfg = cfg
+        self.disagg.configure(cfg.disaggregation)
+        self.cfg = self.health.cfg = cfg
 
     # ---- instances ----------------------------------------------------------------------------------
     @_after_start
@@ -147,9 +146,7 @@ class Router:
         `backend`: the path its target model runs on and how it computes, and `phases`: where its start's time went
         (actors/start_phases.py), both as operators see them in `specfleet status`; `role`: prefill, decode or both
         (cluster/disagg.py)."""
-        if role not in ROLES:
-            raise ValueError(f"unknown role {role!r} for instance {instance_id!r}; choose one of {', '.join(ROLES)}")
-        self.roles[instance_id] = role
+        self.disagg.set_role(instance_id, role)
         self.starts.registered(instance_id, incarnation, time.monotonic(), start_s, phases)
         self._register(instance_id, handle, model, max_model_len, node, place, incarnation, backend)
 
@@ -159,8 +156,7 @@ class Router:
         self.handles[instance_id] = handle
         self.max_model_len[model] = max_model_len
         self._replan.set()
-        self._joined.set()
-        self._joined = asyncio.Event()
+        self.arrivals.joined()
 
     @_after_start
     async def deregister(self, instance_id: str, incarnation: str | None = None) -> bool:
@@ -176,16 +172,16 @@ class Router:
         """Whether the router knows this instance (this incarnation, with this role, where given)."""
         entry = self.registry.instances.get(instance_id)
         return (entry is not None and (incarnation is None or entry.incarnation == incarnation)
-                and (role is None or self.roles.get(instance_id, "both") == role))
+                and (role is None or self.disagg.role(instance_id) == role))
 
     @_after_start
     async def instances(self) -> list[InstanceRow]:
-        return [e.row().model_copy(update={"role": self.roles.get(e.instance_id, "both")})
+        return [e.row().model_copy(update={"role": self.disagg.role(e.instance_id)})
                 for e in self.registry.instances.values()]
 
     @_after_start
     async def removed_instances(self) -> list[InstanceRow]:
-        return list(self.removed)
+        return list(self.health.removed)
 
     @_after_start
     async def models(self) -> dict[str, int]:
@@ -228,22 +224,13 @@ class Router:
             return entry.instance_id, self.handles[entry.instance_id]
         if max_pending is not None and self.registry.pending() >= max_pending:
             raise Overloaded(f"{self.registry.pending()} requests are pending (limit {max_pending})")
-        if any(r != "both" for r in self.roles.values()):
-            instance_id = await self._placed(lambda: self._route_pair(request_id, priority, model, blocks, prompt),
-                                             model)
+        if self.disagg.split:
+            instance_id = await self.arrivals.placed(
+                lambda: self.disagg.route(request_id, priority, time.time(), model, blocks, prompt), model)
         else:
-            instance_id = await self._placed(
+            instance_id = await self.arrivals.placed(
                 lambda: self.registry.route(request_id, priority, time.time(), model, blocks), model)
         return instance_id, self.handles[instance_id]
-
-    def _route_pair(self, request_id: str, priority: int, model: str | None, blocks: tuple[int, ...],
-                    prompt: PromptShape | None) -> str:
-        placement = route_pair(self.registry, self.disagg, self.roles, request_id, priority, time.time(), model,
-                               blocks, prompt)
-        self.disagg_decisions[placement.reason] = self.disagg_decisions.get(placement.reason, 0) + 1
-        if placement.decode is not None and prompt is not None:
-            self.handoffs.add(request_id, placement.first, placement.decode, prompt.tokens)
-        return placement.first
 
     async def _load_of(self, instance_id: str):
         handle = self.handles.get(instance_id)
@@ -251,54 +238,9 @@ class Router:
             raise LookupError(f"instance {instance_id!r} left")
         return await asyncio.wait_for(handle.load.remote(), self.health_timeout_s)
 
-    async def _hand_off(self, request_id: str, destination: str) -> MigrationResult | None:
-        """Move a prefilled request to its decode instance (or another one if that one left or drains); it stays
-        where it is when none can take it, or the move aborts (both counted)."""
-        if request_id not in self.registry.requests:
-            return None
-        to = handoff_destination(self.registry, self.disagg, self.roles, request_id, destination)
-        result = None if to is None else await self.migrate(request_id, to)
-        outcome = "no_decode_instance" if result is None else result.status.value
-        self.handoff_results[outcome] = self.handoff_results.get(outcome, 0) + 1
-        return result
-
-    async def _placed(self, place, model: str | None) -> str:
-        """`place()`'s instance; while none can take the request because none of `model` is up (none registered
-        yet, or the last one failed and its replacement is starting), wait for one to register: the failover wait
-        (`failover_wait`: learned from the starts seen, within the configured floor and ceiling), and longer while a
-        replacement has announced its start and not registered yet (up to the ceiling). The client sees a pause,
-        not an error. An instance drained on purpose is no reason to wait: then NoInstanceAvailable at once, as when
-        the wait runs out (its message names the wait and why)."""
-        allowed = self.starts.wait()
-        began = time.monotonic()
-        warned = False
-        while True:
-            joined = self._joined
-            try:
-                return place()
-            except NoInstanceAvailable as e:
-                now = time.monotonic()
-                if any(i.draining and i.healthy for i in self.registry.instances.values()
-                       if model is None or i.model == model):
-                    raise
-                left = began + allowed.wait_s - now
-                if left <= 0 and self.starts.start_in_progress(now):  # a replacement is starting: wait in slices
-                    left = min(5.0, began + allowed.ceiling_s - now)
-                if left <= 0:
-                    raise NoInstanceAvailable(f"{e}; none registered within the failover wait of "
-                                              f"{now - began:.1f} s ({_why(allowed)})") from None
-                if not warned:
-                    log.warning("no instance of %s is up: waiting up to %.0f s for one to register (longer while a "
-                                "replacement is starting)", model or "any model", left)
-                    warned = True
-                try:
-                    await asyncio.wait_for(joined.wait(), left)
-                except asyncio.TimeoutError:
-                    pass
-
     @_after_start
     async def finish(self, request_id: str, status: RequestStatus) -> None:
-        self.handoffs.drop(request_id)
+        self.disagg.handoffs.drop(request_id)
         self.registry.finish(request_id, RequestStatus(status), time.time())
 
     # ---- live migration and failover ----------------------------------------------------------------
@@ -368,7 +310,7 @@ class Router:
         full KV blocks, so a cache-aware policy prefers where they are cached), recorded as running there. With no other instance, it waits up to `failover.wait_s` for one to register (the
         replacement of the failed one counts: another incarnation under the same id). NoInstanceAvailable when
         the wait runs out."""
-        self.handoffs.drop(request_id)  # it prefills again where it resumes, and stays there
+        self.disagg.handoffs.drop(request_id)  # it prefills again where it resumes, and stays there
         migrating = self._migrating.get(request_id)
         if migrating is not None:  # let it end first (every step has a deadline): a committed copy is cancelled
             await migrating.wait()
@@ -381,9 +323,9 @@ class Router:
             entry = self.registry.instances.get(failed_instance)
             same = entry is not None and (self.handles.get(failed_instance) == failed_handle
                                           if failed_handle is not None else entry.incarnation == gone)
-            exclude = avoid_prefill_only(self.registry, self.roles, model, {failed_instance} if same else set())
+            exclude = self.disagg.resume_exclude(model, {failed_instance} if same else set())
             return self.registry.reroute(request_id, exclude, time.time(), model, priority, blocks)
-        instance_id = await self._placed(reroute, model)
+        instance_id = await self.arrivals.placed(reroute, model)
         self.migration_figures.failovers += 1
         log.warning("request %s resumes on %s after %s failed", request_id, instance_id, failed_instance)
         return instance_id, self.handles[instance_id]
@@ -458,12 +400,7 @@ class Router:
         index = self.registry.prefix
         return RoutingStats(self.registry.policy.name, dict(self.registry.decisions), len(index),
                             sum(not index.wants_snapshot(i) for i in self.registry.instances),
-                            dict(self.disagg_decisions), self._handoff_figures(), len(self.handoffs.pending))
-
-    def _handoff_figures(self) -> dict[str, int]:
-        """Handoffs by outcome, and those given up because the request ended before its first token was seen."""
-        dropped = {"ended_before_handoff": self.handoffs.dropped} if self.handoffs.dropped else {}
-        return {**self.handoff_results, **dropped}
+                            dict(self.disagg.decisions), self.disagg.figures(), len(self.disagg.handoffs.pending))
 
     async def starting(self, instance_id: str) -> None:
         """A replica of `instance_id` begins to start (it registers when done): failovers wait for it."""
@@ -503,62 +440,7 @@ class Router:
     # ---- polling ------------------------------------------------------------------------------------
     async def poll(self) -> None:
         """Refresh every instance's stats, health and prefix-cache events once; remove the ones that fail."""
-        probed = dict(self.handles)
-        ids = list(probed)
-        asked = {i: sorted(self.registry.instances[i].in_flight) if i in self.registry.instances else [] for i in ids}
-        index = self.registry.prefix
-        results = await asyncio.gather(*(self._probe(i, asked[i], index.wants_snapshot(i)) for i in ids),
-                                       return_exceptions=True)
-        index.expire(time.time())
-        for instance_id, result in zip(ids, results):
-            if isinstance(result, BaseException):
-                self._remove_failed(instance_id, f"{type(result).__name__}: {result}")
-                continue
-            stats, health, states, events = result
-            now = time.time()
-            self.registry.update(instance_id, stats, health.healthy, health.error, now)
-            if not health.healthy:
-                self._remove_failed(instance_id, health.error or "unhealthy")
-                continue
-            if self.handles.get(instance_id) == probed[instance_id]:  # not replaced meanwhile (its own numbering)
-                index.apply(instance_id, events)
-            for r in self.registry.reconcile(instance_id, asked[instance_id], states, now, self.cfg.orphan_grace_s,
-                                             moving=self._migrating):
-                log.warning("request %s was still running at the router, but its instance %s %s; closed as %s",
-                            r.request_id, r.instance_id, "ended it" if r.seen_by_instance else "never received it",
-                            r.status.value)
-
-    async def _probe(self, instance_id: str, asked: list[str], snapshot: bool):
-        handle = self.handles[instance_id]
-        return await asyncio.wait_for(asyncio.gather(handle.stats.remote(), handle.health.remote(),
-                                                     handle.request_states.remote(asked),
-                                                     handle.cache_events.remote(snapshot)), self.health_timeout_s)
-
-    def _remove_failed(self, instance_id: str, error: str) -> None:
-        if instance_id not in self.registry.instances:
-            return
-        self.registry.mark_unhealthy(instance_id, error)
-        self.starts.lost(instance_id, time.monotonic())  # its replacement's registration says how long that took
-        entry = self.registry.remove(instance_id, time.time())  # its requests fail over (or were closed as failed)
-        self.handles.pop(instance_id, None)
-        self.removed.append(entry.row(removed_at=time.time()))
-        del self.removed[:-100]
-
-    async def _poll_forever(self) -> None:
-        while True:
-            try:
-                await self.poll()
-            except Exception:  # noqa: BLE001 - a bad poll must not stop polling; the next one retries
-                log.exception("polling the instances failed")
-            await asyncio.sleep(self.cfg.stats_interval_s)
-
-
-def _why(w: FailoverWait) -> str:
-    """The reason for a failover wait, in words."""
-    if w.slowest_s is None:
-        return "the configured floor: no start seen yet"
-    return (f"{w.multiple:g} x the slowest of the last {w.samples} starts, {w.slowest_s:.0f} s, within the floor "
-            f"{w.floor_s:.0f} s and the ceiling {w.ceiling_s:.0f} s")
+        await self.health.poll()
 
 
 def _dispatch(cfg: RouterConfig):

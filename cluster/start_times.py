@@ -16,13 +16,22 @@ A guess from past starts can still be short (a loaded machine, a cold cache), so
 start as it begins (`starting`): while an announced start has not registered, a waiting request keeps waiting, up
 to the ceiling from when its wait began. The learned wait covers the time before a replacement is even scheduled
 (Serve noticing the death); the announcement covers however long the start itself takes.
-Pure: no Ray, no clock of its own (times are passed in).
+`StartHistory` is pure: no Ray, no clock of its own (times are passed in). `Arrivals` applies it on the router's event
+loop: a request that finds no instance of its model waits that long for one to register (cluster/router.py).
 """
 
 from __future__ import annotations
 
+import asyncio
+import logging
+import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
+
+from cluster.registry import NoInstanceAvailable, Registry
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -39,6 +48,14 @@ class FailoverWait:
     # the last start's seconds phase by phase (actors/start_phases.py: replica, process, imports, weights, ...),
     # where its instance reported them
     last_start: tuple[tuple[str, float], ...] = ()
+
+    @property
+    def why(self) -> str:
+        """The reason for this wait, in words."""
+        if self.slowest_s is None:
+            return "the configured floor: no start seen yet"
+        return (f"{self.multiple:g} x the slowest of the last {self.samples} starts, {self.slowest_s:.0f} s, within "
+                f"the floor {self.floor_s:.0f} s and the ceiling {self.ceiling_s:.0f} s")
 
 
 @dataclass
@@ -112,3 +129,49 @@ class StartHistory:
         wait = self.floor_s if slowest is None else max(self.floor_s, self.multiple * slowest)
         return FailoverWait(min(self.ceiling_s, wait), slowest, self.floor_s, self.ceiling_s, self.multiple,
                             len(self.durations), len(self._starting), self._last_phases)
+
+
+class Arrivals:
+    """Instances registering, as the router's placements wait for them: `joined` wakes every waiting `placed`."""
+
+    def __init__(self, starts: StartHistory, registry: Registry) -> None:
+        self.starts, self.registry = starts, registry
+        self._joined = asyncio.Event()  # set (and replaced) whenever an instance registers
+
+    def joined(self) -> None:
+        self._joined.set()
+        self._joined = asyncio.Event()
+
+    async def placed(self, place: Callable[[], str], model: str | None) -> str:
+        """`place()`'s instance; while none can take the request because none of `model` is up (none registered
+        yet, or the last one failed and its replacement is starting), wait for one to register: the failover wait
+        (learned from the starts seen, within the configured floor and ceiling), and longer while a
+        replacement has announced its start and not registered yet (up to the ceiling). The client sees a pause,
+        not an error. An instance drained on purpose is no reason to wait: then NoInstanceAvailable at once, as when
+        the wait runs out (its message names the wait and why)."""
+        allowed = self.starts.wait()
+        began = time.monotonic()
+        warned = False
+        while True:
+            joined = self._joined
+            try:
+                return place()
+            except NoInstanceAvailable as e:
+                now = time.monotonic()
+                if any(i.draining and i.healthy for i in self.registry.instances.values()
+                       if model is None or i.model == model):
+                    raise
+                left = began + allowed.wait_s - now
+                if left <= 0 and self.starts.start_in_progress(now):  # a replacement is starting: wait in slices
+                    left = min(5.0, began + allowed.ceiling_s - now)
+                if left <= 0:
+                    raise NoInstanceAvailable(f"{e}; none registered within the failover wait of "
+                                              f"{now - began:.1f} s ({allowed.why})") from None
+                if not warned:
+                    log.warning("no instance of %s is up: waiting up to %.0f s for one to register (longer while a "
+                                "replacement is starting)", model or "any model", left)
+                    warned = True
+                try:
+                    await asyncio.wait_for(joined.wait(), left)
+                except asyncio.TimeoutError:
+                    pass

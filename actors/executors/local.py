@@ -17,7 +17,7 @@ from actors.kv.links import KVPorts, LinkedKV, LinkPart, import_stage, send_stag
 from actors.model.metadata import SeqChunk
 from actors.model.runner import ModelRunner
 from actors.transport.p2p import free_address
-from cluster.migration import Link
+from cluster.migration_messages import Link, Side
 
 
 class LocalStages:
@@ -69,7 +69,7 @@ class LocalStages:
     def link_addresses(self, stages: list[int], host: str) -> list[str]:
         return [free_address(host) for _ in stages]
 
-    def open_links(self, links: list[Link], side: str, timeout_s: float, backend: str) -> None:
+    def open_links(self, links: list[Link], side: Side, timeout_s: float, backend: str) -> None:
         self.ports.open(links, side, timeout_s, backend)
 
     def send_links(self, ops: list[CacheOp], request_id: str, start: int, end: int,

@@ -25,7 +25,7 @@ from actors.model.metadata import SeqChunk
 from actors.model.runner import CacheFull
 from actors.moe.ep import EPStats
 from cluster.config import CacheConfig
-from cluster.migration import Link
+from cluster.migration_messages import Link
 
 
 class PipelineRunner:

@@ -22,7 +22,7 @@ from actors.kv.links import LinkedKV, LinkPart
 from actors.model.metadata import SeqChunk
 from actors.moe.ep import EPStats
 from actors.moe.profile import ExpertRoutingStats
-from cluster.migration import Link
+from cluster.migration_messages import Link, Side
 
 
 class ShardFailure(RuntimeError):
@@ -86,8 +86,8 @@ class KVLinks(Protocol):
         """A rendezvous address on the node of each of `stages` (`host`: this process's node, for its own)."""
         ...
 
-    def open_links(self, links: list[Link], side: str, timeout_s: float, backend: str) -> None:
-        """Each stage joins the links it is an end of (`side` "src": link.src; "dst": link.dst)."""
+    def open_links(self, links: list[Link], side: Side, timeout_s: float, backend: str) -> None:
+        """Each stage joins the links it is an end of (`side.stage(link)`: link.src at SRC, link.dst at DST)."""
         ...
 
     def send_links(self, ops: list[CacheOp], request_id: str, start: int, end: int,

@@ -20,7 +20,7 @@ from actors.kv.links import LinkedKV, LinkPart
 from actors.model.metadata import SeqChunk
 from actors.executors.rank_group import RankGroup
 from actors.shards.ray_actors import KV_GROUP
-from cluster.migration import Link
+from cluster.migration_messages import Link, Side
 
 
 class RayStages:
@@ -67,8 +67,8 @@ class RayStages:
         return self.group.some(stages, lambda _, a: a.rendezvous_address.options(concurrency_group=KV_GROUP).remote(),
                                "KV link address")
 
-    def open_links(self, links: list[Link], side: str, timeout_s: float, backend: str) -> None:
-        ends = _ends(links, lambda k: k.src if side == "src" else k.dst)
+    def open_links(self, links: list[Link], side: Side, timeout_s: float, backend: str) -> None:
+        ends = _ends(links, side.stage)
         self.group.some(list(ends), lambda i, a: a.kv_open.options(concurrency_group=KV_GROUP).remote(
             ends[i], side, timeout_s, backend), "KV link open", max(self.group.timeout_s, timeout_s + 5))
 

@@ -9,7 +9,7 @@ stage receives its parts into a mailbox off its step loop, then, between two ste
 into its own layers and writes them into its cache.
 
     ports = KVPorts()
-    ports.open(links, "src", timeout_s=10, backend="gloo")       # both ends at once
+    ports.open(links, Side.SRC, timeout_s=10, backend="gloo")    # both ends at once
     parts = send_stage(cache, ports, "r0", 0, 256, my_links)      # source
     ports.receive(parts); import_stage(cache, ports, ...)         # destination
 """
@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 from actors.kv.cache import KVCache, KVExport, reshard
 from actors.kv.channel import ChannelError, KVChannel, KVHeader
-from cluster.migration import Link
+from cluster.migration_messages import Link, Side
 
 log = logging.getLogger(__name__)
 
@@ -70,12 +70,14 @@ class KVPorts:
         self._mail: dict[tuple[str, int], KVExport] = {}  # (link, start) -> what arrived
         self._lock = threading.Lock()
 
-    def open(self, links: Sequence[Link], side: str, timeout_s: float, backend: str) -> None:
-        """Join `links` (`side` "src": rank 0, hosting each at its address; "dst": rank 1), all at once: the other
+    def open(self, links: Sequence[Link], side: Side, timeout_s: float, backend: str) -> None:
+        """Join `links` (`side` SRC: rank 0, hosting each at its address; DST: rank 1), all at once: the other
         ends may come in any order. A link that fails raises ChannelError after the others are through."""
         if not links:
             return
-        rank = {"src": 0, "dst": 1}[side]
+        if not isinstance(side, Side):
+            raise TypeError(f"a link's side must be a Side (SRC or DST), not {side!r}")
+        rank = side.rank
         with ThreadPoolExecutor(len(links), thread_name_prefix="kv-open") as pool:
             futures = [pool.submit(KVChannel, link.address, rank, timeout_s, backend) for link in links]
         errors = []
@@ -86,7 +88,7 @@ class KVPorts:
                 except ChannelError as e:
                     errors.append(e)
                     continue
-                if side == "src":
+                if side is Side.SRC:
                     self._senders[link.link_id] = ThreadPoolExecutor(1, thread_name_prefix="kv-send")
         if errors:
             raise errors[0]

@@ -17,10 +17,8 @@ import torch
 from actors.kv.cache import KVCache
 from actors.model.backends import FINAL_NORMS
 from actors.model.generic import GenericLayer, Rotary, embedding_scale, final_logits
-from actors.model.loader import LoadedModel
-from actors.model.metadata import AttentionMetadata, SeqChunk
-from actors.model.qlinear import Activations
-from actors.model.runner import CacheFull, LayerPass, ModelRunner, check_layers
+from actors.model.metadata import AttentionMetadata
+from actors.model.runner import ModelRunner
 from actors.model.weights import WeightMode
 from cluster.config import CacheConfig
 
@@ -31,28 +29,12 @@ class GenericRunner(ModelRunner):
     """Runs `layer_ids` of a generic-path model in order; embeds tokens if `first`, returns logits if `last`.
     `ModelRunner(model, ...)` of a model loaded on the generic path builds one."""
 
-    def __init__(
-        self,
-        model: LoadedModel,
-        layer_ids: Sequence[int],
-        cache: CacheConfig,
-        first: bool = True,
-        last: bool = True,
-        device: torch.device | str | None = None,
-        weights: WeightMode | None = None,
-        deterministic: bool = False,
-        activations: Activations | None = None,
-    ) -> None:
-        cfg = model.config
-        check_layers(layer_ids, cfg.num_hidden_layers)
+    def _build(self, layer_ids: Sequence[int], cache: CacheConfig, deterministic: bool) -> None:
+        """The generic path's layers, ends, rotary tables and KV cache (`ModelRunner.__init__` set the rest)."""
         if deterministic:
             raise ValueError("deterministic mode runs on the native path only (engine.model.backend: native)")
-        self.model = model
-        self.device = torch.device(device) if device is not None else model.device
-        self.first, self.last = first, last
-        self.weights: WeightMode = weights or model.weights
+        model, first, last, cfg = self.model, self.first, self.last, self.model.config
         self._dense_only(self.weights)
-        self.activations: Activations = activations or model.activations
         self.deterministic = False
         hf = model.hf_model
         base = hf.model
@@ -69,7 +51,6 @@ class GenericRunner(ModelRunner):
         self.embed_scale = embedding_scale(cfg)
         self.final_norm = final_norm if last else None
         self.lm_head = hf.lm_head if last else None
-        self.layer_parallel: LayerPass | None = None  # EasySpec groups of a draft (actors/speculation/easyspec.py)
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.cache = KVCache(list(layer_ids), cache.num_blocks, cache.block_size, cfg.num_key_value_heads, head_dim,
                              model.dtype, device=self.device)
@@ -85,39 +66,17 @@ class GenericRunner(ModelRunner):
         self._dense_only(weights)
         self.weights = weights
 
-    def begin(self, chunks: list[SeqChunk]) -> tuple[AttentionMetadata, torch.Tensor, torch.Tensor]:
-        """Open a forward over `chunks`: room in the cache for their new tokens, the batch's attention metadata and
-        the rotary tables cos, sin (R, N, hd) of its positions (each layer reads its type's)."""
-        for c in chunks:
-            if not self.cache.reserve(c.request_id, self.cache.length(c.request_id) + len(c.token_ids)):
-                raise CacheFull(f"no KV blocks for {c.request_id}")
-        meta = AttentionMetadata.build(chunks, self.cache)
+    def rotary_tables(self, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rotary tables cos, sin (R, N, hd) of the batch's positions (each layer reads its type's)."""
         probe = torch.empty(0, dtype=self.model.dtype, device=self.device)  # the tables' dtype and device
-        cos, sin = self.rotary(probe, meta.positions)  # (R, N, hd) each
-        return meta, cos, sin
+        return self.rotary(probe, meta.positions)  # (R, N, hd) each
 
-    @torch.inference_mode()
-    def forward(self, chunks: list[SeqChunk], hidden: torch.Tensor | None = None,
-                parallel: bool = False) -> torch.Tensor:
-        """As ModelRunner.forward: hidden (N, H) in unless first, logits (sum num_logits, V) fp32 out if last, else
-        hidden (N, H)."""
-        meta, cos, sin = self.begin(chunks)
-        if self.first:
-            x = self.embed(meta.token_ids)  # (N, H)
-            if self.embed_scale is not None:
-                x = x * self.embed_scale
-        else:
-            x = hidden
-        if self.layer_parallel is not None:
-            x = self.layer_parallel.run(self.layers, x, parallel, cos, sin, meta, self.cache)
-        else:
-            for layer in self.layers:
-                x = layer(x, cos, sin, meta, self.cache)
-        self.end(chunks)
-        if not self.last:
-            return x
-        h = x[meta.logits_index]  # (sum num_logits, H)
-        if h.shape[0] == 0:  # prefill chunks only: no logits wanted
-            return torch.empty(0, self.model.config.vocab_size, device=self.device)
+    def embed_tokens(self, token_ids: torch.Tensor) -> torch.Tensor:
+        """Hidden (N, H) of token ids (N,), times the model's embedding multiplier where it has one."""
+        x = self.embed(token_ids)  # (N, H)
+        return x * self.embed_scale if self.embed_scale is not None else x
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """Logits (M, V) fp32 of hidden rows h (M, H): the model's final norm and head, its scaling or softcap."""
         return final_logits(self.model.config, self.lm_head(self.final_norm(h)).float())  # (M, V)
 

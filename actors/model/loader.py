@@ -118,17 +118,23 @@ def _location(source: str) -> tuple[str, dict]:
     return source, {}  # a hub id
 
 
+def _pretrained(cls, source: str, failed: str, **extra):  # noqa: ANN001 - a transformers Auto class
+    """`cls.from_pretrained` of `source` (a folder, a GGUF file or a hub id); ModelLoadError saying `failed` if it cannot
+    be read."""
+    where, kwargs = _location(source)
+    try:
+        return cls.from_pretrained(where, **kwargs, **extra)
+    except (OSError, ValueError) as e:
+        raise ModelLoadError(f"{failed}: {e}") from None
+
+
 def load_model_config(source: str, backend: BackendChoice = "auto") -> PretrainedConfig:
     """Read only the model's config, refusing a model no path runs (under `backend`) with the reason in one line."""
     return _config_and_plan(source, backend)[0]
 
 
 def _config_and_plan(source: str, backend: BackendChoice) -> tuple[PretrainedConfig, BackendPlan]:
-    where, kwargs = _location(source)
-    try:
-        config = AutoConfig.from_pretrained(where, **kwargs)
-    except (OSError, ValueError) as e:
-        raise ModelLoadError(f"cannot read the config of {source}: {e}") from None
+    config = _pretrained(AutoConfig, source, f"cannot read the config of {source}")
     try:
         return config, choose_backend(config, backend)
     except Unsupported as e:
@@ -156,14 +162,9 @@ def load_model(source: str, dtype: str = "fp32", device: torch.device | str = "c
     with phase("tokenizer"):
         config, plan = _config_and_plan(source, backend)
         log.info("%s: %s", source, plan.describe())
-        where, kwargs = _location(source)
-    try:
-        with phase("tokenizer"):
-            tokenizer = AutoTokenizer.from_pretrained(where, **kwargs)
-        with phase("weights"):  # safetensors are memory-mapped: their pages are read as the layers use them
-            model = AutoModelForCausalLM.from_pretrained(where, dtype=DTYPES[dtype], **kwargs)
-    except (OSError, ValueError) as e:
-        raise ModelLoadError(f"cannot load {source}: {e}") from None
+        tokenizer = _pretrained(AutoTokenizer, source, f"cannot load {source}")
+    with phase("weights"):  # safetensors are memory-mapped: their pages are read as the layers use them
+        model = _pretrained(AutoModelForCausalLM, source, f"cannot load {source}", dtype=DTYPES[dtype])
     model.eval().requires_grad_(False)
     if torch.device(device) != torch.device("cpu"):
         model.to(device)
@@ -195,11 +196,8 @@ def load_metadata(source: str, dtype: str = "fp32", backend: BackendChoice = "au
     if dtype not in DTYPES:
         raise ModelLoadError(f"unsupported dtype {dtype!r}; supported: {', '.join(DTYPES)}")
     config, plan = _config_and_plan(source, backend)
+    tokenizer = _pretrained(AutoTokenizer, source, f"cannot load the tokenizer of {source}")
     where, kwargs = _location(source)
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(where, **kwargs)
-    except (OSError, ValueError) as e:
-        raise ModelLoadError(f"cannot load the tokenizer of {source}: {e}") from None
     try:
         generation = GenerationConfig.from_pretrained(where, **kwargs)
     except OSError:  # no generation_config.json: the model config's token ids stand in, as transformers does

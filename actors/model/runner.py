@@ -177,15 +177,21 @@ class ModelRunner:
         deterministic: bool = False,
         activations: Activations | None = None,
     ) -> None:
-        cfg = model.config
-        assert cfg.model_type in NATIVE_ARCHITECTURES, cfg.model_type
-        check_layers(layer_ids, cfg.num_hidden_layers)
+        check_layers(layer_ids, model.config.num_hidden_layers)
         self.model = model
         # weights of this runner, its KV cache and every tensor of a forward live here (default: the weights')
         self.device = torch.device(device) if device is not None else model.device
         self.first, self.last = first, last
         self.weights: WeightMode = weights or model.weights
         self.activations: Activations = activations or model.activations
+        self.layer_parallel: LayerPass | None = None  # EasySpec groups of a draft (actors/speculation/easyspec.py)
+        self._build(layer_ids, cache, deterministic)
+
+    def _build(self, layer_ids: Sequence[int], cache: CacheConfig, deterministic: bool) -> None:
+        """The native path's layers, ends, rotary tables and KV cache (the generic runner builds its own)."""
+        model, first, last = self.model, self.first, self.last
+        cfg = model.config
+        assert cfg.model_type in NATIVE_ARCHITECTURES, cfg.model_type
         hf = model.hf_model
         if self.device != model.device:  # move only what this runner runs (a shared checkpoint keeps the rest)
             for module in [_dense_part(hf.model.layers[i], self.weights) for i in layer_ids] + [hf.model.rotary_emb] \
@@ -202,7 +208,6 @@ class ModelRunner:
         self._invariant()
         self.ropes = [RopeTable(hf.model.rotary_emb, model.dtype, self.device, kind) for kind in rope_kinds(model)]
         attn = self.layers[0].attn
-        self.layer_parallel: LayerPass | None = None  # EasySpec groups of a draft (actors/speculation/easyspec.py)
         self.cache = KVCache(
             list(layer_ids), cache.num_blocks, cache.block_size, attn.num_kv_heads, attn.head_dim, model.dtype,
             device=self.device,
@@ -266,12 +271,15 @@ class ModelRunner:
             if not self.cache.reserve(c.request_id, self.cache.length(c.request_id) + len(c.token_ids)):
                 raise CacheFull(f"no KV blocks for {c.request_id}")
         meta = AttentionMetadata.build(chunks, self.cache)
-        if self.ropes[0].layer_type is None:
-            cos, sin = self.ropes[0](meta)  # (N, 1, hd) each
-        else:  # a table per layer type, each layer picks its own (DecoderLayer.rope)
-            tables = [rope(meta) for rope in self.ropes]
-            cos, sin = torch.stack([c for c, _ in tables]), torch.stack([s for _, s in tables])  # (R, N, 1, hd)
+        cos, sin = self.rotary_tables(meta)
         return meta, cos, sin
+
+    def rotary_tables(self, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rotary cos, sin (N, 1, hd) of the batch's positions; (R, N, 1, hd) with a table per layer type."""
+        if self.ropes[0].layer_type is None:
+            return self.ropes[0](meta)  # (N, 1, hd) each
+        tables = [rope(meta) for rope in self.ropes]  # each layer picks its type's (DecoderLayer.rope)
+        return torch.stack([c for c, _ in tables]), torch.stack([s for _, s in tables])  # (R, N, 1, hd)
 
     def end(self, chunks: list[SeqChunk]) -> None:
         """Close a forward: the chunks' new tokens, whose KV the layers wrote, now count in the cache's lengths."""
@@ -291,7 +299,7 @@ class ModelRunner:
         if last, else hidden (N, H), on this runner's device.
         """
         meta, cos, sin = self.begin(chunks)
-        x = self.embed(meta.token_ids) if self.first else hidden  # (N, H)
+        x = self.embed_tokens(meta.token_ids) if self.first else hidden  # (N, H)
         if self.layer_parallel is not None:
             x = self.layer_parallel.run(self.layers, x, parallel, cos, sin, meta, self.cache)
         else:
@@ -303,7 +311,15 @@ class ModelRunner:
         h = x[meta.logits_index]  # (sum num_logits, H)
         if h.shape[0] == 0:  # prefill chunks only: no logits wanted
             return torch.empty(0, self.model.config.vocab_size, device=self.device)
+        return self.logits(h)
+
+    def embed_tokens(self, token_ids: torch.Tensor) -> torch.Tensor:
+        """The first runner's prologue: hidden (N, H) of token ids (N,) (Gemma's embedding scales by sqrt(H) itself)."""
+        return self.embed(token_ids)
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """The last runner's epilogue: logits (M, V) fp32 of hidden rows h (M, H), through the final norm and head."""
         fused = self.layers[-1].fused  # our CPU kernels, where they run this model's norms
         eps = self.model.config.rms_norm_eps
         normed = fused.rms_norm(h, self.norm, eps) if fused is not None else rms_norm(h, self.norm, eps, self.gemma)
-        return final_logits(self.model.config, self.lm_head(normed).float())  # (N, V)
+        return final_logits(self.model.config, self.lm_head(normed).float())  # (M, V)

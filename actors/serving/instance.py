@@ -186,12 +186,12 @@ class Instance:
             return None
         return self._guarded(executor.routing)
 
-    def shard_cache_usage(self) -> dict[str, list[tuple[int, int]]]:
+    def shard_cache_usage(self) -> dict[Pipeline, list[tuple[int, int]]]:
         """(used, free) blocks of every shard's own cache, after shipping pending ops: each equals its ledger's."""
         self._check_healthy()
-        out = {"target": self.target.executor.cache_usage(self.target.cache.drain())}
+        out = {Pipeline.TARGET: self.target.executor.cache_usage(self.target.cache.drain())}
         if self.draft is not None:
-            out["draft"] = self.draft.executor.cache_usage(self.draft.cache.drain())
+            out[Pipeline.DRAFT] = self.draft.executor.cache_usage(self.draft.cache.drain())
         return out
 
     def export_kv(self, request_id: str) -> list[KVExport]:

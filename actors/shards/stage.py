@@ -29,7 +29,7 @@ from actors.moe.permute import apply_plan
 from actors.transport.p2p import P2P, Transfer
 from actors.speculation import easyspec
 from cluster.config import CacheConfig, DraftParallelConfig
-from cluster.migration import Link
+from cluster.migration_messages import Link, Side
 from placement.experts import ExpertPlan
 
 MAX_TRANSFERS = 10_000  # transfer records a shard keeps for benchmarks
@@ -174,8 +174,8 @@ class StageWorker(Shard):
 
     # a migration's links (actors/kv/links.py): `kv_open`, `kv_receive` and `kv_close` run beside the steps (the
     # actor's "kv" concurrency group), `kv_send` and `kv_import` between them, like `export` and `import_`
-    def kv_open(self, links: list[Link], side: str, timeout_s: float, backend: str) -> None:
-        """Join `links` (this shard is their `side` end: "src" or "dst")."""
+    def kv_open(self, links: list[Link], side: Side, timeout_s: float, backend: str) -> None:
+        """Join `links` (this shard is their `side` end: SRC or DST)."""
         self.ports.open(links, side, timeout_s, backend)
 
     def kv_send(self, ops: list[CacheOp], request_id: str, start: int, end: int, links: list[Link]) -> list[LinkPart]:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 import platform
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -27,8 +27,8 @@ from actors.model.runner import ModelRunner
 from actors.engine.offline import generate
 from actors.speculation.cost_model import StepCostModel
 from cluster.config import CacheConfig, SchedulerConfig, SpeculationConfig
-from cluster.request import SamplingParams, SpecStats
-from deploy.bench.output import save
+from cluster.request import SamplingParams
+from deploy.bench.output import Measured, save
 from deploy.bench.prompts import DATASETS, load_prompts
 from deploy.bench.spec import _agreement
 from deploy.model_store import resolve_model
@@ -71,19 +71,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 @dataclass
-class Mode:
+class Mode(Measured):
     """One engine setting measured at one batch size."""
 
     name: str
     engine: Engine
-    tokens: int = 0
-    seconds: float = 0.0
-    stats: SpecStats = field(default_factory=SpecStats)
-    outputs: list[list[int]] = field(default_factory=list)
-
-    @property
-    def tok_s(self) -> float:
-        return self.tokens / self.seconds if self.seconds else 0.0
 
 
 def cpu_model() -> str:

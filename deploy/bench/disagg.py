@@ -17,7 +17,6 @@ import argparse
 import asyncio
 import random
 import time
-from pathlib import Path
 
 import ray
 
@@ -25,10 +24,9 @@ from actors.model.loader import load_model
 from cluster.config import (CacheConfig, EngineConfig, FleetConfig, ModelConfig, RouterConfig, SchedulerConfig,
                             SpecfleetConfig, SpeculationConfig)
 from cluster.disagg import DisaggConfig
-from deploy.bench.migration import Bench, Streamed, long_prompt
+from deploy.bench.local_fleet import Bench, Streamed, add_cluster_flags, add_model_flags, local_nodes, long_prompt
 from deploy.bench.output import pct, save
 from deploy.cli.flags import UsageError
-from deploy.infra import local_cluster
 from deploy.model_store import resolve_model
 from deploy.serve.frontend import Frontend
 from deploy.serve.frontend_config import frontend_config
@@ -37,8 +35,7 @@ MODES = {"aggregated": ("both", "both", "both"), "disaggregated": ("prefill", "d
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="smollm2-135m-instruct", help="target model (catalog name, GGUF, folder)")
-    p.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
+    add_model_flags(p)
     p.add_argument("--short-requests", type=int, default=12, help="short requests (their ITL is the figure)")
     p.add_argument("--short-rate", type=float, default=1.0, help="their Poisson arrival rate (requests/s)")
     p.add_argument("--short-prompt", type=int, default=64, help="their prompt length in tokens")
@@ -49,9 +46,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--long-tokens", type=int, default=16, help="tokens each long request generates")
     p.add_argument("--speculation", choices=["off", "ngram"], default="off")
     p.add_argument("--seed", type=int, default=0, help="of the arrival times")
-    p.add_argument("--num-cpus", type=float, default=1.0, help="CPUs per instance")
-    p.add_argument("--state", type=Path, default=local_cluster.DEFAULT_STATE, help="the local cluster's state file")
-    p.add_argument("--json", type=Path)
+    add_cluster_flags(p)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -60,12 +55,7 @@ def run(args: argparse.Namespace) -> int:
                          "--long-requests at least 0")
     if min(args.short_rate, args.long_rate) <= 0:
         raise UsageError("--short-rate and --long-rate must be positive")
-    state = local_cluster.read_state(args.state)
-    nodes = [n.spec.name for n in state.nodes]
-    if len(nodes) < 3:
-        raise UsageError(f"bench disagg needs 3 nodes (one instance each); the local cluster has {len(nodes)}: "
-                         "`specfleet cluster up --nodes 3`")
-    local_cluster.connect(state, logging_level="ERROR", log_to_driver=False)
+    nodes = local_nodes(args.state, "disagg", 3, "one instance each")
     target = resolve_model(args.model, args.dtype)
     tok = load_model(target, args.dtype)
     text = long_prompt(tok, args.long_prompt + args.short_requests * args.short_prompt)
@@ -121,11 +111,7 @@ def _one(args, target: str, tok, nodes: list[str], roles: tuple[str, ...], arriv
                                                           router=router_cfg)), b.router)  # it sends the prompt's shape
     try:
         for i, role in enumerate(roles):
-            name = f"pd-{i}"
-            b.start(name, nodes[i])
-            info = ray.get(b.servers[name].info.remote(), timeout=60)
-            ray.get(b.router.register.remote(name, b.servers[name], info.model, info.max_model_len, info.node_id,
-                                             role=role))
+            b.start(f"pd-{i}", nodes[i], role=role)
         asyncio.run(b.stream(arrivals[0][2][:16], 4))  # warm-up
 
         async def load() -> list[tuple[str, Streamed]]:

@@ -30,7 +30,7 @@ from cluster.request import SamplingParams, SpecStats
 from deploy.bench.output import save
 from deploy.bench.prompts import DATASETS, load_prompts
 from deploy.bench.spec import _agreement
-from deploy.cli.flags import UsageError
+from deploy.cli.flags import UsageError, parse_numbers
 from deploy.infra import local_cluster
 from deploy.model_store import resolve_model
 
@@ -70,10 +70,7 @@ class Setting:
 
 
 def _settings(args) -> list[Setting]:
-    try:
-        groups = [int(g) for g in args.groups.split(",")]
-    except ValueError:
-        raise UsageError(f"--groups: expected sizes like 1,2,3, got {args.groups!r}") from None
+    groups = parse_numbers(args.groups, "--groups", int, "sizes like 1,2,3")
     modes = [m for m in args.mode.split(",") if m]
     calibrations = {"on": [True], "off": [False], "on,off": [True, False], "off,on": [False, True]}.get(args.calibrate)
     if calibrations is None or any(m not in ("attention", "layer") for m in modes):

@@ -18,7 +18,6 @@ import argparse
 import asyncio
 import random
 import time
-from pathlib import Path
 
 import ray
 
@@ -27,10 +26,10 @@ from actors.model.loader import load_model
 from cluster.autoscale import AutoscaleTarget, AutoscalingConfig
 from cluster.config import CacheConfig, EngineConfig, ModelConfig, RouterConfig, SchedulerConfig, SpeculationConfig
 from cluster.router_client import RouterClient
-from deploy.bench.migration import Bench
+from deploy.bench.local_fleet import Bench, add_cluster_flags, add_model_flags
 from deploy.bench.output import pct, save
 from deploy.bench.prompts import DATASETS, load_prompts
-from deploy.cli.flags import UsageError
+from deploy.cli.flags import UsageError, parse_numbers
 from deploy.infra import local_cluster
 from deploy.model_store import resolve_model
 from deploy.serve.autoscaler import Autoscaler, Launched
@@ -39,8 +38,7 @@ from placement.layout import ShardLayout, StageSlot
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="smollm2-135m-instruct", help="target model (catalog name, GGUF, folder)")
-    p.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
+    add_model_flags(p)
     p.add_argument("--min-instances", type=int, default=1)
     p.add_argument("--max-instances", type=int, default=3)
     p.add_argument("--rates", default="0.3,1.5,0.3", help="requests/s of each phase, comma-separated")
@@ -53,10 +51,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--up-after-s", type=float, default=2.0)
     p.add_argument("--down-after-s", type=float, default=5.0)
     p.add_argument("--fleets", default="max,min,autoscaled", help="which fleets to run, comma-separated")
-    p.add_argument("--num-cpus", type=float, default=1.0, help="CPUs per instance")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--state", type=Path, default=local_cluster.DEFAULT_STATE, help="the local cluster's state file")
-    p.add_argument("--json", type=Path)
+    add_cluster_flags(p)
 
 
 class NodeLauncher:
@@ -122,10 +118,7 @@ async def drive(b: Bench, prompts: list[list[int]], gaps: list[float], args, aut
 
 
 def run(args: argparse.Namespace) -> int:
-    try:
-        rates = [float(r) for r in args.rates.split(",") if r]
-    except ValueError:
-        raise UsageError(f"--rates: expected rates like 0.3,1.5,0.3, got {args.rates!r}") from None
+    rates = parse_numbers(args.rates, "--rates", float, "rates like 0.3,1.5,0.3")
     fleets = [f for f in args.fleets.split(",") if f]
     if not set(fleets) <= {"max", "min", "autoscaled"} or not rates or min(rates) <= 0:
         raise UsageError("--fleets: choose from max, min, autoscaled; --rates: positive requests/s")

@@ -26,7 +26,7 @@ from cluster.config import CacheConfig, SchedulerConfig, SpeculationConfig
 from cluster.request import Request, SamplingParams
 from deploy.bench.prompts import DATASETS, load_prompts
 from deploy.bench.output import pct, save
-from deploy.cli.flags import UsageError
+from deploy.cli.flags import UsageError, parse_numbers
 from deploy.model_store import resolve_model
 
 POLICIES = ("off", "fixed", "goodput")
@@ -126,10 +126,7 @@ def serve(engine: Engine, arrivals: list[float], prompts: list[list[int]], max_t
 
 
 def run(args: argparse.Namespace) -> int:
-    try:
-        rates = [float(r) for r in args.rates.split(",")]
-    except ValueError:
-        raise UsageError(f"--rates: expected numbers like 0.5,1,2, got {args.rates!r}") from None
+    rates = parse_numbers(args.rates, "--rates", float, "numbers like 0.5,1,2")
     policies = args.policies.split(",")
     if bad := [p for p in policies if p not in POLICIES] or [r for r in rates if r <= 0]:
         raise UsageError(f"bad --policies or --rates: {bad}")

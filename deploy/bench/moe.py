@@ -48,7 +48,7 @@ from cluster.config import (CacheConfig, EngineConfig, ExpertParallelConfig, Mod
 from cluster.request import SamplingParams
 from deploy.bench.output import save
 from deploy.bench.prompts import DATASETS, load_prompts
-from deploy.cli.flags import UsageError, parse_balance
+from deploy.cli.flags import UsageError, parse_balance, parse_numbers
 from deploy.infra import local_cluster
 from placement.experts import contiguous_plan, group_experts
 
@@ -97,10 +97,7 @@ class Run:
 
 
 def run(args: argparse.Namespace) -> int:
-    try:
-        ranks = [int(r) for r in args.ranks.split(",")]
-    except ValueError:
-        raise UsageError(f"--ranks: expected counts like 2,3, got {args.ranks!r}") from None
+    ranks = parse_numbers(args.ranks, "--ranks", int, "counts like 2,3")
     settings = args.settings.split(",")
     unknown = [name for name in settings if name not in SETTINGS]
     missing = {BASELINE[name] for name in settings} - set(settings)

@@ -29,7 +29,7 @@ from cluster.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConf
 from cluster.request import SamplingParams
 from deploy.infra import local_cluster
 from deploy.bench.prompts import DATASETS, load_prompts
-from deploy.cli.flags import UsageError
+from deploy.cli.flags import parse_numbers
 from deploy.model_store import resolve_model
 from placement.inventory import Inventory
 from placement.layout import ShardLayout
@@ -56,10 +56,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    try:
-        counts = [int(s) for s in args.stages.split(",")]
-    except ValueError:
-        raise UsageError(f"--stages: expected counts like 1,2,3, got {args.stages!r}") from None
+    counts = parse_numbers(args.stages, "--stages", int, "counts like 1,2,3")
     target, draft = resolve_model(args.target, args.dtype), resolve_model(args.draft, args.dtype)
     cache = CacheConfig(block_size=16, num_blocks=args.max_batch_size * (args.max_prompt_tokens + args.max_tokens
                                                                          + args.k) // 16 + 16)

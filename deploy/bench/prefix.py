@@ -42,7 +42,7 @@ from actors.model.loader import load_metadata
 from cluster.config import (CacheConfig, EngineConfig, MigrationConfig, ModelConfig, RouterConfig, SchedulerConfig,
                             SpecfleetConfig, SpeculationConfig)
 from cluster.router import Router
-from deploy.bench.migration import long_prompt
+from deploy.bench.local_fleet import long_prompt
 from deploy.bench.output import pct, save
 from deploy import DEFAULT_CONFIG, model_store
 from deploy.bench.prompts import DATASETS, load_prompts

@@ -32,7 +32,7 @@ from deploy.infra import local_cluster, ray_node
 from deploy.cli.admin_cmd import add_endpoint_flags, endpoint
 from deploy.bench.prompts import DATASETS, load_prompts
 from deploy.bench.output import pct, save
-from deploy.cli.flags import UsageError
+from deploy.cli.flags import UsageError, parse_numbers
 
 DATASET_FILES = {"mtbench": DATASETS / "mt_bench_questions.jsonl", "humaneval": DATASETS / "HumanEval.jsonl.gz"}
 ENDED = ("stop", "length")  # finish reasons of a request served to its end
@@ -287,10 +287,7 @@ def _ms(seconds: float | None) -> float | None:
 
 # ---- the command ----------------------------------------------------------------------------------------
 def run(args: argparse.Namespace) -> int:
-    try:
-        rates = [float(r) for r in args.rates.split(",") if r.strip()]
-    except ValueError:
-        raise UsageError(f"--rates: expected numbers like 0.5,1,2, got {args.rates!r}") from None
+    rates = parse_numbers(args.rates, "--rates", float, "numbers like 0.5,1,2")
     if any(r <= 0 for r in rates) or args.duration <= 0 or args.max_tokens < 1 or args.max_prompt_tokens < 1:
         raise UsageError("--rates must be > 0, --duration > 0, --max-tokens and --max-prompt-tokens >= 1")
     if args.concurrency < 0 or args.overhead_requests < 0:

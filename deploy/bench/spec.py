@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -23,7 +23,7 @@ from actors.model.runner import ModelRunner
 from actors.engine.offline import generate
 from cluster.config import CacheConfig, SpeculationConfig
 from cluster.request import SamplingParams, SpecStats
-from deploy.bench.output import save
+from deploy.bench.output import Measured, save
 from deploy.bench.prompts import DATASETS, load_prompts
 from deploy.model_store import resolve_model
 
@@ -47,17 +47,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 @dataclass
-class ModeResult:
+class ModeResult(Measured):
     name: str
-    tokens: int = 0
-    seconds: float = 0.0
     peak_rss_gb: float = 0.0
-    stats: SpecStats = field(default_factory=SpecStats)
-    outputs: list[list[int]] = field(default_factory=list)
-
-    @property
-    def tok_s(self) -> float:
-        return self.tokens / self.seconds if self.seconds else 0.0
 
 
 def _reset_peak_rss() -> None:

@@ -18,6 +18,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from cluster.config import AuthConfig, load_config
 from cluster.instances import InstancePlace, InstanceRow
@@ -287,47 +288,44 @@ def run_requests(args: argparse.Namespace) -> int:
     return 0
 
 
-def run_abort(args: argparse.Namespace) -> int:
+def _call(args: argparse.Namespace, call: Callable[[AdminClient], Any], said: Callable[[Any], str],
+          ok: Callable[[Any], bool] = lambda _: True) -> int:
+    """One call to the admin API: its answer as JSON with --json, else in words (`said`); exit status 0 if `ok`."""
     with client(args) as c:
-        result = c.abort(args.request_id)
-    print(json.dumps(result.model_dump()) if args.json else f"aborted {result.request_id}")
-    return 0
+        result = call(c)
+    print(json.dumps(result.model_dump()) if args.json else said(result))
+    return 0 if ok(result) else 1
+
+
+def run_abort(args: argparse.Namespace) -> int:
+    return _call(args, lambda c: c.abort(args.request_id), lambda r: f"aborted {r.request_id}")
 
 
 def run_drain(args: argparse.Namespace) -> int:
     migrate = not args.abort and not args.wait
-    with client(args) as c:
-        result = c.drain(args.instance_id, abort=args.abort, migrate=migrate)
-    if args.json:
-        print(json.dumps(result.model_dump()))
-    elif migrate:
-        print(f"drained {result.instance_id}: no new requests go there; {result.migrated} migrated away, "
-              f"{result.running} still there" + "".join(f"\n  not moved: {m}" for m in result.not_moved))
-    else:
-        what = "aborted" if result.aborted else "left to finish"
-        print(f"draining {result.instance_id}: no new requests go there; {result.running} running ({what})")
-    return 0 if not migrate or result.running == 0 else 1
+
+    def said(r) -> str:  # noqa: ANN001 - the drain's answer
+        if migrate:
+            return (f"drained {r.instance_id}: no new requests go there; {r.migrated} migrated away, "
+                    f"{r.running} still there" + "".join(f"\n  not moved: {m}" for m in r.not_moved))
+        what = "aborted" if r.aborted else "left to finish"
+        return f"draining {r.instance_id}: no new requests go there; {r.running} running ({what})"
+    return _call(args, lambda c: c.drain(args.instance_id, abort=args.abort, migrate=migrate), said,
+                 lambda r: not migrate or r.running == 0)
 
 
 def run_migrate(args: argparse.Namespace) -> int:
-    with client(args) as c:
-        r = c.migrate(args.request_id, args.to)
-    if args.json:
-        print(json.dumps(r.model_dump()))
-    elif r.status == "finished":
+    def said(r) -> str:  # noqa: ANN001 - the migration's answer
+        if r.status != "finished":
+            return f"{r.request_id} stays where it runs: {r.status} ({r.reason})"
         cached = f" ({r.tokens_skipped} more found in its prefix cache)" if r.tokens_skipped else ""
-        print(f"migrated {r.request_id}: {r.tokens_copied} KV tokens{cached} in {r.stages} stage(s) while it "
-              f"decoded, downtime {r.downtime_s * 1e3:.1f} ms, {r.total_s * 1e3:.1f} ms in all")
-    else:
-        print(f"{r.request_id} stays where it runs: {r.status} ({r.reason})")
-    return 0 if r.status == "finished" else 1
+        return (f"migrated {r.request_id}: {r.tokens_copied} KV tokens{cached} in {r.stages} stage(s) while it "
+                f"decoded, downtime {r.downtime_s * 1e3:.1f} ms, {r.total_s * 1e3:.1f} ms in all")
+    return _call(args, lambda c: c.migrate(args.request_id, args.to), said, lambda r: r.status == "finished")
 
 
 def run_undrain(args: argparse.Namespace) -> int:
-    with client(args) as c:
-        result = c.undrain(args.instance_id)
-    print(json.dumps(result.model_dump()) if args.json else f"{result.instance_id} takes requests again")
-    return 0
+    return _call(args, lambda c: c.undrain(args.instance_id), lambda r: f"{r.instance_id} takes requests again")
 
 
 def run_models_list(args: argparse.Namespace) -> int:

@@ -20,7 +20,7 @@ import yaml
 
 from deploy.bench.prompts import DATASETS
 from deploy.cli.admin_cmd import _guard, add_endpoint_flags, client
-from deploy.cli.flags import UsageError, parse_balance
+from deploy.cli.flags import UsageError, parse_balance, read_json_file
 from deploy.cli.tables import show, table
 from placement.experts import ExpertPlan, contiguous_plan, group_experts, objective
 
@@ -113,12 +113,7 @@ def _stats(path: Path):
 
 
 def _plan(path: Path) -> ExpertPlan:
-    try:
-        return ExpertPlan.model_validate_json(path.read_text())
-    except FileNotFoundError:
-        raise UsageError(f"{path}: no such plan file") from None
-    except ValueError as e:
-        raise UsageError(f"{path}: not a valid expert plan: {e}") from None
+    return read_json_file(path, ExpertPlan, f"{path}: no such plan file", "a valid expert plan")
 
 
 def run_plan(args: argparse.Namespace) -> int:

@@ -3,8 +3,14 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
+from typing import TypeVar
+
+from pydantic import BaseModel, ValidationError
 
 from cluster.config import ConfigError, EngineConfig, load_config, parse_config
+
+M = TypeVar("M", bound=BaseModel)
 
 
 class UsageError(ValueError):
@@ -21,6 +27,27 @@ def parse_layers(text: str) -> tuple[int, ...]:
     except ValueError:
         raise argparse.ArgumentTypeError(f"bad layer list {text!r}; expected e.g. 0-9,28,29") from None
     return tuple(layers)
+
+
+def parse_numbers(text: str, flag: str, kind: type[int] | type[float], example: str) -> list:
+    """A flag's comma-separated numbers: '256,1024' -> [256, 1024] (empty items skipped). UsageError naming the flag
+    and `example` (what it takes, e.g. 'counts like 2,3') if one is not a number of `kind`."""
+    try:
+        return [kind(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise UsageError(f"{flag}: expected {example}, got {text!r}") from None
+
+
+def read_json_file(path: Path, model: type[M], missing: str, what: str) -> M:
+    """The file at `path` as a `model`; UsageError saying `missing` if there is no such file, or that it is not `what`
+    (with its first problems)."""
+    try:
+        return model.model_validate_json(path.read_text())
+    except FileNotFoundError:
+        raise UsageError(missing) from None
+    except ValidationError as e:
+        problems = "; ".join(f"{'.'.join(map(str, err['loc'])) or '<root>'}: {err['msg']}" for err in e.errors()[:3])
+        raise UsageError(f"{path}: not {what} ({problems})") from None
 
 
 def parse_balance(text: str) -> float | None:

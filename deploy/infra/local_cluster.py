@@ -33,10 +33,10 @@ from contextlib import ExitStack
 from pathlib import Path
 
 import psutil
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict
 
 from deploy import DEFAULT_INVENTORY
-from deploy.cli.flags import UsageError
+from deploy.cli.flags import UsageError, read_json_file
 from deploy.infra import ray_node
 from placement.inventory import LABEL_PREFIX, Inventory, NodeSpec, ray_labels, ray_resources
 
@@ -123,13 +123,8 @@ def connect(state: ClusterState, **init_kwargs) -> None:
 
 
 def read_state(path: Path) -> ClusterState:
-    try:
-        return ClusterState.model_validate_json(path.read_text())
-    except FileNotFoundError:
-        raise UsageError(f"no cluster state at {path}: start one with `specfleet cluster up`") from None
-    except ValidationError as e:
-        problems = "; ".join(f"{'.'.join(map(str, err['loc'])) or '<root>'}: {err['msg']}" for err in e.errors()[:3])
-        raise UsageError(f"{path}: not a specfleet cluster state file ({problems})") from None
+    return read_json_file(path, ClusterState, f"no cluster state at {path}: start one with `specfleet cluster up`",
+                          "a specfleet cluster state file")
 
 
 def _write_state(path: Path, state: ClusterState) -> None:

@@ -55,7 +55,7 @@ def test_the_router_waits_as_long_as_a_start_it_saw_took_then_names_the_wait_whe
         handle = object()
         await router.register("i0", handle, "m", 64, "node", incarnation="a", start_s=1.0)
         assert (await router.failover_wait()).wait_s == pytest.approx(2.0)
-        router._remove_failed("i0", "killed")  # as the poll does when an instance stops answering
+        router.health.remove_failed("i0", "killed")  # as the poll does when an instance stops answering
 
         async def replacement() -> None:
             await asyncio.sleep(1.0)
@@ -89,7 +89,7 @@ def test_an_announced_start_is_waited_for_past_the_learned_wait_up_to_the_ceilin
         (instance, _), _ = await asyncio.gather(router.route("r0"), slow_start())
         assert instance == "i0" and time.monotonic() - began >= 0.9
         assert (await router.failover_wait()).starting == 0
-        router._remove_failed("i0", "killed")
+        router.health.remove_failed("i0", "killed")
         await router.starting("i0")  # a replacement that never registers: the ceiling ends the wait
         began = time.monotonic()
         with pytest.raises(NoInstanceAvailable, match="failover wait"):

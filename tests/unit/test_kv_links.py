@@ -11,7 +11,7 @@ import torch
 
 from actors.engine.core import Engine
 from actors.engine.migration import EngineMigration
-from actors.kv.links import LinkedKV
+from actors.kv.links import KVPorts, LinkedKV
 from actors.executors.pipeline import PipelineRunner
 from cluster.config import MigrationConfig, SchedulerConfig, SpeculationConfig
 from cluster.migration import Link, MigrationStatus, migrate, plan_links
@@ -22,6 +22,14 @@ from tests.unit.test_migration import EngineEndpoint, finish_and_check, started
 from tests.unit.test_pipeline import pipeline
 
 TORCH = MigrationConfig(max_stages=3, stop_copy_tokens=2, chunk_tokens=8, transfer="torch", channel_timeout_s=20)
+
+
+def test_a_side_names_its_rank_and_stage_and_ports_take_no_string_for_it() -> None:
+    link = Link("c/target/0->1", 0, 1, (0, 1))
+    assert (Side.SRC.rank, Side.DST.rank) == (0, 1)
+    assert (Side.SRC.stage(link), Side.DST.stage(link)) == (0, 1)
+    with pytest.raises(TypeError, match="a link's side must be a Side"):
+        KVPorts().open([link], "src", 1.0, "gloo")
 
 
 def test_links_pair_every_stage_with_each_stage_that_shares_its_layers() -> None:
