@@ -113,8 +113,20 @@ class SpanAttention(PaddedSdpa):
         return out.view(kvh, t, g, hd).transpose(0, 1).reshape(t, h.num_heads * hd).to(q.dtype)
 
 
+# query rows from which a sequence's attention takes our tiled kernel (attention_cpu.cpp `chunk_attention`: each key
+# and value row read once per tile of rows, span_attention's bits for every row) rather than span_attention
+CHUNK_ROWS = 4
+
+
+def span_kernel(ops: object, rows: int):  # noqa: ANN201 - one of torch's op objects
+    """Our attention op for `rows` query rows of one sequence: `chunk_attention` for a chunk, `span_attention`
+    for a decode step (the same bits either way)."""
+    return ops.chunk_attention if rows >= CHUNK_ROWS else ops.span_attention
+
+
 class FusedCpuAttention(PaddedSdpa):
-    """Our CPU kernel (fused_cpu.cpp `span_attention`, `ops` of the process's ISA). Per call, from the step's block
+    """Our CPU kernels (fused_cpu.cpp `span_attention`, attention_cpu.cpp `chunk_attention` for a chunk of rows:
+    `span_kernel`; `ops` of the process's ISA). Per call, from the step's block
     tables: one sequence on consecutive blocks writes and attends in one call, in place in the pool; one sequence
     on blocks that are not consecutive (the prefix cache shares its leading ones) runs the same kernel over a copy
     of its S slots, so its output is bit for bit that of consecutive blocks; a batch takes `PaddedSdpa`'s path."""
@@ -128,11 +140,11 @@ class FusedCpuAttention(PaddedSdpa):
         window = self.heads.sliding_window or 0
         if meta.span is not None:  # write and attend, one call
             kpool, vpool = cache.pools(layer)
-            return self.ops.span_attention(q, k, v, kpool, vpool, meta.slots, *meta.span, window)
+            return span_kernel(self.ops, q.shape[0])(q, k, v, kpool, vpool, meta.slots, *meta.span, window)
         cache.write(layer, meta.slots, k, v)
         keys, values = cache.gather(layer, meta.block_tables)  # (B, S, kvh, hd) each
         if len(meta.seqs) == 1:
             n, length = meta.seqs[0]
             slots = torch.arange(length - n, length, device=q.device)  # (T,)
-            return self.ops.span_attention(q, k, v, keys[0, :length], values[0, :length], slots, 0, length, window)
+            return span_kernel(self.ops, n)(q, k, v, keys[0, :length], values[0, :length], slots, 0, length, window)
         return self.padded(q, keys, values, meta)

@@ -30,7 +30,7 @@ from actors.start_phases import phase
 log = logging.getLogger(__name__)
 
 HERE = Path(__file__).parent
-SOURCES = [HERE / name for name in ("int4_cpu.cpp", "fused_cpu.cpp", "layer_cpu.cpp")]
+SOURCES = [HERE / name for name in ("int4_cpu.cpp", "fused_cpu.cpp", "layer_cpu.cpp", "attention_cpu.cpp")]
 HEADERS = [HERE / name for name in ("cpu_isa.h", "int4_avx512.h", "int4_avx2.h")]  # in the build's identity too
 ROWS, GROUP = 16, 32  # the matmul's row block and scale group (int4_cpu.cpp kRows, kGroup)
 ISAS = ("avx512", "avx2")  # what we build, fastest first; "torch" is torch's own ops
@@ -108,9 +108,9 @@ def forced(which: str) -> Iterator[None]:
 
 
 def ops(which: str | None = None):  # noqa: ANN201 - torch's op namespace object
-    """`torch.ops.specfleet_<isa>` (int4_mm, int4_mm_q8, int8_rows, int4_dequant, rms_norm, add_rms_norm, rope_,
-    norm_rope_, silu_mul, gelu_tanh_mul, span_attention, decode_layer) of the chosen ISA (or `which`), built on
-    first use; None where they do not run (torch's ops do the work)."""
+    """`torch.ops.specfleet_<isa>` (int4_mm, int4_mm_q8, int4_gemm_q8, int8_rows, int4_dequant, rms_norm, add_rms_norm,
+    rope_, norm_rope_, silu_mul, gelu_tanh_mul, span_attention, chunk_attention, decode_layer) of the chosen ISA (or
+    `which`), built on first use; None where they do not run (torch's ops do the work)."""
     name = which or isa()
     if name == "torch":
         return None
@@ -209,6 +209,14 @@ def cpu_flags() -> frozenset[str]:
     return frozenset(name for name, present in probes.items() if present)
 
 
+@functools.cache
+def amx() -> bool:
+    """This CPU has AMX tiles for bf16 (Sapphire Rapids and later) and torch's GEMMs may use them (oneDNN's ISA not
+    held below it by DNNL_MAX_CPU_ISA, as `make test`'s fallback pass and `bench dtype --as-avx2` hold it)."""
+    held = os.environ.get("DNNL_MAX_CPU_ISA", "").upper()
+    return "amx_bf16" in cpu_flags() and (held == "" or "AMX" in held or held == "ALL")
+
+
 def kernel(activations: str = "int8", which: str | None = None) -> Callable | None:
     """The int4 matmul (int4_cpu.cpp) on inputs rounded to int8 per group (`int4_mm_q8`) or as given in bf16
     (`int4_mm`), of the chosen ISA (or `which`), or None where our kernels do not run."""
@@ -225,6 +233,10 @@ def _register_fake(ns: str) -> None:
         return x.new_empty(x.shape[0], n)
 
     @torch.library.register_fake(f"{ns}::int4_mm_q8")
+    def _(x, codes, scale, offset, scale_mult, offset_mult, bias, n):  # noqa: ANN001, ANN202 - the op's schema
+        return x.new_empty(x.shape[0], n)
+
+    @torch.library.register_fake(f"{ns}::int4_gemm_q8")
     def _(x, codes, scale, offset, scale_mult, offset_mult, bias, n):  # noqa: ANN001, ANN202 - the op's schema
         return x.new_empty(x.shape[0], n)
 

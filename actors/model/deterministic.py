@@ -9,8 +9,9 @@ with the batch (our fused kernel for one sequence, SDPA over a padded gather for
 norms and our int4 kernel are row-invariant. Here:
 - a linear map that is not our int4 kernel runs on fixed tiles of `TILE` rows (padded with zero rows), so every
   call has the same shape and a row's bits do not depend on M or on its place in the tile;
-- attention runs per sequence and per query row over exactly the keys that row sees: our fused kernel (which
-  computes each row alone) on the sequence's keys, else SDPA of one query row over its own keys.
+- attention runs per sequence and per query row over exactly the keys that row sees: our fused kernels (which
+  compute each row alone, one row at a time or a prefill chunk's rows on tiles with the same bits per row:
+  attention_backends.span_kernel) on the sequence's keys, else SDPA of one query row over its own keys.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from actors.kv.cache import KVCache
-from actors.model.attention_backends import Heads
+from actors.model.attention_backends import Heads, span_kernel
 from actors.model.metadata import AttentionMetadata
 
 TILE = 16  # rows per matmul call: one shape for every call (a decode pays 16 rows of compute, not of weight reads)
@@ -71,7 +72,7 @@ class DeterministicAttention:
         fused, window, kv_map = self.ops, self.heads.sliding_window or 0, self.heads.kv_map
         if fused is not None and meta.span is not None:  # one sequence on consecutive blocks: in place, no copy
             kpool, vpool = cache.pools(layer)
-            return fused.span_attention(q, k, v, kpool, vpool, meta.slots, *meta.span, window)
+            return span_kernel(fused, q.shape[0])(q, k, v, kpool, vpool, meta.slots, *meta.span, window)
         cache.write(layer, meta.slots, k, v)
         keys, values = cache.gather(layer, meta.block_tables)  # (B, S, kvh, hd) each
         if kv_map is not None:
@@ -81,8 +82,8 @@ class DeterministicAttention:
             qb, kb, vb = q[offset:offset + n], keys[b, :length].contiguous(), values[b, :length].contiguous()
             if fused is not None:  # the kernel computes each row alone; it rewrites the new K, V (same values)
                 slots = torch.arange(length - n, length, device=q.device)
-                outs.append(fused.span_attention(qb, k[offset:offset + n], v[offset:offset + n], kb, vb, slots, 0,
-                                                 length, window))
+                outs.append(span_kernel(fused, n)(qb, k[offset:offset + n], v[offset:offset + n], kb, vb, slots, 0,
+                                                  length, window))
             else:
                 outs.extend(self._row(qb[i], kb, vb, length - n + i, window) for i in range(n))
             offset += n

@@ -180,6 +180,61 @@ void block_q8(const QuantRows& xq, const uint8_t* codes, const Scales& scales, c
   store<MT>(acc, bias, y, lda_y, rows);
 }
 
+// A prefill's int4 x int8 matmul (int4_gemm_q8 in int4_cpu.cpp): block_q8's sums for a tile of MT <= kGemmRows
+// input rows against one block of 16 weight rows, in the same order, so each output is block_q8's bits whatever M
+// (and so the AVX512 build's). AVX2 has 16 vector registers: block_q8's tile of 8 rows holds 16 of int16 sums and 16
+// of fp32 accumulators, and spills inside its inner loop; here the tile's int16 sums (8), the unpacked codes (4) and
+// the two broadcast inputs stay in registers, and the fp32 accumulators, touched once per group of 32 inputs, live
+// in L1 (a memory round trip changes no bit).
+constexpr int kGemmRows = 4;
+
+template <int MT, int E>
+void gemm_q8(const QuantRows& xq, const uint8_t* codes, const Scales& scales, const at::BFloat16* bias,
+             at::BFloat16* y, int64_t K, int64_t groups, int64_t lda_y, int64_t rows) {
+  static_assert(MT >= 1 && MT <= kGemmRows);
+  const int64_t G = K / kGroup;
+  const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  alignas(32) float acc[MT][kRows] = {};
+  for (int64_t g = 0; g < groups; ++g) {
+    const int64_t xk = (g % G) * kGroup;
+    __m256i sum[MT][2];  // int16 pairs of rows 0-7, of rows 8-15 (exact: block_q8's bound)
+    for (int m = 0; m < MT; ++m) sum[m][0] = sum[m][1] = _mm256_setzero_si256();
+#pragma GCC unroll 4
+    for (int c = 0; c < kGroup / 8; ++c) {
+      const uint8_t* p = codes + (g * (kGroup / 8) + c) * 64;
+      const __m256i v0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+      const __m256i v1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32));
+      const __m256i lo0 = _mm256_and_si256(v0, low), hi0 = _mm256_and_si256(_mm256_srli_epi16(v0, 4), low);
+      const __m256i lo1 = _mm256_and_si256(v1, low), hi1 = _mm256_and_si256(_mm256_srli_epi16(v1, 4), low);
+#pragma GCC unroll 4
+      for (int m = 0; m < MT; ++m) {
+        const int8_t* qm = xq.q + m * K + xk + c * 8;
+        int32_t a, b;
+        std::memcpy(&a, qm, 4);
+        std::memcpy(&b, qm + 4, 4);
+        const __m256i qa = _mm256_set1_epi32(a), qb = _mm256_set1_epi32(b);
+        sum[m][0] = _mm256_add_epi16(sum[m][0], _mm256_maddubs_epi16(lo0, qa));
+        sum[m][1] = _mm256_add_epi16(sum[m][1], _mm256_maddubs_epi16(lo1, qa));
+        sum[m][0] = _mm256_add_epi16(sum[m][0], _mm256_maddubs_epi16(hi0, qb));
+        sum[m][1] = _mm256_add_epi16(sum[m][1], _mm256_maddubs_epi16(hi1, qb));
+      }
+    }
+    V16 s, o;
+    load_scales<E>(scales, g, s, o);
+    for (int m = 0; m < MT; ++m) {  // block_q8's fp32 steps, in its order
+      const V16 total{_mm256_cvtepi32_ps(_mm256_madd_epi16(sum[m][0], ones)),
+                      _mm256_cvtepi32_ps(_mm256_madd_epi16(sum[m][1], ones))};
+      V16 a = sfv::load(acc[m]);
+      a = sfv::fmadd(total, sfv::mul(s, sfv::set1(xq.d[m * G + g % G])), a);
+      a = sfv::fmadd(o, sfv::set1(xq.xsum[m * G + g % G]), a);
+      sfv::store(acc[m], a);
+    }
+  }
+  V16 out[MT];
+  for (int m = 0; m < MT; ++m) out[m] = sfv::load(acc[m]);
+  store<MT>(out, bias, y, lda_y, rows);
+}
+
 // The column 2T + E of a chunk of every plane, for the 16 rows: the sum over planes of (scale * code + offset).
 template <int E, int T>
 inline V16 dequant_column(const uint8_t* codes, int64_t stride, int64_t planes, const V16* s, const V16* o) {

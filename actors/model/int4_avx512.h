@@ -135,6 +135,18 @@ void block_q8(const QuantRows& xq, const uint8_t* codes, const Scales& scales, c
   store<MT>(acc, bias, y, lda_y, rows);
 }
 
+// A prefill's int4 x int8 matmul (int4_gemm_q8 in int4_cpu.cpp) on a tile of MT <= kGemmRows input rows: block_q8
+// itself. With 32 vector registers its tile of 8 rows (16 int32 sums, 8 fp32 accumulators, the unpacked codes) runs
+// without spills at about 80% of one VPDPBUSD per cycle (docs/weights.md), so the GEMM's gain here is in the shared
+// part (the rows rounded on every thread, the blocks' order); int4_avx2.h's needs a tile of its own.
+constexpr int kGemmRows = 8;
+
+template <int MT, int E>
+void gemm_q8(const QuantRows& xq, const uint8_t* codes, const Scales& scales, const at::BFloat16* bias,
+             at::BFloat16* y, int64_t K, int64_t groups, int64_t lda_y, int64_t rows) {
+  block_q8<MT, E>(xq, codes, scales, bias, y, K, groups, lda_y, rows);
+}
+
 // The weights of one block of 16 rows as bf16, w = sum over planes of (scale * code + offset), in fp32 and rounded
 // once: out (rows, K) row-major, K = the codes of one plane.
 template <int E>

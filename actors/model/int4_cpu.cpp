@@ -29,8 +29,10 @@
 #include <ATen/ops/empty_like.h>
 #include <torch/library.h>
 
+#include <array>
 #include <cmath>
 #include <cstring>
+#include <utility>
 
 #include "cpu_isa.h"  // the ISA of this build, its vectors and the ops' namespace
 
@@ -220,10 +222,12 @@ inline float round_group(const uint16_t* x, int8_t* q) {
   return amax / 127.f;
 }
 
-// Rounds each row's groups of 32 to int8 (QuantRows): q (M, K) in the codes' order, d and xsum (M, G).
+// Rounds each row's groups of 32 to int8 (QuantRows): q (M, K) in the codes' order, d and xsum (M, G). Each group
+// alone, so shared among threads (a prefill's rows) with the same bits as in one.
 void quantize_rows(const uint16_t* x, int64_t MG, int8_t* q, float* d, float* xsum) {
   static const int kOrder[8] = {0, 4, 1, 5, 2, 6, 3, 7};  // position j of a chunk holds input kOrder[j]
-  for (int64_t i = 0; i < MG; ++i) {
+  at::parallel_for(0, MG, 256, [&](int64_t lo, int64_t hi) {
+  for (int64_t i = lo; i < hi; ++i) {
     int8_t r[kGroup];
     d[i] = round_group(x + i * kGroup, r);
     int32_t s = 0;
@@ -233,6 +237,7 @@ void quantize_rows(const uint16_t* x, int64_t MG, int8_t* q, float* d, float* xs
     }
     xsum[i] = d[i] * static_cast<float>(s);
   }
+  });
 }
 
 // The rows as int4_mm_q8 sees them, q d rounded to bf16 (M, K): what a prefill's dense GEMM takes in their place.
@@ -272,6 +277,48 @@ at::Tensor int4_mm_q8(const at::Tensor& x, const at::Tensor& codes, const at::Te
   return call.y;
 }
 
+// A prefill's matmul on int8 inputs (int4_gemm_q8): int4_mm_q8's result, bit for bit, for any M (the same int32
+// sums of each group, exact in any order, and the same fp32 steps per output in the same order of groups: each
+// row's output does not depend on the rows beside it, so deterministic mode keeps it). What differs is the tiling:
+// each thread takes whole blocks of 16 weight rows and runs every tile of input rows over a block while its codes
+// are in L1, on the ISA's register tile (gemm_q8, kGemmRows rows: int4_avx2.h's fits AVX2's 16 registers).
+using GemmQ8Fn = BlockQ8Fn;
+
+template <int E, int... I>
+constexpr std::array<GemmQ8Fn, sizeof...(I) + 1> gemm_table(std::integer_sequence<int, I...>) {
+  return {nullptr, gemm_q8<I + 1, E>...};
+}
+template <int E>
+constexpr auto kGemmQ8 = gemm_table<E>(std::make_integer_sequence<int, kGemmRows>{});
+
+at::Tensor int4_gemm_q8(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,
+                        const at::Tensor& offset, const std::optional<at::Tensor>& scale_mult,
+                        const std::optional<at::Tensor>& offset_mult, const std::optional<at::Tensor>& bias,
+                        int64_t n) {
+  const Call call(x, codes, scale, offset, scale_mult, offset_mult, bias, n);
+  const int64_t M = call.M, K = call.K, G = call.G;
+  at::Tensor q = at::empty({M, K}, x.options().dtype(at::kChar));
+  at::Tensor ds = at::empty({2, M, G}, x.options().dtype(at::kFloat));  // d, then d * sum q
+  float* dp = ds.data_ptr<float>();
+  quantize_rows(reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()), M * G, q.data_ptr<int8_t>(), dp,
+                dp + M * G);
+  const int8_t* qp = q.data_ptr<int8_t>();
+  const int enc = call.w.enc;
+  const auto& fns = enc == kFloat ? kGemmQ8<kFloat> : enc == kHalf ? kGemmQ8<kHalf> : kGemmQ8<kTwoLevel>;
+  at::parallel_for(0, call.w.blocks, 1, [&](int64_t lo, int64_t hi) {
+    for (int64_t nb = lo; nb < hi; ++nb) {
+      const int64_t rows = std::min<int64_t>(kRows, n - nb * kRows);
+      const Scales sc = call.w.of(nb);
+      for (int64_t m0 = 0; m0 < M; m0 += kGemmRows) {
+        const QuantRows part{qp + m0 * K, dp + m0 * G, dp + M * G + m0 * G};
+        fns[std::min<int64_t>(kGemmRows, M - m0)](part, call.w.codes_of(nb), sc, call.bias_of(nb),
+                                                   call.out(m0, nb, n), K, call.w.groups, n, rows);
+      }
+    }
+  });
+  return call.y;
+}
+
 using DequantFn = void (*)(const uint8_t*, const Scales&, at::BFloat16*, int64_t, int64_t, int64_t);
 
 at::Tensor int4_dequant(const at::Tensor& codes, const at::Tensor& scale, const at::Tensor& offset,
@@ -298,6 +345,8 @@ SF_LIBRARY(m) {
         "Tensor? bias, int n) -> Tensor");
   m.def("int4_mm_q8(Tensor x, Tensor codes, Tensor scale, Tensor offset, Tensor? scale_mult, Tensor? offset_mult, "
         "Tensor? bias, int n) -> Tensor");
+  m.def("int4_gemm_q8(Tensor x, Tensor codes, Tensor scale, Tensor offset, Tensor? scale_mult, Tensor? offset_mult, "
+        "Tensor? bias, int n) -> Tensor");
   m.def("int8_rows(Tensor x) -> Tensor");
   m.def("int4_dequant(Tensor codes, Tensor scale, Tensor offset, Tensor? scale_mult, Tensor? offset_mult, int n, "
         "int k) -> Tensor");
@@ -306,6 +355,7 @@ SF_LIBRARY(m) {
 SF_IMPL(m) {
   m.impl("int4_mm", &int4_mm);
   m.impl("int4_mm_q8", &int4_mm_q8);
+  m.impl("int4_gemm_q8", &int4_gemm_q8);
   m.impl("int8_rows", &int8_rows);
   m.impl("int4_dequant", &int4_dequant);
 }

@@ -39,10 +39,15 @@ INT4_GROUPS = (32, 64, 128, 256)
 # Q8_0 dot products: twice the multiply-adds per instruction, the rows' rounding in the logits) or bf16 as given
 Activations = Literal["int8", "bf16"]
 ACTIVATIONS: tuple[Activations, ...] = ("int8", "bf16")
-# above this many input rows (a prefill chunk) our kernel's cost grows with every row, while expanding the weights
-# once and a dense bf16 GEMM barely does: measured on the 135M's shapes, 8 rows cost about the same either way,
-# 32 rows 2.5x less dense, 300 rows 8x less (docs/weights.md)
+# above this many input rows (a prefill chunk) a call takes the GEMM path: int8 inputs on our int4 x int8 GEMM
+# (int4_gemm_q8: the decode kernel's bits for every row, so deterministic mode keeps it), bf16 inputs on the weights
+# expanded once and a dense bf16 GEMM (not in deterministic mode: its order depends on M)
 DENSE_ROWS = 16
+# int8 inputs: above this many rows, where torch's bf16 GEMM runs on AMX tiles (oneDNN, Sapphire Rapids and later),
+# the weights expanded once and that GEMM beat our VPDPBUSD GEMM (measured on the 135M's shapes, docs/weights.md:
+# about even at 64 rows, 1.7x at 256); elsewhere (AVX2, AVX512 without AMX: bf16 emulated or at half VNNI's rate)
+# and in deterministic mode, never
+AMX_ROWS = 64
 _ROW_CHUNK = 4096  # rows packed at a time (a multiple of the CPU kernel's 64-row blocks): bounds the int32 copy
 
 
@@ -126,9 +131,10 @@ def kernel_class(w: GroupedInts, bias: torch.Tensor | None, device: torch.device
 
 class CpuInt4Linear(Int4Linear):
     """Int4Linear on our CPU kernel (int4_cpu.cpp) of the process's ISA, weights in its packed layout
-    (cpu_kernels.pack). Which computation a call takes depends on its rows, known per call: up to DENSE_ROWS (a
-    decode, a verification) the kernel; more (a prefill) the weights expanded once and a dense GEMM, unless the
-    layer is `invariant` (deterministic mode: every row on the kernel, whose sums do not depend on M)."""
+    (cpu_kernels.pack). Which computation a call takes depends on its rows, known per call (`path`): up to
+    DENSE_ROWS (a decode, a verification) the kernel; more (a prefill chunk) our int4 x int8 GEMM, bit for bit the
+    kernel's; bf16 inputs, or int8 ones past AMX_ROWS on an AMX CPU, the weights expanded once and a dense GEMM,
+    unless the layer is `invariant` (deterministic mode: every row gets the kernel's bits, whatever M)."""
 
     def __init__(self, w: GroupedInts, bias: torch.Tensor | None, device: torch.device, dtype: torch.dtype,
                  ours: bool = True, activations: Activations = "int8") -> None:
@@ -184,16 +190,27 @@ class CpuInt4Linear(Int4Linear):
         return self.lib.int4_dequant(self.weight, self.scale, self.offset, self.scale_mult,
                                      self.offset_mult, self.out_features, self.in_features)
 
+    def path(self, m: int) -> Literal["kernel", "gemm", "dense"]:
+        """Which computation a call of `m` input rows takes: our decode kernel (`own`), our int4 x int8 GEMM (its
+        bits, any M) or the weights expanded once and torch's dense bf16 GEMM (DENSE_ROWS, AMX_ROWS)."""
+        if m <= DENSE_ROWS:
+            return "kernel"
+        if self.activations == "int8":
+            return "dense" if m > AMX_ROWS and not self.invariant and cpu_kernels.amx() else "gemm"
+        return "kernel" if self.invariant else "dense"
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
-        x2 = x.reshape(-1, self.in_features)  # (M, K)
-        if x2.shape[0] > DENSE_ROWS and not self.invariant:  # a prefill: the weights expanded once, a dense GEMM
+        x2 = x.reshape(-1, self.in_features).contiguous()  # (M, K)
+        path = self.path(x2.shape[0])
+        if path == "dense":  # the weights expanded once, a dense GEMM
             if self.activations == "int8":  # on the rows as the kernel rounds them
-                x2 = self.lib.int8_rows(x2.contiguous())
+                x2 = self.lib.int8_rows(x2)
             y = F.linear(x2, self.dequantized(), self.bias)
         else:
-            y = self.own(x2.contiguous(), self.weight, self.scale, self.offset, self.scale_mult, self.offset_mult,
-                         self.bias, self.out_features)  # (M, N)
+            op = self.own if path == "kernel" else self.lib.int4_gemm_q8
+            y = op(x2, self.weight, self.scale, self.offset, self.scale_mult, self.offset_mult, self.bias,
+                   self.out_features)  # (M, N)
         return y.view(*shape[:-1], self.out_features)
 
 

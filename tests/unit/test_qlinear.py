@@ -12,8 +12,8 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from actors.model import cpu_kernels
 from actors.model.gguf_blocks import GroupedInts, read_blocks
 from actors.model.deterministic import Tiled, row_invariant
-from actors.model.qlinear import (DENSE_ROWS, Int4Linear, Int8Linear, int4_unsupported, int8_linear, stored_linear,
-                                  tinygemm_pairs)
+from actors.model.qlinear import (AMX_ROWS, DENSE_ROWS, Int4Linear, Int8Linear, int4_unsupported, int8_linear,
+                                  stored_linear, tinygemm_pairs)
 from actors.model.loader import load_model
 from actors.model.metadata import SeqChunk
 from actors.model.quant import rtn_int4
@@ -120,21 +120,31 @@ def test_int8_inputs_are_the_exact_result_of_the_rounded_rows(qtype: Q, m: int, 
 
 @pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q4_K, Q.Q5_0, Q.Q8_0], ids=lambda q: q.name)
 @pytest.mark.parametrize("kernel_isa", isa_params(), indirect=True)
-def test_a_prefill_expands_the_weights_once_and_deterministic_mode_keeps_every_row_on_the_kernel(qtype: Q,
+def test_a_prefill_expands_the_weights_once_only_where_that_pays_and_never_in_deterministic_mode(qtype: Q,
                                                                                               kernel_isa: str) -> None:
-    """Above DENSE_ROWS input rows our kernel's layer expands its codes into bf16 weights (each the GGUF's value
-    rounded once: equal to dequantizing and rounding) for a dense GEMM; in deterministic mode it never does."""
+    """bf16 inputs above DENSE_ROWS rows, int8 ones above AMX_ROWS where torch's GEMM runs on AMX: the layer expands
+    its codes into bf16 weights (each the GGUF's value rounded once: equal to dequantizing and rounding) for a dense
+    GEMM. Int8 inputs otherwise take our GEMM, the kernel's bits (tests/unit/test_prefill_kernels.py); in
+    deterministic mode never the dense GEMM."""
     w = read_blocks(random_blocks(qtype, 40, 512), qtype, (40, 512))
-    lin = stored_linear(w, None, CPU, torch.bfloat16)
+    lin = stored_linear(w, None, CPU, torch.bfloat16, "bf16")
     assert torch.equal(lin.dequantized(), w.dequantize().float().bfloat16())
     x = torch.randn(DENSE_ROWS + 9, 512).bfloat16()
     want = reference(x, w.dequantize(), None)
-    dense = lin(x).double()  # the default's int8 inputs: the rows as the kernel rounds them
-    assert torch.equal(dense, torch.nn.functional.linear(cpu_kernels.ops().int8_rows(x), lin.dequantized()).double())
+    dense = lin(x).double()
+    assert torch.equal(dense, torch.nn.functional.linear(x, lin.dequantized()).double())
     assert float((dense - want).abs().max()) <= 1e-2 * float(want.abs().max())  # weights rounded to bf16
     assert row_invariant(lin) is lin and lin.invariant
     rows = lin(x).double()  # on the kernel: each row as it would be alone
     assert torch.equal(rows[-1:], lin(x[-1:]).double()) and not torch.equal(rows, dense)
+    q8 = stored_linear(w, None, CPU, torch.bfloat16)  # the default's int8 inputs
+    x = torch.randn(AMX_ROWS + 1, 512).bfloat16()
+    operands = (q8.weight, q8.scale, q8.offset, q8.scale_mult, q8.offset_mult, None, 40)
+    if cpu_kernels.amx():  # on the rows as the kernel rounds them
+        assert torch.equal(q8(x), torch.nn.functional.linear(cpu_kernels.ops().int8_rows(x), q8.dequantized()))
+    else:
+        assert torch.equal(q8(x), q8.own(x, *operands))
+    assert row_invariant(q8) is q8 and torch.equal(q8(x), q8.own(x, *operands))
 
 
 @pytest.mark.parametrize("kernel_isa", isa_params("torch"), indirect=True)
