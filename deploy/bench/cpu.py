@@ -27,7 +27,7 @@ import os
 import re
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -43,7 +43,7 @@ from cluster.config import CacheConfig, SchedulerConfig, SpeculationConfig
 from cluster.request import SamplingParams, SpecStats
 from deploy.bench import llama_anchor
 from deploy.bench.default import cpu_model
-from deploy.bench.output import save
+from deploy.bench.output import Measured, save
 from deploy.bench.prompts import DATASETS, load_prompts
 from deploy.bench.spec import _agreement
 from deploy.cli.flags import UsageError
@@ -107,17 +107,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 @dataclass
-class Row:
+class Row(Measured):
+    """One engine's row: its name and how it decodes a batch of prompts, then what it measured."""
+
     name: str
     run: Callable[[list[list[int]], int], tuple[list[list[int]], SpecStats]]
-    tokens: int = 0
-    seconds: float = 0.0
-    stats: SpecStats = field(default_factory=SpecStats)
-    outputs: list[list[int]] = field(default_factory=list)
-
-    @property
-    def tok_s(self) -> float:
-        return self.tokens / self.seconds if self.seconds else 0.0
 
 
 def _engine(target: ModelRunner, draft: ModelRunner | None, spec: SpeculationConfig | None, batch: int) -> Callable:
