@@ -361,7 +361,7 @@ class Router:
             if isinstance(load, BaseException) or entry is None:
                 continue  # health polling deals with an instance that does not answer
             loads.append(replace(load, draining=entry.draining, accepting=entry.accepting,
-                                 role=self.roles.get(instance_id, "both")))
+                                 role=self.disagg.role(instance_id)))
         return loads
 
     async def _plan_forever(self) -> None:
