@@ -278,8 +278,7 @@ class Engine:
         logits = self.target.forward(chunks)  # (sum over works of the rows each asked for, V)
         tokens = sum(len(c.token_ids) for c in chunks)
         attention = sum(len(c.token_ids) * self.target.cache.length(c.request_id) for c in chunks) / ATTENTION_UNIT
-        return Scores(logits, rows, ForwardShape(1, tokens, attention, sequences=len(chunks)), time.perf_counter() - t0,
-                      prompt_rows)
+        return Scores(logits, rows, ForwardShape(1, tokens, attention), time.perf_counter() - t0, prompt_rows)
 
     @staticmethod
     def _scores_prompt(w) -> bool:

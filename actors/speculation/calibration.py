@@ -41,27 +41,22 @@ from cluster.config import EngineConfig
 
 log = logging.getLogger(__name__)
 
-FORMAT = 2  # bump when the points' meaning changes (the calibration sizes are part of the setup instead)
-# (sequences, new tokens of each, context before them) of each timed forward: one request at every knot of the cost
-# model's basis, long contexts for attention, and batches of requests (a batch's forward costs per sequence as well
-# as per row: cost_model.py), at the default app's batch of 8 with 0, 1 and 2 drafts each; each size is timed
-# `REPEATS` times
-SIZES = ((1, 1, 32), (1, 2, 32), (1, 4, 32), (1, 8, 32), (1, 16, 32), (1, 32, 32), (1, 64, 0), (1, 128, 0),
-         (1, 8, 128), (1, 1, 256), (4, 1, 32), (8, 1, 32), (8, 2, 32), (8, 3, 32))
+FORMAT = 1  # bump when the points' meaning changes (the calibration sizes are part of the setup instead)
+# (new tokens, context before them) of each timed forward: every knot of the cost model's basis, and long contexts
+# for attention; each size is timed `REPEATS` times
+SIZES = ((1, 32), (2, 32), (4, 32), (8, 32), (16, 32), (32, 32), (64, 0), (128, 0), (8, 128), (1, 256))
 REPEATS = 2
 _CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_tile")  # what sets CPU kernels
 
 
 @dataclass(frozen=True)
 class TimedForward:
-    """One timed calibration forward of the target's or the draft's runner: `sequences` requests, `tokens` new tokens
-    in all."""
+    """One timed calibration forward of the target's or the draft's runner: one request, `tokens` new tokens."""
 
     phase: Literal["target", "draft"]
     tokens: int
     attention: float  # new tokens x (context + new tokens) / ATTENTION_UNIT, as ForwardShape.attention
     seconds: float
-    sequences: int = 1
 
 
 def model_identity(source: str) -> dict:
@@ -153,32 +148,29 @@ def time_forwards(runners: Iterable[tuple[Literal["target", "draft"], object]], 
             if (p := time_one(phase, runner, size, max_model_len)) is not None]
 
 
-def time_one(phase: Literal["target", "draft"], runner, size: tuple[int, int, int], max_model_len: int  # noqa: ANN001
+def time_one(phase: Literal["target", "draft"], runner, size: tuple[int, int], max_model_len: int  # noqa: ANN001
              ) -> TimedForward | None:
-    """One timed forward of `size` (sequences, new tokens of each, context) on `runner`, its throwaway requests freed
-    after it (so the engine may step between two of them); None where the size does not fit."""
-    seqs, new, ctx = size
-    rids = [f"__calibration_{i}__" for i in range(seqs)]
+    """One timed forward of `size` (new tokens, context) on `runner`, its throwaway request freed after it (so the
+    engine may step between two of them); None where the size does not fit."""
+    rid, (new, ctx) = "__calibration__", size
+    if ctx + new > max_model_len or not runner.reserve(rid, ctx + new):
+        return None
     try:
-        if ctx + new > max_model_len or not all(runner.reserve(rid, ctx + new) for rid in rids):
-            return None
         if ctx:  # context to attend to (not timed)
-            for rid in rids:
-                runner.forward([SeqChunk(rid, tuple(range(1, ctx + 1)), 0)])
+            runner.forward([SeqChunk(rid, tuple(range(1, ctx + 1)), 0)])
         t0 = time.perf_counter()
-        runner.forward([SeqChunk(rid, tuple(range(1, new + 1))) for rid in rids])
+        runner.forward([SeqChunk(rid, tuple(range(1, new + 1)))])
         seconds = time.perf_counter() - t0
     finally:
-        for rid in rids:
-            runner.cache.free(rid)
-    return TimedForward(phase, seqs * new, seqs * new * (ctx + new) / ATTENTION_UNIT, seconds, seqs)
+        runner.cache.free(rid)
+    return TimedForward(phase, new, new * (ctx + new) / ATTENTION_UNIT, seconds)
 
 
 def seed(cost: StepCostModel, points: Iterable[TimedForward]) -> None:
     """Pin calibration points in the step-time model (each refits it)."""
     models = {"target": cost.target, "draft": cost.draft}
     for p in points:
-        models[p.phase].observe(ForwardShape(1, p.tokens, p.attention, sequences=p.sequences), p.seconds, pinned=True)
+        models[p.phase].observe(ForwardShape(1, p.tokens, p.attention), p.seconds, pinned=True)
 
 
 def calibrate(cost: StepCostModel, runners: list[tuple[Literal["target", "draft"], object]], max_model_len: int,

@@ -8,7 +8,7 @@ is a combination of a piecewise-linear basis in n with knots c (a concave kink i
 min(n, c), a convex one max(0, n - c)), plus attention work:
 
   seconds = sum over forwards f of [ w0 + w1 n_f + sum_c (u_c min(n_f, c) + v_c max(0, n_f - c)) ]
-            + w2 * attention + w3 * sequences
+            + w2 * attention
 
 with every coefficient but w0 non-negative: slopes in n are never negative, so predicted time never
 falls as a batch grows. The per-forward
@@ -18,15 +18,6 @@ for the draft's forwards (k_max of them per step, each over the requests still d
 sums new tokens x context length over requests, in units of 1024 token pairs. The coefficients are
 fitted by least squares of the relative error over the calibration points plus a sliding window of
 recent steps, so a model fitted on one machine follows load drift.
-
-`sequences` counts the (forward, sequence) pairs: a batch's forward costs per sequence as well as per row (each
-sequence's attention runs on its own, its rows are gathered, its logits rows sampled). Without that term a plain
-decode at batch 8 (8 rows of 8 sequences) and one request's 8-row verification (timed at calibration) look alike,
-and the fit charges every sequence's cost to its rows: measured on the default app at batch 8 (deterministic,
-stored weights), 8 more verification rows cost +22-38% of the step where the row-only model predicted +72%
-(docs/benchmarks.md, issue 36). The knots sit where our CPU kernel changes its cost per row: 8 (int4_cpu.cpp's
-kTile, input rows per pass over a block of codes) and 16 (its kRows and qlinear.DENSE_ROWS, above which a
-non-deterministic forward takes the dense path and the deterministic head its next 16-row tile).
 """
 
 from __future__ import annotations
@@ -38,22 +29,20 @@ from dataclasses import dataclass
 import numpy as np
 
 ATTENTION_UNIT = 1024.0
-KNOTS = (2, 4, 8, 16, 32, 64, 128)  # tokens per forward where the time curve may bend (8, 16: the kernel's)
+KNOTS = (2, 4, 8, 16, 32, 64, 128)  # tokens per forward where the time curve may bend
 
 
 @dataclass(frozen=True)
 class ForwardShape:
     """What one phase of a step processed: forwards run, tokens fed, attention work.
 
-    `sizes` lists the tokens of each forward; left empty, the tokens are taken as spread evenly. `sequences`: the
-    (forward, sequence) pairs, how many sequences each forward carried summed over the forwards.
+    `sizes` lists the tokens of each forward; left empty, the tokens are taken as spread evenly.
     """
 
     forwards: int = 0
     tokens: int = 0
     attention: float = 0.0  # sum over requests of new tokens x context, / ATTENTION_UNIT
     sizes: tuple[int, ...] = ()
-    sequences: int = 0
 
     def per_forward(self) -> list[float]:
         """Tokens of each forward."""
@@ -62,15 +51,14 @@ class ForwardShape:
         return [self.tokens / self.forwards] * self.forwards if self.forwards else []
 
     def features(self, knots: Sequence[int] = KNOTS) -> list[float]:
-        """[forwards, tokens, attention, sum_f min(n_f, c) for c in knots, sum_f max(0, n_f - c) for c in knots,
-        sequences].
+        """[forwards, tokens, attention, sum_f min(n_f, c) for c in knots, sum_f max(0, n_f - c) for c in knots].
 
         Plain Python, not NumPy: a step has a handful of forwards, and the goodput policy evaluates hundreds of
         shapes per step, where NumPy's per-call overhead cost milliseconds."""
         n = self.per_forward()
         concave = [sum(min(x, c) for x in n) for c in knots]
         convex = [sum(max(x - c, 0.0) for x in n) for c in knots]
-        return [float(self.forwards), float(self.tokens), self.attention, *concave, *convex, float(self.sequences)]
+        return [float(self.forwards), float(self.tokens), self.attention, *concave, *convex]
 
 
 def nnls(x: np.ndarray, y: np.ndarray, ridge: float = 1e-9) -> np.ndarray:
@@ -111,7 +99,7 @@ class LinearCost:
         self._pinned: list[tuple[list[float], float]] = []
         self._recent: deque[tuple[list[float], float]] = deque(maxlen=window)
         self._since_fit = 0
-        self.weights = np.zeros(4 + 2 * len(self.knots))
+        self.weights = np.zeros(3 + 2 * len(self.knots))
 
     @property
     def num_observations(self) -> int:

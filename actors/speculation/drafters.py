@@ -107,7 +107,6 @@ class ModelDrafter:
         probs: dict[str, list[torch.Tensor]] = {d.request_id: [] for d in drafting}
         stuck: set[str] = set()  # requests whose last draft the grammar refused (it is not stepped over)
         sizes: list[int] = []  # tokens fed by each draft forward
-        sequences = 0  # (forward, request) pairs
         attention = 0.0
         for j in range(max((d.k for d in drafting), default=0)):
             exact = j == 0 and self.calibrate  # a round's first forward re-runs what the parallel ones approximated
@@ -134,7 +133,6 @@ class ModelDrafter:
                 if self.parallel:
                     self.calibration.seconds += time.perf_counter() - t0
             sizes.append(sum(len(c.token_ids) for c in chunks))
-            sequences += len(chunks)
             attention += sum(len(c.token_ids) * self.runner.cache.length(c.request_id) for c in chunks) / ATTENTION_UNIT
             processed = [i for i, d in enumerate(rows) if processes(d.work.seq)]
             if processed:  # as the target will process them: penalties, bias, min_tokens, the grammar's mask
@@ -172,7 +170,7 @@ class ModelDrafter:
                 p.probs = torch.stack(q)  # (k, V)
             if p.tokens:
                 self._drafted[d.request_id] = d.work.start + d.work.num_new + len(p.tokens) - 1  # draft KV written up to
-        shape = ForwardShape(len(sizes), sum(sizes), attention, tuple(sizes), sequences)
+        shape = ForwardShape(len(sizes), sum(sizes), attention, tuple(sizes))
         return Drafts(out, shape, time.perf_counter() - t_start)
 
     def accepted(self, seq: Sequence, length: int) -> None:

@@ -36,7 +36,7 @@ class SpeculationPlanner:
         chunks = [w for w in schedule.works if not w.emits]
         tokens = sum(w.num_new for w in chunks)
         attention = sum(w.num_new * (w.start + w.num_new) for w in chunks) / ATTENTION_UNIT
-        base = BatchBase(ForwardShape(1, tokens, attention, sequences=len(chunks)), running=running)
+        base = BatchBase(ForwardShape(1, tokens, attention), running=running)
         cands = []
         for w in emitting:
             end = w.start + w.num_new

@@ -8,13 +8,9 @@
 
 with alpha_i the request's estimated per-token acceptance and step_seconds from the fitted cost model
 (actors/speculation/cost_model.py). k = 0 is a candidate, so under heavy load or with a poor draft the
-policy turns speculation off by itself, per request. The ks are chosen jointly, as one verification budget
-shared by the step's requests (`GoodputPolicy._search`): every draft position is a slot worth its expected
-accepted tokens, slots are taken best first, and the step keeps the number of slots whose goodput is highest,
-so verification rows go to the requests that accept most and a request with low acceptance gets k = 0 while
-others draft. (Before, each cap c = 1..K started every request at min(c, its limit) and lowered single
-requests while that helped: it could not give one request 4 drafts and its neighbours none at a cap of 4
-without walking every neighbour down one draft at a time, and stopped where one step down did not help.)
+policy turns speculation off by itself, per request. The search tries each cap c = 1..K (the cap fixes
+how many draft forwards run), starts every request at min(c, its own limit), then lowers single
+requests' k while that raises goodput (requests with poor acceptance drop first).
 
 What drafting costs depends on the draft kind: a draft model runs max(k) forwards per step (the cost
 model's `draft` part, fitted for that model, int8 or not); a lookup drafter (n-gram, suffix) runs none,
@@ -205,42 +201,27 @@ class GoodputPolicy:
         return frozenset(i for i in behind if ks[i] == 0)
 
     def _search(self, cands: list[Candidate], base: BatchBase, budget: int, one_off: frozenset[int]) -> list[int]:
-        """The ks of the best goodput found under one verification budget shared by the step's requests.
-
-        Every draft position (request i, position j) is a slot worth alpha_i^j expected tokens (the j-th draft is
-        tried only if the j - 1 before it were accepted); its price is the step time it adds. For a given number R of
-        slots the step's verification rows, and so the target's time, are the same whichever slots are taken, and
-        each request's worth is concave in its k, so the R slots of most worth, taken best first, are the best
-        plan with R rows; the policy evaluates the step's goodput for every R from 0 to the budget and keeps the
-        best. A request whose acceptance is low never gets a slot ahead of one that pays more, so it drafts nothing
-        while others do. A draft model's catch-up is charged in the evaluation, and its first slot is ranked by
-        its worth less the tokens the catch-up's time would have given plain decoding. Also tried: every uniform
-        cap c = 1..K (a draft model's step time depends on its longest draft as well as on the rows). Follows the
-        budgeted per-request k of dynamic speculative decoding (vLLM's adaptive proposal lengths; SmartSpec, Liu et
-        al., arXiv 2406.14066, section 4's goodput over the whole batch)."""
-        zero = [0] * len(cands)
-        best_ks, best = zero, self.goodput(cands, base, zero, one_off)
-        rate = best  # plain decoding's expected tokens per second: the price of a second of catch-up
-        slots = []
-        for i, c in enumerate(cands):
-            for j in range(1, c.max_k + 1):
-                worth = c.acceptance ** j
-                if j == 1:
-                    worth -= self.catch_up_seconds(c, c.max_k, i in one_off) * rate
-                slots.append((-worth, j, i))
-        slots.sort()
-        ks = list(zero)
-        for _, _, i in slots[:max(0, budget)]:
-            ks[i] += 1
-            value = self.goodput(cands, base, ks, one_off)
-            if value > best:
-                best_ks, best = list(ks), value
+        """The ks of the best goodput found: per cap c = 1..K, every request at min(c, its limit), then single
+        requests lowered while that helps."""
+        best_ks, best = [0] * len(cands), self.goodput(cands, base, [0] * len(cands), one_off)
         for cap in range(1, self.k + 1):
             ks = [min(cap, c.max_k) for c in cands]
             while sum(ks) > budget:  # trim the requests with the lowest acceptance first
                 i = min((i for i, k in enumerate(ks) if k > 0), key=lambda i: (cands[i].acceptance, -ks[i]))
                 ks[i] -= 1
             value = self.goodput(cands, base, ks, one_off)
+            improved = True
+            while improved:
+                improved = False
+                for i in sorted(range(len(ks)), key=lambda i: cands[i].acceptance):
+                    if ks[i] == 0:
+                        continue
+                    ks[i] -= 1
+                    v = self.goodput(cands, base, ks, one_off)
+                    if v > value:
+                        value, improved = v, True
+                    else:
+                        ks[i] += 1
             if value > best:
                 best_ks, best = list(ks), value
         return best_ks

@@ -11,13 +11,12 @@ from actors.speculation.cost_model import ForwardShape, LinearCost, StepCostMode
 def synthetic(rng: np.random.Generator, weights: list[float], n: int, several_forwards: bool,
               noise: float = 0.02) -> list[tuple[ForwardShape, float]]:
     """n random batch shapes and their times under linear `weights` [per forward, per token, per attention
-    unit, per sequence], with multiplicative noise."""
+    unit], with multiplicative noise."""
     points = []
     for _ in range(n):
         forwards = int(rng.integers(1, 6)) if several_forwards else 1
         tokens = int(rng.integers(1, 300))
-        sequences = int(rng.integers(1, min(tokens, 16) + 1)) * forwards
-        shape = ForwardShape(forwards, tokens, tokens * float(rng.integers(1, 1000)) / 1024, sequences=sequences)
+        shape = ForwardShape(forwards, tokens, tokens * float(rng.integers(1, 1000)) / 1024)
         seconds = float(np.dot(weights, shape.features(knots=()))) * (1 + noise * rng.standard_normal())
         points.append((shape, seconds))
     return points
@@ -26,20 +25,20 @@ def synthetic(rng: np.random.Generator, weights: list[float], n: int, several_fo
 @pytest.mark.parametrize("several_forwards", [True, False])
 def test_the_fit_recovers_the_coefficients_of_synthetic_timings(several_forwards: bool) -> None:
     rng = np.random.default_rng(0)
-    true = [0.030, 0.0012, 0.0004, 0.002]  # the last: what each sequence of a batch's forward costs
+    true = [0.030, 0.0012, 0.0004]
     model = LinearCost(knots=())
     for shape, seconds in synthetic(rng, true, 200, several_forwards):
         model.observe(shape, seconds)
     model.fit()
 
     np.testing.assert_allclose(model.weights, true, rtol=0.1)
-    probe = ForwardShape(2, 100, 50.0, sequences=12)
+    probe = ForwardShape(2, 100, 50.0)
     assert model.predict(probe) == pytest.approx(float(np.dot(true, probe.features(knots=()))), rel=0.05)
 
 
 def test_coefficients_stay_non_negative_when_the_truth_has_a_zero() -> None:
     rng = np.random.default_rng(1)
-    true = [0.05, 0.002, 0.0, 0.0]  # no attention cost: unconstrained least squares would go slightly negative
+    true = [0.05, 0.002, 0.0]  # no attention cost: unconstrained least squares would go slightly negative
     model = LinearCost(knots=())
     for shape, seconds in synthetic(rng, true, 100, False, noise=0.1):
         model.observe(shape, seconds)
@@ -60,9 +59,9 @@ def test_nnls_matches_the_exact_solution_when_it_is_feasible() -> None:
 def test_the_online_window_follows_a_change_of_machine_speed() -> None:
     rng = np.random.default_rng(2)
     model = LinearCost(knots=(), window=64, refit_every=8)
-    for shape, seconds in synthetic(rng, [0.02, 0.001, 0.0, 0.0], 64, False):
+    for shape, seconds in synthetic(rng, [0.02, 0.001, 0.0], 64, False):
         model.observe(shape, seconds)
-    slow = [0.04, 0.003, 0.0, 0.0]  # the machine got busier: everything costs more
+    slow = [0.04, 0.003, 0.0]  # the machine got busier: everything costs more
     for shape, seconds in synthetic(rng, slow, 64, False):
         model.observe(shape, seconds)
 
@@ -150,28 +149,3 @@ def test_the_step_overhead_is_fitted_per_request_and_added_to_every_prediction()
     target = ForwardShape(1, 4)
     assert model.predict(target, ForwardShape(), requests=4) == pytest.approx(0.4 + 0.02 + 0.02, rel=0.02)
     assert model.predict(target, ForwardShape()) == pytest.approx(0.4, rel=0.02)  # no emitting request, no overhead
-
-
-def _batch_step(sequences: int, rows: int) -> float:
-    """A step like the default app's at batch 8 (in shape): 20 ms a forward, 5 ms a sequence, 1 ms a row, 2.5 ms more
-    a row beyond 16."""
-    return 0.020 + 0.005 * sequences + 0.001 * rows + 0.0025 * max(0, rows - 16)
-
-
-@pytest.mark.parametrize("with_batches", [True, False])
-def test_the_calibration_batches_price_a_verification_row_at_batch_8(with_batches: bool) -> None:
-    """Timed on one request alone, a batch's per-sequence cost cannot be told from its per-row cost, and the model
-    takes 8 verification rows at batch 8 as dearer than they are; the calibration's batch sizes tell them apart."""
-    from actors.speculation.calibration import SIZES, TimedForward, seed
-
-    sizes = [s for s in SIZES if with_batches or s[0] == 1]
-    model = StepCostModel()
-    seed(model, [TimedForward("target", n * new, n * new * (ctx + new) / 1024, _batch_step(n, n * new), n)
-                 for n, new, ctx in sizes])
-    plain, verify = (model.target.predict(ForwardShape(1, 8 * new, 8 * new * 33 / 1024, sequences=8))
-                     for new in (1, 2))
-    true_ratio = _batch_step(8, 16) / _batch_step(8, 8)
-    if with_batches:
-        assert verify / plain == pytest.approx(true_ratio, rel=0.03)
-    else:
-        assert verify / plain > 1.05 * true_ratio

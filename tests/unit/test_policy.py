@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import itertools
-import random
-
 import pytest
 
 from actors.speculation.cost_model import ForwardShape, StepCostModel
@@ -154,54 +151,3 @@ def test_a_catch_up_is_paid_in_full_by_a_request_that_would_not_draft_once_the_b
     assert policy.choose([behind], BatchBase(prefill, running=8), 256) == [0]
     assert policy.choose([behind], BatchBase(prefill, running=1), 256)[0] > 0
     assert policy.catch_up_seconds(behind, 4, one_off=True) > 50 * policy.catch_up_seconds(behind, 4)
-
-
-# The default app's step at batch 8 as measured (docs/benchmarks.md, issue 36), in shape: each forward 20 ms, each
-# sequence 5 ms, each row 1 ms up to the kernel's 16 rows and 3.5 ms beyond (a convex knot at 16)
-_KERNEL_LIKE = [0.0] * 18
-_KERNEL_LIKE[0], _KERNEL_LIKE[1], _KERNEL_LIKE[3 + 7 + 3], _KERNEL_LIKE[17] = 0.020, 0.001, 0.0025, 0.005
-KERNEL_LIKE = StepCostModel.from_weights(target=_KERNEL_LIKE, draft=[0.002, 0.0005, 0.0])
-
-
-def _best_by_brute_force(policy: GoodputPolicy, c: list[Candidate], budget: int) -> float:
-    best = 0.0
-    for ks in itertools.product(*(range(x.max_k + 1) for x in c)):
-        if sum(ks) <= budget:
-            best = max(best, policy.goodput(c, BatchBase(), list(ks)))
-    return best
-
-
-@pytest.mark.parametrize("seed", range(6))
-def test_the_shared_budget_finds_the_best_plan_of_a_lookup_drafter(seed: int) -> None:
-    """With no draft forwards the step's time depends on its rows, not on whose they are, and each request's worth is
-    concave in its k: taking draft slots best first and keeping the best count is the optimum over every plan."""
-    rng = random.Random(seed)
-    policy = GoodputPolicy(4, KERNEL_LIKE, draft_forwards=False)
-    c = [Candidate(rng.choice([0.05, 0.3, 0.5, 0.7, 0.9, 0.97]), rng.choice([0, 2, 4]), 1, rng.choice([50, 400]))
-         for _ in range(5)]
-    budget = rng.choice([3, 8, 100])
-    ks = policy.choose(c, BatchBase(), budget)
-    assert sum(ks) <= budget and all(k <= x.max_k for k, x in zip(ks, c))
-    assert policy.goodput(c, BatchBase(), ks) == pytest.approx(_best_by_brute_force(policy, c, budget), rel=1e-9)
-
-
-def test_the_shared_budget_gives_the_rows_to_the_requests_that_accept_and_none_to_the_rest() -> None:
-    """Batch 8, two requests echo text (alpha 0.95), six do not (0.1-0.3): the best step verifies 4 drafts of each
-    echoing request and none of the others. The per-cap search before the shared budget stopped at 2 drafts each (at
-    a cap of 4 it walked the six others down one draft at a time and stopped where one step down did not pay),
-    12.5% fewer expected tokens a second on this cost model."""
-    alphas = [0.3, 0.95, 0.3, 0.1, 0.1, 0.3, 0.95, 0.1]
-    limits = [4, 4, 0, 2, 0, 4, 4, 0]
-    c = [Candidate(a, m, 1, 200) for a, m in zip(alphas, limits)]
-    policy = GoodputPolicy(4, KERNEL_LIKE, draft_forwards=False)
-    ks = policy.choose(c, BatchBase(), 256)
-    assert ks == [0, 4, 0, 0, 0, 0, 4, 0]
-    per_cap_plan = [0, 2, 0, 0, 0, 0, 2, 0]  # what the per-cap search chose
-    assert policy.goodput(c, BatchBase(), ks) > 1.1 * policy.goodput(c, BatchBase(), per_cap_plan)
-    assert policy.goodput(c, BatchBase(), ks) > policy.goodput(c, BatchBase(), [0] * 8)
-
-
-def test_a_batch_of_poor_drafts_gets_no_verification_rows() -> None:
-    """Every request at low acceptance on a compute-bound batch: no slot is worth its rows, plain decoding."""
-    policy = GoodputPolicy(4, KERNEL_LIKE, draft_forwards=False)
-    assert policy.choose([Candidate(0.1, 4, 1, 200)] * 8, BatchBase(), 256) == [0] * 8
