@@ -158,14 +158,14 @@ class AutoscalePolicy:
     def decide(self, signal: FleetSignal, now: float) -> ScaleDecision:
         """The decision at `now` (seconds, monotonic); "up" or "down" starts the cooldown: the caller acts on it."""
         cfg, n = self.cfg, signal.size
-        over = self._over(signal)
+        cause, over = self._over(signal)
         under = self._under(signal)
         self._up_since = (self._up_since if self._up_since is not None else now) if over else None
         self._down_since = (self._down_since if self._down_since is not None else now) if under else None
         if signal.starting or signal.draining:
             return self._hold(n, f"a scale step is under way ({signal.starting} starting, {signal.draining} draining)")
         if n < cfg.min_instances:
-            return self._up(signal, f"{n} instances < min_instances {cfg.min_instances}", now)
+            return self._up(signal, f"{n} instances < min_instances {cfg.min_instances}", now, "min_instances")
         if n > cfg.max_instances:
             return self._down(signal, f"{n} instances > max_instances {cfg.max_instances}", now)
         if self._last_step is not None and now - self._last_step < cfg.cooldown_s:
@@ -176,7 +176,7 @@ class AutoscalePolicy:
                 return self._hold(n, f"{over}, but at max_instances {cfg.max_instances}")
             held = now - self._up_since
             if held >= cfg.up_after_s:
-                return self._up(signal, f"{over} for {held:.1f} s", now)
+                return self._up(signal, f"{over} for {held:.1f} s", now, cause)
             return self._hold(n, f"{over} for {held:.1f} s of {cfg.up_after_s:g} s")
         if under:
             if n <= cfg.min_instances:
@@ -193,18 +193,18 @@ class AutoscalePolicy:
         self._last_step, self._up_since, self._down_since = now, None, None
 
     # ---- the conditions ---------------------------------------------------------------------------------------
-    def _over(self, s: FleetSignal) -> str:
-        """Why the fleet is above a target now ("" if it is not)."""
+    def _over(self, s: FleetSignal) -> tuple[str, str]:
+        """The signal above its target now (ttft, itl or queue) and why in words; ("", "") if none is."""
         t, serving = self.cfg.target, s.serving
         if t.ttft_p99_s is not None and s.ttft_p99_s is not None and s.ttft_p99_s > t.ttft_p99_s:
-            return f"ttft p99 {s.ttft_p99_s:.3f} s > target {t.ttft_p99_s:g} s"
+            return "ttft", f"ttft p99 {s.ttft_p99_s:.3f} s > target {t.ttft_p99_s:g} s"
         if t.itl_p99_s is not None and s.itl_p99_s is not None and s.itl_p99_s > t.itl_p99_s:
-            return f"itl p99 {s.itl_p99_s:.3f} s > target {t.itl_p99_s:g} s"
+            return "itl", f"itl p99 {s.itl_p99_s:.3f} s > target {t.itl_p99_s:g} s"
         if t.queue_per_instance is not None and serving:
             queue = sum(i.waiting for i in serving) / len(serving)
             if queue > t.queue_per_instance:
-                return f"queue {queue:.2f}/instance > target {t.queue_per_instance:g}"
-        return ""
+                return "queue", f"queue {queue:.2f}/instance > target {t.queue_per_instance:g}"
+        return "", ""
 
     def _under(self, s: FleetSignal) -> str:
         """Why one instance fewer would still be well within every target ("" if it would not): each latency
@@ -230,8 +230,8 @@ class AutoscalePolicy:
         return ", ".join(parts) + f" below {b:g} x target"
 
     # ---- decisions ----------------------------------------------------------------------------------------------
-    def _up(self, s: FleetSignal, reason: str, now: float) -> ScaleDecision:
-        role = role_to_add(s, reason)
+    def _up(self, s: FleetSignal, reason: str, now: float, cause: str) -> ScaleDecision:
+        role = role_to_add(s, cause)
         return self._step("up", s.size, reason if role == "both" else f"{reason}: adds a {role} instance", now,
                           role=role)
 
@@ -254,13 +254,13 @@ class AutoscalePolicy:
         return ScaleDecision("hold", reason, n)
 
 
-def role_to_add(s: FleetSignal, reason: str) -> Role:
-    """The role of the instance a step up starts: `both` without disaggregation; else `prefill` when time to first
-    token is over its target, `decode` for the inter-token latency, for a queue the role whose instances queue more
-    requests each, and below the bounds the role with fewer instances (decode on a tie)."""
+def role_to_add(s: FleetSignal, cause: str) -> Role:
+    """The role of the instance a step up for `cause` (ttft, itl, queue, min_instances) starts: `both` without
+    disaggregation; else `prefill` when time to first token is over its target, `decode` for the inter-token latency,
+    for a queue the role whose instances queue more requests each, and below the bounds the role with fewer instances
+    (decode on a tie)."""
     if not s.disaggregated:
         return "both"
-    cause = cause_of(reason)
     if cause in ("ttft", "itl"):
         return "prefill" if cause == "ttft" else "decode"
     prefill, decode = s.of_role("prefill"), s.of_role("decode")
