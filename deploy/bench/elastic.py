@@ -52,6 +52,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--down-after-s", type=float, default=5.0)
     p.add_argument("--fleets", default="max,min,autoscaled", help="which fleets to run, comma-separated")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--pin-cores", action="store_true",
+                   help="pin each node to a core of its own (node i to core i), as separate hosts: a starting "
+                        "instance then takes no CPU from the serving ones")
     add_cluster_flags(p)
 
 
@@ -130,6 +133,9 @@ def run(args: argparse.Namespace) -> int:
     state = local_cluster.read_state(args.state)
     nodes = [n.spec.name for n in state.nodes]
     local_cluster.connect(state, logging_level="ERROR", log_to_driver=False)
+    pinned = local_cluster.pin_nodes(state) if args.pin_cores else {}
+    if pinned:
+        print("pinned: " + ", ".join(f"{n} to core {c}" for n, c in pinned.items()), flush=True)
     target = resolve_model(args.model, args.dtype)
     tok = load_model(target, args.dtype)
     cfg = EngineConfig(model=ModelConfig(target=target, dtype=args.dtype), speculation=SpeculationConfig(policy="off"),
@@ -148,7 +154,7 @@ def run(args: argparse.Namespace) -> int:
     texts = load_prompts([DATASETS / "mt_bench_questions.jsonl"], min(len(gaps), 80))  # MT-Bench has 80: reused
     prompts = [(tok.encode(texts[i % len(texts)]) * 64)[:args.prompt_tokens] for i in range(len(gaps))]
     report: dict = {"model": target, "rates": rates, "phase_s": args.phase_s, "requests": len(gaps),
-                    "autoscaling": scaling.model_dump(), "fleets": {}}
+                    "autoscaling": scaling.model_dump(), "pinned": pinned, "fleets": {}}
     try:
         for fleet in fleets:
             size = args.max_instances if fleet == "max" else args.min_instances

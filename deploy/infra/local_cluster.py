@@ -356,6 +356,23 @@ def node_processes(state: ClusterState, node: NodeProcess) -> list[psutil.Proces
         return []
 
 
+def pin_nodes(state: ClusterState) -> dict[str, int]:
+    """Pin each node's processes to a core of its own (node i to core i modulo the cores), as separate hosts would
+    have: what a node starts later (its Ray workers, forked by its raylet) inherits the pin. For benchmarks whose
+    instances must not share cores (`bench elastic --pin-cores`); returns node name -> core."""
+    cores = sorted(os.sched_getaffinity(0))
+    pinned = {}
+    for i, node in enumerate(state.nodes):
+        core = cores[i % len(cores)]
+        for proc in node_processes(state, node):
+            try:
+                proc.cpu_affinity([core])
+            except psutil.NoSuchProcess:  # exited since the listing: nothing to pin
+                pass
+        pinned[node.spec.name] = core
+    return pinned
+
+
 def stop(state: ClusterState, grace_s: float = 10.0) -> None:
     """Stop the cluster's processes: SIGTERM to each node's process group, SIGKILL to what is left of it after
     `grace_s`, and remove its temp folder. ClusterError if a process survives."""

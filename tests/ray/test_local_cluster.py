@@ -77,6 +77,31 @@ def test_every_nodes_workers_hold_the_same_link_secret_and_another_cluster_does_
     assert got[0] is not None and len(set(got)) == 1 and token not in got[0]
 
 
+def test_pinned_nodes_run_their_work_on_their_own_core(ray_driver) -> None:
+    """`pin_nodes` (bench elastic --pin-cores): each node's processes, and the workers its raylet starts later, run on
+    the one core given to that node."""
+    state = ray_driver.state
+    cores = sorted(os.sched_getaffinity(0))
+
+    @ray.remote(num_cpus=0)
+    def affinity() -> list[int]:
+        return sorted(os.sched_getaffinity(0))
+
+    try:
+        pinned = local_cluster.pin_nodes(state)
+        assert pinned == {n.spec.name: cores[i % len(cores)] for i, n in enumerate(state.nodes)}
+        got = ray.get([affinity.options(resources={NODE_RESOURCE.format(name=n): 1}).remote() for n in pinned],
+                      timeout=60)
+        assert got == [[core] for core in pinned.values()]
+    finally:  # the other tests share this cluster: give its processes every core back
+        for node in state.nodes:
+            for proc in local_cluster.node_processes(state, node):
+                try:
+                    proc.cpu_affinity(cores)
+                except psutil.NoSuchProcess:
+                    pass
+
+
 def test_cli_up_status_down_stops_exactly_its_own_cluster(ray_driver, tmp_path: Path) -> None:
     state_path = tmp_path / "second.json"
     res = specfleet("cluster", "up", "--nodes", "1", "--num-cpus", "1", "--state", str(state_path))
