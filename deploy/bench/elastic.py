@@ -24,7 +24,8 @@ import ray
 from actors.serving.server import InstanceServer
 from actors.model.loader import load_model
 from cluster.autoscale import AutoscaleTarget, AutoscalingConfig
-from cluster.config import CacheConfig, EngineConfig, ModelConfig, RouterConfig, SchedulerConfig, SpeculationConfig
+from cluster.config import (CacheConfig, EngineConfig, MigrationConfig, ModelConfig, RouterConfig, SchedulerConfig,
+                            SpeculationConfig)
 from cluster.router_client import RouterClient
 from deploy.bench.local_fleet import Bench, add_cluster_flags, add_model_flags
 from deploy.bench.output import pct, save
@@ -52,6 +53,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--down-after-s", type=float, default=5.0)
     p.add_argument("--fleets", default="max,min,autoscaled", help="which fleets to run, comma-separated")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--migration-policies", default="queue",
+                   help="the router's migration policies in every fleet, comma-separated (default queue: a request "
+                        "waiting on a busy instance moves to an idle one, such as the one a scale-out just added; "
+                        "empty: none)")
     p.add_argument("--pin-cores", action="store_true",
                    help="pin each node to a core of its own (node i to core i), as separate hosts: a starting "
                         "instance then takes no CPU from the serving ones")
@@ -123,6 +128,9 @@ async def drive(b: Bench, prompts: list[list[int]], gaps: list[float], args, aut
 def run(args: argparse.Namespace) -> int:
     rates = parse_numbers(args.rates, "--rates", float, "rates like 0.3,1.5,0.3")
     fleets = [f for f in args.fleets.split(",") if f]
+    policies = tuple(p for p in args.migration_policies.split(",") if p)
+    if not set(policies) <= {"drain", "queue", "defrag", "balance"}:
+        raise UsageError("--migration-policies: choose from drain, queue, defrag, balance")
     if not set(fleets) <= {"max", "min", "autoscaled"} or not rates or min(rates) <= 0:
         raise UsageError("--fleets: choose from max, min, autoscaled; --rates: positive requests/s")
     scaling = AutoscalingConfig(min_instances=args.min_instances, max_instances=args.max_instances,
@@ -142,6 +150,7 @@ def run(args: argparse.Namespace) -> int:
                        scheduler=SchedulerConfig(max_batch_size=args.slots),
                        cache=CacheConfig(block_size=16, num_blocks=args.slots * (args.prompt_tokens + args.max_tokens
                                                                                  + 32) // 16 + 2))
+    router_cfg = RouterConfig(stats_interval_s=0.2, migration=MigrationConfig(policies=policies, interval_s=0.5))
     rng = random.Random(args.seed)
     gaps, t = [], 0.0
     for phase, rate in enumerate(rates):
@@ -154,11 +163,12 @@ def run(args: argparse.Namespace) -> int:
     texts = load_prompts([DATASETS / "mt_bench_questions.jsonl"], min(len(gaps), 80))  # MT-Bench has 80: reused
     prompts = [(tok.encode(texts[i % len(texts)]) * 64)[:args.prompt_tokens] for i in range(len(gaps))]
     report: dict = {"model": target, "rates": rates, "phase_s": args.phase_s, "requests": len(gaps),
-                    "autoscaling": scaling.model_dump(), "pinned": pinned, "fleets": {}}
+                    "autoscaling": scaling.model_dump(), "pinned": pinned, "migration_policies": policies,
+                    "fleets": {}}
     try:
         for fleet in fleets:
             size = args.max_instances if fleet == "max" else args.min_instances
-            b = Bench(cfg, tok.num_layers, args.num_cpus, RouterConfig(stats_interval_s=0.2))
+            b = Bench(cfg, tok.num_layers, args.num_cpus, router_cfg)
             autoscaler = None
             try:
                 for i in range(size):
