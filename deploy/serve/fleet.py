@@ -90,7 +90,7 @@ def fleet_specs(cfg: SpecfleetConfig, inventory: Inventory | None = None, pins: 
 def replan(spec: InstanceSpec, fleet: FleetConfig, index: int, taken: set[tuple[str, int]]) -> InstanceSpec:
     """`spec` (instance `index`, its engine resolved) as it should start now: itself if every node it names is alive
     and none of its devices is `taken` by another instance, else planned again over the live nodes
-    (placement/fleet.py, plan_instance). PlacementError if there is no room now."""
+    (placement/fleet.py, plan_instance), its calibration store and role kept. PlacementError if there is no room now."""
     inventory, pins, gpu_nodes = cluster_inventory()
     alive = {n.name for n in inventory.nodes}
     if {node for node, _ in spec.layout.places} <= alive and spec.layout.places.isdisjoint(taken):
@@ -102,7 +102,7 @@ def replan(spec: InstanceSpec, fleet: FleetConfig, index: int, taken: set[tuple[
     prefix = spec.instance_id.rsplit("-", 1)[0]
     placed = plan_instance(spec.engine, fleet, inventory, target, draft, index, taken=taken, pins=pins,
                            gpu_nodes=gpu_nodes, prefix=prefix)
-    return placed.model_copy(update={"calibration_dir": spec.calibration_dir})
+    return placed.model_copy(update={"calibration_dir": spec.calibration_dir, "role": spec.role})
 
 
 def live_nodes() -> set[str]:
