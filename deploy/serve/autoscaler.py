@@ -38,9 +38,10 @@ from cluster.router_client import RouterClient
 from cluster.stats import FailedRounds
 from deploy.serve.fleet import replan
 from placement.fleet import InstanceSpec
+from placement.planner import PlacementError
 
 log = logging.getLogger(__name__)
-LOAD_TIMEOUT_S = 900.0  # for a new instance to load its models (as deploy/serve/app.py's)
+LOAD_TIMEOUT_S = 900.0  # for a new instance to load its models (as deploy/serve/app.py's), on KubeRay its pod to join
 CALL_TIMEOUT_S = 30.0
 # after the router counts no request on a drained instance, the streams that moved off it may still be reading their
 # last item from it (the one that says where they went): it stops this much later, so none of them fails over
@@ -77,7 +78,12 @@ class PlannedLauncher:
     async def launch(self, instance_id: str, index: int, taken: set[tuple[str, int]], role: Role = "both") -> Launched:
         began = time.monotonic()
         spec = self.template.model_copy(update={"instance_id": instance_id, "role": role})
-        placed = await asyncio.to_thread(replan, spec, self.fleet_cfg, index, taken)  # PlacementError: no room
+        try:
+            placed = await asyncio.to_thread(replan, spec, self.fleet_cfg, index, taken)
+        except PlacementError as full:  # on KubeRay: on a pod to come, which Ray's autoscaler adds for it
+            placed = await asyncio.to_thread(replan, spec, self.fleet_cfg, index, taken, True)  # else: no room
+            log.warning("autoscaler: no room on the live nodes (%s); %s waits for a new pod of its group on %s",
+                        full, instance_id, placed.place)
         name = f"{INSTANCE_ACTOR_PREFIX}{instance_id}/{uuid.uuid4().hex[:8]}"  # a restarted router finds it by name
         server = InstanceServer.spawn(placed, resources={**InstanceServer.pin(placed),
                                                          **self.fleet_cfg.instance_resources},
