@@ -364,6 +364,8 @@ class AutoscaleStatus:
     counts: tuple[tuple[str, str, str, int], ...]  # (action, outcome, cause, steps)
     ttft_p99_s: float | None = None
     itl_p99_s: float | None = None
+    failed_rounds: int = 0  # rounds that raised since the autoscaler started (the loop goes on with the next)
+    last_failure: str = ""  # the last one's error, "ExceptionType: message"
 
 
 def cause_of(reason: str) -> str:

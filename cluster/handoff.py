@@ -26,6 +26,7 @@ from cluster.migration_policy import InstanceLoad
 from cluster.prefix import BlockHash
 from cluster.registry import Registry
 from cluster.request import RequestStatus
+from cluster.stats import FailedRounds
 
 if TYPE_CHECKING:
     from cluster.migration import MigrationResult
@@ -49,11 +50,14 @@ class Handoffs:
     """The pending handoffs and the supervised loop that starts them. `load(instance)`: that instance's per-request
     load (raises on a deadline); `move(request_id, destination)`: migrate it (the router's `migrate`, which records
     the outcome); `lost_after_s`: a handoff whose request its prefill instance has never reported this long is dropped
-    (its client left before sending it; the router's reconciliation closes the request itself)."""
+    (its client left before sending it; the router's reconciliation closes the request itself); `failed`: where a
+    round that raised is counted (the router's figures)."""
 
     def __init__(self, poll_s: float, load: Callable[[str], Awaitable[InstanceLoad]],
-                 move: Callable[[str, str], Awaitable[object]], lost_after_s: float = 30.0) -> None:
+                 move: Callable[[str, str], Awaitable[object]], lost_after_s: float = 30.0,
+                 failed: FailedRounds | None = None) -> None:
         self.poll_s, self._load, self._move, self.lost_after_s = poll_s, load, move, lost_after_s
+        self.failed = failed if failed is not None else FailedRounds()
         self.pending: dict[str, Handoff] = {}
         self._moving: set[asyncio.Task] = set()
         self._wake = asyncio.Event()
@@ -78,7 +82,8 @@ class Handoffs:
                 await self._wake.wait()
             try:
                 await self.round()
-            except Exception:  # noqa: BLE001 - a failed round must not stop handoffs; the next one retries
+            except Exception as e:  # noqa: BLE001 - a failed round must not stop handoffs; the next retries (counted)
+                self.failed.record("handoff", e)
                 log.exception("a handoff round failed")
             await asyncio.sleep(self.poll_s)
 
@@ -187,11 +192,12 @@ class Disaggregation:
     per-request load, read with a deadline; `migrate(request_id, destination)`: the router's staged migration."""
 
     def __init__(self, cfg: DisaggConfig, registry: Registry, load: Callable[[str], Awaitable[InstanceLoad]],
-                 migrate: Callable[[str, str], Awaitable[MigrationResult]], lost_after_s: float) -> None:
+                 migrate: Callable[[str, str], Awaitable[MigrationResult]], lost_after_s: float,
+                 failed: FailedRounds | None = None) -> None:
         self.registry, self._migrate = registry, migrate
         self.policy = DisaggPolicy(cfg)
         self.roles: dict[str, Role] = {}
-        self.handoffs = Handoffs(cfg.handoff_poll_s, load, self.hand_off, lost_after_s=lost_after_s)
+        self.handoffs = Handoffs(cfg.handoff_poll_s, load, self.hand_off, lost_after_s=lost_after_s, failed=failed)
         self.decisions: dict[str, int] = {}  # placements of new requests by reason (disaggregation on)
         self.results: dict[str, int] = {}  # handoffs' migrations by outcome
 

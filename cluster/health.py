@@ -17,18 +17,21 @@ from cluster.config import RouterConfig
 from cluster.instances import InstanceRow
 from cluster.registry import Registry
 from cluster.start_times import StartHistory
+from cluster.stats import FailedRounds
 
 log = logging.getLogger(__name__)
 
 
 class InstancePoller:
     """Polls the instances in `handles` (the router's own dict: instances come and go in it) every
-    `cfg.stats_interval_s`, each within `timeout_s`; `moving`: the requests migrating, which reconciliation spares."""
+    `cfg.stats_interval_s`, each within `timeout_s`; `moving`: the requests migrating, which reconciliation spares;
+    `failed`: where a poll that raised is counted (the router's figures)."""
 
     def __init__(self, cfg: RouterConfig, registry: Registry, handles: MutableMapping[str, object], starts: StartHistory,
-                 timeout_s: float, moving: Mapping[str, object]) -> None:
+                 timeout_s: float, moving: Mapping[str, object], failed: FailedRounds | None = None) -> None:
         self.cfg, self.registry, self.handles, self.starts = cfg, registry, handles, starts
         self.timeout_s, self.moving = timeout_s, moving
+        self.failed = failed if failed is not None else FailedRounds()
         self.removed: list[InstanceRow] = []  # instances taken out for failing health, newest last (the last 100)
 
     async def poll(self) -> None:
@@ -78,6 +81,7 @@ class InstancePoller:
         while True:
             try:
                 await self.poll()
-            except Exception:  # noqa: BLE001 - a bad poll must not stop polling; the next one retries
+            except Exception as e:  # noqa: BLE001 - a bad poll must not stop polling; the next one retries (counted)
+                self.failed.record("health_poll", e)
                 log.exception("polling the instances failed")
             await asyncio.sleep(self.cfg.stats_interval_s)

@@ -45,7 +45,7 @@ from cluster.instances import DrainResult, InstancePlace, InstanceRow, RequestRo
 from cluster.registry import NoInstanceAvailable, Registry, RequestStatus
 from cluster.prefix_index import PrefixIndex
 from cluster.start_times import Arrivals, FailoverWait, StartHistory
-from cluster.stats import MigrationStats, RoutingStats
+from cluster.stats import FailedRounds, MigrationStats, RoutingStats
 
 ROUTER_NAME = "specfleet-router"
 NAMESPACE = "specfleet"
@@ -85,9 +85,11 @@ class Router:
         fo = cfg.failover  # how long a failover waits for an instance to register: learned from the starts seen
         self.starts = StartHistory(fo.wait_s, fo.max_wait_s, fo.start_multiple)
         self.arrivals = Arrivals(self.starts, self.registry)  # a request that finds no instance waits for one
-        self.health = InstancePoller(cfg, self.registry, self.handles, self.starts, health_timeout_s, self._migrating)
+        self.failed_rounds = FailedRounds()  # the background loops' rounds that raised (routing_stats, /metrics)
+        self.health = InstancePoller(cfg, self.registry, self.handles, self.starts, health_timeout_s, self._migrating,
+                                     self.failed_rounds)
         self.disagg = Disaggregation(cfg.disaggregation, self.registry, self._load_of, self.migrate,
-                                     lost_after_s=cfg.orphan_grace_s)
+                                     lost_after_s=cfg.orphan_grace_s, failed=self.failed_rounds)
         # as a Ray actor this runs on its event loop: rebuild from the instances, then start polling and planning
         self._started: asyncio.Task | None = asyncio.get_running_loop().create_task(self._start(discover))
 
@@ -119,6 +121,7 @@ class Router:
             i = reg.info
             phases = reg.phases.phases if reg.phases is not None else ()
             self.starts.registered(i.instance_id, i.actor_id, time.monotonic(), reg.start_s, phases)  # its wait
+            self.disagg.set_role(i.instance_id, reg.role)  # as it was given at its start (the autoscaler's too)
             self._register(i.instance_id, handle, i.model, i.max_model_len, i.node_id, reg.place, i.actor_id,
                            i.backend)
             for rid, priority in reg.requests:
@@ -373,7 +376,8 @@ class Router:
             self._replan.clear()
             try:
                 await self.plan_migrations()
-            except Exception:  # noqa: BLE001 - a failed round must not stop planning; the next one retries
+            except Exception as e:  # noqa: BLE001 - a failed round must not stop planning; the next one retries
+                self.failed_rounds.record("migration_plan", e)  # counted: a defect failing every round shows
                 log.exception("planning migrations failed")
 
     @ray.method(max_task_retries=0)  # not idempotent: a restarted router does not redo it
@@ -396,11 +400,14 @@ class Router:
 
     @_after_start
     async def routing_stats(self) -> RoutingStats:
-        """The dispatch policy, its decisions by reason since the router started, and the prefix index's size."""
+        """The dispatch policy, its decisions by reason since the router started, the prefix index's size, the
+        disaggregation figures, and the background loops' failed rounds."""
         index = self.registry.prefix
+        failed = self.failed_rounds
         return RoutingStats(self.registry.policy.name, dict(self.registry.decisions), len(index),
                             sum(not index.wants_snapshot(i) for i in self.registry.instances),
-                            dict(self.disagg.decisions), self.disagg.figures(), len(self.disagg.handoffs.pending))
+                            dict(self.disagg.decisions), self.disagg.figures(), len(self.disagg.handoffs.pending),
+                            dict(failed.counts), dict(failed.last_error))
 
     async def starting(self, instance_id: str) -> None:
         """A replica of `instance_id` begins to start (it registers when done): failovers wait for it."""

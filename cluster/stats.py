@@ -134,9 +134,29 @@ class RoutingStats:
     disaggregation: dict[str, int] = field(default_factory=dict)
     handoffs: dict[str, int] = field(default_factory=dict)
     handoffs_pending: int = 0
+    # rounds of the router's background loops (ROUTER_LOOPS) that raised, and each loop's last error (FailedRounds)
+    failed_rounds: dict[str, int] = field(default_factory=dict)
+    last_round_error: dict[str, str] = field(default_factory=dict)
 
     def as_dict(self) -> dict:
         return asdict(self)
+
+
+ROUTER_LOOPS = ("migration_plan", "handoff", "health_poll")  # the router's background loops (cluster/router.py)
+
+
+@dataclass
+class FailedRounds:
+    """Rounds of background loops that raised, by loop, with each loop's last error. A loop catches a round's error
+    so that one bad round does not stop it (the next retries), which also hides a defect that fails every round:
+    counted here, it shows in /metrics and `specfleet status`, not only in the logs."""
+
+    counts: dict[str, int] = field(default_factory=dict)
+    last_error: dict[str, str] = field(default_factory=dict)  # "ExceptionType: message"
+
+    def record(self, loop: str, error: BaseException) -> None:
+        self.counts[loop] = self.counts.get(loop, 0) + 1
+        self.last_error[loop] = f"{type(error).__name__}: {error}"[:300]
 
 
 DOWNTIME_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)  # seconds

@@ -9,6 +9,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from cluster.config import EngineConfig, FleetConfig
+from cluster.disagg import Role
 from cluster.instances import DraftPlace, InstancePlace, StagePlace
 from placement.inventory import Inventory, NodeSpec
 from placement.layout import ShardLayout
@@ -34,6 +35,9 @@ class InstanceSpec(BaseModel):
     # where its goodput calibration is kept between starts (the model store's, set where the fleet is planned);
     # None: timed at every start, before it serves
     calibration_dir: str | None = None
+    # prefill, decode or both (cluster/disagg.py): the instance reports it when it registers, so a router that restarts
+    # and rebuilds its table from the instances gives each its role back (the autoscaler's included)
+    role: Role = "both"
 
     @property
     def place(self) -> InstancePlace:

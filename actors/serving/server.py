@@ -45,6 +45,7 @@ from actors.engine.sequence import EngineSequence
 from actors.serving.loop import ServingLoop
 from actors.speculation.structured import CompiledGrammar
 from actors.start_phases import StartClock, StartPhases
+from cluster.disagg import Role
 from cluster.instances import InstancePlace
 from cluster.request import FinishReason, Request, RequestStatus, StreamItem, TokenDelta
 from cluster.migration_messages import (BlockNames, CloseChannel, Commit, Drop, Export, Exported, Import, KVLayout,
@@ -100,6 +101,7 @@ class Registration:
     requests: tuple[tuple[str, int], ...]
     start_s: float | None = None  # how long building this instance took (its models, kernels, calibration)
     phases: StartPhases | None = None  # where that time went (actors/start_phases.py)
+    role: Role = "both"  # its disaggregation role, as its spec gives it (cluster/disagg.py)
 
 
 def build(spec: InstanceSpec) -> Instance:
@@ -412,7 +414,7 @@ class InstanceServer:
             priority.update({rid: seq.request.priority for rid, seq in self._detached.items()})
             return tuple((rid, priority.get(rid, 0)) for rid in self.loop.tracked_ids())
         return Registration(await self.info(), self.spec.place, await self._on_loop(held), self.start_s,
-                            self.phases)
+                            self.phases, self.spec.role)
 
     async def start_phases(self) -> StartPhases:
         """Where this instance's start went, phase by phase (`specfleet bench start`, `specfleet status`)."""

@@ -26,6 +26,7 @@ from actors.model.loader import load_model
 from cluster.autoscale import AutoscaleTarget, AutoscalingConfig
 from cluster.config import (CacheConfig, EngineConfig, MigrationConfig, ModelConfig, RouterConfig, SchedulerConfig,
                             SpeculationConfig)
+from cluster.disagg import Role
 from cluster.router_client import RouterClient
 from deploy.bench.local_fleet import Bench, add_cluster_flags, add_model_flags
 from deploy.bench.output import pct, save
@@ -69,11 +70,11 @@ class NodeLauncher:
     def __init__(self, bench: Bench, nodes: list[str]) -> None:
         self.bench, self.nodes = bench, nodes
 
-    async def launch(self, instance_id: str, index: int, taken: set[tuple[str, int]]) -> Launched:
+    async def launch(self, instance_id: str, index: int, taken: set[tuple[str, int]], role: Role = "both") -> Launched:
         began = time.monotonic()
         b = self.bench
         node = self.nodes[(index + 1) % len(self.nodes)]
-        spec = InstanceSpec(instance_id=instance_id, executor="local", num_cpus=b.num_cpus, engine=b.cfg,
+        spec = InstanceSpec(instance_id=instance_id, executor="local", num_cpus=b.num_cpus, engine=b.cfg, role=role,
                             layout=ShardLayout(stages=(StageSlot(node=node, layers=(0, b.num_layers)),)))
         server = InstanceServer.spawn(spec)
         info = await asyncio.wait_for(server.info.remote(), 600)

@@ -104,6 +104,8 @@ class Dispatch(_Row):
     disaggregation: dict[str, int] = {}  # placements by the prefill/decode pair policy, by reason (cluster/disagg.py)
     handoffs: dict[str, int] = {}  # prefilled requests moved to their decode instance, by outcome
     handoffs_pending: int = 0
+    failed_rounds: dict[str, int] = {}  # rounds of the router's background loops that raised, by loop
+    last_round_error: dict[str, str] = {}  # each such loop's last error
 
 
 class ScaleEventRow(_Row):
@@ -139,6 +141,8 @@ class Autoscaling(_Row):
     counts: list[tuple[str, str, str, int]] = []  # (action, outcome, cause, steps)
     ttft_p99_s: float | None = None
     itl_p99_s: float | None = None
+    failed_rounds: int = 0  # autoscaling rounds that raised
+    last_failure: str = ""
 
 
 class AdminClient:

@@ -233,6 +233,8 @@ def run_status(args: argparse.Namespace) -> int:
           f"max {moves.downtime_max_s * 1e3:.1f} ms; {moves.failovers} request(s) failed over")
     if scaling.enabled:
         print(_autoscaling_line(scaling))
+    for line in failed_rounds_lines(dispatch, scaling):
+        print(line)
     if moves.failover_wait is not None:
         w = moves.failover_wait
         why = ("no start seen yet: the floor" if w.slowest_s is None else
@@ -244,6 +246,17 @@ def run_status(args: argparse.Namespace) -> int:
     for p in problems:
         print(f"UNHEALTHY: {p}")
     return 0 if not problems else 1
+
+
+def failed_rounds_lines(d: Dispatch, a: Autoscaling) -> list[str]:
+    """`specfleet status`'s warnings for background rounds that raised (the router's loops, the autoscaler's): each
+    loop goes on, so only these counts show a defect that fails every round."""
+    rounds = [(f"router {loop}", n, d.last_round_error.get(loop, "")) for loop, n in sorted(d.failed_rounds.items())
+              if n]
+    if a.enabled and a.failed_rounds:
+        rounds.append(("autoscaler", a.failed_rounds, a.last_failure))
+    return [f"WARNING: {n} {name} round(s) failed since it started; last: {error or '?'} (see its log)"
+            for name, n, error in rounds]
 
 
 def _autoscaling_line(a: Autoscaling) -> str:

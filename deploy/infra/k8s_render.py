@@ -137,6 +137,32 @@ def worker_groups(inventory: Inventory, config: SpecfleetConfig, opts: RenderOpt
     return groups
 
 
+def pod_capacity(node: NodeSpec, config: SpecfleetConfig, opts: RenderOptions) -> int:
+    """At most how many instances one pod of `node`'s kind holds: the Ray resources an instance asks for (its CPUs,
+    each of `pipeline_stages` shards, and `fleet.instance_resources`) against those the pod offers."""
+    fleet = config.fleet
+    asks = {"CPU": fleet.instance_num_cpus * fleet.pipeline_stages, **fleet.instance_resources}
+    offers = {k: float(v) for k, v in group_resources(node, opts).items()}
+    return min((int(offers.get(k, 0.0) // v) for k, v in asks.items() if v > 0), default=0)
+
+
+def check_autoscaling(inventory: Inventory, config: SpecfleetConfig, opts: RenderOptions) -> None:
+    """With `fleet.autoscaling`, the worker groups at their `maxReplicas` must hold `max_instances` (by the resources
+    each instance asks for, `pod_capacity`): else Ray's autoscaler could never bring the pods the last scale-outs
+    wait for. ConfigError naming what they hold and the flag that raises it."""
+    scaling = config.fleet.autoscaling
+    if scaling is None:
+        return
+    held = {group_name(kind): pod_capacity(nodes[0], config, opts) * len(nodes) * opts.max_scale
+            for kind, nodes in kinds(inventory).items()}
+    if sum(held.values()) < scaling.max_instances:
+        raise ConfigError(f"fleet.autoscaling.max_instances is {scaling.max_instances}, but the worker groups at their "
+                          f"maxReplicas (--max-scale {opts.max_scale} x the inventory's nodes) hold at most "
+                          f"{sum(held.values())} instances ({', '.join(f'{g}: {n}' for g, n in held.items())}, by "
+                          "the CPUs and fleet.instance_resources each instance asks for): raise --max-scale or "
+                          "lower max_instances")
+
+
 def head_group(config: SpecfleetConfig, opts: RenderOptions) -> dict:
     """The head: GCS, dashboard, the router, the Serve proxy and the API replicas (the only pods with the keys);
     no accelerator, no accelerator resources."""
@@ -204,7 +230,11 @@ def serve_config(config: SpecfleetConfig) -> dict:
 
 
 def rayservice(inventory: Inventory, config: SpecfleetConfig, opts: RenderOptions) -> dict:
-    """The whole RayService: serveConfigV2, head, one worker group per kind, autoscaler, upgrade strategy."""
+    """The whole RayService: serveConfigV2, head, one worker group per kind, autoscaler, upgrade strategy. Ray's
+    autoscaler adds a group's pod when an instance's actor waits for resources only such a pod offers (our autoscaler
+    plans a scale-out on the group's next pod, deploy/serve/fleet.py `nodes_inventory`), and removes a pod idle for
+    `idleTimeoutSeconds` (after our scale-in drained and stopped its instances), within the group's bounds."""
+    check_autoscaling(inventory, config, opts)
     return {
         "apiVersion": API_VERSION,
         "kind": "RayService",

@@ -90,6 +90,8 @@ class SpecfleetInstance:
             self.router.sync.starting(self.instance_id, timeout_s=HEALTH_TIMEOUT_S)
         except Exception as e:  # noqa: BLE001 - the router is away: start anyway; it learns of us at registration
             log.warning("%s: could not tell the router it starts (%s: %s)", self.instance_id, type(e).__name__, e)
+        # the instance knows its role: a router that restarts takes it from the instance's registration
+        spec = spec.model_copy(update={"role": self.role})
         self.spec, self.server, self.info = self._start(index, spec, began + LOAD_TIMEOUT_S)
         self.start_s = time.monotonic() - began  # what the router's failover wait learns from (cluster/start_times.py)
         log.info("%s: %s runs on the %s", self.instance_id, spec.engine.model.target, self.info.backend)
@@ -175,7 +177,7 @@ class SpecfleetInstance:
 
     async def _keep_registered(self) -> None:
         """Register again if the router does not know this incarnation (it restarted, or removed us), or not its role
-        (a restarted router rebuilds from the instances, which do not know their roles)."""
+        (an instance started before instances reported their roles: a restarted router took it as `both`)."""
         try:
             known = await self.router.is_registered(self.instance_id, self.info.actor_id, self.role,
                                                     timeout_s=HEALTH_TIMEOUT_S)

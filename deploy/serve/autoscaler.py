@@ -35,16 +35,19 @@ from cluster.disagg import Role
 from cluster.instances import InstanceRow
 from cluster.router import INSTANCE_ACTOR_PREFIX, NAMESPACE, get_or_create_router
 from cluster.router_client import RouterClient
+from cluster.stats import FailedRounds
 from deploy.serve.fleet import replan
 from placement.fleet import InstanceSpec
+from placement.planner import PlacementError
 
 log = logging.getLogger(__name__)
-LOAD_TIMEOUT_S = 900.0  # for a new instance to load its models (as deploy/serve/app.py's)
+LOAD_TIMEOUT_S = 900.0  # for a new instance to load its models (as deploy/serve/app.py's), on KubeRay its pod to join
 CALL_TIMEOUT_S = 30.0
 # after the router counts no request on a drained instance, the streams that moved off it may still be reading their
 # last item from it (the one that says where they went): it stops this much later, so none of them fails over
 STOP_GRACE_S = 2.0
 MAX_EVENTS = 100
+ROUND = "autoscale"  # the loop's name in its FailedRounds
 
 
 @dataclass(frozen=True)
@@ -58,8 +61,9 @@ class Launched:
 
 
 class Launcher(Protocol):
-    async def launch(self, instance_id: str, index: int, taken: set[tuple[str, int]]) -> Launched:
-        """Start instance `instance_id` (the `index`-th the autoscaler started) on devices not in `taken`."""
+    async def launch(self, instance_id: str, index: int, taken: set[tuple[str, int]], role: Role = "both") -> Launched:
+        """Start instance `instance_id` (the `index`-th the autoscaler started) on devices not in `taken`, with its
+        disaggregation `role` in its spec (it reports it to a router that restarts)."""
         ...
 
 
@@ -71,10 +75,15 @@ class PlannedLauncher:
         self.template = template
         self.fleet_cfg = fleet_cfg
 
-    async def launch(self, instance_id: str, index: int, taken: set[tuple[str, int]]) -> Launched:
+    async def launch(self, instance_id: str, index: int, taken: set[tuple[str, int]], role: Role = "both") -> Launched:
         began = time.monotonic()
-        spec = self.template.model_copy(update={"instance_id": instance_id})
-        placed = await asyncio.to_thread(replan, spec, self.fleet_cfg, index, taken)  # PlacementError: no room
+        spec = self.template.model_copy(update={"instance_id": instance_id, "role": role})
+        try:
+            placed = await asyncio.to_thread(replan, spec, self.fleet_cfg, index, taken)
+        except PlacementError as full:  # on KubeRay: on a pod to come, which Ray's autoscaler adds for it
+            placed = await asyncio.to_thread(replan, spec, self.fleet_cfg, index, taken, True)  # else: no room
+            log.warning("autoscaler: no room on the live nodes (%s); %s waits for a new pod of its group on %s",
+                        full, instance_id, placed.place)
         name = f"{INSTANCE_ACTOR_PREFIX}{instance_id}/{uuid.uuid4().hex[:8]}"  # a restarted router finds it by name
         server = InstanceServer.spawn(placed, resources={**InstanceServer.pin(placed),
                                                          **self.fleet_cfg.instance_resources},
@@ -106,13 +115,15 @@ class Autoscaler:
         self.counts: collections.Counter[tuple[str, str, str]] = collections.Counter()
         self.last: ScaleDecision | None = None
         self.size = 0
+        self.failed = FailedRounds()  # rounds that raised (status, /metrics)
 
     async def run(self) -> None:
         """Decide and act every `interval_s`, for good; a failed round is logged with its cause and the next runs."""
         while True:
             try:
                 await self.tick()
-            except Exception:  # noqa: BLE001 - a failed round (the router away) must not stop autoscaling
+            except Exception as e:  # noqa: BLE001 - a failed round (the router away) must not stop autoscaling
+                self.failed.record(ROUND, e)  # counted: a defect failing every round shows in /metrics and status
                 log.exception("an autoscaling round failed")
             await asyncio.sleep(self.cfg.interval_s)
 
@@ -137,7 +148,8 @@ class Autoscaler:
         now = self.clock()
         return AutoscaleStatus(self.cfg.min_instances, self.cfg.max_instances, self.size, self.last,
                                tuple(self.events), tuple((a, o, c, n) for (a, o, c), n in sorted(self.counts.items())),
-                               self.reader.ttft.p99(now), self.reader.itl.p99(now))
+                               self.reader.ttft.p99(now), self.reader.itl.p99(now), self.failed.counts.get(ROUND, 0),
+                               self.failed.last_error.get(ROUND, ""))
 
     # ---- scale out ---------------------------------------------------------------------------------------------
     async def scale_out(self, reason: str, rows: list[InstanceRow], role: Role = "both") -> ScaleEvent:
@@ -151,7 +163,7 @@ class Autoscaler:
         log.warning("autoscaler: starting %s (%s)", instance_id, reason)
         try:
             await self.router.call(lambda r: r.starting.remote(instance_id), timeout_s=CALL_TIMEOUT_S)
-            got = await self.launcher.launch(instance_id, index, taken)
+            got = await self.launcher.launch(instance_id, index, taken, role)
             self.servers[instance_id] = got.server
             i = got.info
             await self.router.call(lambda r: r.register.remote(instance_id, got.server, i.model, i.max_model_len,

@@ -42,32 +42,52 @@ def resolved(engine: EngineConfig, gpu: bool | None = None) -> EngineConfig:
     return engine.model_copy(update={"model": model})
 
 
-def cluster_inventory() -> tuple[Inventory, dict[str, str], set[str]]:
+def cluster_inventory(spare_pods: bool = False) -> tuple[Inventory, dict[str, str], set[str]]:
     """The inventory the running cluster's live nodes declare in their labels, the pins of unnamed nodes, and
-    the nodes that offer Ray GPUs.
+    the nodes that offer Ray GPUs (`nodes_inventory` over `ray.nodes()`); `spare_pods`: with one more pod of each
+    KubeRay worker group, not started yet (what the autoscaler plans a scale-out on when the live nodes are full)."""
+    import ray  # only here: `specfleet generate` resolves configs without starting Ray
+
+    return nodes_inventory(ray.nodes(), spare_pods)
+
+
+def nodes_inventory(ray_nodes: list[dict], spare_pods: bool = False) -> tuple[Inventory, dict[str, str], set[str]]:
+    """`cluster_inventory` over `ray.nodes()`'s records (plain data).
 
     A node started by `specfleet cluster up` carries its name (label `specfleet/node`) and the custom resource
     that pins work to it. A pod of a KubeRay worker group carries every label but the name: its group's pods are
     interchangeable, so they are named by their place in the group (`<group>-0`, `<group>-1`, ... in node-id
     order) and pinned by their kind's resource (`accelerator_<kind>`), never by address: a pod that replaces
     one with a new IP serves its slot as well as any other pod of the group.
-    """
-    import ray  # only here: `specfleet generate` resolves configs without starting Ray
 
+    `spare_pods` adds, for each group, the pod its next slot would be (`<group>-<n>`, the group's labels): an instance
+    planned there asks for the group's resources (its kind's pin, its accelerator memory, GPUs), which no live pod
+    has free, so its actor waits and Ray's autoscaler adds a pod of that group (up to the group's `maxReplicas`,
+    docs/kubernetes.md). Nodes of `specfleet cluster up` are never added: they are not in a group that can grow.
+    """
     nodes, pins, gpu_nodes, pods = [], {}, set(), {}
-    for n in sorted(ray.nodes(), key=lambda n: n["NodeID"]):
+    last: dict[str, tuple[dict[str, str], bool]] = {}  # group -> (its last pod's labels, whether it has GPUs)
+    for n in sorted(ray_nodes, key=lambda n: n["NodeID"]):
         labels = dict(n["Labels"])
         if not n["Alive"] or f"{LABEL_PREFIX}accelerator" not in labels:
             continue
+        gpu = n["Resources"].get("GPU", 0) > 0
         if f"{LABEL_PREFIX}node" not in labels:
             kind = labels[f"{LABEL_PREFIX}accelerator"]
             group = labels.get(f"{LABEL_PREFIX}group") or kind
             slot = pods[group] = pods.get(group, -1) + 1
             name = f"{group}-{slot}"
             labels[f"{LABEL_PREFIX}node"], pins[name] = name, ACCELERATOR_RESOURCE.format(kind=kind)
+            last[group] = (labels, gpu)
         nodes.append(labels)
-        if n["Resources"].get("GPU", 0) > 0:
+        if gpu:
             gpu_nodes.add(labels[f"{LABEL_PREFIX}node"])
+    for group, (labels, gpu) in last.items() if spare_pods else ():
+        name = f"{group}-{pods[group] + 1}"
+        nodes.append({**labels, f"{LABEL_PREFIX}node": name})
+        pins[name] = pins[labels[f"{LABEL_PREFIX}node"]]
+        if gpu:
+            gpu_nodes.add(name)
     return inventory_from_labels(nodes), pins, gpu_nodes
 
 
@@ -87,11 +107,13 @@ def fleet_specs(cfg: SpecfleetConfig, inventory: Inventory | None = None, pins: 
     return [s.model_copy(update={"calibration_dir": str(model_store.calibration_dir())}) for s in specs]
 
 
-def replan(spec: InstanceSpec, fleet: FleetConfig, index: int, taken: set[tuple[str, int]]) -> InstanceSpec:
+def replan(spec: InstanceSpec, fleet: FleetConfig, index: int, taken: set[tuple[str, int]],
+           spare_pods: bool = False) -> InstanceSpec:
     """`spec` (instance `index`, its engine resolved) as it should start now: itself if every node it names is alive
     and none of its devices is `taken` by another instance, else planned again over the live nodes
-    (placement/fleet.py, plan_instance). PlacementError if there is no room now."""
-    inventory, pins, gpu_nodes = cluster_inventory()
+    (placement/fleet.py, plan_instance), its calibration store and role kept; `spare_pods`: and over one more pod of
+    each KubeRay worker group (`nodes_inventory`). PlacementError if there is no room."""
+    inventory, pins, gpu_nodes = cluster_inventory(spare_pods)
     alive = {n.name for n in inventory.nodes}
     if {node for node, _ in spec.layout.places} <= alive and spec.layout.places.isdisjoint(taken):
         return spec
@@ -102,7 +124,7 @@ def replan(spec: InstanceSpec, fleet: FleetConfig, index: int, taken: set[tuple[
     prefix = spec.instance_id.rsplit("-", 1)[0]
     placed = plan_instance(spec.engine, fleet, inventory, target, draft, index, taken=taken, pins=pins,
                            gpu_nodes=gpu_nodes, prefix=prefix)
-    return placed.model_copy(update={"calibration_dir": spec.calibration_dir})
+    return placed.model_copy(update={"calibration_dir": spec.calibration_dir, "role": spec.role})
 
 
 def live_nodes() -> set[str]:

@@ -6,7 +6,10 @@ end-to-end latency, and queue time (submission to first scheduling, as the engin
 load come from the router's latest stats of each instance when /metrics is scraped, beside the router's own
 request table (its pending count and each instance's requests in flight), so a divergence between what the
 router counts and what the instances run shows. Migration and failover counts are the router's own
-(cluster-wide, since the router started), exposed as counters and a downtime histogram.
+(cluster-wide, since the router started), exposed as counters and a downtime histogram; so are the rounds of its
+background loops (migration planning, handoffs, health polling) and of the autoscaler that raised, each loop going on
+with its next round: `specfleet:router_failed_rounds_total{loop}` and `specfleet:autoscaling_failed_rounds_total`
+rising is a defect or a dependency down, worth an alert (`increase(...[10m]) > 0`).
 
 /metrics needs no key (Prometheus scrapes it without one), so it publishes no per-instance prefix cache figure
 (queries, hits, cached blocks): a tenant reading an instance's hits before and after a guessed prompt would learn
@@ -23,7 +26,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from cluster.autoscale import AutoscaleStatus, cause_of
 from cluster.instances import InstanceRow
 from cluster.request import SpecStats
-from cluster.stats import DOWNTIME_BUCKETS, MigrationStats, RoutingStats
+from cluster.stats import DOWNTIME_BUCKETS, ROUTER_LOOPS, MigrationStats, RoutingStats
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0)
 CONTENT_TYPE = CONTENT_TYPE_LATEST
@@ -189,8 +192,8 @@ class _MigrationCollector(_ScrapeCollector):
 
 class _RoutingCollector(_ScrapeCollector):
     """specfleet:router_dispatch_decisions{reason} (the router's own count since it started: `prefix`, sent where
-    part of its prompt was cached; `load_over_prefix`, a holder was too loaded; `load`, none held any) and the
-    size of its prefix index."""
+    part of its prompt was cached; `load_over_prefix`, a holder was too loaded; `load`, none held any), the
+    size of its prefix index, the disaggregation figures, and specfleet:router_failed_rounds{loop}."""
 
     def collect(self):
         s = self.metrics.routing_figures
@@ -204,6 +207,12 @@ class _RoutingCollector(_ScrapeCollector):
         yield decisions
         yield GaugeMetricFamily("specfleet:router_prefix_index_entries",
                                 "(instance, KV block) pairs the router's prefix index holds", value=s.index_entries)
+        failed = CounterMetricFamily("specfleet:router_failed_rounds", "Rounds of the router's background loops that "
+                                     "raised (each loop goes on with its next round; the error is logged)",
+                                     labels=["loop"])
+        for loop in sorted(set(ROUTER_LOOPS) | set(s.failed_rounds)):
+            failed.add_metric([loop], s.failed_rounds.get(loop, 0))
+        yield failed
         if s.disaggregation or s.handoffs or s.handoffs_pending:  # instances with a prefill or decode role
             placed = CounterMetricFamily("specfleet:disagg_placements", "New requests placed by the prefill/decode "
                                          "pair policy, by reason (cluster/disagg.py)", labels=["reason"])
@@ -241,6 +250,9 @@ class _AutoscaleCollector(_ScrapeCollector):
                 yield GaugeMetricFamily(f"specfleet:autoscaling_{name}_p99_seconds",
                                         f"The {name} p99 the autoscaler compares with its target (recent window)",
                                         value=value)
+        yield CounterMetricFamily("specfleet:autoscaling_failed_rounds", "Autoscaling rounds that raised (reading "
+                                  "the router, deciding or acting; the loop goes on with its next round)",
+                                  value=s.failed_rounds)
         steps = CounterMetricFamily("specfleet:autoscaling_scale_events", "Scale steps by action, outcome and cause",
                                     labels=["action", "outcome", "cause"])
         for action, outcome, cause, n in s.counts:

@@ -98,3 +98,50 @@ def test_inline_keys_are_refused():
 def test_user_errors_exit_2(capsys, args, message):
     code, _, err = render(capsys, *args)
     assert code == 2 and message in err
+
+
+def test_the_base_scales_its_worker_groups_with_the_autoscaler_and_a_scale_out_asks_for_a_groups_pod():
+    """KubeRay scale-out end to end, offline (docs/autoscaling.md, On KubeRay). The base RayService runs Ray's in-tree
+    autoscaler, and its groups at maxReplicas hold `fleet.autoscaling.max_instances`. With every device of the live
+    pods held, our autoscaler plans the instance on a group's next pod (deploy/serve/fleet.py `nodes_inventory`); the
+    actor it spawns asks only for resources that group's pods declare, so Ray's autoscaler adds a pod of that group
+    for it (and an instance asking for a resource no group offers would wait forever: the check below)."""
+    from deploy.serve.fleet import nodes_inventory
+    from placement.fleet import plan_instance
+    from placement.layout import PIN_UNITS
+    from tests.unit.test_planner import model
+
+    config = load_config(BASE_CONFIG)
+    scaling = config.fleet.autoscaling
+    assert scaling is not None and scaling.min_instances == config.fleet.instances < scaling.max_instances
+    svc = k8s_render.rayservice(load_inventory(FLEET), config, RenderOptions())
+    cluster = svc["spec"]["rayClusterConfig"]
+    assert cluster["enableInTreeAutoscaling"] is True
+    assert cluster["autoscalerOptions"]["idleTimeoutSeconds"] > 0  # an idle pod (its instance drained) goes
+    groups = cluster["workerGroupSpecs"]
+    fleet = load_inventory(FLEET)
+    node_of = {n.accelerator: n for n in fleet.nodes}
+    held = sum(k8s_render.pod_capacity(node_of[g["labels"]["specfleet/accelerator"]], config, RenderOptions())
+               * g["maxReplicas"] for g in groups)
+    assert held >= scaling.max_instances
+    # the live cluster: every pod at minReplicas, as ray.nodes() reports a pod of each group, every device held
+    pods = [{"NodeID": f"{g['groupName']}-{i}", "Alive": True, "Labels": g["labels"],
+             "Resources": {k: float(v) for k, v in g["resources"].items()}}
+            for g in groups for i in range(g["minReplicas"])]
+    live, pins, gpu_nodes = nodes_inventory(pods)
+    taken = {(n.name, d) for n in live.nodes for d in range(n.count)}
+    spare, pins, gpu_nodes = nodes_inventory(pods, spare_pods=True)
+    spec = plan_instance(config.engine, config.fleet, spare, model(2), model(1, name="draft"), scaling.min_instances,
+                         taken=taken, pins=pins, gpu_nodes=gpu_nodes, prefix="auto")
+    node = spec.layout.stages[0].node  # where the instance's actor is pinned (InstanceServer.pin)
+    assert {n for n, _ in spec.layout.places} == {node} and node not in {n.name for n in live.nodes}  # a pod to come
+    asks = {spec.layout.pin(node): PIN_UNITS, **config.fleet.instance_resources, "CPU": config.fleet.instance_num_cpus}
+    group = next(g for g in groups if node.startswith(g["groupName"] + "-"))
+    assert all(float(group["resources"].get(k, 0)) >= v for k, v in asks.items()), (asks, group["resources"])
+
+
+def test_an_autoscaled_fleet_the_groups_cannot_hold_is_refused(capsys):
+    raw = load_config(BASE_CONFIG).model_dump(mode="json", exclude_defaults=True)
+    raw["fleet"]["autoscaling"]["max_instances"] = 100
+    with pytest.raises(ConfigError, match=r"max_instances is 100, but the worker groups .* hold at most \d+"):
+        k8s_render.rayservice(load_inventory(FLEET), parse_config(raw), RenderOptions())

@@ -14,7 +14,7 @@ import ray
 from actors.serving.server import InstanceServer
 from ray.exceptions import ActorDiedError
 
-from cluster.config import SpecfleetConfig, parse_config
+from cluster.config import RouterConfig, SpecfleetConfig, parse_config
 from cluster.request import FinishReason
 from cluster.router import Router
 from cluster.router_client import RouterClient
@@ -22,6 +22,7 @@ from deploy.serve.autoscaler import Autoscaler, PlannedLauncher
 from deploy.serve.fleet import fleet_specs
 from deploy.serve.frontend import Frontend
 from deploy.serve.frontend_config import frontend_config
+from deploy.serve.metrics import Metrics
 from tests.ray.test_migration import HOLD_S, Fleet, Streamed, held, kv_free, stream, wait_no_pending
 from tests.unit.helpers import load, text_prompts
 
@@ -134,3 +135,61 @@ async def _paused(server):
     finally:
         with contextlib.suppress(ActorDiedError):
             await server.resume.remote()
+
+
+def test_a_restarted_router_gives_an_autoscaled_instance_its_role_back(scaled) -> None:
+    """A router rebuilds its table from the instance actors it finds by name (cluster/router.py `_rebuild`): the one
+    started for a router found gone for good, and the same router's process restarted by Ray. An instance the
+    autoscaler added as `decode` comes back `decode` in both, not `both`: it reports the role its spec gave it."""
+    fl, autoscaler, floor = scaled
+    rows = ray.get(fl.router.instances.remote())
+    event = asyncio.run(autoscaler.scale_out("test: a decode instance", rows, "decode"))
+    assert (event.action, event.outcome) == ("up", "done"), event
+    added = event.instance_id
+    assert {r.instance_id: r.role for r in ray.get(fl.router.instances.remote())}[added] == "decode"
+    restarted = ray.remote(Router).options(max_concurrency=100, num_cpus=0, max_restarts=1,
+                                           max_task_retries=-1).remote(RouterConfig(stats_interval_s=0.2),
+                                                                       discover=True)
+    try:
+        roles = {r.instance_id: r.role for r in ray.get(restarted.instances.remote(), timeout=120)}
+        assert roles.get(added) == "decode", roles  # the floor was started unnamed: no router finds it
+        ray.kill(restarted, no_restart=False)  # its process dies; Ray starts it again, and it rebuilds again
+        roles = {r.instance_id: r.role for r in ray.get(restarted.instances.remote(), timeout=120)}
+        assert roles.get(added) == "decode", roles
+    finally:
+        ray.kill(restarted)
+    out = asyncio.run(autoscaler.scale_in(added, "test: back to the floor"))
+    assert (out.action, out.outcome) == ("down", "done"), out
+    assert [r.instance_id for r in ray.get(fl.router.instances.remote())] == [floor]
+
+
+def test_each_failed_autoscaling_round_is_counted_and_autoscaling_goes_on(ray_driver, tiny_models,
+                                                                          tiny_draft_models) -> None:
+    """The router killed for good, and no way to find it again: every round raises. The loop goes on, and each
+    failed round counts in the autoscaler's status and /metrics (not only in its log)."""
+    cfg = config(tiny_models["llama"], tiny_draft_models["llama"])
+    [spec] = fleet_specs(cfg)
+    router = ray.remote(Router).options(num_cpus=0).remote(cfg.router)
+    ray.get(router.pending.remote(), timeout=60)
+    ray.kill(router)
+    autoscaler = Autoscaler(cfg.fleet.autoscaling, SLOTS, RouterClient(router, reconnect_s=0.3),
+                            PlannedLauncher(spec, cfg.fleet))
+
+    async def run_a_while() -> None:
+        loop = asyncio.create_task(autoscaler.run())
+        for _ in range(100):
+            if autoscaler.status().failed_rounds >= 2:
+                break
+            await asyncio.sleep(0.1)
+        assert not loop.done()  # it goes on after the failed rounds
+        loop.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await loop
+
+    asyncio.run(run_a_while())
+    status = autoscaler.status()
+    assert status.failed_rounds >= 2 and status.last_failure.startswith("ActorDiedError"), status
+    assert not autoscaler.events  # nothing was started or stopped
+    metrics = Metrics("tiny-llama")
+    metrics.autoscale_figures = status
+    assert f"specfleet:autoscaling_failed_rounds_total {float(status.failed_rounds)}" in metrics.render().decode()

@@ -104,7 +104,12 @@ def test_the_fleet_grows_under_load_and_shrinks_after_without_losing_a_stream(el
     assert 'specfleet:autoscaling_scale_events_total{action="up",cause="queue",outcome="done"} 1.0' in metrics
     assert 'specfleet:autoscaling_scale_events_total{action="down",cause="low_load",outcome="done"} 1.0' in metrics
     assert "specfleet:autoscaling_current_instances 1.0" in metrics
+    # no background round failed (a defect failing every round would show here, not only in a log)
+    assert "specfleet:autoscaling_failed_rounds_total 0.0" in metrics
+    for loop in ("migration_plan", "handoff", "health_poll"):
+        assert f'specfleet:router_failed_rounds_total{{loop="{loop}"}} 0.0' in metrics, loop
     out = specfleet("status", "--config", str(app.config_path), "--state", str(app.state_path))
     assert out.returncode == 0, out.stdout + out.stderr
     assert "autoscaling: 1 instance(s) within 1-2; 2 step(s)" in out.stdout, out.stdout
     assert f"last step: down {up['instance_id']} done" in out.stdout, out.stdout
+    assert "WARNING" not in out.stdout, out.stdout

@@ -145,3 +145,29 @@ def test_kuberay_pods_are_named_by_slot_and_pinned_by_kind_so_a_replaced_pod_tak
     assert [n.name for n in inventory.nodes] == ["l4-24g-0", "l4-24g-1"] == [n.name for n in replaced.nodes]
     assert pins == pins_after == {"l4-24g-0": "accelerator_l4-24g", "l4-24g-1": "accelerator_l4-24g"}
     assert not any("10.0.0" in p for p in pins.values())
+
+
+def test_a_full_kuberay_group_gets_a_spare_pod_to_plan_a_scale_out_on_and_named_nodes_do_not() -> None:
+    """Scale-out on KubeRay (docs/autoscaling.md): every device of the live pods is held, so the plan over them fails;
+    over one more pod of the group (`spare_pods`) the instance lands on that pod's slot, pinned by its kind's resource
+    and asking for the group's resources: its actor waits until Ray's autoscaler adds the pod. Nodes of `specfleet
+    cluster up` (named, pinned each) are not a group that grows: no spare, the step fails as before."""
+    from deploy.serve.fleet import nodes_inventory
+
+    pods = [_pod("a", "10.0.0.5"), {**_pod("b", "10.0.0.7"), "Resources": {"CPU": 8.0, "GPU": 1.0}}]
+    live, _, _ = nodes_inventory(pods)
+    spare, pins, gpu_nodes = nodes_inventory(pods, spare_pods=True)
+    assert [n.name for n in live.nodes] == ["l4-24g-0", "l4-24g-1"]
+    assert [n.name for n in spare.nodes] == ["l4-24g-0", "l4-24g-1", "l4-24g-2"]
+    assert spare.nodes[2].model_copy(update={"name": "x"}) == live.nodes[1].model_copy(update={"name": "x"})
+    assert pins["l4-24g-2"] == "accelerator_l4-24g" and "l4-24g-2" in gpu_nodes  # as the group's last pod
+    shape = FleetConfig(instances=1)
+    held = {("l4-24g-0", 0), ("l4-24g-1", 0)}
+    with pytest.raises(PlacementError):
+        plan_instance(engine(), shape, live, model(2), None, 2, taken=held, pins=pins)
+    grown = plan_instance(engine(), shape, spare, model(2), None, 2, taken=held, pins=pins)
+    assert grown.layout.places == {("l4-24g-2", 0)} and grown.layout.pin("l4-24g-2") == "accelerator_l4-24g"
+
+    named = {"NodeID": "c", "Alive": True, "Resources": {"CPU": 8.0},
+             "Labels": {**_pod("c", "")["Labels"], "specfleet/node": "l4-0"}}
+    assert [n.name for n in nodes_inventory([named], spare_pods=True)[0].nodes] == ["l4-0"]
