@@ -53,7 +53,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--conversations", type=int, default=8, help="conversations per concurrency and mode")
     p.add_argument("--concurrency", default="1,8", help="conversations at once (comma-separated)")
     p.add_argument("--max-turns", type=int, default=3, help="model turns per conversation at most")
-    p.add_argument("--max-tokens", type=int, default=96, help="tokens each turn generates at most")
+    p.add_argument("--max-tokens", type=int, default=160,
+                   help="tokens each turn generates at most (enough for a whole call or a short answer)")
     p.add_argument("--modes", default=",".join(MODES), help=f"of {', '.join(MODES)} (comma-separated)")
     p.add_argument("--k", type=int, help="override the config's speculation k")
     p.add_argument("--repeats", type=int, default=1, help="rounds of every mode (the order rotates)")
@@ -167,11 +168,13 @@ def _compare(concurrency: int, runs: dict[str, list]) -> dict:
     for name, row in rows.items():
         row["speedup_tok_s"] = round(row["tok_s"] / off["tok_s"], 3)
         row["speedup_turn"] = round(off["turn_s_mean"] / row["turn_s_mean"], 3)
-    t = table("mode", "turns", "calls", "tokens", "tok/s", "turn mean s", "turn p50 s", "accept", "x tok/s",
-              "x turn", title=f"agent loop, concurrency {concurrency}: outputs identical across modes: {identical}",
-              right=("turns", "calls", "tokens", "tok/s", "turn mean s", "turn p50 s", "accept", "x tok/s", "x turn"))
+    cols = ("turns", "calls", "cut", "answered", "tokens", "tok/s", "turn mean s", "turn p50 s", "accept", "x tok/s",
+            "x turn")
+    t = table("mode", *cols, title=f"agent loop, concurrency {concurrency}: outputs identical across modes: {identical}",
+              right=cols)
     for name, r in rows.items():
-        t.add_row(name, str(r["turns"]), str(r["calls"]), str(r["tokens"]), f"{r['tok_s']:.1f}",
+        t.add_row(name, str(r["turns"]), str(r["calls"]), str(r["cut"]), str(r["answered"]), str(r["tokens"]),
+                  f"{r['tok_s']:.1f}",
                   f"{r['turn_s_mean']:.2f}", f"{r['turn_s_p50']:.2f}",
                   "-" if r["acceptance"] is None else f"{r['acceptance']:.2f}", f"{r['speedup_tok_s']:.2f}",
                   f"{r['speedup_turn']:.2f}")
