@@ -27,6 +27,7 @@ from pathlib import Path
 
 import ray
 
+from actors.model.device import choose_dtype
 from actors.model.loader import load_metadata
 from cluster.config import RouterConfig, load_config
 from cluster.request import FinishReason
@@ -115,7 +116,9 @@ def run(args: argparse.Namespace) -> int:
     if not levels or min(levels) < 1 or args.max_turns < 2 or args.conversations < 1:
         raise UsageError("--concurrency: positive integers; --max-turns: at least 2 (a call, then an answer)")
     base = load_config(args.config).engine
-    model = base.model.model_copy(update={"dtype": args.dtype or base.model.dtype, "draft": None})
+    # the config's `auto` resolved here as the app resolves it (the model store converts per concrete dtype)
+    dtype = args.dtype or choose_dtype(base.model.dtype, device=base.model.device)[0]
+    model = base.model.model_copy(update={"dtype": dtype, "draft": None})
     target = resolve_model(args.model, model.dtype)
     base = base.model_copy(update={"model": model.model_copy(update={"target": target, "name": "agent-bench"})})
     questions = load_prompts(FILES, args.conversations)
