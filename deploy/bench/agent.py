@@ -85,7 +85,9 @@ class Mode:
 
     async def chat(self, messages: list[dict], choice: str) -> TurnOut:
         f = self.fleet.frontend
-        plan_ = plan(self.tools, choice, True)
+        # one call per turn (`parallel_tool_calls: false`), as a ReAct-style agent loop asks: with parallel calls
+        # allowed, the 0.5B model repeats its call until the token limit cuts the turn (docs/benchmarks.md, issue 38)
+        plan_ = plan(self.tools, choice, False)
         shape, spec, _ = f.formats.shape(plan_, None, None, f.model_name)
         ids = await f.encode_chat(messages, "", template_tools(plan_))
         prep = f.prepare(ids, max_tokens=self.args.max_tokens, seed=None, n=1, priority=0, temperature=0.0,

@@ -3,8 +3,8 @@
 A conversation is a dataset question (an MT-Bench first turn or a HumanEval task, ../shared/datasets) put to an agent
 with two function tools, `search` (a query: results from the same datasets, chosen by the query's hash) and
 `run_python` (code: a scripted run that echoes the code's first lines and a status), as agent frameworks loop:
-the model's turn either calls tools, whose results go back as tool messages for the next turn, or answers, which
-ends the conversation. The first turn is `tool_choice: required` (the agent must look something up, as the Agents
+the model's turn either calls a tool (one call per turn: `parallel_tool_calls: false`), whose result goes back as a
+tool message for the next turn, or answers, which ends the conversation. The first turn is `tool_choice: required` (the agent must look something up, as the Agents
 SDK's `tool_choice` then reset to `auto`), the middle turns `auto`, the last allowed turn `none` (it must answer).
 Tool results repeat the arguments and texts the conversation already holds: what model-free drafting (n-gram, suffix)
 exploits in agent loops (SuffixDecoding, Oliaro et al. 2024: its headline is agentic workloads).
