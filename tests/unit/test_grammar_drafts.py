@@ -4,8 +4,13 @@ was, and an n-gram engine drafting so under tool grammars still emits plain cons
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 from actors.engine.offline import generate
+from actors.speculation.drafters import NgramDrafter
+from actors.speculation.step import Drafting
 from actors.speculation.structured import GrammarCompiler
+from cluster.config import SpeculationConfig
 from cluster.request import SamplingParams
 from deploy.serve.tool_parsers import HermesParser
 from deploy.serve.tools import grammar, plan
@@ -37,6 +42,24 @@ def test_the_grammar_forces_a_calls_skeleton_and_cuts_a_refused_lookup(tmp_path)
     assert drafted[:len(head)] == head and tokenizer.decode(drafted) == text  # cut at "xyz", then forced again
     state.consume(tokenizer.encode(SKELETON, add_special_tokens=False))  # inside the integer: nothing is forced
     assert state.extend([], 8) == []
+
+
+def test_an_ngram_drafter_without_a_match_drafts_what_the_grammar_forces(tmp_path) -> None:
+    """Tokens that never repeat give the n-gram lookup nothing; under the `required` grammar the drafter still
+    proposes the call's forced opening, in `lookahead` (what the policy sees) and in `propose`."""
+    tokenizer = build_tokenizer(tmp_path, HERMES_TEMPLATE, AGENT_TOKENS)
+    compiler = GrammarCompiler(tokenizer, len(tokenizer), [tokenizer.eos_token_id])
+    spec = grammar(plan([tool("f", FUNCTION_SCHEMAS[0])], "required", False), HermesParser(),
+                   tokenizer.get_added_vocab())
+    drafter = NgramDrafter(SpeculationConfig(method="ngram"))
+    plain = SimpleNamespace(request_id="a", token_ids=[5, 6, 7, 8], grammar=None)
+    assert drafter.lookahead(plain, 4) == 0
+    state = compiler.matcher(spec)
+    seq = SimpleNamespace(request_id="b", token_ids=[5, 6, 7, 8], grammar=state)
+    forced = state.extend([], 4)
+    assert len(forced) == 4 and drafter.lookahead(seq, 4) == 4
+    work = SimpleNamespace(seq=seq, start=3, num_new=1, emits=True)
+    assert drafter.propose([Drafting(work, 4)]).proposals["b"].tokens == forced
 
 
 def test_ngram_drafts_under_tool_grammars_equal_plain_constrained_decoding(tiny_models, tiny_draft_models) -> None:
