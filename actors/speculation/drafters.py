@@ -228,8 +228,16 @@ class LookupDrafter:
         """Up to k tokens the lookup proposes after `seq`'s tokens."""
         raise NotImplementedError
 
-    def lookahead(self, seq: Sequence, k: int) -> int:
+    def _drafts(self, seq: Sequence, k: int) -> list[int]:
+        """The lookup's tokens; under a grammar (tool calls, structured output), cut at the first it refuses and
+        continued by the tokens it forces (a call's fixed keys and brackets, which a lookup may not have seen
+        in this order), as grammar fast-forwarding does (llguidance; SGLang's jump-forward decoding), but drafted,
+        so the target still verifies them."""
         tokens = self._lookup(seq, k) if k > 0 else []
+        return seq.grammar.extend(tokens, k) if seq.grammar is not None and k > 0 else tokens
+
+    def lookahead(self, seq: Sequence, k: int) -> int:
+        tokens = self._drafts(seq, k)
         self._pending[seq.request_id] = tokens
         return len(tokens)
 
@@ -245,7 +253,7 @@ class LookupDrafter:
         for d in drafting:
             tokens = self._pending.pop(d.request_id, None)
             if tokens is None and d.k > 0:
-                tokens = self._lookup(d.work.seq, d.k)
+                tokens = self._drafts(d.work.seq, d.k)
             tokens = list((tokens or [])[:d.k])
             if d.work.seq.grammar is not None:  # a token the grammar refuses would never be accepted: cut there
                 tokens = tokens[: d.work.seq.grammar.valid_prefix(tokens)]

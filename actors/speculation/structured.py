@@ -5,7 +5,8 @@ the request's spec is compiled once per distinct spec and tokenizer (off the eng
 kept in a cache bounded in bytes), and each request gets a matcher that has consumed exactly the tokens it emitted.
 Speculation goes through the same matcher, which can look ahead and step back:
 - a draft model proposes under the mask of the state after its own earlier drafts (so it proposes only allowed
-  tokens); a lookup drafter's proposal is cut at its first token the grammar refuses (`valid_prefix`);
+  tokens); a lookup drafter's proposal is cut at its first token the grammar refuses and goes on with the tokens
+  the grammar forces after it (`extend`);
 - verification masks position j of the target's k + 1 with the state after the round's first j drafts, then
   steps back (`masks`), so the accepted prefix and the recovered or bonus token are what plain constrained
   decoding would emit; only the tokens a round emits are consumed for good (`consume`).
@@ -197,6 +198,24 @@ class GrammarState:
         while len(rows) < len(drafts) + 1:  # positions after a refused draft: anything (they are never reached)
             rows.append(torch.ones(self.vocab_size, dtype=torch.bool))
         return torch.stack(rows)
+
+    def extend(self, tokens: Sequence[int], k: int) -> list[int]:
+        """A lookup's proposal as the grammar lets it go on: `tokens` cut at the first it refuses, then the tokens
+        it forces after them (llguidance's fast-forward tokens: the only continuation its bytes allow), k at most.
+        The state is left as it was."""
+        out = list(tokens[: self.valid_prefix(tokens)])[:k]
+        if len(out) >= k or self.matcher.is_stopped():
+            return out
+        stepped = 0
+        for t in out:
+            if not self.step(t):
+                break
+            stepped += 1
+        try:
+            forced = [] if self.matcher.is_stopped() else list(self.matcher.compute_ff_tokens())
+        finally:
+            self.back(stepped)
+        return out[:stepped] + forced[: k - stepped]
 
     def step(self, token: int) -> bool:
         """Look ahead one proposed token (undone with `back`); False, and no step, if the grammar refuses it."""

@@ -27,6 +27,7 @@ from pathlib import Path
 
 import ray
 
+from actors.model.device import choose_dtype
 from actors.model.loader import load_metadata
 from cluster.config import RouterConfig, load_config
 from cluster.request import FinishReason
@@ -53,7 +54,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--conversations", type=int, default=8, help="conversations per concurrency and mode")
     p.add_argument("--concurrency", default="1,8", help="conversations at once (comma-separated)")
     p.add_argument("--max-turns", type=int, default=3, help="model turns per conversation at most")
-    p.add_argument("--max-tokens", type=int, default=96, help="tokens each turn generates at most")
+    p.add_argument("--max-tokens", type=int, default=160,
+                   help="tokens each turn generates at most (enough for a whole call or a short answer)")
     p.add_argument("--modes", default=",".join(MODES), help=f"of {', '.join(MODES)} (comma-separated)")
     p.add_argument("--k", type=int, help="override the config's speculation k")
     p.add_argument("--repeats", type=int, default=1, help="rounds of every mode (the order rotates)")
@@ -83,7 +85,9 @@ class Mode:
 
     async def chat(self, messages: list[dict], choice: str) -> TurnOut:
         f = self.fleet.frontend
-        plan_ = plan(self.tools, choice, True)
+        # one call per turn (`parallel_tool_calls: false`), as a ReAct-style agent loop asks: with parallel calls
+        # allowed, the 0.5B model repeats its call until the token limit cuts the turn (docs/benchmarks.md, issue 38)
+        plan_ = plan(self.tools, choice, False)
         shape, spec, _ = f.formats.shape(plan_, None, None, f.model_name)
         ids = await f.encode_chat(messages, "", template_tools(plan_))
         prep = f.prepare(ids, max_tokens=self.args.max_tokens, seed=None, n=1, priority=0, temperature=0.0,
@@ -114,7 +118,9 @@ def run(args: argparse.Namespace) -> int:
     if not levels or min(levels) < 1 or args.max_turns < 2 or args.conversations < 1:
         raise UsageError("--concurrency: positive integers; --max-turns: at least 2 (a call, then an answer)")
     base = load_config(args.config).engine
-    model = base.model.model_copy(update={"dtype": args.dtype or base.model.dtype, "draft": None})
+    # the config's `auto` resolved here as the app resolves it (the model store converts per concrete dtype)
+    dtype = args.dtype or choose_dtype(base.model.dtype, device=base.model.device)[0]
+    model = base.model.model_copy(update={"dtype": dtype, "draft": None})
     target = resolve_model(args.model, model.dtype)
     base = base.model_copy(update={"model": model.model_copy(update={"target": target, "name": "agent-bench"})})
     questions = load_prompts(FILES, args.conversations)
@@ -167,11 +173,13 @@ def _compare(concurrency: int, runs: dict[str, list]) -> dict:
     for name, row in rows.items():
         row["speedup_tok_s"] = round(row["tok_s"] / off["tok_s"], 3)
         row["speedup_turn"] = round(off["turn_s_mean"] / row["turn_s_mean"], 3)
-    t = table("mode", "turns", "calls", "tokens", "tok/s", "turn mean s", "turn p50 s", "accept", "x tok/s",
-              "x turn", title=f"agent loop, concurrency {concurrency}: outputs identical across modes: {identical}",
-              right=("turns", "calls", "tokens", "tok/s", "turn mean s", "turn p50 s", "accept", "x tok/s", "x turn"))
+    cols = ("turns", "calls", "cut", "answered", "tokens", "tok/s", "turn mean s", "turn p50 s", "accept", "x tok/s",
+            "x turn")
+    t = table("mode", *cols, title=f"agent loop, concurrency {concurrency}: outputs identical across modes: {identical}",
+              right=cols)
     for name, r in rows.items():
-        t.add_row(name, str(r["turns"]), str(r["calls"]), str(r["tokens"]), f"{r['tok_s']:.1f}",
+        t.add_row(name, str(r["turns"]), str(r["calls"]), str(r["cut"]), str(r["answered"]), str(r["tokens"]),
+                  f"{r['tok_s']:.1f}",
                   f"{r['turn_s_mean']:.2f}", f"{r['turn_s_p50']:.2f}",
                   "-" if r["acceptance"] is None else f"{r['acceptance']:.2f}", f"{r['speedup_tok_s']:.2f}",
                   f"{r['speedup_turn']:.2f}")

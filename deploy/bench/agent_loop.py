@@ -3,8 +3,8 @@
 A conversation is a dataset question (an MT-Bench first turn or a HumanEval task, ../shared/datasets) put to an agent
 with two function tools, `search` (a query: results from the same datasets, chosen by the query's hash) and
 `run_python` (code: a scripted run that echoes the code's first lines and a status), as agent frameworks loop:
-the model's turn either calls tools, whose results go back as tool messages for the next turn, or answers, which
-ends the conversation. The first turn is `tool_choice: required` (the agent must look something up, as the Agents
+the model's turn either calls a tool (one call per turn: `parallel_tool_calls: false`), whose result goes back as a
+tool message for the next turn, or answers, which ends the conversation. The first turn is `tool_choice: required` (the agent must look something up, as the Agents
 SDK's `tool_choice` then reset to `auto`), the middle turns `auto`, the last allowed turn `none` (it must answer).
 Tool results repeat the arguments and texts the conversation already holds: what model-free drafting (n-gram, suffix)
 exploits in agent loops (SuffixDecoding, Oliaro et al. 2024: its headline is agentic workloads).
@@ -29,9 +29,11 @@ TOOLS = [
         "name": "search", "description": "Search the knowledge base; returns the best matching passages.",
         "parameters": {"type": "object", "properties": {"query": {"type": "string", "maxLength": 60}},
                        "required": ["query"], "additionalProperties": False}}},
+    # a snippet short enough that a call (about 60 tokens) ends well inside a turn's token limit: a call cut by the
+    # limit sends no result back, and the loop would measure first turns only (docs/benchmarks.md, issue 38)
     {"type": "function", "function": {
         "name": "run_python", "description": "Run a short Python snippet and return its output.",
-        "parameters": {"type": "object", "properties": {"code": {"type": "string", "maxLength": 300}},
+        "parameters": {"type": "object", "properties": {"code": {"type": "string", "maxLength": 160}},
                        "required": ["code"], "additionalProperties": False}}},
 ]
 
@@ -60,6 +62,7 @@ class TurnRecord:
     proposed: int
     accepted: int
     token_ids: tuple[int, ...]
+    finish: str = "stop"  # "length": the turn hit its token limit (a call cut there sends nothing back)
 
 
 @dataclass
@@ -73,11 +76,11 @@ def scripted_result(name: str, arguments: dict, corpus: list[str]) -> str:
     text = json.dumps(arguments, sort_keys=True)
     h = int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "big")
     if name == "search":
-        hits = [corpus[(h + 7 * i) % len(corpus)][:240] for i in range(2)]
+        hits = [corpus[(h + 7 * i) % len(corpus)][:160] for i in range(2)]
         return json.dumps({"query": arguments.get("query", ""), "results": [{"rank": i + 1, "passage": p}
                                                                             for i, p in enumerate(hits)]})
     code = str(arguments.get("code", ""))
-    return json.dumps({"status": "ok", "exit_code": 0, "code": code[:200], "stdout": f"{h % 1000}\n"})
+    return json.dumps({"status": "ok", "exit_code": 0, "code": code[:120], "stdout": f"{h % 1000}\n"})
 
 
 def choice_for(turn: int, max_turns: int) -> str:
@@ -108,7 +111,7 @@ async def converse(question: str, chat: ChatFn, corpus: list[str], max_turns: in
         t0 = time.perf_counter()
         out = await chat(messages, choice_for(turn, max_turns))
         conv.turns.append(TurnRecord(time.perf_counter() - t0, len(out.token_ids), out.called, out.proposed,
-                                     out.accepted, out.token_ids))
+                                     out.accepted, out.token_ids, out.finish))
         if not out.called:
             break
         messages = messages + tool_messages(out.message, corpus)
@@ -132,11 +135,16 @@ async def run(questions: list[str], chat: ChatFn, corpus: list[str], concurrency
 
 
 def figures(convs: list[Conversation], seconds: float) -> dict:
-    """Tokens per second over the run, time per turn (mean and p50), turns, calls, acceptance."""
+    """Tokens per second over the run, time per turn (mean and p50), turns, calls, acceptance; `cut`: turns that hit
+    the token limit, `answered`: conversations whose last turn was an answer that ended by itself (the loop
+    completed: a call, its result, an answer or another call)."""
     turns = [t for c in convs for t in c.turns]
     times = sorted(t.seconds for t in turns)
     proposed, accepted = sum(t.proposed for t in turns), sum(t.accepted for t in turns)
     return {"conversations": len(convs), "turns": len(turns), "calls": sum(t.called for t in turns),
+            "cut": sum(t.finish == "length" for t in turns),
+            "answered": sum(bool(c.turns) and not c.turns[-1].called and c.turns[-1].finish != "length"
+                            for c in convs),
             "tokens": sum(t.tokens for t in turns), "seconds": round(seconds, 2),
             "tok_s": round(sum(t.tokens for t in turns) / seconds, 2),
             "turn_s_mean": round(sum(times) / len(times), 3), "turn_s_p50": round(times[(len(times) - 1) // 2], 3),

@@ -45,3 +45,16 @@ def test_the_loop_calls_until_the_model_answers_at_each_concurrency() -> None:
         assert sorted(seen) == sorted([(2, "required"), (4, "auto"), (6, "auto")] * 3)
         f = figures(convs, seconds)
         assert (f["turns"], f["calls"], f["tokens"], f["acceptance"]) == (9, 6, 21, round(18 / 30, 3))
+        assert (f["cut"], f["answered"]) == (0, 3)
+
+
+def test_a_turn_cut_by_the_token_limit_is_counted_and_ends_its_conversation_unanswered() -> None:
+    """A call cut by the limit parses as no call: nothing goes back, the conversation ends, and the figures say it was
+    cut rather than answered (the first measurement's every turn was)."""
+
+    async def chat(messages: list[dict], choice: str) -> TurnOut:
+        return TurnOut({"role": "assistant", "content": '<tool_call>{"name": "sea'}, (1,) * 40, False, "length")
+
+    convs, seconds = asyncio.run(run(["q1", "q2"], chat, ["p"], 2, max_turns=3))
+    f = figures(convs, seconds)
+    assert (f["turns"], f["cut"], f["answered"]) == (2, 2, 0)
