@@ -1,0 +1,101 @@
+"""A measured guard on speculation: per batch size, drafting continues only while steps that draft measure at least
+as fast, in emitted tokens per second of wall time, as steps that do not.
+
+The goodput policy (actors/speculation/policy.py) decides k from a cost model; when the model is wrong, it can keep
+a batch size below plain decoding for good (docs/benchmarks.md: n-gram goodput at 0.90x of plain at batch 8 on this
+CPU, its rare drafts costing more than they returned). This guard judges the outcome instead of the model, in the
+spirit of SmartSpec's and vLLM's adaptive speculation (Liu et al., arXiv 2406.14066) but measured, not modelled:
+for each batch-size bucket it keeps two decayed ratios, tokens / seconds of the decode steps that drafted and of
+those that did not. While the drafting ratio is the lower, the bucket is closed: its steps take the plain path
+(k = 0 for every request, no lookup, no search). One closed step in `explore_every` still goes to the policy, which
+drafts only where its cost model says it pays; what that step measures may reopen the bucket. Symmetrically, a
+bucket that has drafted for a while without any plain step to compare against takes one plain step in
+`explore_every`. Pure Python, no Ray; the engine feeds it each step (actors/engine/core.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Throughput:
+    """Decayed sums of tokens and seconds: their ratio is the recent tokens per second (a ratio of sums, so one
+    long step weighs by its length, not as one sample)."""
+
+    tokens: float = 0.0
+    seconds: float = 0.0
+    samples: int = 0
+
+    @property
+    def rate(self) -> float:
+        return self.tokens / self.seconds if self.seconds > 0 else 0.0
+
+    def add(self, tokens: int, seconds: float, decay: float) -> None:
+        self.tokens = decay * self.tokens + tokens
+        self.seconds = decay * self.seconds + seconds
+        self.samples += 1
+
+
+@dataclass
+class Bucket:
+    """One batch-size bucket's two measurements and its exploration counter."""
+
+    drafting: Throughput = field(default_factory=Throughput)
+    plain: Throughput = field(default_factory=Throughput)
+    since_explore: int = 0
+
+
+def bucket_of(batch: int) -> int:
+    """The bucket of a batch of `batch` emitting requests (its upper bound): each size up to 8 its own (a step's
+    tokens per second grows with the batch, so sizes mixed in one bucket would favour whichever arm ran the larger
+    batches), then 9-16, 17-32, ..."""
+    b = 8
+    if batch <= b:
+        return batch
+    while b < batch:
+        b *= 2
+    return b
+
+
+class MeasuredGuard:
+    """Per batch-size bucket: may this step speculate (`allows`), from what earlier steps measured (`observe`)."""
+
+    def __init__(self, explore_every: int = 16, decay: float = 0.8, min_samples: int = 3) -> None:
+        if explore_every < 2 or not 0.0 < decay <= 1.0 or min_samples < 1:
+            raise ValueError("explore_every >= 2, 0 < decay <= 1 and min_samples >= 1 are required")
+        self.explore_every, self.decay, self.min_samples = explore_every, decay, min_samples
+        self.buckets: dict[int, Bucket] = {}
+
+    def _bucket(self, batch: int) -> Bucket:
+        return self.buckets.setdefault(bucket_of(batch), Bucket())
+
+    def closed(self, batch: int) -> bool:
+        """Whether drafting has measured slower than plain decoding at this batch size (both with evidence)."""
+        b = self.buckets.get(bucket_of(batch))
+        if b is None or b.drafting.samples < self.min_samples or b.plain.samples < self.min_samples:
+            return False
+        return b.drafting.rate < b.plain.rate
+
+    def allows(self, batch: int) -> bool:
+        """Whether this step of `batch` emitting requests goes to the policy (False: the plain path, k = 0 for all).
+        Counts the step toward the bucket's next exploration."""
+        b = self._bucket(batch)
+        b.since_explore += 1
+        explore = b.since_explore >= self.explore_every
+        if self.closed(batch):
+            if explore:
+                b.since_explore = 0
+            return explore  # one step in explore_every lets the policy try again
+        if b.plain.samples < self.min_samples <= b.drafting.samples and explore:
+            b.since_explore = 0
+            return False  # drafting without a plain step to compare against: measure one
+        return True
+
+    def observe(self, batch: int, drafted: bool, tokens: int, seconds: float) -> None:
+        """A decode step of `batch` emitting requests (no prefill in it) emitted `tokens` in `seconds` of wall time,
+        with drafts (`drafted`) or without."""
+        if batch <= 0 or seconds <= 0:
+            return
+        b = self._bucket(batch)
+        (b.drafting if drafted else b.plain).add(tokens, seconds, self.decay)
