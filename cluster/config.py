@@ -131,7 +131,7 @@ class GuardConfig(_Frozen):
     that draft measure fewer tokens per second than steps that do not; one step in `explore_every` tries again."""
 
     enabled: bool = True
-    explore_every: int = Field(default=16, ge=2, le=100_000)
+    explore_every: int = Field(default=8, ge=2, le=100_000)
     decay: float = Field(default=0.8, gt=0.0, le=1.0)  # of the decayed tokens and seconds, per observed step
     min_samples: int = Field(default=3, ge=1, le=1000)  # steps of each kind before the guard judges
 

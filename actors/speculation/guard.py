@@ -61,7 +61,7 @@ def bucket_of(batch: int) -> int:
 class MeasuredGuard:
     """Per batch-size bucket: may this step speculate (`allows`), from what earlier steps measured (`observe`)."""
 
-    def __init__(self, explore_every: int = 16, decay: float = 0.8, min_samples: int = 3) -> None:
+    def __init__(self, explore_every: int = 8, decay: float = 0.8, min_samples: int = 3) -> None:
         if explore_every < 2 or not 0.0 < decay <= 1.0 or min_samples < 1:
             raise ValueError("explore_every >= 2, 0 < decay <= 1 and min_samples >= 1 are required")
         self.explore_every, self.decay, self.min_samples = explore_every, decay, min_samples
