@@ -4,13 +4,13 @@ as fast, in emitted tokens per second of wall time, as steps that do not.
 The goodput policy (actors/speculation/policy.py) decides k from a cost model; when the model is wrong, it can keep
 a batch size below plain decoding for good (docs/benchmarks.md: n-gram goodput at 0.90x of plain at batch 8 on this
 CPU, its rare drafts costing more than they returned). This guard judges the outcome instead of the model, in the
-spirit of SmartSpec's and vLLM's adaptive speculation (Liu et al., arXiv 2406.14066) but measured, not modelled:
+spirit of SmartSpec's adaptive speculation (Liu et al., arXiv 2406.14066) but measured, not modelled:
 for each batch-size bucket it keeps two decayed ratios, tokens / seconds of the decode steps that drafted and of
 those that did not. While the drafting ratio is the lower, the bucket is closed: its steps take the plain path
 (k = 0 for every request, no lookup, no search). One closed step in `explore_every` still goes to the policy, which
-drafts only where its cost model says it pays; what that step measures may reopen the bucket. Symmetrically, a
-bucket that has drafted for a while without any plain step to compare against takes one plain step in
-`explore_every`. Pure Python, no Ray; the engine feeds it each step (actors/engine/core.py).
+drafts only where its cost model says it pays; what that step measures may reopen the bucket. Symmetrically, an
+open bucket that has drafted for `explore_every` steps without a plain one takes a plain step, so both ratios
+follow the machine's current load. Pure Python, no Ray; the engine feeds it each step (actors/engine/core.py).
 """
 
 from __future__ import annotations
@@ -43,7 +43,9 @@ class Bucket:
 
     drafting: Throughput = field(default_factory=Throughput)
     plain: Throughput = field(default_factory=Throughput)
-    since_explore: int = 0
+    steps: int = 0  # steps of this bucket asked about (`allows`)
+    explored: int = 0  # the step of its last exploration while closed
+    plain_at: int = 0  # the step of its last plain measurement
 
 
 def bucket_of(batch: int) -> int:
@@ -79,17 +81,18 @@ class MeasuredGuard:
 
     def allows(self, batch: int) -> bool:
         """Whether this step of `batch` emitting requests goes to the policy (False: the plain path, k = 0 for all).
-        Counts the step toward the bucket's next exploration."""
+        Closed: one step in `explore_every` lets the policy try again. Open: one step in `explore_every` is plain
+        if no plain step was measured since, so the two arms are measured under the same load."""
         b = self._bucket(batch)
-        b.since_explore += 1
-        explore = b.since_explore >= self.explore_every
+        b.steps += 1
         if self.closed(batch):
-            if explore:
-                b.since_explore = 0
-            return explore  # one step in explore_every lets the policy try again
-        if b.plain.samples < self.min_samples <= b.drafting.samples and explore:
-            b.since_explore = 0
-            return False  # drafting without a plain step to compare against: measure one
+            if b.steps - b.explored >= self.explore_every:
+                b.explored = b.steps
+                return True
+            return False
+        if b.drafting.samples >= self.min_samples and b.steps - b.plain_at >= self.explore_every:
+            b.plain_at = b.steps
+            return False
         return True
 
     def observe(self, batch: int, drafted: bool, tokens: int, seconds: float) -> None:
@@ -99,3 +102,5 @@ class MeasuredGuard:
             return
         b = self._bucket(batch)
         (b.drafting if drafted else b.plain).add(tokens, seconds, self.decay)
+        if not drafted:
+            b.plain_at = b.steps
