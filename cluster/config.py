@@ -134,6 +134,8 @@ class GuardConfig(_Frozen):
     explore_every: int = Field(default=8, ge=2, le=100_000)
     decay: float = Field(default=0.8, gt=0.0, le=1.0)  # of the decayed tokens and seconds, per observed step
     min_samples: int = Field(default=3, ge=1, le=1000)  # steps of each kind before the guard judges
+    # an open batch size re-measures plain steps only while drafting is within this share of plain's rate
+    recheck_margin: float = Field(default=0.25, ge=0.0, le=10.0)
 
 
 class SpeculationConfig(_Frozen):

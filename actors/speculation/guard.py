@@ -9,8 +9,9 @@ for each batch-size bucket it keeps two decayed ratios, tokens / seconds of the 
 those that did not. While the drafting ratio is the lower, the bucket is closed: its steps take the plain path
 (k = 0 for every request, no lookup, no search). One closed step in `explore_every` still goes to the policy, which
 drafts only where its cost model says it pays; what that step measures may reopen the bucket. Symmetrically, an
-open bucket that has drafted for `explore_every` steps without a plain one takes a plain step, so both ratios
-follow the machine's current load. Pure Python, no Ray; the engine feeds it each step (actors/engine/core.py).
+open bucket that has drafted for `explore_every` steps without a plain one takes a plain step while drafting
+measures within `recheck_margin` of plain (or plain has too few samples), so near break-even both ratios follow the
+machine's current load, and where drafting clearly wins it is not interrupted. Pure Python, no Ray; the engine feeds it each step (actors/engine/core.py).
 """
 
 from __future__ import annotations
@@ -63,10 +64,13 @@ def bucket_of(batch: int) -> int:
 class MeasuredGuard:
     """Per batch-size bucket: may this step speculate (`allows`), from what earlier steps measured (`observe`)."""
 
-    def __init__(self, explore_every: int = 8, decay: float = 0.8, min_samples: int = 3) -> None:
-        if explore_every < 2 or not 0.0 < decay <= 1.0 or min_samples < 1:
-            raise ValueError("explore_every >= 2, 0 < decay <= 1 and min_samples >= 1 are required")
+    def __init__(self, explore_every: int = 8, decay: float = 0.8, min_samples: int = 3,
+                 recheck_margin: float = 0.25) -> None:
+        if explore_every < 2 or not 0.0 < decay <= 1.0 or min_samples < 1 or recheck_margin < 0:
+            raise ValueError("explore_every >= 2, 0 < decay <= 1, min_samples >= 1 and recheck_margin >= 0 are "
+                             "required")
         self.explore_every, self.decay, self.min_samples = explore_every, decay, min_samples
+        self.recheck_margin = recheck_margin
         self.buckets: dict[int, Bucket] = {}
 
     def _bucket(self, batch: int) -> Bucket:
@@ -90,10 +94,16 @@ class MeasuredGuard:
                 b.explored = b.steps
                 return True
             return False
-        if b.drafting.samples >= self.min_samples and b.steps - b.plain_at >= self.explore_every:
+        if b.drafting.samples >= self.min_samples and b.steps - b.plain_at >= self.explore_every and self._near(b):
             b.plain_at = b.steps
             return False
         return True
+
+    def _near(self, b: Bucket) -> bool:
+        """Whether an open bucket needs a fresh plain measurement: too few plain steps to judge by, or drafting within
+        `recheck_margin` of plain. A bucket where drafting clearly wins (a lone request with matches, 1.3x and more)
+        is not made to decode plainly one step in `explore_every`: that would cost it an eighth of its gain."""
+        return b.plain.samples < self.min_samples or b.drafting.rate < (1.0 + self.recheck_margin) * b.plain.rate
 
     def observe(self, batch: int, drafted: bool, tokens: int, seconds: float) -> None:
         """A decode step of `batch` emitting requests (no prefill in it) emitted `tokens` in `seconds` of wall time,

@@ -263,5 +263,5 @@ def make_policy(cfg: SpeculationConfig, has_draft: bool, cost: StepCostModel, dr
     if cfg.policy == "fixed":
         return FixedPolicy(cfg.k)
     g = cfg.guard
-    guard = MeasuredGuard(g.explore_every, g.decay, g.min_samples) if g.enabled else None
+    guard = MeasuredGuard(g.explore_every, g.decay, g.min_samples, g.recheck_margin) if g.enabled else None
     return GoodputPolicy(cfg.k, cost, draft_forwards, guard)

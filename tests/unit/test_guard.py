@@ -60,6 +60,15 @@ def test_drafting_continues_where_it_measures_faster() -> None:
     assert guarded.guard.buckets[8].plain.samples >= 3  # it did measure plain steps to compare against
 
 
+def test_where_drafting_clearly_wins_no_plain_step_is_forced() -> None:
+    # a lone request whose drafts are accepted 90% of the time at 1 ms a row: once three plain steps gave a baseline,
+    # every step drafts (a forced plain step in eight would cost an eighth of the gain)
+    guarded = GoodputPolicy(4, SAYS_DRAFTS_PAY, draft_forwards=False, guard=MeasuredGuard(explore_every=8))
+    drafted = run_steps(guarded, batch=1, steps=200, alpha=0.9, plain_s=0.020, per_draft_s=0.001)
+    assert all(drafted[50:])
+    assert guarded.guard.buckets[1].plain.samples == 3
+
+
 def test_a_closed_batch_size_reopens_when_drafting_pays_again() -> None:
     guarded = GoodputPolicy(4, SAYS_DRAFTS_PAY, draft_forwards=False, guard=MeasuredGuard(explore_every=8))
     run_steps(guarded, batch=4, steps=100, alpha=0.5, plain_s=0.040, per_draft_s=0.010)
