@@ -126,6 +126,18 @@ class DraftParallelConfig(_Frozen):
         return self.group_size > 1
 
 
+class GuardConfig(_Frozen):
+    """The goodput policy's measured guard (actors/speculation/guard.py): per batch size, drafting stops while steps
+    that draft measure fewer tokens per second than steps that do not; one step in `explore_every` tries again."""
+
+    enabled: bool = True
+    explore_every: int = Field(default=8, ge=2, le=100_000)
+    decay: float = Field(default=0.8, gt=0.0, le=1.0)  # of the decayed tokens and seconds, per observed step
+    min_samples: int = Field(default=3, ge=1, le=1000)  # steps of each kind before the guard judges
+    # an open batch size re-measures plain steps only while drafting is within this share of plain's rate
+    recheck_margin: float = Field(default=0.25, ge=0.0, le=10.0)
+
+
 class SpeculationConfig(_Frozen):
     """How drafts are made (`method`) and how many tokens the draft proposes per round (actors/speculation/policy.py).
 
@@ -144,6 +156,7 @@ class SpeculationConfig(_Frozen):
     prior_acceptance: float = Field(default=0.7, ge=0.0, le=1.0)
     acceptance_decay: float = Field(default=0.9, gt=0.0, le=1.0)
     draft_parallel: DraftParallelConfig = DraftParallelConfig()  # EasySpec, for `method: model`
+    guard: GuardConfig = GuardConfig()  # `goodput` only: drafting must measure at least as fast as plain steps
 
 
 class CacheConfig(_Frozen):

@@ -359,6 +359,8 @@ class Engine:
                                 requests=len(plan.emitting), overhead_s=plan_s + apply_s + lookup_s)
         self._stats.record(plan, deltas, step_s)
         drafted = sum(len(p.tokens) for p in drafts.proposals.values())
+        if plan.emitting and not plan.schedule.num_prefill_tokens:  # decode steps alone are alike enough to compare
+            self.policy.observe_step(len(plan.emitting), drafted > 0, sum(len(d.token_ids) for d in deltas), step_s)
         if drafted and forwards:
             self._stats.draft_stage(drafted, drafts.seconds)
 

@@ -31,8 +31,8 @@ class SpeculationPlanner:
     def plan(self, schedule: Schedule, running: int) -> SpecPlan:
         """The schedule's works with their ks; `running` is how many requests the engine runs in all."""
         emitting = [w for w in schedule.works if w.emits]
-        if self.max_k == 0 or not emitting or self.drafter is None:
-            return SpecPlan(schedule, tuple(Drafting(w) for w in schedule.works))
+        if self.max_k == 0 or not emitting or self.drafter is None or not self.policy.allows(len(emitting)):
+            return SpecPlan(schedule, tuple(Drafting(w) for w in schedule.works))  # the plain path: no lookup, no search
         chunks = [w for w in schedule.works if not w.emits]
         tokens = sum(w.num_new for w in chunks)
         attention = sum(w.num_new * (w.start + w.num_new) for w in chunks) / ATTENTION_UNIT
@@ -47,6 +47,8 @@ class SpeculationPlanner:
             rate = w.seq.acceptance.blend(self.acceptance.rate)
             cands.append(Candidate(rate, limit, w.num_new, end,
                                    draft_backlog=self.drafter.backlog(w.seq, end), remaining=w.seq.remaining))
+        if not any(c.max_k for c in cands):  # nothing to draft for anyone (no lookup match): no search
+            return SpecPlan(schedule, tuple(Drafting(w) for w in schedule.works))
         ks = {id(w): self._reserve(w, k) for w, k in zip(emitting, self.policy.choose(cands, base,
                                                                                       schedule.draft_budget))}
         return SpecPlan(schedule, tuple(Drafting(w, ks.get(id(w), 0)) for w in schedule.works))

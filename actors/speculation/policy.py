@@ -32,6 +32,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from actors.speculation.cost_model import ATTENTION_UNIT, ForwardShape, StepCostModel
+from actors.speculation.guard import MeasuredGuard
 from cluster.config import SpeculationConfig
 from cluster.rounds import RoundRecord
 
@@ -111,6 +112,12 @@ class FixedPolicy:
     def __init__(self, k: int) -> None:
         self.k = k
 
+    def allows(self, batch: int) -> bool:
+        return True
+
+    def observe_step(self, batch: int, drafted: bool, tokens: int, seconds: float) -> None:
+        pass
+
     def choose(self, cands: list[Candidate], base: BatchBase, budget: int) -> list[int]:
         ks = []
         for c in cands:
@@ -125,6 +132,12 @@ class OffPolicy:
 
     name = "off"
 
+    def allows(self, batch: int) -> bool:
+        return False
+
+    def observe_step(self, batch: int, drafted: bool, tokens: int, seconds: float) -> None:
+        pass
+
     def choose(self, cands: list[Candidate], base: BatchBase, budget: int) -> list[int]:
         return [0] * len(cands)
 
@@ -134,11 +147,23 @@ class GoodputPolicy:
 
     name = "goodput"
 
-    def __init__(self, k: int, cost: StepCostModel, draft_forwards: bool = True) -> None:
+    def __init__(self, k: int, cost: StepCostModel, draft_forwards: bool = True,
+                 guard: MeasuredGuard | None = None) -> None:
         self.k = k
         self.cost = cost
         self.draft_forwards = draft_forwards  # False: a lookup drafter, no draft forwards to pay for
+        self.guard = guard  # None: the cost model alone decides
         self._catch_up: dict[tuple[int, int], float] = {}  # (backlog, context) -> seconds, for the current fit
+
+    def allows(self, batch: int) -> bool:
+        """Whether a step of `batch` emitting requests may speculate (False: the plain path, k = 0 for all, no
+        search): the guard's word, from what drafting and plain steps measured at this batch size."""
+        return self.guard is None or self.guard.allows(batch)
+
+    def observe_step(self, batch: int, drafted: bool, tokens: int, seconds: float) -> None:
+        """A decode step's outcome (tokens emitted in `seconds` of wall time), for the guard."""
+        if self.guard is not None:
+            self.guard.observe(batch, drafted, tokens, seconds)
 
     def catch_up_seconds(self, c: Candidate, k: int, one_off: bool = False) -> float:
         """The share of this step in the draft's catch-up for `c`: its cost over the rounds the request has left,
@@ -237,4 +262,6 @@ def make_policy(cfg: SpeculationConfig, has_draft: bool, cost: StepCostModel, dr
         return OffPolicy()
     if cfg.policy == "fixed":
         return FixedPolicy(cfg.k)
-    return GoodputPolicy(cfg.k, cost, draft_forwards)
+    g = cfg.guard
+    guard = MeasuredGuard(g.explore_every, g.decay, g.min_samples, g.recheck_margin) if g.enabled else None
+    return GoodputPolicy(cfg.k, cost, draft_forwards, guard)

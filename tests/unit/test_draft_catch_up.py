@@ -28,6 +28,12 @@ class Scripted:
     def __init__(self, k: int, pause: range) -> None:
         self.k, self.pause, self.calls = k, pause, 0
 
+    def allows(self, batch: int) -> bool:
+        return True
+
+    def observe_step(self, batch: int, drafted: bool, tokens: int, seconds: float) -> None:
+        pass
+
     def choose(self, cands: list[Candidate], base: BatchBase, budget: int) -> list[int]:
         step, self.calls = self.calls, self.calls + 1
         return [0 if step in self.pause else min(self.k, c.max_k) for c in cands]
