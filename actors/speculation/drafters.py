@@ -254,10 +254,8 @@ class LookupDrafter:
             tokens = self._pending.pop(d.request_id, None)
             if tokens is None and d.k > 0:
                 tokens = self._drafts(d.work.seq, d.k)
-            tokens = list((tokens or [])[:d.k])
-            if d.work.seq.grammar is not None:  # a token the grammar refuses would never be accepted: cut there
-                tokens = tokens[: d.work.seq.grammar.valid_prefix(tokens)]
-            out[d.request_id] = Proposal(tokens)
+            # `_drafts` already cut them where the grammar refuses (a prefix of them stays valid)
+            out[d.request_id] = Proposal(list((tokens or [])[:d.k]))
         self._pending.clear()
         return Drafts(out, ForwardShape(), time.perf_counter() - t0)
 
