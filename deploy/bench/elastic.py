@@ -27,6 +27,7 @@ from cluster.autoscale import AutoscaleTarget, AutoscalingConfig
 from cluster.config import (CacheConfig, EngineConfig, MigrationConfig, ModelConfig, RouterConfig, SchedulerConfig,
                             SpeculationConfig)
 from cluster.disagg import Role
+from cluster.migration_policy import POLICIES
 from cluster.router_client import RouterClient
 from deploy.bench.local_fleet import Bench, add_cluster_flags, add_model_flags
 from deploy.bench.output import pct, save
@@ -134,8 +135,8 @@ def run(args: argparse.Namespace) -> int:
     rates = parse_numbers(args.rates, "--rates", float, "rates like 0.3,1.5,0.3")
     fleets = [f for f in args.fleets.split(",") if f]
     policies = tuple(p for p in args.migration_policies.split(",") if p)
-    if not set(policies) <= {"drain", "queue", "defrag", "balance"}:
-        raise UsageError("--migration-policies: choose from drain, queue, defrag, balance")
+    if unknown := set(policies) - set(POLICIES):
+        raise UsageError(f"--migration-policies: unknown {sorted(unknown)}; choose from {', '.join(POLICIES)}")
     if not set(fleets) <= {"max", "min", "autoscaled"} or not rates or min(rates) <= 0:
         raise UsageError("--fleets: choose from max, min, autoscaled; --rates: positive requests/s")
     scaling = AutoscalingConfig(min_instances=args.min_instances, max_instances=args.max_instances,
