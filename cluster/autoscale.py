@@ -36,6 +36,12 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from cluster.disagg import Role
 from cluster.instances import InstanceRow
 
+# why the policy decided as it did, a label with few values (metrics): ttft, itl, queue (over a target), min_instances,
+# max_instances (a bound), low_load (well below every target), and for a hold within_targets, cooldown or
+# step_under_way; manual for a step an operator or a test asked for
+Cause = Literal["ttft", "itl", "queue", "min_instances", "max_instances", "low_load", "within_targets", "cooldown",
+                "step_under_way", "manual"]
+
 
 class _Frozen(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -136,6 +142,7 @@ class ScaleDecision:
     instances: int  # the fleet's size when decided
     remove: str | None = None  # the instance to drain (action "down")
     role: Role = "both"  # the role of the instance to start (action "up"; `both` without disaggregation)
+    cause: Cause = "manual"  # the signal or bound behind it (the metrics' label)
 
     @property
     def desired(self) -> int:
@@ -163,29 +170,30 @@ class AutoscalePolicy:
         self._up_since = (self._up_since if self._up_since is not None else now) if over else None
         self._down_since = (self._down_since if self._down_since is not None else now) if under else None
         if signal.starting or signal.draining:
-            return self._hold(n, f"a scale step is under way ({signal.starting} starting, {signal.draining} draining)")
+            return self._hold(n, f"a scale step is under way ({signal.starting} starting, {signal.draining} draining)",
+                              "step_under_way")
         if n < cfg.min_instances:
             return self._up(signal, f"{n} instances < min_instances {cfg.min_instances}", now, "min_instances")
         if n > cfg.max_instances:
-            return self._down(signal, f"{n} instances > max_instances {cfg.max_instances}", now)
+            return self._down(signal, f"{n} instances > max_instances {cfg.max_instances}", now, "max_instances")
         if self._last_step is not None and now - self._last_step < cfg.cooldown_s:
             return self._hold(n, f"cooling down ({now - self._last_step:.1f} s of {cfg.cooldown_s:g} s since the "
-                                 "last step)")
+                                 "last step)", "cooldown")
         if over:
             if n >= cfg.max_instances:
-                return self._hold(n, f"{over}, but at max_instances {cfg.max_instances}")
+                return self._hold(n, f"{over}, but at max_instances {cfg.max_instances}", "max_instances")
             held = now - self._up_since
             if held >= cfg.up_after_s:
                 return self._up(signal, f"{over} for {held:.1f} s", now, cause)
-            return self._hold(n, f"{over} for {held:.1f} s of {cfg.up_after_s:g} s")
+            return self._hold(n, f"{over} for {held:.1f} s of {cfg.up_after_s:g} s", cause)
         if under:
             if n <= cfg.min_instances:
-                return self._hold(n, f"at min_instances {cfg.min_instances}")
+                return self._hold(n, f"at min_instances {cfg.min_instances}", "min_instances")
             held = now - self._down_since
             if held >= cfg.down_after_s:
-                return self._down(signal, f"{under} for {held:.1f} s", now)
-            return self._hold(n, f"{under} for {held:.1f} s of {cfg.down_after_s:g} s")
-        return self._hold(n, "within targets")
+                return self._down(signal, f"{under} for {held:.1f} s", now, "low_load")
+            return self._hold(n, f"{under} for {held:.1f} s of {cfg.down_after_s:g} s", "low_load")
+        return self._hold(n, "within targets", "within_targets")
 
     def done(self, now: float) -> None:
         """The step decided last has been carried out (an instance started or stopped, or the step failed): the
@@ -193,8 +201,8 @@ class AutoscalePolicy:
         self._last_step, self._up_since, self._down_since = now, None, None
 
     # ---- the conditions ---------------------------------------------------------------------------------------
-    def _over(self, s: FleetSignal) -> tuple[str, str]:
-        """The signal above its target now (ttft, itl or queue) and why in words; ("", "") if none is."""
+    def _over(self, s: FleetSignal) -> tuple[Cause, str]:
+        """The signal above its target now (ttft, itl or queue) and why in words; ("manual", "") if none is."""
         t, serving = self.cfg.target, s.serving
         if t.ttft_p99_s is not None and s.ttft_p99_s is not None and s.ttft_p99_s > t.ttft_p99_s:
             return "ttft", f"ttft p99 {s.ttft_p99_s:.3f} s > target {t.ttft_p99_s:g} s"
@@ -204,7 +212,7 @@ class AutoscalePolicy:
             queue = sum(i.waiting for i in serving) / len(serving)
             if queue > t.queue_per_instance:
                 return "queue", f"queue {queue:.2f}/instance > target {t.queue_per_instance:g}"
-        return "", ""
+        return "manual", ""
 
     def _under(self, s: FleetSignal) -> str:
         """Why one instance fewer would still be well within every target ("" if it would not): each latency
@@ -230,31 +238,31 @@ class AutoscalePolicy:
         return ", ".join(parts) + f" below {b:g} x target"
 
     # ---- decisions ----------------------------------------------------------------------------------------------
-    def _up(self, s: FleetSignal, reason: str, now: float, cause: str) -> ScaleDecision:
+    def _up(self, s: FleetSignal, reason: str, now: float, cause: Cause) -> ScaleDecision:
         role = role_to_add(s, cause)
         return self._step("up", s.size, reason if role == "both" else f"{reason}: adds a {role} instance", now,
-                          role=role)
+                          cause, role=role)
 
-    def _down(self, s: FleetSignal, reason: str, now: float) -> ScaleDecision:
+    def _down(self, s: FleetSignal, reason: str, now: float, cause: Cause) -> ScaleDecision:
         removable = [i for i in s.serving if i.removable]
         if s.disaggregated:  # never the last instance of a role: its half of every request would have nowhere to run
             removable = [i for i in removable if i.role == "both" or len(s.of_role(i.role)) > 1]
         if not removable:
-            return self._hold(s.size, f"{reason}, but no instance the autoscaler started is left to remove")
+            return self._hold(s.size, f"{reason}, but no instance the autoscaler started is left to remove", cause)
         leave = min(removable, key=lambda i: (i.waiting + i.running, i.instance_id))  # the least to move
-        return self._step("down", s.size, reason, now, leave.instance_id)
+        return self._step("down", s.size, reason, now, cause, leave.instance_id)
 
-    def _step(self, action: Literal["up", "down"], n: int, reason: str, now: float,
+    def _step(self, action: Literal["up", "down"], n: int, reason: str, now: float, cause: Cause,
               remove: str | None = None, role: Role = "both") -> ScaleDecision:
         self._last_step, self._up_since, self._down_since = now, None, None
-        return ScaleDecision(action, reason, n, remove, role)
+        return ScaleDecision(action, reason, n, remove, role, cause)
 
     @staticmethod
-    def _hold(n: int, reason: str) -> ScaleDecision:
-        return ScaleDecision("hold", reason, n)
+    def _hold(n: int, reason: str, cause: Cause) -> ScaleDecision:
+        return ScaleDecision("hold", reason, n, cause=cause)
 
 
-def role_to_add(s: FleetSignal, cause: str) -> Role:
+def role_to_add(s: FleetSignal, cause: Cause) -> Role:
     """The role of the instance a step up for `cause` (ttft, itl, queue, min_instances) starts: `both` without
     disaggregation; else `prefill` when time to first token is over its target, `decode` for the inter-token latency,
     for a queue the role whose instances queue more requests each, and below the bounds the role with fewer instances
@@ -349,6 +357,7 @@ class ScaleEvent:
     detail: str = ""
     duration_s: float = 0.0
     migrated: int = 0  # requests moved off the leaving instance (scale-in)
+    cause: Cause = "manual"  # the decision's (ScaleDecision.cause): the metrics' label
 
 
 @dataclass(frozen=True)
@@ -367,19 +376,3 @@ class AutoscaleStatus:
     failed_rounds: int = 0  # rounds that raised since the autoscaler started (the loop goes on with the next)
     last_failure: str = ""  # the last one's error, "ExceptionType: message"
 
-
-def cause_of(reason: str) -> str:
-    """A decision's reason reduced to the signal that caused it, a label with few values (metrics): ttft, itl,
-    queue (over a target), min_instances, max_instances (a bound), low_load (well below every target), and for a
-    hold within_targets, cooldown or step_under_way; manual for a step an operator or a test asked for."""
-    for words, cause in (("within targets", "within_targets"), ("cooling down", "cooldown"),
-                         ("under way", "step_under_way")):
-        if words in reason:
-            return cause
-    for cause in ("min_instances", "max_instances"):
-        if f" {cause} " in f"{reason} " and ("<" in reason or ">" in reason):
-            return cause
-    for cause in ("ttft", "itl", "queue"):
-        if reason.startswith(cause) and ">" in reason.split(" for ")[0]:
-            return cause
-    return "low_load" if " below " in reason else "manual"

@@ -28,8 +28,8 @@ from ray import serve
 from ray.actor import ActorHandle
 
 from actors.serving.server import InstanceInfo, InstanceServer
-from cluster.autoscale import (AUTOSCALED_PREFIX, AutoscalePolicy, AutoscaleStatus, AutoscalingConfig, ScaleDecision,
-                               ScaleEvent, SignalReader, cause_of)
+from cluster.autoscale import (AUTOSCALED_PREFIX, AutoscalePolicy, AutoscaleStatus, AutoscalingConfig, Cause,
+                               ScaleDecision, ScaleEvent, SignalReader)
 from cluster.config import FleetConfig, SpecfleetConfig
 from cluster.disagg import Role
 from cluster.instances import InstanceRow
@@ -136,9 +136,9 @@ class Autoscaler:
         self.size = signal.size
         try:
             if decision.action == "up":
-                await self.scale_out(decision.reason, rows, decision.role)
+                await self.scale_out(decision.reason, rows, decision.role, decision.cause)
             elif decision.action == "down" and decision.remove is not None:
-                await self.scale_in(decision.remove, decision.reason)
+                await self.scale_in(decision.remove, decision.reason, decision.cause)
         finally:
             if decision.action != "hold":
                 self.policy.done(self.clock())
@@ -152,8 +152,10 @@ class Autoscaler:
                                self.failed.last_error.get(ROUND, ""))
 
     # ---- scale out ---------------------------------------------------------------------------------------------
-    async def scale_out(self, reason: str, rows: list[InstanceRow], role: Role = "both") -> ScaleEvent:
-        """Start the next `auto-N` instance on free devices and register it with `role` (prefill, decode or both)."""
+    async def scale_out(self, reason: str, rows: list[InstanceRow], role: Role = "both",
+                        cause: Cause = "manual") -> ScaleEvent:
+        """Start the next `auto-N` instance on free devices and register it with `role` (prefill, decode or both);
+        `cause`: the decision's, recorded with the step."""
         at, began = time.time(), self.clock()
         used = [int(r.instance_id[len(AUTOSCALED_PREFIX):]) for r in rows
                 if r.instance_id.startswith(AUTOSCALED_PREFIX) and r.instance_id[len(AUTOSCALED_PREFIX):].isdigit()]
@@ -175,11 +177,12 @@ class Autoscaler:
             if server is not None:
                 ray.kill(server, no_restart=True)
             return self._record(ScaleEvent(at, "up", instance_id, reason, "failed", f"{type(e).__name__}: {e}",
-                                           self.clock() - began))
-        return self._record(ScaleEvent(at, "up", instance_id, reason, "done", duration_s=self.clock() - began))
+                                           self.clock() - began, cause=cause))
+        return self._record(ScaleEvent(at, "up", instance_id, reason, "done", duration_s=self.clock() - began,
+                                       cause=cause))
 
     # ---- scale in ----------------------------------------------------------------------------------------------
-    async def scale_in(self, instance_id: str, reason: str) -> ScaleEvent:
+    async def scale_in(self, instance_id: str, reason: str, cause: Cause = "manual") -> ScaleEvent:
         """Drain `instance_id` through migration until the router counts nothing on it, then stop it; within
         `drain_timeout_s`, else put it back in service."""
         at, began = time.time(), self.clock()
@@ -194,7 +197,7 @@ class Autoscaler:
             row = next((r for r in await self._rows() if r.instance_id == instance_id), None)
             if row is None:
                 return self._record(ScaleEvent(at, "down", instance_id, reason, "failed", "it left the fleet while "
-                                               "it drained (failed health)", self.clock() - began, migrated))
+                                               "it drained (failed health)", self.clock() - began, migrated, cause))
             if row.in_flight == 0:
                 break
             if self.clock() > deadline:
@@ -202,7 +205,7 @@ class Autoscaler:
                 why = "; ".join(drained.not_moved) or f"{row.in_flight} requests still on it"
                 return self._record(ScaleEvent(at, "down", instance_id, reason, "cancelled",
                                                f"not drained within {self.cfg.drain_timeout_s:g} s ({why}): back in "
-                                               "service", self.clock() - began, migrated))
+                                               "service", self.clock() - began, migrated, cause))
             await asyncio.sleep(0.2)
         await asyncio.sleep(STOP_GRACE_S)
         server = self.servers.pop(instance_id, None) or await _find_instance(instance_id, row.incarnation)
@@ -212,7 +215,7 @@ class Autoscaler:
             ray.kill(server, no_restart=True)
         detail = "" if tuple(kv) == (0, 0) else f"it still held KV blocks {tuple(kv)} (target, draft) when stopped"
         return self._record(ScaleEvent(at, "down", instance_id, reason, "done", detail, self.clock() - began,
-                                       migrated))
+                                       migrated, cause))
 
     # ---- helpers -------------------------------------------------------------------------------------------------
     async def _rows(self) -> list[InstanceRow]:
@@ -220,7 +223,7 @@ class Autoscaler:
 
     def _record(self, event: ScaleEvent) -> ScaleEvent:
         self.events.append(event)
-        self.counts[(event.action, event.outcome, cause_of(event.reason))] += 1
+        self.counts[(event.action, event.outcome, event.cause)] += 1
         log.warning("autoscaler: %s %s %s in %.1f s (%s)%s", event.action, event.instance_id, event.outcome,
                     event.duration_s, event.reason, f": {event.detail}" if event.detail else "")
         return event

@@ -23,7 +23,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-from cluster.autoscale import AutoscaleStatus, cause_of
+from cluster.autoscale import AutoscaleStatus
 from cluster.instances import InstanceRow
 from cluster.request import SpecStats
 from cluster.stats import DOWNTIME_BUCKETS, ROUTER_LOOPS, MigrationStats, RoutingStats
@@ -261,5 +261,5 @@ class _AutoscaleCollector(_ScrapeCollector):
         if s.last is not None:
             last = GaugeMetricFamily("specfleet:autoscaling_last_decision_info", "The autoscaler's last decision",
                                      labels=["action", "cause", "reason"])
-            last.add_metric([s.last.action, cause_of(s.last.reason), s.last.reason], 1)
+            last.add_metric([s.last.action, s.last.cause, s.last.reason], 1)
             yield last

@@ -79,14 +79,15 @@ def test_a_break_in_the_condition_restarts_the_clock() -> None:
     assert p.decide(hot, 11.0).action == "up"
 
 
-@pytest.mark.parametrize("signal, why", [
-    (fleet((0, 4), itl=0.3), "itl p99"),
-    (fleet((5, 4), (4, 4)), "queue 4.50/instance > target 2"),
+@pytest.mark.parametrize("signal, why, cause", [
+    (fleet((0, 4), ttft=3.0), "ttft p99", "ttft"),
+    (fleet((0, 4), itl=0.3), "itl p99", "itl"),
+    (fleet((5, 4), (4, 4)), "queue 4.50/instance > target 2", "queue"),
 ])
-def test_each_target_scales_up(signal: FleetSignal, why: str) -> None:
+def test_each_target_scales_up(signal: FleetSignal, why: str, cause: str) -> None:
     p = AutoscalePolicy(cfg(up_after_s=0.0), SLOTS)
     d = p.decide(signal, 0.0)
-    assert d.action == "up" and why in d.reason
+    assert d.action == "up" and why in d.reason and d.cause == cause  # the metrics' label, typed, not parsed
 
 
 def test_scale_down_needs_the_load_well_below_target_on_one_instance_fewer_for_down_after_s() -> None:
@@ -95,7 +96,7 @@ def test_scale_down_needs_the_load_well_below_target_on_one_instance_fewer_for_d
     assert p.decide(idle, 0.0).action == "hold"
     assert p.decide(idle, 19.0).action == "hold"
     d = p.decide(idle, 20.0)
-    assert (d.action, d.remove, d.desired) == ("down", "i1", 2)  # the one with the least to move
+    assert (d.action, d.remove, d.desired, d.cause) == ("down", "i1", 2, "low_load")  # the least to move
     # the same requests on 2 instances of 4 slots would queue: no scale-in
     p2 = AutoscalePolicy(cfg(down_after_s=0.0), SLOTS)
     assert p2.decide(fleet((0, 4), (0, 3), (0, 3), ttft=0.1, itl=0.01), 0.0).action == "hold"
@@ -108,13 +109,13 @@ def test_bounds_come_first_and_are_never_crossed() -> None:
     p = AutoscalePolicy(cfg(min_instances=2, max_instances=3, up_after_s=0.0, down_after_s=0.0, cooldown_s=0.0),
                         SLOTS)
     d = p.decide(fleet((0, 0), ttft=0.0), 0.0)
-    assert d.action == "up" and "< min_instances 2" in d.reason
+    assert (d.action, d.cause) == ("up", "min_instances") and "< min_instances 2" in d.reason
     d = p.decide(fleet((0, 0), (0, 0), (0, 0), (0, 0)), 1.0)
-    assert d.action == "down" and "> max_instances 3" in d.reason
+    assert (d.action, d.cause) == ("down", "max_instances") and "> max_instances 3" in d.reason
     d = p.decide(fleet((9, 4), (9, 4), (9, 4), ttft=5.0), 2.0)
-    assert d.action == "hold" and "at max_instances 3" in d.reason
+    assert (d.action, d.cause) == ("hold", "max_instances") and "at max_instances 3" in d.reason
     d = p.decide(fleet((0, 0), (0, 0), ttft=0.0, itl=0.0), 3.0)
-    assert d.action == "hold" and "at min_instances 2" in d.reason
+    assert (d.action, d.cause) == ("hold", "min_instances") and "at min_instances 2" in d.reason
 
 
 def test_one_step_at_a_time_and_a_cooldown_after_each() -> None:
@@ -122,9 +123,9 @@ def test_one_step_at_a_time_and_a_cooldown_after_each() -> None:
     hot = fleet((9, 4), ttft=5.0)
     assert p.decide(hot, 0.0).action == "up"
     d = p.decide(fleet((9, 4), ttft=5.0, starting=1), 1.0)
-    assert d.action == "hold" and "under way" in d.reason
+    assert (d.action, d.cause) == ("hold", "step_under_way") and "under way" in d.reason
     d = p.decide(fleet((9, 4), (0, 0), ttft=5.0), 5.0)
-    assert d.action == "hold" and "cooling down" in d.reason
+    assert (d.action, d.cause) == ("hold", "cooldown") and "cooling down" in d.reason
     assert p.decide(fleet((9, 4), (0, 0), ttft=5.0), 10.0).action == "up"
     d = p.decide(fleet((0, 0), (0, 0), (0, 0), draining=(1,)), 30.0)
     assert d.action == "hold" and "1 draining" in d.reason

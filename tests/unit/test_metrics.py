@@ -46,10 +46,11 @@ def test_scale_events_are_published_with_their_cause_and_the_last_decision_with_
 
     m = Metrics("tiny")
     assert "autoscaling" not in m.render().decode()  # a fixed fleet: nothing
-    up = ScaleEvent(1.0, "up", "auto-0", "queue 3.00/instance > target 2 for 30.0 s", "done", duration_s=4.0)
+    up = ScaleEvent(1.0, "up", "auto-0", "queue 3.00/instance > target 2 for 30.0 s", "done", duration_s=4.0,
+                    cause="queue")
     down = ScaleEvent(9.0, "down", "auto-0", "queue on 1 instances 0.00/instance below 0.5 x target for 600.0 s",
-                      "done", duration_s=2.5, migrated=3)
-    m.autoscale_figures = AutoscaleStatus(1, 4, 2, ScaleDecision("hold", "within targets", 2), (up, down),
+                      "done", duration_s=2.5, migrated=3, cause="low_load")
+    m.autoscale_figures = AutoscaleStatus(1, 4, 2, ScaleDecision("hold", "within targets", 2, cause="within_targets"), (up, down),
                                           (("down", "done", "low_load", 1), ("up", "done", "queue", 1)),
                                           ttft_p99_s=0.25, itl_p99_s=None)
     text = m.render().decode()
