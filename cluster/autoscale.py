@@ -9,6 +9,13 @@ band between the two is the hysteresis that keeps a load at a threshold from fla
 one instance at a time, never while a step is still under way, and not again within `cooldown_s` of the last.
 Bounds come first: below `min_instances` it scales up at once, above `max_instances` down.
 
+A step up is also **predictive**: a new instance serves only after its start (a Ray worker and a model load), so the
+policy steps up when the queue, or the time to first token predicted from it, would be over its target one start
+from now, projected from the fleet's demand trend (cluster/load_trend.py: its least-squares slope at a lower
+confidence bound, so a load that only jitters projects flat) over the start time the router has learned
+(cluster/start_times.py), as Dynamo's SLA planner scales on its load predictor's forecast for the next interval
+rather than on the load now. With no start seen yet, or `predict` off, it is reactive alone.
+
 Scaling in removes an instance by draining it through live migration (Llumnix, OSDI '24: its running requests move
 to the others, its queue too), so the policy names which instance leaves: the one with the least to move.
 
@@ -35,6 +42,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from cluster.disagg import Role
 from cluster.instances import InstanceRow
+from cluster.load_trend import DemandTrend
 
 # why the policy decided as it did, a label with few values (metrics): ttft, itl, queue (over a target), min_instances,
 # max_instances (a bound), low_load (well below every target), and for a hold within_targets, cooldown or
@@ -80,6 +88,11 @@ class AutoscalingConfig(_Frozen):
     interval_s: float = Field(default=1.0, gt=0.0)
     window_s: float = Field(default=30.0, gt=0.0)
     drain_timeout_s: float = Field(default=300.0, gt=0.0)
+    # the predictive step up: project the demand trend over `trend_window_s` one learned start ahead, the slope taken
+    # at its lower `trend_z`-sigma confidence bound (cluster/load_trend.py)
+    predict: bool = True
+    trend_window_s: float = Field(default=10.0, gt=0.0)
+    trend_z: float = Field(default=2.0, ge=0.0)
 
     @model_validator(mode="after")
     def _bounds(self) -> "AutoscalingConfig":
@@ -110,6 +123,8 @@ class FleetSignal:
     ttft_p99_s: float | None = None
     itl_p99_s: float | None = None
     starting: int = 0
+    start_s: float | None = None  # how long a new instance takes to serve, as learned (None: no start seen yet)
+    step_s: float | None = None  # the serving instances' mean engine step (seconds), to predict TTFT from a queue
 
     @property
     def serving(self) -> list[InstanceSignal]:
@@ -119,6 +134,11 @@ class FleetSignal:
     def size(self) -> int:
         """Instances the fleet counts: serving ones and those starting (a draining one is already leaving)."""
         return len(self.serving) + self.starting
+
+    @property
+    def demand(self) -> int:
+        """Requests waiting or running on the serving instances."""
+        return sum(i.waiting + i.running for i in self.serving)
 
     @property
     def draining(self) -> int:
@@ -161,11 +181,16 @@ class AutoscalePolicy:
         self._up_since: float | None = None  # when the scale-up condition began to hold without a break
         self._down_since: float | None = None
         self._last_step: float | None = None
+        self.trend = DemandTrend(cfg.trend_window_s)
 
     def decide(self, signal: FleetSignal, now: float) -> ScaleDecision:
         """The decision at `now` (seconds, monotonic); "up" or "down" starts the cooldown: the caller acts on it."""
         cfg, n = self.cfg, signal.size
+        if not signal.starting and not signal.draining:
+            self.trend.add(now, signal.demand)
         cause, over = self._over(signal)
+        if not over:
+            cause, over = self._projected(signal)
         under = self._under(signal)
         self._up_since = (self._up_since if self._up_since is not None else now) if over else None
         self._down_since = (self._down_since if self._down_since is not None else now) if under else None
@@ -199,6 +224,7 @@ class AutoscalePolicy:
         """The step decided last has been carried out (an instance started or stopped, or the step failed): the
         cooldown and the conditions' clocks start from here, not from the decision (a start may take minutes)."""
         self._last_step, self._up_since, self._down_since = now, None, None
+        self.trend.clear()  # the demand's growth on the old fleet says little about the new one
 
     # ---- the conditions ---------------------------------------------------------------------------------------
     def _over(self, s: FleetSignal) -> tuple[Cause, str]:
@@ -212,6 +238,26 @@ class AutoscalePolicy:
             queue = sum(i.waiting for i in serving) / len(serving)
             if queue > t.queue_per_instance:
                 return "queue", f"queue {queue:.2f}/instance > target {t.queue_per_instance:g}"
+        return "manual", ""
+
+    def _projected(self, s: FleetSignal) -> tuple[Cause, str]:
+        """The signal that would be over its target one learned start from now, projected from the demand's trend at
+        its lower confidence bound, and why in words; ("manual", "") if none would (or nothing to project with)."""
+        cfg, t, serving = self.cfg, self.cfg.target, s.serving
+        trend = self.trend.trend() if cfg.predict and s.start_s is not None and serving else None
+        rise = trend.lower(cfg.trend_z) if trend is not None else 0.0
+        if trend is None or rise * s.start_s < 1.0:  # less than one more request by then: nothing to act on
+            return "manual", ""
+        n = len(serving)
+        demand = s.demand + rise * s.start_s
+        queue = max(0.0, demand - n * self.slots) / n  # balanced over the serving instances (the queue policy)
+        why = f"in {s.start_s:.1f} s (the learned start; demand {s.demand} rising {rise:.2f}/s)"
+        if t.ttft_p99_s is not None and s.step_s is not None:
+            ttft = s.step_s * (1.0 + queue / self.slots)  # as SignalReader predicts TTFT from a queue
+            if ttft > t.ttft_p99_s:
+                return "ttft", f"ttft projected {ttft:.3f} s > target {t.ttft_p99_s:g} s {why}"
+        if t.queue_per_instance is not None and queue > t.queue_per_instance:
+            return "queue", f"queue projected {queue:.2f}/instance > target {t.queue_per_instance:g} {why}"
         return "manual", ""
 
     def _under(self, s: FleetSignal) -> str:
@@ -255,6 +301,7 @@ class AutoscalePolicy:
     def _step(self, action: Literal["up", "down"], n: int, reason: str, now: float, cause: Cause,
               remove: str | None = None, role: Role = "both") -> ScaleDecision:
         self._last_step, self._up_since, self._down_since = now, None, None
+        self.trend.clear()
         return ScaleDecision(action, reason, n, remove, role, cause)
 
     @staticmethod
@@ -326,8 +373,11 @@ class SignalReader:
         self.itl = LatencyWindow(window_s)
         self.slots = slots_per_instance
 
-    def read(self, rows: Sequence[InstanceRow], now: float, starting: int = 0) -> FleetSignal:
-        instances = []
+    def read(self, rows: Sequence[InstanceRow], now: float, starting: int = 0,
+             start_s: float | None = None) -> FleetSignal:
+        """The fleet's signal at `now`; `start_s`: how long a new instance takes to serve, as the router learned it
+        (cluster/start_times.py), for the policy's predictive step up."""
+        instances, steps = [], []
         for r in rows:
             if not r.healthy:
                 continue
@@ -337,11 +387,13 @@ class SignalReader:
                                             r.instance_id.startswith(AUTOSCALED_PREFIX), r.role))
             if r.stats is not None and not r.draining:
                 step = r.stats.step.step_time_ema_s
+                steps.append(step)
                 if running:
                     self.itl.add(now, [r.stats.step.step_time_s])
                 if running or waiting:
                     self.ttft.add(now, [step * (1.0 + waiting / self.slots)])
-        return FleetSignal(tuple(instances), self.ttft.p99(now), self.itl.p99(now), starting)
+        return FleetSignal(tuple(instances), self.ttft.p99(now), self.itl.p99(now), starting, start_s,
+                           sum(steps) / len(steps) if steps else None)
 
 
 @dataclass(frozen=True)

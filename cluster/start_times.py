@@ -12,6 +12,10 @@ AVX2 machine against a 60 s wait). So the router records two kinds of evidence:
 The wait is `multiple` times the slowest of the last `window` of these, bounded below by the configured floor and
 above by the ceiling: `min(ceiling, max(floor, multiple * slowest))`. With no evidence yet, the floor.
 
+The autoscaler reads the same history for another figure: how long a new instance takes to serve, the median of the
+last `window` starts (replacements left out: they include Serve noticing a death, which a scale-out does not wait
+for). Its predictive step up (cluster/autoscale.py) projects the load that far ahead.
+
 A guess from past starts can still be short (a loaded machine, a cold cache), so a replica also **announces** its
 start as it begins (`starting`): while an announced start has not registered, a waiting request keeps waiting, up
 to the ceiling from when its wait began. The learned wait covers the time before a replacement is even scheduled
@@ -48,6 +52,8 @@ class FailoverWait:
     # the last start's seconds phase by phase (actors/start_phases.py: replica, process, imports, weights, ...),
     # where its instance reported them
     last_start: tuple[tuple[str, float], ...] = ()
+    # the median of the last starts (replacements left out): how long a scale-out takes to serve; None: none seen
+    expected_start_s: float | None = None
 
     @property
     def why(self) -> str:
@@ -67,6 +73,7 @@ class StartHistory:
     multiple: float = 2.0
     window: int = 8
     durations: deque[float] = field(default_factory=deque)
+    start_durations: deque[float] = field(default_factory=deque)  # starts alone, the last `window`
     _lost_at: dict[str, float] = field(default_factory=dict)  # instance id -> when it was removed as failed
     _recorded: dict[str, str] = field(default_factory=dict)  # instance id -> the incarnation last recorded
     _starting: dict[str, float] = field(default_factory=dict)  # instance id -> when its start was announced
@@ -102,6 +109,9 @@ class StartHistory:
         self._recorded[instance_id] = incarnation
         if start_s is not None and start_s >= 0:
             self._add(start_s)
+            self.start_durations.append(start_s)
+            while len(self.start_durations) > self.window:
+                self.start_durations.popleft()
             self._last_phases = tuple(phases)
         lost = self._lost_at.pop(instance_id, None)
         if lost is not None and now >= lost:
@@ -128,7 +138,21 @@ class StartHistory:
         slowest = max(self.durations) if self.durations else None
         wait = self.floor_s if slowest is None else max(self.floor_s, self.multiple * slowest)
         return FailoverWait(min(self.ceiling_s, wait), slowest, self.floor_s, self.ceiling_s, self.multiple,
-                            len(self.durations), len(self._starting), self._last_phases)
+                            len(self.durations), len(self._starting), self._last_phases, self.expected_start())
+
+    def expected_start(self) -> float | None:
+        """The median of the last `window` starts (seconds; replacements left out), None before the first.
+
+        >>> h = StartHistory(floor_s=10.0, ceiling_s=300.0)
+        >>> for i, s in enumerate((6.0, 30.0, 7.0)): h.registered(f"i{i}", "a", now=0.0, start_s=s)
+        >>> h.expected_start()  # one slow start does not move it far
+        7.0
+        """
+        if not self.start_durations:
+            return None
+        ordered = sorted(self.start_durations)
+        mid = len(ordered) // 2
+        return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
 
 
 class Arrivals:

@@ -98,10 +98,13 @@ class Bench:
                                                         layers=(cuts[i], cuts[i + 1])) for i in range(k)))
         spec = InstanceSpec(instance_id=instance_id, layout=layout, executor="local" if self.stages == 1 else "ray",
                             num_cpus=self.num_cpus / self.stages, engine=self.cfg, step_timeout_s=600)
+        began = time.monotonic()
         server = InstanceServer.spawn(spec)
         info = ray.get(server.info.remote(), timeout=600)
+        # its start, as a deployed replica reports it: the router learns how long a start takes (the failover wait,
+        # the autoscaler's predictive step up: cluster/start_times.py)
         ray.get(self.router.register.remote(instance_id, server, info.model, info.max_model_len, info.node_id,
-                                            role=role))
+                                            start_s=time.monotonic() - began, role=role))
         self.servers[instance_id] = server
 
     def close(self) -> None:

@@ -128,10 +128,10 @@ class Autoscaler:
             await asyncio.sleep(self.cfg.interval_s)
 
     async def tick(self) -> ScaleDecision:
-        rows = await self._rows()
+        rows, start_s = await asyncio.gather(self._rows(), self._start_s())
         now = self.clock()
         deployed = sum(not r.instance_id.startswith(AUTOSCALED_PREFIX) for r in rows if r.healthy)
-        signal = self.reader.read(rows, now, starting=max(0, self.floor - deployed))
+        signal = self.reader.read(rows, now, starting=max(0, self.floor - deployed), start_s=start_s)
         decision = self.last = self.policy.decide(signal, now)
         self.size = signal.size
         try:
@@ -220,6 +220,13 @@ class Autoscaler:
     # ---- helpers -------------------------------------------------------------------------------------------------
     async def _rows(self) -> list[InstanceRow]:
         return await self.router.call(lambda r: r.instances.remote(), timeout_s=CALL_TIMEOUT_S)
+
+    async def _start_s(self) -> float | None:
+        """How long a new instance takes to serve, as the router learned it from the starts it saw (the deployed
+        ones' and this autoscaler's, cluster/start_times.py): the predictive step up's horizon."""
+        if not self.cfg.predict:
+            return None
+        return (await self.router.failover_wait(timeout_s=CALL_TIMEOUT_S)).expected_start_s
 
     def _record(self, event: ScaleEvent) -> ScaleEvent:
         self.events.append(event)
