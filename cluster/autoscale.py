@@ -11,8 +11,8 @@ Bounds come first: below `min_instances` it scales up at once, above `max_instan
 
 A step up is also **predictive**: a new instance serves only after its start (a Ray worker and a model load), so the
 policy steps up when the queue, or the time to first token predicted from it, would be over its target one start
-from now, projected from the fleet's demand trend (cluster/load_trend.py: its least-squares slope at a lower
-confidence bound, so a load that only jitters projects flat) over the start time the router has learned
+from now, projected from the trend of the fleet's waiting requests (cluster/load_trend.py: their growth rate at a lower
+confidence bound, so a queue that only wanders projects flat) over the start time the router has learned
 (cluster/start_times.py), as Dynamo's SLA planner scales on its load predictor's forecast for the next interval
 rather than on the load now. With no start seen yet, or `predict` off, it is reactive alone.
 
@@ -88,7 +88,7 @@ class AutoscalingConfig(_Frozen):
     interval_s: float = Field(default=1.0, gt=0.0)
     window_s: float = Field(default=30.0, gt=0.0)
     drain_timeout_s: float = Field(default=300.0, gt=0.0)
-    # the predictive step up: project the demand trend over `trend_window_s` one learned start ahead, the slope taken
+    # the predictive step up: project the queue's trend over `trend_window_s` one learned start ahead, its growth taken
     # at its lower `trend_z`-sigma confidence bound (cluster/load_trend.py)
     predict: bool = True
     trend_window_s: float = Field(default=10.0, gt=0.0)
@@ -136,9 +136,9 @@ class FleetSignal:
         return len(self.serving) + self.starting
 
     @property
-    def demand(self) -> int:
-        """Requests waiting or running on the serving instances."""
-        return sum(i.waiting + i.running for i in self.serving)
+    def waiting(self) -> int:
+        """Requests waiting (admitted, not yet scheduled) on the serving instances."""
+        return sum(i.waiting for i in self.serving)
 
     @property
     def draining(self) -> int:
@@ -187,7 +187,7 @@ class AutoscalePolicy:
         """The decision at `now` (seconds, monotonic); "up" or "down" starts the cooldown: the caller acts on it."""
         cfg, n = self.cfg, signal.size
         if not signal.starting and not signal.draining:
-            self.trend.add(now, signal.demand)
+            self.trend.add(now, signal.waiting)
         cause, over = self._over(signal)
         if not over:
             cause, over = self._projected(signal)
@@ -224,7 +224,7 @@ class AutoscalePolicy:
         """The step decided last has been carried out (an instance started or stopped, or the step failed): the
         cooldown and the conditions' clocks start from here, not from the decision (a start may take minutes)."""
         self._last_step, self._up_since, self._down_since = now, None, None
-        self.trend.clear()  # the demand's growth on the old fleet says little about the new one
+        self.trend.clear()  # the queue's growth on the old fleet says little about the new one
 
     # ---- the conditions ---------------------------------------------------------------------------------------
     def _over(self, s: FleetSignal) -> tuple[Cause, str]:
@@ -241,17 +241,15 @@ class AutoscalePolicy:
         return "manual", ""
 
     def _projected(self, s: FleetSignal) -> tuple[Cause, str]:
-        """The signal that would be over its target one learned start from now, projected from the demand's trend at
+        """The signal that would be over its target one learned start from now, projected from the queue's trend at
         its lower confidence bound, and why in words; ("manual", "") if none would (or nothing to project with)."""
         cfg, t, serving = self.cfg, self.cfg.target, s.serving
         trend = self.trend.trend() if cfg.predict and s.start_s is not None and serving else None
         rise = trend.lower(cfg.trend_z) if trend is not None else 0.0
         if trend is None or rise * s.start_s < 1.0:  # less than one more request by then: nothing to act on
             return "manual", ""
-        n = len(serving)
-        demand = s.demand + rise * s.start_s
-        queue = max(0.0, demand - n * self.slots) / n  # balanced over the serving instances (the queue policy)
-        why = f"in {s.start_s:.1f} s (the learned start; demand {s.demand} rising {rise:.2f}/s)"
+        queue = (s.waiting + rise * s.start_s) / len(serving)  # balanced over the serving instances (the queue policy)
+        why = f"in {s.start_s:.1f} s (the learned start; {s.waiting} waiting, rising {rise:.2f}/s)"
         if t.ttft_p99_s is not None and s.step_s is not None:
             ttft = s.step_s * (1.0 + queue / self.slots)  # as SignalReader predicts TTFT from a queue
             if ttft > t.ttft_p99_s:

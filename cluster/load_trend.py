@@ -1,4 +1,4 @@
-"""The fleet's load trend for a predictive step up: how fast the requests in the fleet grow, with a confidence bound.
+"""The fleet's queue trend for a predictive step up: how fast its waiting requests grow, with a confidence bound.
 
 A reactive autoscaler steps up once a signal is over its target; a new instance then serves only after its start
 (a Ray worker and a model load, 6-7 s in `specfleet bench elastic`), and the requests arriving meanwhile wait. The
@@ -6,14 +6,18 @@ predictive step up (cluster/autoscale.py) instead asks whether the load, project
 target, as Dynamo's SLA planner forecasts the next interval's load (its constant, ARIMA, Prophet and Kalman
 predictors) and Netflix Scryer / AWS predictive scaling start capacity ahead of the demand it forecasts.
 
-The forecast here is a local trend: the fleet's demand (requests waiting or running, summed over the serving
-instances) sampled over the last `window_s` seconds, its growth rate `(last - first) / elapsed`, and that rate's
+The forecast here is a local trend: the fleet's queue (requests waiting, summed over the serving instances) sampled
+over the last `window_s` seconds, its growth rate `(last - first) / elapsed`, and that rate's
 standard error taken as a random walk's, `sqrt(m) * std(increments) / elapsed` over the m increments between
 samples. A queue fed by Poisson arrivals wanders like a random walk, so the residuals of a straight-line fit
 understate how far a flat load strays (a least-squares slope with residual errors fired on 4 to 20 of 20 steady
 loads in the policy's simulator); the increments' spread does not. Projected forward, the rate is used at its lower
 one-sided confidence bound, `rate - z * stderr`, never below 0: a load that only jitters projects flat, and prediction
-adds no step there, while a load that climbs steadily projects its climb. Pure: times are passed in.
+adds no step there, while a queue that climbs steadily projects its climb. The queue, not every request in the fleet:
+requests filling free slots after a rise to a new rate that the fleet can serve settle at a new level, and a line
+through that fill would project a growth that stops (at 1,000 instances the policy then stepped up and back down
+three times where it should change direction once); the queue grows only while arrivals outrun the fleet's
+service, which is the growth that continues. Pure: times are passed in.
 """
 
 from __future__ import annotations
@@ -37,7 +41,7 @@ class Trend:
 
 
 class DemandTrend:
-    """The last `window_s` seconds of (time, demand) samples and their least-squares slope."""
+    """The last `window_s` seconds of (time, count) samples and their growth rate."""
 
     def __init__(self, window_s: float, min_samples: int = 4, max_samples: int = 10_000) -> None:
         if window_s <= 0 or min_samples < 3:

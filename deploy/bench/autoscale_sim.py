@@ -167,7 +167,7 @@ def simulate(args: argparse.Namespace) -> dict:
                     draining.discard(i)
             rows = [e.row() for e in registry.instances.values()]
             t0 = time.thread_time()  # the decision's CPU time: what it costs the router, whatever else runs
-            signal = reader.read(rows, now, starting=len(starting))
+            signal = reader.read(rows, now, starting=len(starting), start_s=args.start_s)  # the start it takes
             d = policy.decide(signal, now)
             decide_s.append(time.thread_time() - t0)
             if d.action == "up":
