@@ -54,6 +54,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--up-after-s", type=float, default=2.0)
     p.add_argument("--down-after-s", type=float, default=5.0)
     p.add_argument("--fleets", default="max,min,autoscaled", help="which fleets to run, comma-separated")
+    p.add_argument("--predict", action=argparse.BooleanOptionalAction, default=True,
+                   help="the autoscaler's predictive step up (fleet.autoscaling.predict; --no-predict: reactive alone)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--migration-policies", default="queue",
                    help="the router's migration policies in every fleet, comma-separated (default queue: a request "
@@ -143,6 +145,7 @@ def run(args: argparse.Namespace) -> int:
                                 target=AutoscaleTarget(ttft_p99_s=args.ttft_target_s,
                                                        queue_per_instance=args.queue_target),
                                 up_after_s=args.up_after_s, down_after_s=args.down_after_s, cooldown_s=1.0,
+                                predict=args.predict,
                                 interval_s=0.5, window_s=10.0, drain_timeout_s=120.0)  # validates the bounds
     state = local_cluster.read_state(args.state)
     nodes = [n.spec.name for n in state.nodes]
