@@ -198,6 +198,11 @@ class SchedulerConfig(_Frozen):
     max_batch_size: int = Field(default=8, ge=1)
     # decodes' tokens (1 + k each) come first; prefill chunks fill the rest of the budget
     max_num_batched_tokens: int = Field(default=256, ge=1)
+    # tokens a request's stream gathers before the instance sends them on (vLLM's and SGLang's `stream_interval`;
+    # cluster/coalesce.py): 1 sends each step's tokens at once; more sends fewer, larger chunks (less work per token
+    # in the served path, a lumpier stream). The first tokens and the last are never held. Whatever waits to be sent
+    # goes as one chunk whatever this is.
+    stream_interval: int = Field(default=1, ge=1)
 
     @model_validator(mode="after")
     def _room_for_decodes(self) -> "SchedulerConfig":

@@ -45,6 +45,7 @@ from actors.engine.sequence import EngineSequence
 from actors.serving.loop import ServingLoop
 from actors.speculation.structured import CompiledGrammar
 from actors.start_phases import StartClock, StartPhases
+from cluster.coalesce import Coalescer
 from cluster.disagg import Role
 from cluster.instances import InstancePlace
 from cluster.request import FinishReason, Request, RequestStatus, StreamItem, TokenDelta
@@ -167,8 +168,9 @@ class InstanceServer:
                 yield StreamItem(TokenDelta(request.request_id, (), "", FinishReason.ERROR, error=str(e),
                                             instance_failure=not refused), rejected=refused)
                 return
+            out = Coalescer(items, self.spec.engine.scheduler.stream_interval)  # what waits goes out as one item
             while True:
-                item = await items.get()
+                item = await out.next()
                 finished = item.delta.finished
                 yield item
                 if finished:
@@ -191,8 +193,9 @@ class InstanceServer:
         self._leases.end(("follow", request_id))
         finished = False
         try:
+            out = Coalescer(items, self.spec.engine.scheduler.stream_interval)
             while True:
-                item = await items.get()
+                item = await out.next()
                 finished = item.delta.finished or item.migrated_to is not None
                 yield item
                 if finished:

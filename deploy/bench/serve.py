@@ -1,6 +1,6 @@
 """`specfleet bench serve`: load through the app's HTTP endpoint, the Serve path's overhead, a concurrency check.
 
-Three phases against a running app (`specfleet serve`), all with greedy, ignore_eos streaming completions of
+Phases against a running app (`specfleet serve`), all with greedy, ignore_eos streaming completions of
 real prompts (MT-Bench or HumanEval) sent as token ids, so every path gets identical inputs:
 
 1. overhead: the same requests one at a time, (a) straight to an engine instance over Ray (the router's
@@ -30,6 +30,7 @@ import httpx
 
 from deploy.infra import local_cluster, ray_node
 from deploy.cli.admin_cmd import add_endpoint_flags, endpoint
+from deploy.bench import serve_throughput
 from deploy.bench.prompts import DATASETS, load_prompts
 from deploy.bench.output import pct, save
 from deploy.cli.flags import UsageError, parse_numbers
@@ -47,6 +48,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-prompt-tokens", type=int, default=512, help="prompts are cut to their first N tokens")
     p.add_argument("--dataset", choices=sorted(DATASET_FILES), default="mtbench")
     p.add_argument("--overhead-requests", type=int, default=20, help="request pairs of the overhead phase (0: skip)")
+    p.add_argument("--throughput", type=int, default=0, metavar="N",
+                   help="output tok/s of N HTTP streams at once next to the engine at batch N in this process, "
+                        "with CPU seconds by process (0: skip; deploy/bench/serve_throughput.py)")
+    p.add_argument("--throughput-rounds", type=int, default=2, help="alternating rounds of the throughput phase")
     p.add_argument("--concurrency", type=int, default=50, help="streams at once in the concurrency check (0: skip)")
     where = p.add_mutually_exclusive_group()
     where.add_argument("--state", type=Path, default=local_cluster.DEFAULT_STATE,
@@ -290,8 +295,8 @@ def run(args: argparse.Namespace) -> int:
     rates = parse_numbers(args.rates, "--rates", float, "numbers like 0.5,1,2")
     if any(r <= 0 for r in rates) or args.duration <= 0 or args.max_tokens < 1 or args.max_prompt_tokens < 1:
         raise UsageError("--rates must be > 0, --duration > 0, --max-tokens and --max-prompt-tokens >= 1")
-    if args.concurrency < 0 or args.overhead_requests < 0:
-        raise UsageError("--concurrency and --overhead-requests must be >= 0")
+    if args.concurrency < 0 or args.overhead_requests < 0 or args.throughput < 0 or args.throughput_rounds < 1:
+        raise UsageError("--concurrency, --overhead-requests and --throughput must be >= 0, --throughput-rounds >= 1")
     if args.plot and not rates:
         raise UsageError("--plot needs at least one rate in --rates")
     report = asyncio.run(_bench(args, rates))
@@ -303,7 +308,8 @@ def run(args: argparse.Namespace) -> int:
 async def _bench(args: argparse.Namespace, rates: list[float]) -> dict:
     e = endpoint(args)
     headers = {"Authorization": f"Bearer {e.api_key}"} if e.api_key else {}
-    limits = httpx.Limits(max_connections=max(100, args.concurrency + 10), max_keepalive_connections=100)
+    limits = httpx.Limits(max_connections=max(100, args.concurrency + 10, args.throughput + 10),
+                          max_keepalive_connections=100)
     async with httpx.AsyncClient(base_url=e.url, headers=headers, timeout=args.timeout * 10, limits=limits) as c:
         model, context = await _model(c, e.url, args.model)
         prompts = _prompts(args, context)
@@ -331,6 +337,12 @@ async def _bench(args: argparse.Namespace, rates: list[float]) -> dict:
             report["in_process"] = await asyncio.to_thread(in_process, args.config, prompts,
                                                            args.overhead_requests, args.max_tokens, args.timeout * 10)
             print(f"in process: {report['in_process']}", flush=True)
+        if args.throughput:
+            pids = [] if args.address else [n.pid for n in local_cluster.read_state(args.state).nodes]
+            report["throughput"] = await serve_throughput.throughput(
+                lambda ids, m: http_stream(c, model, ids, m), args.config, prompts, args.throughput, args.max_tokens,
+                args.throughput_rounds, pids, args.timeout * 10)
+            print(serve_throughput.summary(report["throughput"]), flush=True)
         if args.concurrency:
             report["concurrency"] = await concurrency(c, model, prompts, args.concurrency, args.max_tokens)
             print(f"concurrency: {report['concurrency']}", flush=True)
@@ -385,6 +397,8 @@ def _print(report: dict) -> None:
               f"straight to the instance actor {o['direct_ttft_p50_ms']} ms, through Serve HTTP "
               f"{o['http_ttft_p50_ms']} ms (actor / in process = "
               f"{o['direct_ttft_p50_ms'] / local['ttft_p50_ms']:.2f}x)")
+    if t := report.get("throughput"):
+        print(serve_throughput.summary(t))
     if c := report.get("concurrency"):
         print(f"{c['streams']} concurrent streams: {c['completed']} completed with [DONE], {c['rejected']} rejected, "
               f"{c['lost']} lost, in {c['wall_s']} s")

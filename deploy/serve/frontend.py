@@ -2,7 +2,7 @@
 
     frontend = Frontend(frontend_config(cfg), router)  # in the API replica (its own sub-config, frontend_config.py)
     call = await frontend.start(frontend.prepare(...))  # routed: 404/429/503 are raised here, before any output
-    async for index, item in call: ...                 # StreamItems of every choice, merged
+    async for index, item in call: ...                 # StreamItems of every choice (what waited: merged)
     # leaving the loop early (client disconnect) aborts whatever is still running and frees its KV
 
 Everything the engine would refuse is refused here first, with the field it concerns, so a stream that has
@@ -45,6 +45,7 @@ from ray.exceptions import RayError
 from actors.model.loader import load_metadata
 from actors.model.tokenize import encode_chat, encode_text
 from actors.speculation.structured import check as check_structured
+from cluster.coalesce import coalesce_choices, waiting
 from cluster.prefix import block_hashes, request_root
 from cluster.registry import NoInstanceAvailable
 from cluster.request import (FinishReason, InvalidRequest, Request, RequestStatus, Resume, SamplingParams,
@@ -434,12 +435,12 @@ class Call:
         timer = _Timer(self.f.metrics, self.prep.arrival)
         try:
             while self._open:
-                index, item = await out.get()
-                timer.observe(index, item)
-                if item.delta.finished:
-                    self._open.discard(index)
-                    self._finished(index, item)
-                yield index, item
+                for index, item in coalesce_choices([await out.get(), *waiting(out)]):
+                    timer.observe(index, item)
+                    if item.delta.finished:
+                        self._open.discard(index)
+                        self._finished(index, item)
+                    yield index, item
         finally:
             self.close()
 
