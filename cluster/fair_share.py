@@ -8,7 +8,10 @@ The rules of the API replica's tokenizer pool (deploy/serve/tokenizing.py) and a
 - at most `queue_limit` jobs wait for a thread, served round-robin by tenant; one more gets `full(busy, queued)`
   raised (the caller's own error: a 429 at the edge, a refusal at an instance);
 - the bookkeeping runs on the event loop; a thread's slot is given back when its job ends, even if the request
-  that waited for it was cancelled meanwhile (a thread cannot be stopped, so its slot stays taken until then).
+  that waited for it was cancelled meanwhile (a thread cannot be stopped, so its slot stays taken until then);
+- a waiter cancelled while queued never takes a slot, even when a slot frees between its cancellation and its task
+  running (that slot once went to the cancelled waiter and was never given back: one client cut at that moment left a
+  tenant holding no thread yet unable to start one, and its requests waited for good).
 """
 
 from __future__ import annotations
@@ -72,11 +75,14 @@ class FairSlots:
         try:
             await gate
         except asyncio.CancelledError:
-            if gate.done() and not gate.cancelled():  # a slot was given to us just now: hand it on
-                self.release(tenant)
-            else:
-                self._waiting[tenant].remove(gate)
+            # whoever takes a gate out of the queue counts it out: here if it still waits, else `release` did (and
+            # gave it the slot, or, cancelled before its turn came, dropped it)
+            gates = self._waiting.get(tenant)
+            if gates is not None and gate in gates:
+                gates.remove(gate)
                 self._queued -= 1
+            elif gate.done() and not gate.cancelled():  # a slot was given to us just now: hand it on
+                self.release(tenant)
             raise
 
     def release(self, tenant: str) -> None:
@@ -90,6 +96,9 @@ class FairSlots:
             who = self._turn[0]
             self._turn.rotate(-1)
             gates = self._waiting.get(who)
+            while gates and gates[0].done():  # cancelled before its turn came, its task not run yet: no slot for it
+                gates.popleft()
+                self._queued -= 1
             if not gates:
                 self._turn.remove(who)
                 self._waiting.pop(who, None)
