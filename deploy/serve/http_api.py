@@ -23,6 +23,7 @@ from collections.abc import AsyncIterator
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
+from starlette.requests import ClientDisconnect
 
 from cluster.config import ServeConfig
 from cluster.request import FinishReason, SpecStats
@@ -63,6 +64,9 @@ async def _read(request: Request, limit: int, timeout_s: float) -> bytes:
     except asyncio.TimeoutError:
         raise APIError(408, f"the body did not arrive within {timeout_s:g} s (serve.edge.body_timeout_s)",
                        code="request_timeout") from None
+    except ClientDisconnect:  # the client left before its body arrived: nginx's 499, not a server error (was a 500)
+        raise APIError(499, "the client closed the connection before its body arrived",
+                       code="client_closed_request") from None
     return bytes(raw)
 
 
