@@ -18,7 +18,7 @@ def test_bench_migration_runs_every_part_losslessly(ray_cluster, tmp_path: Path)
     # a context long enough for streams that outlast a migration (about 1 s over a torch link here) on a loaded
     # machine (the tiny default is 256)
     model = build_tiny_model("llama", tmp_path / "model", max_position_embeddings=2048)
-    args = ["--model", str(model), "--contexts", "16,48", "--repeats", "1", "--max-tokens", "1200",
+    args = ["--model", str(model), "--contexts", "48", "--repeats", "1", "--max-tokens", "1200",
             "--migrate-after", "2", "--failover-requests", "2", "--failover-context", "48", "--skew-requests", "4",
             "--skew-rate", "20", "--skew-prompt-tokens", "32", "--skew-max-tokens", "24", "--skew-fits", "2",
             "--parts", "downtime,failover,skew,draft", "--draft-layers", "0-1", "--draft-k", "3", "--num-cpus", "0.5",
@@ -28,7 +28,7 @@ def test_bench_migration_runs_every_part_losslessly(ray_cluster, tmp_path: Path)
     assert out.returncode == 0, out.stdout + out.stderr[-4000:]
     report = json.loads(report_path.read_text())
     assert plot.stat().st_size > 0
-    assert [p["context"] for p in report["downtime"]] == [16, 48]
+    assert [p["context"] for p in report["downtime"]] == [48]  # one context: the sweep is a loop; each costs 6 long streams
     for part in report["downtime"]:
         for mode in ("staged", "stop_and_copy", "staged_object_store", "stop_and_copy_object_store"):
             assert part[mode]["finished"] == part[mode]["of"] == 1 and part[mode]["identical"], part[mode]["runs"]

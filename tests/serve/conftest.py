@@ -101,13 +101,24 @@ def ports_of(app: ServedApp) -> tuple[int, int]:
     return int(app.url.rsplit(":", 1)[1]), int(app.grpc_target.rsplit(":", 1)[1])
 
 
+class _Displaced:
+    """Whether another app holds the session app's ports: set while a module's app is served in its place (`None`),
+    and once that module ends (its config path, for the next test that needs the session app to serve it again)."""
+
+    app: ServedApp | None = None
+    in_place = False
+
+
 @contextmanager
 def served_in_place_of(served_app: ServedApp, ray_cluster, config: dict, folder: Path, target: Path
                        ) -> Iterator[ServedApp]:
     """`specfleet serve` of `config` (on `served_app`'s ports: Serve's proxies keep the session's first ports) for
-    the block, with one instance; the session's app is served again afterwards."""
+    the block, with one instance. The session's app is served again before the next test that asks for it
+    (`_session_app_back`), not at the block's end: the modules that serve in place run last (`IN_PLACE_MODULES`), so
+    the session's app is never served again for nobody."""
     path = folder / "config.yaml"
     path.write_text(yaml.safe_dump(config))
+    _Displaced.in_place = True
     out = specfleet("serve", "--config", str(path), "--state", str(ray_cluster.state_path), "--timeout", "240")
     assert out.returncode == 0, out.stdout + out.stderr
     http_port, grpc_port = ports_of(served_app)
@@ -116,10 +127,29 @@ def served_in_place_of(served_app: ServedApp, ray_cluster, config: dict, folder:
     try:
         yield app
     finally:
-        out = specfleet("serve", "--config", str(served_app.config_path), "--state", str(ray_cluster.state_path),
-                        "--timeout", "240")
-        assert out.returncode == 0, out.stdout + out.stderr
-        _wait_healthy(served_app, instances=2)
+        _Displaced.in_place, _Displaced.app = False, served_app
+
+
+@pytest.fixture(autouse=True)
+def _session_app_back(request: pytest.FixtureRequest) -> None:
+    """The session's app served again on its ports before a test that uses it, if a module served another there."""
+    app = _Displaced.app
+    if app is None or _Displaced.in_place or "served_app" not in request.fixturenames:
+        return
+    out = specfleet("serve", "--config", str(app.config_path), "--state", str(app.state_path), "--timeout", "240")
+    assert out.returncode == 0, out.stdout + out.stderr
+    _wait_healthy(app, instances=2)
+    _Displaced.app = None
+
+
+# the modules that serve their own app on the session app's ports: run after every other test of the session
+IN_PLACE_MODULES = ("test_autoscale.py", "test_tools.py")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The tests/serve modules in IN_PLACE_MODULES last (in their order), so the session's app is served once."""
+    last = [i.path.parent.name == "serve" and i.path.name in IN_PLACE_MODULES for i in items]
+    items[:] = [i for i, x in zip(items, last) if not x] + [i for i, x in zip(items, last) if x]
 
 
 def _wait_healthy(app: ServedApp, instances: int, timeout_s: float = 60.0) -> None:

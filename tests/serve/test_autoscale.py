@@ -23,7 +23,7 @@ PROMPTS = [f"Tell me about the number {n} and why it matters." for n in range(8)
 @pytest.fixture(scope="module")
 def elastic_app(served_app, ray_cluster, tmp_path_factory) -> Iterator[ServedApp]:
     """`specfleet serve` with autoscaling between 1 and 2 instances of 2 slots, on the ports of the session's app
-    (Serve's proxies keep the first app's), which is served again afterwards."""
+    (Serve's proxies keep the first app's); a later test that needs the session's app serves it again."""
     root = tmp_path_factory.mktemp("elastic-models")
     target = build_tiny_model("llama", root / "target", max_position_embeddings=1024)
     draft = perturbed_copy(target, root / "draft", DRAFT_NOISE)

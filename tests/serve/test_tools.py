@@ -37,7 +37,7 @@ MODEL = "tiny-agent"
 def agent_app(served_app, ray_cluster, tmp_path_factory) -> Iterator[ServedApp]:
     """`specfleet serve` of the agent model with a draft (k=3), one instance; parsers detected from the template.
     Serve's proxies listen on the ports of the cluster's first app (the session's `served_app`), so this app takes
-    its place on them for the module, and the session's app is served again afterwards."""
+    its place on them for the module (a later test that needs the session's app serves it again)."""
     root = tmp_path_factory.mktemp("agent-models")
     target = build_agent_model(root / "target")
     draft = perturbed_copy(target, root / "draft", DRAFT_NOISE)
