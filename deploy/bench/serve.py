@@ -389,7 +389,7 @@ async def _llama_side(stack: contextlib.AsyncExitStack, args: argparse.Namespace
     from deploy.model_store import resolve_model
 
     config = load_config(args.config)
-    gguf = Path(resolve_model(config.engine.model.target))  # a catalog name: its GGUF file, fetched if absent
+    gguf = Path(await asyncio.to_thread(resolve_model, config.engine.model.target))  # a catalog name: fetched if absent
     if gguf.suffix != ".gguf" or not gguf.is_file():
         raise UsageError(f"--llama-server runs on a GGUF file; {args.config}'s model is {gguf}")
     slot_ctx = max(map(len, prompts)) + args.max_tokens + 16
