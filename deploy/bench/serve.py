@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import random
@@ -25,12 +26,13 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import httpx
 
 from deploy.infra import local_cluster, ray_node
 from deploy.cli.admin_cmd import add_endpoint_flags, endpoint
-from deploy.bench import serve_throughput
+from deploy.bench import llama_server, serve_throughput
 from deploy.bench.prompts import DATASETS, load_prompts
 from deploy.bench.output import pct, save
 from deploy.cli.flags import UsageError, parse_numbers
@@ -52,6 +54,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="output tok/s of N HTTP streams at once next to the engine at batch N in this process, "
                         "with CPU seconds by process (0: skip; deploy/bench/serve_throughput.py)")
     p.add_argument("--throughput-rounds", type=int, default=2, help="alternating rounds of the throughput phase")
+    p.add_argument("--llama-server", metavar="PATH",
+                   help="with --throughput N: llama.cpp's llama-server binary, started with N slots on the served "
+                        f"config's GGUF file as a third side of each round (default ${llama_server.ENV}; "
+                        "deploy/bench/llama_server.py)")
     p.add_argument("--concurrency", type=int, default=50, help="streams at once in the concurrency check (0: skip)")
     where = p.add_mutually_exclusive_group()
     where.add_argument("--state", type=Path, default=local_cluster.DEFAULT_STATE,
@@ -83,28 +89,43 @@ class Trace:
 
 
 # ---- the two paths --------------------------------------------------------------------------------------
+Event = Callable[[Trace, dict, float], None]  # one SSE event's JSON into a Trace, at a time
+
+
 async def http_stream(c: httpx.AsyncClient, model: str, ids: list[int], max_tokens: int) -> Trace:
     """One streaming /v1/completions request with a token-id prompt, its SSE parsed as it arrives."""
     body = {"model": model, "prompt": ids, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True,
             "stream": True, "stream_options": {"include_usage": True}}
+    return await sse_stream(c, "/v1/completions", body, _chunk)
+
+
+async def sse_stream(c: httpx.AsyncClient, path: str, body: dict, on_event: Event) -> Trace:
+    """One streaming POST, each `data:` line given to `on_event` as it arrives (the same client for the app and for
+    llama-server, deploy/bench/llama_server.py)."""
     t = Trace(time.perf_counter())
     try:
-        async with c.stream("POST", "/v1/completions", json=body) as r:
+        async with c.stream("POST", path, json=body) as r:
             t.status = r.status_code
             if r.status_code != 200:
                 t.error = f"HTTP {r.status_code}: {(await r.aread()).decode(errors='replace')[:200]}"
                 return t
             async for line in r.aiter_lines():
-                if not line.startswith("data: "):
-                    continue
-                data = line[len("data: "):]
-                if data == "[DONE]":
-                    t.done = True
-                    continue
-                _chunk(t, json.loads(data), time.perf_counter())
+                sse_line(t, line, on_event, time.perf_counter())
     except httpx.HTTPError as e:
         t.error = f"{type(e).__name__}: {e}"
     return t
+
+
+def sse_line(t: Trace, line: str, on_event: Event, now: float) -> None:
+    """One line of an SSE body: `data: [DONE]` ends the stream, another `data:` line is an event, the rest (blank
+    separators, comments) is skipped."""
+    if not line.startswith("data: "):
+        return
+    data = line[len("data: "):]
+    if data == "[DONE]":
+        t.done = True
+    else:
+        on_event(t, json.loads(data), now)
 
 
 def _chunk(t: Trace, obj: dict, now: float) -> None:
@@ -299,6 +320,10 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError("--concurrency, --overhead-requests and --throughput must be >= 0, --throughput-rounds >= 1")
     if args.plot and not rates:
         raise UsageError("--plot needs at least one rate in --rates")
+    if args.llama_server and not args.throughput:
+        raise UsageError("--llama-server is a side of the throughput phase: give --throughput N as well")
+    exe = args.llama_server or os.environ.get(llama_server.ENV)
+    args.llama_exe = llama_server.binary(exe) if exe and args.throughput else None
     report = asyncio.run(_bench(args, rates))
     _print(report)
     save(report, args.json, args.plot, _plot)
@@ -339,9 +364,11 @@ async def _bench(args: argparse.Namespace, rates: list[float]) -> dict:
             print(f"in process: {report['in_process']}", flush=True)
         if args.throughput:
             pids = [] if args.address else [n.pid for n in local_cluster.read_state(args.state).nodes]
-            report["throughput"] = await serve_throughput.throughput(
-                lambda ids, m: http_stream(c, model, ids, m), args.config, prompts, args.throughput, args.max_tokens,
-                args.throughput_rounds, pids, args.timeout * 10)
+            async with contextlib.AsyncExitStack() as stack:
+                llama = await _llama_side(stack, args, prompts, limits, report) if args.llama_exe else None
+                report["throughput"] = await serve_throughput.throughput(
+                    lambda ids, m: http_stream(c, model, ids, m), args.config, prompts, args.throughput,
+                    args.max_tokens, args.throughput_rounds, pids, args.timeout * 10, llama)
             print(serve_throughput.summary(report["throughput"]), flush=True)
         if args.concurrency:
             report["concurrency"] = await concurrency(c, model, prompts, args.concurrency, args.max_tokens)
@@ -352,6 +379,28 @@ async def _bench(args: argparse.Namespace, rates: list[float]) -> dict:
             report["runs"].append(await poisson(c, model, prompts, rate, args.duration, args.max_tokens, rng))
             print(f"rate {rate:g}/s: {report['runs'][-1]}", flush=True)
     return report
+
+
+async def _llama_side(stack: contextlib.AsyncExitStack, args: argparse.Namespace, prompts: list[list[int]],
+                      limits: httpx.Limits, report: dict) -> serve_throughput.Other:
+    """llama-server started (and stopped by `stack`) with a slot per stream on the served config's GGUF file, as
+    many threads as its instance gets, each slot room for the longest prompt and --max-tokens; the same client."""
+    from cluster.config import load_config
+    from deploy.model_store import resolve_model
+
+    config = load_config(args.config)
+    gguf = Path(await asyncio.to_thread(resolve_model, config.engine.model.target))  # a catalog name: fetched if absent
+    if gguf.suffix != ".gguf" or not gguf.is_file():
+        raise UsageError(f"--llama-server runs on a GGUF file; {args.config}'s model is {gguf}")
+    slot_ctx = max(map(len, prompts)) + args.max_tokens + 16
+    server = await stack.enter_async_context(llama_server.LlamaServer(
+        args.llama_exe, gguf, args.throughput, slot_ctx, llama_server.threads(config.fleet.instance_num_cpus)))
+    report["llama_server"] = server.describe()
+    print(f"llama-server: {report['llama_server']}", flush=True)
+    c = await stack.enter_async_context(httpx.AsyncClient(base_url=server.url, timeout=args.timeout * 10,
+                                                          limits=limits))
+    return serve_throughput.Other(
+        lambda ids, m: sse_stream(c, "/completion", llama_server.body(ids, m), llama_server.event), server.pid)
 
 
 async def _model(c: httpx.AsyncClient, url: str, wanted: str | None) -> tuple[str, int]:

@@ -1,16 +1,19 @@
 """`bench serve --throughput N`: output tokens/s of N streams at once through Serve HTTP next to the engine at batch N.
 
 Side by side in one run, on the same prompts (token ids), greedy, `ignore_eos`, `--max-tokens` each, in alternating
-rounds (HTTP first, then in process, `--throughput-rounds` times):
+rounds (HTTP first, then in process, then llama-server if asked, `--throughput-rounds` times):
 
 - served: N streaming /v1/completions at once over HTTP (the bench's own client, in this process);
 - in process: the served config's instance built in this process, the same N requests submitted at once to the same
-  ServingLoop (actors/serving/loop.py) the instance actor runs, no Ray, no HTTP.
+  ServingLoop (actors/serving/loop.py) the instance actor runs, no Ray, no HTTP;
+- with `--llama-server`, llama.cpp's own server (`llama-server -np N`, deploy/bench/llama_server.py) on the served
+  config's GGUF file: the same N requests at once to its streaming /completion, by the same client.
 
 Each round reports tokens/s (all tokens over the span from the first send to the last token), the chunks (SSE events
 with text, or the loop's deltas) per request, and CPU seconds: this process's own (the client: its HTTP parsing runs on
 the same cores as the app) and, for a local cluster, each of the cluster's processes grouped by role (the instance
-actor, the API replica, Serve's proxy, the rest), so the served path's cost can be apportioned.
+actor, the API replica, Serve's proxy, the rest) and llama-server's process, so the served path's cost can be
+apportioned.
 """
 
 from __future__ import annotations
@@ -19,7 +22,9 @@ import asyncio
 import threading
 import time
 from collections import Counter
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Awaitable, Callable
 
 import psutil
 
@@ -47,6 +52,8 @@ def role(name: str) -> str:
         return "api_replica"
     if "ProxyActor" in name:
         return "serve_proxy"
+    if "llama-server" in name:
+        return "llama_server"
     return "other"
 
 
@@ -81,11 +88,11 @@ class CpuMeter:
         return {"client": round(client, 2), **{r: round(s, 2) for r, s in sorted(by_role.items())}}
 
 
-def served_round(traces) -> dict:
+def served_round(traces, who: str = "served") -> dict:
     """Tokens/s of one round of HTTP streams started at once (deploy/bench/serve.py Trace)."""
     bad = [t for t in traces if not t.ok]
     if bad:
-        raise UsageError(f"{len(bad)} of {len(traces)} throughput streams failed: "
+        raise UsageError(f"{len(bad)} of {len(traces)} {who} throughput streams failed: "
                          f"{sorted({t.error or str(t.finish_reason) for t in bad})[:3]}")
     tokens = sum(t.tokens for t in traces)
     span = max(t.last for t in traces) - min(t.sent for t in traces)
@@ -155,14 +162,28 @@ class LocalEngine:
         self.instance.shutdown()
 
 
-async def throughput(stream, config: Path, prompts: list[list[int]], n: int, max_tokens: int, rounds: int,
-                     pids: list[int], timeout_s: float) -> dict:
-    """`rounds` alternating rounds of N HTTP streams at once (`stream(ids, max_tokens)` -> Trace) and the in-process
-    batch of the same N requests; tokens/s, chunks and CPU seconds of each, and the ratio of the pooled tokens/s."""
+Stream = Callable[[list[int], int], Awaitable]  # (prompt ids, max tokens) -> deploy/bench/serve.py Trace
+
+
+@dataclass(frozen=True)
+class Other:
+    """Another server driven by the same client, as a third side of each round: its streams and its process."""
+
+    stream: Stream
+    pid: int
+
+
+async def throughput(stream: Stream, config: Path, prompts: list[list[int]], n: int, max_tokens: int, rounds: int,
+                     pids: list[int], timeout_s: float, llama: Other | None = None) -> dict:
+    """`rounds` alternating rounds of N HTTP streams at once (`stream(ids, max_tokens)` -> Trace), the in-process
+    batch of the same N requests and, with `llama`, the same N streams to llama-server; tokens/s, chunks and CPU
+    seconds of each, and the ratios of the pooled tokens/s."""
     batch = [prompts[i % len(prompts)] for i in range(n)]
     await asyncio.gather(*(stream(ids, 4) for ids in batch))  # warm-up: every stream's path is open
+    if llama:
+        served_round(await asyncio.gather(*(llama.stream(ids, 4) for ids in batch)), "llama-server")  # warm-up
     local = await asyncio.to_thread(LocalEngine, config)
-    served_runs, local_runs = [], []
+    served_runs, local_runs, llama_runs = [], [], []
     try:
         await asyncio.to_thread(local.batch, batch, 4, timeout_s)  # warm-up
         for _ in range(rounds):
@@ -176,13 +197,26 @@ async def throughput(stream, config: Path, prompts: list[list[int]], n: int, max
             run = await asyncio.to_thread(local.batch, batch, max_tokens, timeout_s)
             local_runs.append({**run, "cpu_s": meter.stop()})
             print(f"throughput, in process: {local_runs[-1]}", flush=True)
+            if llama:
+                meter = CpuMeter([llama.pid])
+                meter.start()
+                traces = await asyncio.gather(*(llama.stream(ids, max_tokens) for ids in batch))
+                llama_runs.append({**served_round(traces, "llama-server"), "cpu_s": meter.stop()})
+                print(f"throughput, llama-server: {llama_runs[-1]}", flush=True)
     finally:
         await asyncio.to_thread(local.close)
     served, engine = pooled(served_runs), pooled(local_runs)
-    return {"concurrency": n, "max_tokens": max_tokens, "rounds": rounds, "served": served_runs,
-            "in_process": local_runs, "served_tok_s": served, "in_process_tok_s": engine,
-            "served_over_in_process": round(served / engine, 3),
-            "round_ratios": [round(s["tok_s"] / e["tok_s"], 3) for s, e in zip(served_runs, local_runs)]}
+    out = {"concurrency": n, "max_tokens": max_tokens, "rounds": rounds, "served": served_runs,
+           "in_process": local_runs, "served_tok_s": served, "in_process_tok_s": engine,
+           "served_over_in_process": round(served / engine, 3),
+           "round_ratios": [round(s["tok_s"] / e["tok_s"], 3) for s, e in zip(served_runs, local_runs)]}
+    if llama:
+        other = pooled(llama_runs)
+        out |= {"llama_server": llama_runs, "llama_server_tok_s": other,
+                "served_over_llama_server": round(served / other, 3),
+                "in_process_over_llama_server": round(engine / other, 3),
+                "llama_round_ratios": [round(s["tok_s"] / o["tok_s"], 3) for s, o in zip(served_runs, llama_runs)]}
+    return out
 
 
 def pooled(runs: list[dict]) -> float:
@@ -191,11 +225,20 @@ def pooled(runs: list[dict]) -> float:
 
 
 def summary(t: dict) -> str:
-    cpu = Counter()
-    for r in t["served"]:
-        cpu.update(r["cpu_s"])
-    per_round = ", ".join(f"{k} {v / len(t['served']):.1f}" for k, v in sorted(cpu.items()))
-    return (f"throughput at {t['concurrency']} streams x {t['max_tokens']} tokens ({t['rounds']} rounds): "
+    text = (f"throughput at {t['concurrency']} streams x {t['max_tokens']} tokens ({t['rounds']} rounds): "
             f"served {t['served_tok_s']} tok/s, in process {t['in_process_tok_s']} tok/s, served / in process = "
-            f"{t['served_over_in_process']:.2f}x (rounds: {t['round_ratios']}); CPU s per served round: {per_round}")
+            f"{t['served_over_in_process']:.2f}x (rounds: {t['round_ratios']}); CPU s per served round: "
+            f"{_cpu_per_round(t['served'])}")
+    if "llama_server" in t:
+        text += (f"\nllama-server at {t['concurrency']} slots: {t['llama_server_tok_s']} tok/s, served / llama-server"
+                 f" = {t['served_over_llama_server']:.2f}x (rounds: {t['llama_round_ratios']}), in process / llama-server"
+                 f" = {t['in_process_over_llama_server']:.2f}x; CPU s per llama-server round: "
+                 f"{_cpu_per_round(t['llama_server'])}")
+    return text
 
+
+def _cpu_per_round(runs: list[dict]) -> str:
+    cpu: Counter = Counter()
+    for r in runs:
+        cpu.update(r["cpu_s"])
+    return ", ".join(f"{k} {v / len(runs):.1f}" for k, v in sorted(cpu.items()))
