@@ -34,7 +34,7 @@ from ray.actor import ActorHandle
 
 from actors.serving.server import InstanceInfo, InstanceServer
 from cluster.autoscale import (AUTOSCALED_PREFIX, AutoscalePolicy, AutoscaleStatus, AutoscalingConfig, Cause,
-                               FleetSignal, ScaleDecision, ScaleEvent, SignalReader)
+                               ScaleDecision, ScaleEvent, SignalReader)
 from cluster.config import FleetConfig, SpecfleetConfig
 from cluster.disagg import Role
 from cluster.first_token import TtftReport, TtftReports
@@ -117,8 +117,6 @@ class Autoscaler:
         self.reader = SignalReader(cfg.window_s, slots_per_instance)
         # the API replicas' measured first tokens (pushed to `report_ttft`), the TTFT signal when there are any
         self.reports = TtftReports(cfg.window_s, max(REPORT_STALE_MIN_S, REPORT_STALE_ROUNDS * cfg.interval_s))
-        self.signal: FleetSignal | None = None  # the last round's
-        self.replicas = 0  # API replicas whose TTFT reports the last round read
         self.router = router
         self.launcher = launcher
         self.clock = clock
@@ -143,10 +141,8 @@ class Autoscaler:
         rows, start_s = await asyncio.gather(self._rows(), self._start_s())
         now = self.clock()
         deployed = sum(not r.instance_id.startswith(AUTOSCALED_PREFIX) for r in rows if r.healthy)
-        measured = self.reports.measured(now)
-        signal = self.signal = self.reader.read(rows, now, starting=max(0, self.floor - deployed), start_s=start_s,
-                                                measured=measured)
-        self.replicas = 0 if measured is None else measured.replicas
+        signal = self.reader.read(rows, now, starting=max(0, self.floor - deployed), start_s=start_s,
+                                  measured=self.reports.measured(now))
         decision = self.last = self.policy.decide(signal, now)
         self.size = signal.size
         try:
@@ -165,12 +161,14 @@ class Autoscaler:
         self.reports.put(report, self.clock())
 
     def status(self) -> AutoscaleStatus:
-        s = self.signal  # the TTFT p99 as the last round took it (measured or predicted), the ITL's over the window
+        now = self.clock()
+        measured = self.reports.measured(now)
+        ttft, source = self.reader.ttft_p99(now, measured)  # as a round would take it now: measured, or predicted
         return AutoscaleStatus(self.cfg.min_instances, self.cfg.max_instances, self.size, self.last,
                                tuple(self.events), tuple((a, o, c, n) for (a, o, c), n in sorted(self.counts.items())),
-                               s.ttft_p99_s if s else None, self.reader.itl.p99(self.clock()),
-                               self.failed.counts.get(ROUND, 0), self.failed.last_error.get(ROUND, ""),
-                               s.ttft_source if s else None, self.replicas)
+                               ttft, self.reader.itl.p99(now), self.failed.counts.get(ROUND, 0),
+                               self.failed.last_error.get(ROUND, ""), source,
+                               0 if measured is None else measured.replicas)
 
     # ---- scale out ---------------------------------------------------------------------------------------------
     async def scale_out(self, reason: str, rows: list[InstanceRow], role: Role = "both",
