@@ -153,3 +153,16 @@ def test_the_reporter_pushes_the_whole_record_and_a_push_past_its_deadline_is_lo
     failed = [m for m in caplog.messages if "failed (TimeoutError" in m]
     assert len(failed) == 1, caplog.messages  # logged once while it keeps failing
     assert any("reach the autoscaler again" in m for m in caplog.messages)
+
+
+def test_specfleet_status_says_whether_the_ttft_p99_is_measured_or_predicted() -> None:
+    from deploy.cli.admin_client import Autoscaling
+    from deploy.cli.admin_cmd import _autoscaling_line
+
+    base = dict(enabled=True, min_instances=1, max_instances=4, instances=2)
+    measured = _autoscaling_line(Autoscaling(**base, ttft_p99_s=0.4123, ttft_source="measured", ttft_replicas=2))
+    assert measured == "autoscaling: 2 instance(s) within 1-4; 0 step(s); ttft p99 0.412 s (measured from 2 API " \
+                       "replica(s))", measured
+    predicted = _autoscaling_line(Autoscaling(**base, ttft_p99_s=0.075, ttft_source="predicted"))
+    assert predicted.endswith("; ttft p99 0.075 s (predicted)"), predicted
+    assert "ttft" not in _autoscaling_line(Autoscaling(**base))  # no sample: no figure
