@@ -446,5 +446,5 @@ class AutoscaleStatus:
     failed_rounds: int = 0  # rounds that raised since the autoscaler started (the loop goes on with the next)
     last_failure: str = ""  # the last one's error, "ExceptionType: message"
     ttft_source: TtftSource | None = None  # measured (by the API replicas) or predicted (from the queue)
-    ttft_replicas: int = 0  # API replicas whose TTFT reports were fresh in the last round
+    ttft_replicas: int = 0  # API replicas whose TTFT reports are fresh (measured from them)
 

@@ -144,7 +144,7 @@ class Autoscaling(_Row):
     failed_rounds: int = 0  # autoscaling rounds that raised
     last_failure: str = ""
     ttft_source: str | None = None  # measured (by the API replicas) or predicted (from the queue, while none reports)
-    ttft_replicas: int = 0  # API replicas whose TTFT reports the last round read
+    ttft_replicas: int = 0  # API replicas whose TTFT reports are fresh
 
 
 class AdminClient:
