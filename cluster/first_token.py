@@ -95,8 +95,9 @@ class TtftReports:
         self._latest[report.replica] = (now, report)
 
     def measured(self, now: float) -> MeasuredTtft | None:
-        """The fresh reports' samples within the window and waiting ages (each aged by the report's own age);
-        None when no replica reported within `stale_s`."""
+        """The fresh reports' samples within the window (each aged by the report's own age) and their waiting
+        requests' ages as reported (not aged further: one may have had its first token since, and its age so far is
+        a lower bound on its TTFT only as of the report); None when no replica reported within `stale_s`."""
         fresh: list[tuple[float, TtftReport]] = []
         for replica, (received, report) in list(self._latest.items()):
             if now - received > self.stale_s:
@@ -108,5 +109,5 @@ class TtftReports:
         if not fresh:
             return None
         samples = tuple(v for late, r in fresh for age, v in r.samples if age + late <= self.window_s)
-        waiting = tuple(age + late for late, r in fresh for age in r.waiting)
+        waiting = tuple(age for _, r in fresh for age in r.waiting)
         return MeasuredTtft(samples, waiting, len(fresh))
