@@ -41,6 +41,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from cluster.disagg import Role
+from cluster.first_token import MeasuredTtft
 from cluster.instances import InstanceRow
 from cluster.load_trend import DemandTrend
 
@@ -49,6 +50,9 @@ from cluster.load_trend import DemandTrend
 # step_under_way; manual for a step an operator or a test asked for
 Cause = Literal["ttft", "itl", "queue", "min_instances", "max_instances", "low_load", "within_targets", "cooldown",
                 "step_under_way", "manual"]
+# where the TTFT p99 came from: measured by the API replicas (cluster/first_token.py), or predicted from the queue
+# (the fallback while no replica reports a measurement)
+TtftSource = Literal["measured", "predicted"]
 
 
 class _Frozen(BaseModel):
@@ -125,6 +129,7 @@ class FleetSignal:
     starting: int = 0
     start_s: float | None = None  # how long a new instance takes to serve, as learned (None: no start seen yet)
     step_s: float | None = None  # the serving instances' mean engine step (seconds), to predict TTFT from a queue
+    ttft_source: TtftSource | None = None  # where ttft_p99_s came from (None: not said, e.g. a test's plain data)
 
     @property
     def serving(self) -> list[InstanceSignal]:
@@ -231,7 +236,8 @@ class AutoscalePolicy:
         """The signal above its target now (ttft, itl or queue) and why in words; ("manual", "") if none is."""
         t, serving = self.cfg.target, s.serving
         if t.ttft_p99_s is not None and s.ttft_p99_s is not None and s.ttft_p99_s > t.ttft_p99_s:
-            return "ttft", f"ttft p99 {s.ttft_p99_s:.3f} s > target {t.ttft_p99_s:g} s"
+            source = f" ({s.ttft_source})" if s.ttft_source else ""
+            return "ttft", f"ttft p99 {s.ttft_p99_s:.3f} s > target {t.ttft_p99_s:g} s{source}"
         if t.itl_p99_s is not None and s.itl_p99_s is not None and s.itl_p99_s > t.itl_p99_s:
             return "itl", f"itl p99 {s.itl_p99_s:.3f} s > target {t.itl_p99_s:g} s"
         if t.queue_per_instance is not None and serving:
@@ -357,14 +363,18 @@ AUTOSCALED_PREFIX = "auto-"  # the ids of instances the autoscaler starts (and a
 
 
 class SignalReader:
-    """Turns the router's instance rows (polled every `interval_s`) into FleetSignals, keeping the latency windows.
+    """Turns the router's instance rows (polled every `interval_s`) and the API replicas' measured first tokens into
+    FleetSignals, keeping the latency windows.
 
     The router is off the token path, so it measures no request's latency; it sees each instance's engine step.
     Every running request gets one token-bearing delta per step, so an instance's last step time is the inter-token
-    gap its running requests see (one sample per instance and poll). Time to first token is predicted from the
-    queue, as llm-d scales on predicted latency: a request queued behind `waiting` others at an instance whose steps
-    take `step_time_ema_s` waits about (1 + waiting / slots) steps of prefill and admission. Both feed `window_s`
-    windows whose p99 the policy compares with its targets."""
+    gap its running requests see (one sample per instance and poll). Time to first token is measured by the API
+    replicas (cluster/first_token.py: each first token's latency, and each request still waiting for one at its age so
+    far), as Ray Serve LLM's and Dynamo's TTFT scaling read it; its p99 is taken over those when there are any. Only
+    without a measurement is it predicted from the queue, as llm-d scales on predicted latency: a request queued
+    behind `waiting` others at an instance whose steps take `step_time_ema_s` waits about (1 + waiting / slots) steps
+    of prefill and admission (an underestimate under a queue: a queued request waits for a running one to finish,
+    many steps). Both feed `window_s` windows whose p99 the policy compares with its targets."""
 
     def __init__(self, window_s: float, slots_per_instance: int) -> None:
         self.ttft = LatencyWindow(window_s)
@@ -372,9 +382,10 @@ class SignalReader:
         self.slots = slots_per_instance
 
     def read(self, rows: Sequence[InstanceRow], now: float, starting: int = 0,
-             start_s: float | None = None) -> FleetSignal:
+             start_s: float | None = None, measured: MeasuredTtft | None = None) -> FleetSignal:
         """The fleet's signal at `now`; `start_s`: how long a new instance takes to serve, as the router learned it
-        (cluster/start_times.py), for the policy's predictive step up."""
+        (cluster/start_times.py), for the policy's predictive step up; `measured`: the API replicas' first tokens
+        over the window (cluster/first_token.py), None when none reports."""
         instances, steps = [], []
         for r in rows:
             if not r.healthy:
@@ -390,8 +401,17 @@ class SignalReader:
                     self.itl.add(now, [r.stats.step.step_time_s])
                 if running or waiting:
                     self.ttft.add(now, [step * (1.0 + waiting / self.slots)])
-        return FleetSignal(tuple(instances), self.ttft.p99(now), self.itl.p99(now), starting, start_s,
-                           sum(steps) / len(steps) if steps else None)
+        ttft, source = self.ttft_p99(now, measured)
+        return FleetSignal(tuple(instances), ttft, self.itl.p99(now), starting, start_s,
+                           sum(steps) / len(steps) if steps else None, source)
+
+    def ttft_p99(self, now: float, measured: MeasuredTtft | None) -> tuple[float | None, TtftSource | None]:
+        """The TTFT p99 the policy compares with its target, and where it came from: the measured first tokens and
+        waiting requests when there are any, else the prediction's window (None: neither has a sample)."""
+        if measured is not None and measured.values:
+            return percentile(measured.values, 0.99), "measured"
+        predicted = self.ttft.p99(now)
+        return predicted, None if predicted is None else "predicted"
 
 
 @dataclass(frozen=True)
@@ -425,4 +445,6 @@ class AutoscaleStatus:
     itl_p99_s: float | None = None
     failed_rounds: int = 0  # rounds that raised since the autoscaler started (the loop goes on with the next)
     last_failure: str = ""  # the last one's error, "ExceptionType: message"
+    ttft_source: TtftSource | None = None  # measured (by the API replicas) or predicted (from the queue)
+    ttft_replicas: int = 0  # API replicas whose TTFT reports are fresh (measured from them)
 

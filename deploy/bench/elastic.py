@@ -36,6 +36,7 @@ from deploy.cli.flags import UsageError, parse_numbers
 from deploy.infra import local_cluster
 from deploy.model_store import resolve_model
 from deploy.serve.autoscaler import Autoscaler, Launched
+from deploy.serve.ttft_reporter import TtftReporter
 from placement.fleet import InstanceSpec
 from placement.layout import ShardLayout, StageSlot
 
@@ -56,6 +57,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--fleets", default="max,min,autoscaled", help="which fleets to run, comma-separated")
     p.add_argument("--predict", action=argparse.BooleanOptionalAction, default=True,
                    help="the autoscaler's predictive step up (fleet.autoscaling.predict; --no-predict: reactive alone)")
+    p.add_argument("--measured-ttft", action=argparse.BooleanOptionalAction, default=True,
+                   help="the autoscaler's TTFT is the frontend's measured one, as the served API reports it "
+                        "(--no-measured-ttft: predicted from the queue, the fallback)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--migration-policies", default="queue",
                    help="the router's migration policies in every fleet, comma-separated (default queue: a request "
@@ -98,6 +102,12 @@ async def drive(b: Bench, prompts: list[list[int]], gaps: list[float], args, aut
 
     counter = asyncio.create_task(count())
     scaler = asyncio.create_task(autoscaler.run()) if autoscaler is not None else None
+    reporter = None  # the frontend's first tokens to the autoscaler, as an API replica sends them (in process here)
+    if autoscaler is not None and args.measured_ttft:
+        async def send(report) -> None:
+            autoscaler.report_ttft(report)
+        reporter = asyncio.create_task(TtftReporter(b.frontend.first_tokens, "bench", send,
+                                                    autoscaler.cfg.interval_s).run())
     t0 = time.perf_counter()
     tasks = []
     for p, gap in zip(prompts, gaps):
@@ -111,6 +121,8 @@ async def drive(b: Bench, prompts: list[list[int]], gaps: list[float], args, aut
             await asyncio.sleep(0.5)
         end = time.perf_counter()
         scaler.cancel()
+        if reporter is not None:
+            reporter.cancel()
     stop.set()
     await counter
     instance_s = sum(n * (b_t - a_t) for (a_t, n), (b_t, _) in zip(counted, counted[1:]))

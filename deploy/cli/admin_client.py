@@ -143,6 +143,8 @@ class Autoscaling(_Row):
     itl_p99_s: float | None = None
     failed_rounds: int = 0  # autoscaling rounds that raised
     last_failure: str = ""
+    ttft_source: str | None = None  # measured (by the API replicas) or predicted (from the queue, while none reports)
+    ttft_replicas: int = 0  # API replicas whose TTFT reports are fresh
 
 
 class AdminClient:

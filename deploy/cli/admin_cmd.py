@@ -269,8 +269,12 @@ def _autoscaling_line(a: Autoscaling) -> str:
         moved = f", {e.migrated} request(s) migrated" if e.action == "down" else ""
         step = (f"; last step: {e.action} {e.instance_id} {e.outcome} in {e.duration_s:.1f} s ({e.reason}{moved}"
                 f"{': ' + e.detail if e.detail else ''})")
+    ttft = ""
+    if a.ttft_p99_s is not None:  # measured by the API replicas, or predicted from the queue (while none reports)
+        of = f" from {a.ttft_replicas} API replica(s)" if a.ttft_source == "measured" else ""
+        ttft = f"; ttft p99 {a.ttft_p99_s:.3f} s ({a.ttft_source}{of})"
     return (f"autoscaling: {a.instances} instance(s) within {a.min_instances}-{a.max_instances}; {steps} step(s)"
-            f"{last}{step}")
+            f"{ttft}{last}{step}")
 
 
 def run_instances(args: argparse.Namespace) -> int:

@@ -33,6 +33,7 @@ from deploy import DEFAULT_CONFIG
 from deploy.rpc import codegen
 from deploy.serve.autoscaler import SpecfleetAutoscaler
 from deploy.serve.fleet import fleet_specs, live_nodes, replan
+from deploy.serve.ttft_reporter import TtftReporter
 from placement.fleet import InstanceSpec
 from placement.planner import PlacementError
 
@@ -230,9 +231,23 @@ class SpecfleetAPI:
                                                      router.routing_stats())),
             autoscaler=autoscaler)  # fleet.autoscaling's (deploy/serve/autoscaler.py), None for a fixed fleet
         self.grpc = GrpcService(self.context)
+        # fleet.autoscaling: this replica's measured first tokens go to the autoscaler every round (its TTFT signal)
+        self.reporter = None if autoscaler is None else TtftReporter(
+            frontend.first_tokens, serve.get_replica_context().replica_id.unique_id,
+            lambda report: autoscaler.report_ttft.remote(report), cfg.fleet.autoscaling.interval_s)
+        self._reporting: asyncio.Task | None = None
         c = self.context
         log.info("API keys: %d for /v1 and gRPC, %d for /admin (from %s)", len(c.api_keys), len(c.admin_keys),
                  c.api_keys.source)
+
+    async def check_health(self) -> None:
+        """Serve calls this every few seconds: it starts the TTFT reports' loop (fleet.autoscaling) and watches it."""
+        if self.reporter is None:
+            return
+        if self._reporting is None:
+            self._reporting = asyncio.get_running_loop().create_task(self.reporter.run())
+        elif self._reporting.done():  # it runs for good: an end is a defect; Serve replaces this replica
+            raise RuntimeError(f"the TTFT reports' loop ended: {self._reporting.exception()!r}")
 
     def __serve_build_asgi_app__(self) -> FastAPI:  # noqa: N807 - Serve's hook, called after __init__
         return build_http_app(self.context)

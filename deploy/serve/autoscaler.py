@@ -11,6 +11,11 @@ within `drain_timeout_s` is cancelled: the instance is put back in service, and 
 The deployed floor (`min_instances`, Serve's `SpecfleetInstance` deployments, replaced by Serve when they fail) is
 never removed; the autoscaler removes only instances it started (ids `auto-<n>`). `SpecfleetAutoscaler` runs it as
 a one-replica Serve deployment beside the API, which reads its status for /metrics and `specfleet status`.
+
+Its TTFT signal is measured by the API replicas: each pushes its record of recent first tokens and of requests still
+waiting for one (cluster/first_token.py) every round, through the Serve handle it already holds to this deployment
+(`report_ttft`, deploy/serve/ttft_reporter.py); a replica whose report is older than `REPORT_STALE_ROUNDS` rounds is
+left out, and logged (docs/autoscaling.md says why the replicas push rather than the autoscaler pulling).
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ from cluster.autoscale import (AUTOSCALED_PREFIX, AutoscalePolicy, AutoscaleStat
                                ScaleDecision, ScaleEvent, SignalReader)
 from cluster.config import FleetConfig, SpecfleetConfig
 from cluster.disagg import Role
+from cluster.first_token import TtftReport, TtftReports
 from cluster.instances import InstanceRow
 from cluster.router import INSTANCE_ACTOR_PREFIX, NAMESPACE, get_or_create_router
 from cluster.router_client import RouterClient
@@ -48,6 +54,8 @@ CALL_TIMEOUT_S = 30.0
 STOP_GRACE_S = 2.0
 MAX_EVENTS = 100
 ROUND = "autoscale"  # the loop's name in its FailedRounds
+# an API replica's TTFT report older than this many rounds (and at least REPORT_STALE_MIN_S) is left out of a round
+REPORT_STALE_ROUNDS, REPORT_STALE_MIN_S = 3, 5.0
 
 
 @dataclass(frozen=True)
@@ -107,6 +115,8 @@ class Autoscaler:
         self.floor = cfg.min_instances if floor is None else floor
         self.policy = AutoscalePolicy(cfg, slots_per_instance)
         self.reader = SignalReader(cfg.window_s, slots_per_instance)
+        # the API replicas' measured first tokens (pushed to `report_ttft`), the TTFT signal when there are any
+        self.reports = TtftReports(cfg.window_s, max(REPORT_STALE_MIN_S, REPORT_STALE_ROUNDS * cfg.interval_s))
         self.router = router
         self.launcher = launcher
         self.clock = clock
@@ -131,7 +141,8 @@ class Autoscaler:
         rows, start_s = await asyncio.gather(self._rows(), self._start_s())
         now = self.clock()
         deployed = sum(not r.instance_id.startswith(AUTOSCALED_PREFIX) for r in rows if r.healthy)
-        signal = self.reader.read(rows, now, starting=max(0, self.floor - deployed), start_s=start_s)
+        signal = self.reader.read(rows, now, starting=max(0, self.floor - deployed), start_s=start_s,
+                                  measured=self.reports.measured(now))
         decision = self.last = self.policy.decide(signal, now)
         self.size = signal.size
         try:
@@ -144,12 +155,20 @@ class Autoscaler:
                 self.policy.done(self.clock())
         return decision
 
+    def report_ttft(self, report: TtftReport) -> None:
+        """An API replica's record of its recent first tokens and requests waiting for one (its latest replaces the
+        one before)."""
+        self.reports.put(report, self.clock())
+
     def status(self) -> AutoscaleStatus:
         now = self.clock()
+        measured = self.reports.measured(now)
+        ttft, source = self.reader.ttft_p99(now, measured)  # as a round would take it now: measured, or predicted
         return AutoscaleStatus(self.cfg.min_instances, self.cfg.max_instances, self.size, self.last,
                                tuple(self.events), tuple((a, o, c, n) for (a, o, c), n in sorted(self.counts.items())),
-                               self.reader.ttft.p99(now), self.reader.itl.p99(now), self.failed.counts.get(ROUND, 0),
-                               self.failed.last_error.get(ROUND, ""))
+                               ttft, self.reader.itl.p99(now), self.failed.counts.get(ROUND, 0),
+                               self.failed.last_error.get(ROUND, ""), source,
+                               0 if measured is None else measured.replicas)
 
     # ---- scale out ---------------------------------------------------------------------------------------------
     async def scale_out(self, reason: str, rows: list[InstanceRow], role: Role = "both",
@@ -274,6 +293,10 @@ class SpecfleetAutoscaler:
 
     async def status(self) -> AutoscaleStatus:
         return self.autoscaler.status()
+
+    async def report_ttft(self, report: TtftReport) -> None:
+        """An API replica's measured first tokens (deploy/serve/ttft_reporter.py), for the next round."""
+        self.autoscaler.report_ttft(report)
 
     def __del__(self) -> None:
         try:

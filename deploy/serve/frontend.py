@@ -52,12 +52,13 @@ from cluster.request import (FinishReason, InvalidRequest, Request, RequestStatu
                              SpecStats, StreamItem, StructuredOutput, TokenDelta, TokenLogprob, check_prompt,
                              context_length)
 from cluster.disagg import PromptShape
+from cluster.first_token import FirstTokenRecord
 from cluster.router import Overloaded
 from cluster.router_client import RouterClient
 from deploy.serve.chat_output import ChatFormats
 from deploy.serve.frontend_config import FrontendConfig
 from deploy.serve.logprobs import TokenStrings
-from deploy.serve.metrics import Metrics
+from deploy.serve.metrics import Metrics, RequestTimer
 from deploy.serve.openai_api import APIError, from_validation_error
 from deploy.serve.tokenizing import TokenizerPool, max_chars_per_token
 
@@ -126,6 +127,8 @@ class Frontend:
         # a bare handle (tests, benchmarks with their own router) gets deadlines but is never replaced
         self.router = router if isinstance(router, RouterClient) else RouterClient(router, reconnect_s=cfg.reconnect_s)
         self.metrics = Metrics(self.model_name)
+        # recent first tokens and requests waiting for one: the autoscaler's TTFT (deploy/serve/ttft_reporter.py)
+        self.first_tokens = FirstTokenRecord()
         self._releases: set[asyncio.Task] = set()  # supervised release calls under way
         # tokenization is CPU work: off the event loop, on a bounded pool fair among tenants (deploy/serve/tokenizing.py)
         self.tokenizing = TokenizerPool(self.tokenizer, cfg.tokenizer_workers, cfg.tokenizer_queue, cfg.retry_after_s)
@@ -232,19 +235,23 @@ class Frontend:
         routed: list[tuple[str, ActorHandle]] = []
         blocks = self.block_names(prep)
         shape = PromptShape(len(prep.prompt_ids), self.cfg.block_size) if self.cfg.disaggregated else None
+        self.first_tokens.begin(prep.request_id, prep.arrival)  # it waits for its first token from its arrival
         try:
             for rid in ids:
                 routed.append(await self._route(rid, prep.priority, blocks, shape))
         except Overloaded as e:
+            self.first_tokens.end(prep.request_id)
             self.release(ids[:len(routed)], routed, RequestStatus.ABORTED)
             retry = str(self.cfg.retry_after_s)
             raise APIError(429, f"the server is busy: {_cause(e)}; retry after {retry} s", type_="rate_limit_error",
                            code="too_many_pending_requests", headers={"Retry-After": retry}) from None
         except NoInstanceAvailable as e:
+            self.first_tokens.end(prep.request_id)
             self.release(ids[:len(routed)], routed, RequestStatus.ABORTED)
             raise APIError(503, f"no instance can take the request: {_cause(e)}", type_="service_unavailable",
                            code="no_instance") from None
         except BaseException:  # cancelled (the client left) or the router failed: nothing may stay routed
+            self.first_tokens.end(prep.request_id)
             self.release(ids[:len(routed)], routed, RequestStatus.ABORTED)
             raise
         return Call(self, prep, ids, routed)
@@ -432,7 +439,7 @@ class Call:
             return
         out: asyncio.Queue = asyncio.Queue()
         self._tasks = [asyncio.get_running_loop().create_task(self._one(i, out)) for i in range(len(self.ids))]
-        timer = _Timer(self.f.metrics, self.prep.arrival)
+        timer = RequestTimer(self.f.metrics, self.prep.arrival, self.f.first_tokens, self.prep.request_id)
         try:
             while self._open:
                 for index, item in coalesce_choices([await out.get(), *waiting(out)]):
@@ -449,6 +456,7 @@ class Call:
         client goes away, before any await: an abandoned async generator is only finalized whenever the garbage
         collector gets to it, and one that never started is never finalized at all."""
         self._closed = True
+        self.f.first_tokens.end(self.prep.request_id)  # no first token now (or it had one): it waits no more
         for t in self._tasks:
             t.cancel()
         if self._open:
@@ -473,27 +481,3 @@ class Call:
         finally:
             self.close()
         return choices
-
-
-class _Timer:
-    """Feeds the latency histograms from one request's items."""
-
-    def __init__(self, metrics: Metrics, arrival: float) -> None:
-        self.m, self.arrival = metrics, arrival
-        self.first: float | None = None
-        self.last: dict[int, float] = {}
-
-    def observe(self, index: int, item: StreamItem) -> None:
-        now, model = time.monotonic(), self.m.model
-        if item.queue_s is not None:
-            self.m.queue.labels(model).observe(item.queue_s)
-        if item.delta.token_ids:
-            self.m.generation_tokens.labels(model).inc(len(item.delta.token_ids))
-            if self.first is None:
-                self.first = now
-                self.m.ttft.labels(model).observe(now - self.arrival)
-            if index in self.last:
-                self.m.itl.labels(model).observe(now - self.last[index])
-            self.last[index] = now
-        if item.delta.finished:
-            self.m.e2e.labels(model).observe(now - self.arrival)

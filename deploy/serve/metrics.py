@@ -19,13 +19,16 @@ what the cache held. Those figures are behind the admin key: `/admin/instances` 
 
 from __future__ import annotations
 
+import time
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from cluster.autoscale import AutoscaleStatus
+from cluster.first_token import FirstTokenRecord
 from cluster.instances import InstanceRow
-from cluster.request import SpecStats
+from cluster.request import SpecStats, StreamItem
 from cluster.stats import DOWNTIME_BUCKETS, ROUTER_LOOPS, MigrationStats, RoutingStats
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0)
@@ -112,7 +115,7 @@ class Metrics:
         self.failures.labels(self.model, outcome).inc()
 
     def finished(self, reason: str, prompt_tokens: int, stats: SpecStats | None) -> None:
-        """A choice ended (its generated tokens were counted as they streamed, in the frontend's _Timer)."""
+        """A choice ended (its generated tokens were counted as they streamed, by its RequestTimer)."""
         m = self.model
         self.success.labels(m, reason).inc()
         self.prompt_tokens.labels(m).inc(prompt_tokens)
@@ -158,6 +161,32 @@ class Metrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class RequestTimer:
+    """Feeds the latency histograms, and the record of first tokens the autoscaler reads, from one request's items."""
+
+    def __init__(self, metrics: Metrics, arrival: float, first_tokens: FirstTokenRecord, request_id: str) -> None:
+        self.m, self.arrival = metrics, arrival
+        self.first_tokens, self.request_id = first_tokens, request_id
+        self.first: float | None = None
+        self.last: dict[int, float] = {}
+
+    def observe(self, index: int, item: StreamItem) -> None:
+        now, model = time.monotonic(), self.m.model
+        if item.queue_s is not None:
+            self.m.queue.labels(model).observe(item.queue_s)
+        if item.delta.token_ids:
+            self.m.generation_tokens.labels(model).inc(len(item.delta.token_ids))
+            if self.first is None:
+                self.first = now
+                self.m.ttft.labels(model).observe(now - self.arrival)
+                self.first_tokens.first(self.request_id, now - self.arrival, now)
+            if index in self.last:
+                self.m.itl.labels(model).observe(now - self.last[index])
+            self.last[index] = now
+        if item.delta.finished:
+            self.m.e2e.labels(model).observe(now - self.arrival)
 
 
 class _ScrapeCollector:
@@ -250,6 +279,12 @@ class _AutoscaleCollector(_ScrapeCollector):
                 yield GaugeMetricFamily(f"specfleet:autoscaling_{name}_p99_seconds",
                                         f"The {name} p99 the autoscaler compares with its target (recent window)",
                                         value=value)
+        if s.ttft_source is not None:  # which TTFT that p99 is: measured by the API replicas, or predicted (fallback)
+            source = GaugeMetricFamily("specfleet:autoscaling_ttft_source_info", "Where the autoscaler's TTFT p99 "
+                                       "comes from: measured by the API replicas, or predicted from the queue "
+                                       "(while none reports)", labels=["source"])
+            source.add_metric([s.ttft_source], 1)
+            yield source
         yield CounterMetricFamily("specfleet:autoscaling_failed_rounds", "Autoscaling rounds that raised (reading "
                                   "the router, deciding or acting; the loop goes on with its next round)",
                                   value=s.failed_rounds)

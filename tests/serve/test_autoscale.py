@@ -1,6 +1,7 @@
 """`router.autoscaling` in the served app: the autoscaler deployment adds an instance under a load over HTTP and
 drains it through migration once the load falls; every stream completes with the unscaled run's text (temperature 0),
-none fails over, and the steps with their reasons show in /admin/autoscaler, /metrics and `specfleet status`."""
+none fails over, and the steps with their reasons show in /admin/autoscaler, /metrics and `specfleet status`. The
+TTFT the autoscaler reads is the one the API replica measured (pushed to it every round), and says so."""
 
 from __future__ import annotations
 
@@ -34,7 +35,8 @@ def elastic_app(served_app, ray_cluster, tmp_path_factory) -> Iterator[ServedApp
                    "cache": {"block_size": 4, "num_blocks": 512}},
         "fleet": {"instance_num_cpus": 0.5,
                   "autoscaling": {"min_instances": 1, "max_instances": 2, "up_after_s": 0, "down_after_s": 2,
-                                  "cooldown_s": 0, "interval_s": 0.5, "target": {"queue_per_instance": 1}}},
+                                  "cooldown_s": 0, "interval_s": 0.5, "window_s": 10,
+                                  "target": {"queue_per_instance": 1}}},
         "router": {"stats_interval_s": 0.2},
         "serve": {"http_port": http_port, "grpc_port": grpc_port,
                   "auth": {"api_keys": [API_KEY], "admin_keys": [ADMIN_KEY]}},
@@ -43,18 +45,23 @@ def elastic_app(served_app, ray_cluster, tmp_path_factory) -> Iterator[ServedApp
         yield app
 
 
-def complete(app: ServedApp, prompt: str) -> str:
-    """A streamed completion's text, at temperature 0, to its length limit."""
-    body = {"model": MODEL, "prompt": prompt, "max_tokens": TOKENS, "temperature": 0, "ignore_eos": True,
+def complete(app: ServedApp, prompt: str, timed: list[float] | None = None, tokens: int = TOKENS) -> str:
+    """A streamed completion's text, at temperature 0, to its length limit; `timed` gets its TTFT as the client saw
+    it (from sending the request to the first text)."""
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": tokens, "temperature": 0, "ignore_eos": True,
             "stream": True}
     text, finish = "", None
-    with app.client() as c, c.stream("POST", "/v1/completions", json=body) as r:
-        assert r.status_code == 200, r.read()
-        for line in r.iter_lines():
-            if line.startswith("data: ") and line != "data: [DONE]":
-                choice = json.loads(line[6:])["choices"][0]
-                text += choice["text"]
-                finish = choice.get("finish_reason") or finish
+    with app.client() as c:
+        sent = time.monotonic()
+        with c.stream("POST", "/v1/completions", json=body) as r:
+            assert r.status_code == 200, r.read()
+            for line in r.iter_lines():
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    choice = json.loads(line[6:])["choices"][0]
+                    if timed is not None and choice["text"] and not text:
+                        timed.append(time.monotonic() - sent)
+                    text += choice["text"]
+                    finish = choice.get("finish_reason") or finish
     assert finish == "length", (finish, text)
     return text
 
@@ -64,6 +71,15 @@ def autoscaler(app: ServedApp) -> dict:
         r = c.get("/admin/autoscaler")
     assert r.status_code == 200, r.text
     return r.json()
+
+
+def wait_for(app: ServedApp, ready, timeout_s: float = 60.0) -> dict:
+    """The autoscaler's status once `ready(status)` holds."""
+    deadline = time.monotonic() + timeout_s
+    while not ready(status := autoscaler(app)):
+        assert time.monotonic() < deadline, status
+        time.sleep(0.25)
+    return status
 
 
 def wait_for_step(app: ServedApp, action: str, timeout_s: float = 240.0) -> dict:
@@ -113,3 +129,22 @@ def test_the_fleet_grows_under_load_and_shrinks_after_without_losing_a_stream(el
     assert "autoscaling: 1 instance(s) within 1-2; 2 step(s)" in out.stdout, out.stdout
     assert f"last step: down {up['instance_id']} done" in out.stdout, out.stdout
     assert "WARNING" not in out.stdout, out.stdout
+
+
+def test_the_autoscaler_reads_the_ttft_the_api_replica_measured(elastic_app: ServedApp) -> None:
+    """Once the window (10 s) holds no first token, the autoscaler has no TTFT; after one short request its p99 is
+    that request's first-token latency as the API replica measured it (within what the client saw), said to be
+    measured, from the one API replica: it was pushed to the autoscaler, not predicted from the queue."""
+    app = elastic_app
+    wait_for(app, lambda s: s["ttft_source"] is None and s["ttft_p99_s"] is None)  # earlier requests out of it
+    seen: list[float] = []
+    complete(app, PROMPTS[0], seen, tokens=4)  # done well within the window: its first token is still in it
+    status = wait_for(app, lambda s: s["ttft_source"] == "measured")  # the replica's next push (every 0.5 s)
+    assert status["ttft_replicas"] == 1, status
+    # the replica's value (a sample, or the request's age while it waited) lies within what the client saw
+    assert 0.0 < status["ttft_p99_s"] <= seen[0], (status, seen)
+    metrics = httpx.get(f"{app.url}/metrics", timeout=30).text
+    assert 'specfleet:autoscaling_ttft_source_info{source="measured"} 1.0' in metrics
+    out = specfleet("status", "--config", str(app.config_path), "--state", str(app.state_path))
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "(measured from 1 API replica(s))" in out.stdout, out.stdout

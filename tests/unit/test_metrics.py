@@ -52,7 +52,7 @@ def test_scale_events_are_published_with_their_cause_and_the_last_decision_with_
                       "done", duration_s=2.5, migrated=3, cause="low_load")
     m.autoscale_figures = AutoscaleStatus(1, 4, 2, ScaleDecision("hold", "within targets", 2, cause="within_targets"), (up, down),
                                           (("down", "done", "low_load", 1), ("up", "done", "queue", 1)),
-                                          ttft_p99_s=0.25, itl_p99_s=None)
+                                          ttft_p99_s=0.25, itl_p99_s=None, ttft_source="measured", ttft_replicas=2)
     text = m.render().decode()
     assert 'specfleet:autoscaling_scale_events_total{action="up",cause="queue",outcome="done"} 1.0' in text
     assert 'specfleet:autoscaling_scale_events_total{action="down",cause="low_load",outcome="done"} 1.0' in text
@@ -62,3 +62,4 @@ def test_scale_events_are_published_with_their_cause_and_the_last_decision_with_
                  'specfleet:autoscaling_last_decision_info{action="hold",cause="within_targets",reason="within targets"} 1.0'):
         assert line in text, line
     assert "autoscaling_itl_p99_seconds" not in text  # no sample: no figure
+    assert 'specfleet:autoscaling_ttft_source_info{source="measured"} 1.0' in text  # measured, not predicted
