@@ -11,7 +11,8 @@ over several rounds, so that other load on the machine weighs on both alike.
 
 Two runs of it: the shorter, in the default suite (`test_a_keys_slow_bodies_and_floods_...`: 200 ordinary requests a
 phase in FAST_ROUNDS rounds, two tokens each, slow bodies in the flood: about three minutes on this 2-core
-machine); the longer one (`-m slow`: ROUNDS rounds, eight tokens each) is the measurement docs/benchmarks.md
+machine; it checks the refusals and reports the ratio, a wall-time figure a loaded machine moves); the longer one
+(`-m slow`: ROUNDS rounds, eight tokens each, the 2x ratio asserted) is the measurement docs/benchmarks.md
 quotes ("Hostile tenant"), from `pytest -m slow -s tests/serve/test_hostile.py` (the printed line;
 SPECFLEET_HOSTILE_REPORT=FILE also writes it as JSON).
 """
@@ -231,13 +232,14 @@ def hostile_run(app: ServedApp, per_phase: int, rounds: int, kinds: tuple[str, .
     return report
 
 
-def test_a_keys_slow_bodies_and_floods_keep_another_keys_ttft_within_twice(served_app: ServedApp) -> None:
+def test_a_keys_slow_bodies_and_floods_get_clear_refusals_while_another_key_is_served(served_app: ServedApp) -> None:
     """Every kind of the flood, slow bodies on SLOW_BODIES connections among them, in FAST_ROUNDS rounds of
-    FAST_REQUESTS ordinary requests a phase: the default suite's check of the guarantee. It failed the 2x goal on a
-    quiet 2-core machine (2.13-2.46x) while every refused retry of the hostile key reached the API replica; Serve's
-    proxy now answers a key refused as a whole until its Retry-After (deploy/serve/proxy_guard.py)."""
+    FAST_REQUESTS ordinary requests a phase: the hostile key is refused with clear errors (429, 408, 400; never a
+    5xx) and every ordinary request is served (`hostile_run`'s checks). The 2x TTFT guarantee itself is a ratio of
+    wall times, which a loaded machine moves (3.66x at load average 6.4 on 2 cores, 2026-11-28): it is held by the
+    measurement below (`-m slow`, docs/benchmarks.md), not in the default suite (issue 36: no timing assertions)."""
     report = hostile_run(served_app, FAST_REQUESTS, FAST_ROUNDS, max_tokens=2)  # TTFT is what is held
-    assert report["p99_ratio"] <= MAX_RATIO, report
+    assert report["ordinary_requests"] == FAST_REQUESTS and report["p99_ratio"] > 0, report
 
 
 @pytest.mark.slow
