@@ -9,7 +9,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from deploy.infra import local_cluster
+
+# the bench end to end is a run of a minute or more (CI time, issue 36): in the slow tier (`pytest -m slow tests/ray`),
+# the components it drives keep their own tests in the default suite
+pytestmark = pytest.mark.slow
 
 
 def test_bench_easyspec_runs_every_setting_losslessly(ray_cluster, tiny_models, tiny_draft_models, tmp_path) -> None:

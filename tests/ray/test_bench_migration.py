@@ -9,8 +9,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from deploy.infra import local_cluster
 from tests.fixtures.tiny_models import build_tiny_model
+
+# the bench end to end is a run of a minute or more (CI time, issue 36): in the slow tier (`pytest -m slow tests/ray`),
+# the components it drives keep their own tests in the default suite
+pytestmark = pytest.mark.slow
 
 
 def test_bench_migration_runs_every_part_losslessly(ray_cluster, tmp_path: Path) -> None:

@@ -8,7 +8,13 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from deploy.infra import local_cluster
+
+# the bench end to end is a run of a minute or more (CI time, issue 36): in the slow tier (`pytest -m slow tests/ray`),
+# the components it drives keep their own tests in the default suite
+pytestmark = pytest.mark.slow
 
 
 def test_bench_moe_runs_every_setting_losslessly(ray_cluster, tiny_models, tmp_path) -> None:
