@@ -61,8 +61,9 @@ def routing(tiny_models, tmp_path_factory) -> dict[int, tuple[Path, Path]]:
 
 
 # plain: contiguous experts, whole requests per rank; grouped: grouped experts and request placement; shuffled:
-# grouped experts, tensor-parallel attention and token-level pre-scheduling (actors/moe/shuffle.py)
-SETTINGS = [(2, "plain"), (2, "grouped"), (2, "shuffled"), (3, "plain"), (3, "grouped"), (3, "shuffled")]
+# grouped experts, tensor-parallel attention and token-level pre-scheduling (actors/moe/shuffle.py). Every layout at 3
+# ranks (experts split unevenly), the one that moves the most at 2 (each setting is ~9 s of Ray actors)
+SETTINGS = [(2, "shuffled"), (3, "plain"), (3, "grouped"), (3, "shuffled")]
 
 
 @pytest.mark.parametrize(("ranks", "mode"), SETTINGS, ids=[f"{r}ranks-{m}" for r, m in SETTINGS])

@@ -213,6 +213,9 @@ def _driver_without_token(address: str) -> subprocess.CompletedProcess:
     probe = ("import sys, ray; from deploy.infra import ray_node; ray_node.keep_address(); "
              "ray.init(address=sys.argv[1], logging_level='ERROR'); print(len(ray.nodes()))")
     env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_AUTH")}
+    # ray.init tries the GCS once a second, RAY_NUM_REDIS_GET_RETRIES times (20), before it gives up: a refusal is
+    # the same on the second try as on the twentieth, and each try past it was a second of the suite's time
+    env["RAY_NUM_REDIS_GET_RETRIES"] = "2"
     return subprocess.run([sys.executable, "-c", probe, address], capture_output=True, text=True, timeout=180,
                           env={**env, **local_cluster.RAY_ENV})
 
