@@ -11,6 +11,7 @@ with no first token out yet shows at once, not only when it drains.
     record.first("cmpl-1", ttft_s=0.4, now=t1)     # its first token: one sample
     report = record.report("replica-a", now=t2)    # what the replica sends the autoscaler every round
     reports = TtftReports(window_s=30, stale_s=5); reports.put(report, now=t3)
+    reports.prune(now=t4)                          # each round: replicas gone quiet dropped (and logged, once)
     reports.measured(now=t4)                       # MeasuredTtft over the fresh reports, None if there is none
 """
 
@@ -84,8 +85,9 @@ class FirstTokenRecord:
 
 class TtftReports:
     """The latest report of each API replica, as the autoscaler holds them. A replica whose latest report is older
-    than `stale_s` (it stopped reporting: gone, or its calls time out) is left out, logged once, until it reports
-    again; a sample older than `window_s` is left out of the measurement."""
+    than `stale_s` (it stopped reporting: gone, or its calls time out) is left out of the measurement, and dropped
+    (logged once) by the round's `prune`, until it reports again; a sample older than `window_s` is left out of the
+    measurement. `measured` only reads, so a status read changes nothing."""
 
     def __init__(self, window_s: float, stale_s: float) -> None:
         self.window_s, self.stale_s = window_s, stale_s
@@ -94,18 +96,21 @@ class TtftReports:
     def put(self, report: TtftReport, now: float) -> None:
         self._latest[report.replica] = (now, report)
 
+    def prune(self, now: float) -> None:
+        """Drop the replicas whose latest report is older than `stale_s`, with a warning each (once: one is back
+        with its next report)."""
+        for replica, (received, _) in list(self._latest.items()):
+            if now - received > self.stale_s:
+                log.warning("API replica %s sent no TTFT report for %.1f s (more than %g s): left out",
+                            replica, now - received, self.stale_s)
+                del self._latest[replica]
+
     def measured(self, now: float) -> MeasuredTtft | None:
         """The fresh reports' samples within the window (each aged by the report's own age) and their waiting
         requests' ages as reported (not aged further: one may have had its first token since, and its age so far is
         a lower bound on its TTFT only as of the report); None when no replica reported within `stale_s`."""
-        fresh: list[tuple[float, TtftReport]] = []
-        for replica, (received, report) in list(self._latest.items()):
-            if now - received > self.stale_s:
-                log.warning("API replica %s sent no TTFT report for %.1f s (more than %g s): left out",
-                            replica, now - received, self.stale_s)
-                del self._latest[replica]  # logged once; it is back with its next report
-            else:
-                fresh.append((now - received, report))
+        fresh = [(now - received, report) for received, report in self._latest.values()
+                 if now - received <= self.stale_s]
         if not fresh:
             return None
         samples = tuple(v for late, r in fresh for age, v in r.samples if age + late <= self.window_s)

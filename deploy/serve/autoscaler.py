@@ -141,6 +141,7 @@ class Autoscaler:
         rows, start_s = await asyncio.gather(self._rows(), self._start_s())
         now = self.clock()
         deployed = sum(not r.instance_id.startswith(AUTOSCALED_PREFIX) for r in rows if r.healthy)
+        self.reports.prune(now)
         signal = self.reader.read(rows, now, starting=max(0, self.floor - deployed), start_s=start_s,
                                   measured=self.reports.measured(now))
         decision = self.last = self.policy.decide(signal, now)
