@@ -369,7 +369,6 @@ async def _bench(args: argparse.Namespace, rates: list[float]) -> dict:
                 report["throughput"] = await serve_throughput.throughput(
                     lambda ids, m: http_stream(c, model, ids, m), args.config, prompts, args.throughput,
                     args.max_tokens, args.throughput_rounds, pids, args.timeout * 10, llama)
-            print(serve_throughput.summary(report["throughput"]), flush=True)
         if args.concurrency:
             report["concurrency"] = await concurrency(c, model, prompts, args.concurrency, args.max_tokens)
             print(f"concurrency: {report['concurrency']}", flush=True)
