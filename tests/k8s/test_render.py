@@ -7,9 +7,9 @@ import yaml
 
 from cluster.config import ConfigError, load_config, parse_config
 from deploy.infra import k8s_render
-from deploy.cli import main
 from deploy.infra.k8s_render import RenderOptions
 from placement.inventory import load_inventory, parse_inventory, ray_labels, ray_resources
+from tests.fixtures.cli import run_cli
 from tests.k8s.manifests import ROOT, assert_valid
 
 FLEET = ROOT / "deploy" / "configs" / "fleet.yaml"
@@ -26,9 +26,7 @@ RENDERED = {
 
 
 def render(capsys, *args) -> tuple[int, str, str]:
-    code = main(["k8s", "render", *map(str, args)])
-    out, err = capsys.readouterr()
-    return code, out, err
+    return run_cli(capsys, "k8s", "render", *args)
 
 
 @pytest.mark.parametrize("cpu", [False, True], ids=["gpu", "cpu"])

@@ -18,7 +18,7 @@ import pytest
 import ray
 
 from cluster.router import INSTANCE_ACTOR_PREFIX, NAMESPACE
-from deploy.cli import main
+from tests.fixtures.cli import run_cli
 from tests.serve.conftest import LONG, MODEL, ServedApp, specfleet
 
 WRONG_KEY = "sk-definitely-wrong-4242"
@@ -33,10 +33,7 @@ def _no_key_env(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def cli(app: ServedApp, capsys: pytest.CaptureFixture, *args: str) -> tuple[int, str, str]:
     """`specfleet ARGS --config <the app's config>` in this process: (exit status, stdout, stderr)."""
-    capsys.readouterr()
-    rc = main([*args, "--config", str(app.config_path)])
-    out, err = capsys.readouterr()
-    return rc, out, err
+    return run_cli(capsys, *args, "--config", app.config_path)
 
 
 def test_instances_and_requests(served_app: ServedApp, capsys: pytest.CaptureFixture) -> None:

@@ -11,23 +11,13 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from deploy.cli.main import main
+from tests.fixtures.cli import run_cli
 
-pytestmark = pytest.mark.heavy  # the fast tier leaves it out: every test runs the CLI in a subprocess (a model load each)
+pytestmark = pytest.mark.heavy  # the fast tier leaves it out: most tests run the CLI in a subprocess (a model load each)
 
 
 def specfleet(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "deploy.cli", *args], capture_output=True, text=True, timeout=300)
-
-
-def refused(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str]:
-    """(exit status, stderr) of `specfleet ARGS` run by the CLI's `main` in this process: a refusal is found before
-    any model runs, so it needs no interpreter of its own (each costs ~4 s of imports; a traceback fails the test)."""
-    try:
-        return main(list(args)), capsys.readouterr().err
-    except SystemExit as e:  # argparse's refusals (a status), or a message the interpreter prints with status 1
-        said = "" if e.code is None or isinstance(e.code, int) else f"{e.code}\n"
-        return (e.code if isinstance(e.code, int) else 1 if said else 0), capsys.readouterr().err + said
 
 
 @pytest.fixture(scope="module")
@@ -95,12 +85,12 @@ def test_generate_on_weights_quantized_at_load_is_lossless_with_a_quantized_draf
 def test_bad_input_gives_a_clear_message_and_exit_2(pair, args, message, capsys):
     target, _ = pair
     base = ["generate", "--prompt", "hi"] + ([] if "--target" in args or "--config" in args else ["--target", str(target)])
-    status, err = refused(capsys, *base, *args)
+    status, _, err = run_cli(capsys, *base, *args)
     assert status == 2 and message in err, err
 
 
 def test_empty_prompt_is_refused(pair, capsys):
-    status, err = refused(capsys, "generate", "--target", str(pair[0]), "--prompt", "", "--no-chat")
+    status, _, err = run_cli(capsys, "generate", "--target", str(pair[0]), "--prompt", "", "--no-chat")
     assert status == 2 and "prompt is empty" in err
 
 
@@ -145,7 +135,7 @@ def test_bench_load_runs_every_policy_at_every_rate_and_is_lossless_in_fp32(pair
 
 def test_bench_load_rejects_bad_rates(pair, capsys):
     target, draft = pair
-    status, err = refused(capsys, "bench", "load", "--target", str(target), "--draft", str(draft), "--rates", "fast")
+    status, _, err = run_cli(capsys, "bench", "load", "--target", str(target), "--draft", str(draft), "--rates", "fast")
     assert status == 2 and "--rates" in err
 
 
@@ -173,7 +163,7 @@ def test_bench_default_takes_any_model_and_every_mode_is_lossless_in_fp32(pair, 
 
 
 def test_bench_default_wants_a_target_for_its_draft(pair, capsys):
-    status, err = refused(capsys, "bench", "default", "--draft", str(pair[1]))
+    status, _, err = run_cli(capsys, "bench", "default", "--draft", str(pair[1]))
     assert status != 0 and "--draft needs --target" in err
 
 
