@@ -5,9 +5,16 @@ The signals are the ones the systems we are compared with scale on: p99 time to 
 instance (llm-d's KEDA scaler, Ray Serve's `target_ongoing_requests`). A fleet scales up when any signal is above
 its target, and down when every signal would stay below `scale_in_below` of its target on one instance fewer: the
 band between the two is the hysteresis that keeps a load at a threshold from flapping. A condition must hold for
-`up_after_s` (or `down_after_s`) before it acts, as Ray Serve's `upscale_delay_s` / `downscale_delay_s`; it moves
-one instance at a time, never while a step is still under way, and not again within `cooldown_s` of the last.
-Bounds come first: below `min_instances` it scales up at once, above `max_instances` down.
+`up_after_s` (or `down_after_s`) before it acts, as Ray Serve's `upscale_delay_s` / `downscale_delay_s`; it takes
+no step while one is still under way, and none within `cooldown_s` of the last. Bounds come first: below
+`min_instances` it scales up at once, above `max_instances` down.
+
+A step's size is proportional to the load, as Ray Serve's autoscaler sizes its replicas (desired = current x
+metric / target): a queue over its target asks for the instances that hold the fleet's requests at `slots` running
+and the target queued each, a latency over its target for n x p99 / target; a step down removes as many instances as
+the fleet could lose with every signal still below `scale_in_below` of its target. `max_step` caps it (None: the
+bounds alone): at 1,000 instances, simulated, a load step from 0.4 to 0.9 of capacity took 4 steps where one
+instance a step had taken 25 and not caught up when the load fell (docs/benchmarks.md).
 
 A step up is also **predictive**: a new instance serves only after its start (a Ray worker and a model load), so the
 policy steps up when the queue, or the time to first token predicted from it, would be over its target one start
@@ -32,6 +39,7 @@ a role. Without roles every instance is `both`, as before.
 
 from __future__ import annotations
 
+import collections
 import math
 from collections import deque
 from collections.abc import Iterable, Sequence
@@ -97,6 +105,8 @@ class AutoscalingConfig(_Frozen):
     predict: bool = True
     trend_window_s: float = Field(default=10.0, gt=0.0)
     trend_z: float = Field(default=2.0, ge=0.0)
+    # instances one step adds or removes at most (None: as many as the load asks for, within the bounds)
+    max_step: int | None = Field(default=None, ge=1)
 
     @model_validator(mode="after")
     def _bounds(self) -> "AutoscalingConfig":
@@ -165,13 +175,14 @@ class ScaleDecision:
     action: Literal["up", "down", "hold"]
     reason: str
     instances: int  # the fleet's size when decided
-    remove: str | None = None  # the instance to drain (action "down")
-    role: Role = "both"  # the role of the instance to start (action "up"; `both` without disaggregation)
+    remove: tuple[str, ...] = ()  # the instances to drain (action "down"), least to move first
+    role: Role = "both"  # the role of the instances to start (action "up"; `both` without disaggregation)
     cause: Cause = "manual"  # the signal or bound behind it (the metrics' label)
+    count: int = 1  # instances the step adds (up) or removes (down: len(remove))
 
     @property
     def desired(self) -> int:
-        return self.instances + {"up": 1, "down": -1, "hold": 0}[self.action]
+        return self.instances + {"up": self.count, "down": -self.count, "hold": 0}[self.action]
 
 
 class AutoscalePolicy:
@@ -193,19 +204,21 @@ class AutoscalePolicy:
         cfg, n = self.cfg, signal.size
         if not signal.starting and not signal.draining:
             self.trend.add(now, signal.waiting)
-        cause, over = self._over(signal)
+        cause, over, need = self._over(signal)
         if not over:
-            cause, over = self._projected(signal)
-        under = self._under(signal)
+            cause, over, need = self._projected(signal)
+        fewer, under = self._fewer(signal)
         self._up_since = (self._up_since if self._up_since is not None else now) if over else None
         self._down_since = (self._down_since if self._down_since is not None else now) if under else None
         if signal.starting or signal.draining:
             return self._hold(n, f"a scale step is under way ({signal.starting} starting, {signal.draining} draining)",
                               "step_under_way")
         if n < cfg.min_instances:
-            return self._up(signal, f"{n} instances < min_instances {cfg.min_instances}", now, "min_instances")
+            return self._up(signal, f"{n} instances < min_instances {cfg.min_instances}", now, "min_instances",
+                            cfg.min_instances - n)
         if n > cfg.max_instances:
-            return self._down(signal, f"{n} instances > max_instances {cfg.max_instances}", now, "max_instances")
+            return self._down(signal, f"{n} instances > max_instances {cfg.max_instances}", now, "max_instances",
+                              n - cfg.max_instances)
         if self._last_step is not None and now - self._last_step < cfg.cooldown_s:
             return self._hold(n, f"cooling down ({now - self._last_step:.1f} s of {cfg.cooldown_s:g} s since the "
                                  "last step)", "cooldown")
@@ -214,14 +227,14 @@ class AutoscalePolicy:
                 return self._hold(n, f"{over}, but at max_instances {cfg.max_instances}", "max_instances")
             held = now - self._up_since
             if held >= cfg.up_after_s:
-                return self._up(signal, f"{over} for {held:.1f} s", now, cause)
+                return self._up(signal, f"{over} for {held:.1f} s", now, cause, self._capped(need - n))
             return self._hold(n, f"{over} for {held:.1f} s of {cfg.up_after_s:g} s", cause)
         if under:
             if n <= cfg.min_instances:
                 return self._hold(n, f"at min_instances {cfg.min_instances}", "min_instances")
             held = now - self._down_since
             if held >= cfg.down_after_s:
-                return self._down(signal, f"{under} for {held:.1f} s", now, "low_load")
+                return self._down(signal, f"{under} for {held:.1f} s", now, "low_load", fewer)
             return self._hold(n, f"{under} for {held:.1f} s of {cfg.down_after_s:g} s", "low_load")
         return self._hold(n, "within targets", "within_targets")
 
@@ -232,46 +245,73 @@ class AutoscalePolicy:
         self.trend.clear()  # the queue's growth on the old fleet says little about the new one
 
     # ---- the conditions ---------------------------------------------------------------------------------------
-    def _over(self, s: FleetSignal) -> tuple[Cause, str]:
-        """The signal above its target now (ttft, itl or queue) and why in words; ("manual", "") if none is."""
+    def _over(self, s: FleetSignal) -> tuple[Cause, str, int]:
+        """The signal above its target now (ttft, itl or queue), why in words, and the instances it asks for;
+        ("manual", "", 0) if none is."""
         t, serving = self.cfg.target, s.serving
+        n = len(serving)
         if t.ttft_p99_s is not None and s.ttft_p99_s is not None and s.ttft_p99_s > t.ttft_p99_s:
             source = f" ({s.ttft_source})" if s.ttft_source else ""
-            return "ttft", f"ttft p99 {s.ttft_p99_s:.3f} s > target {t.ttft_p99_s:g} s{source}"
+            return ("ttft", f"ttft p99 {s.ttft_p99_s:.3f} s > target {t.ttft_p99_s:g} s{source}",
+                    _proportional(n, s.ttft_p99_s / t.ttft_p99_s))
         if t.itl_p99_s is not None and s.itl_p99_s is not None and s.itl_p99_s > t.itl_p99_s:
-            return "itl", f"itl p99 {s.itl_p99_s:.3f} s > target {t.itl_p99_s:g} s"
+            return ("itl", f"itl p99 {s.itl_p99_s:.3f} s > target {t.itl_p99_s:g} s",
+                    _proportional(n, s.itl_p99_s / t.itl_p99_s))
         if t.queue_per_instance is not None and serving:
-            queue = sum(i.waiting for i in serving) / len(serving)
+            queue = sum(i.waiting for i in serving) / n
             if queue > t.queue_per_instance:
-                return "queue", f"queue {queue:.2f}/instance > target {t.queue_per_instance:g}"
-        return "manual", ""
+                return ("queue", f"queue {queue:.2f}/instance > target {t.queue_per_instance:g}",
+                        self._holding(sum(i.waiting + i.running for i in serving)))
+        return "manual", "", 0
 
-    def _projected(self, s: FleetSignal) -> tuple[Cause, str]:
+    def _projected(self, s: FleetSignal) -> tuple[Cause, str, int]:
         """The signal that would be over its target one learned start from now, projected from the queue's trend at
-        its lower confidence bound, and why in words; ("manual", "") if none would (or nothing to project with)."""
+        its lower confidence bound, why in words, and the instances it asks for; ("manual", "", 0) if none would (or
+        nothing to project with)."""
         cfg, t, serving = self.cfg, self.cfg.target, s.serving
         trend = self.trend.trend() if cfg.predict and s.start_s is not None and serving else None
         rise = trend.lower(cfg.trend_z) if trend is not None else 0.0
         if trend is None or rise * s.start_s < 1.0:  # less than one more request by then: nothing to act on
-            return "manual", ""
+            return "manual", "", 0
         queue = (s.waiting + rise * s.start_s) / len(serving)  # balanced over the serving instances (the queue policy)
         why = f"in {s.start_s:.1f} s (the learned start; {s.waiting} waiting, rising {rise:.2f}/s)"
         if t.ttft_p99_s is not None and s.step_s is not None:
             ttft = s.step_s * (1.0 + queue / self.slots)  # as SignalReader predicts TTFT from a queue
             if ttft > t.ttft_p99_s:
-                return "ttft", f"ttft projected {ttft:.3f} s > target {t.ttft_p99_s:g} s {why}"
+                return ("ttft", f"ttft projected {ttft:.3f} s > target {t.ttft_p99_s:g} s {why}",
+                        _proportional(len(serving), ttft / t.ttft_p99_s))
         if t.queue_per_instance is not None and queue > t.queue_per_instance:
-            return "queue", f"queue projected {queue:.2f}/instance > target {t.queue_per_instance:g} {why}"
-        return "manual", ""
+            demand = sum(i.waiting + i.running for i in serving) + rise * s.start_s
+            return ("queue", f"queue projected {queue:.2f}/instance > target {t.queue_per_instance:g} {why}",
+                    self._holding(demand))
+        return "manual", "", 0
 
-    def _under(self, s: FleetSignal) -> str:
-        """Why one instance fewer would still be well within every target ("" if it would not): each latency
-        scaled by n/(n-1), the queue as the fleet's requests would queue on n-1 instances of `slots` each."""
-        t, serving, b = self.cfg.target, s.serving, self.cfg.scale_in_below
+    def _holding(self, demand: float) -> int:
+        """Instances that hold `demand` requests with `slots` running and the queue target waiting on each."""
+        return math.ceil(demand / (self.slots + self.cfg.target.queue_per_instance))
+
+    def _capped(self, count: int) -> int:
+        """A step of `count` instances, at least one, at most `max_step`."""
+        return max(1, min(count, self.cfg.max_step or count))
+
+    def _fewer(self, s: FleetSignal) -> tuple[int, str]:
+        """How many instances fewer (up to `max_step`) would still leave every signal well within its target, and
+        why in words; (0, "") if not even one fewer would. On k fewer of n, each latency is scaled by n/(n-k) and
+        the queue is what the fleet's requests would queue on n-k instances of `slots` each."""
+        serving = s.serving
         n = len(serving)
-        if n < 2:
-            return ""
-        grow = n / (n - 1)
+        demand = sum(i.waiting + i.running for i in serving)
+        best: tuple[int, str] = (0, "")
+        for k in range(1, self._capped(n - 1) + 1 if n > 1 else 1):
+            why = self._within(s, n - k, n / (n - k), demand)
+            if not why:
+                break
+            best = (k, why)
+        return best
+
+    def _within(self, s: FleetSignal, left: int, grow: float, demand: int) -> str:
+        """Why `left` instances, each latency grown by `grow`, would be well within every target ("" if not)."""
+        t, b = self.cfg.target, self.cfg.scale_in_below
         parts = []
         for name, value, target in (("ttft", s.ttft_p99_s, t.ttft_p99_s), ("itl", s.itl_p99_s, t.itl_p99_s)):
             if target is None:
@@ -280,37 +320,51 @@ class AutoscalePolicy:
                 return ""
             parts.append(f"{name} p99 {0.0 if value is None else value:.3f} s")
         if t.queue_per_instance is not None:
-            demand = sum(i.waiting + i.running for i in serving)
-            queue = max(0, demand - (n - 1) * self.slots) / (n - 1)
+            queue = max(0, demand - left * self.slots) / left
             if queue >= b * t.queue_per_instance:
                 return ""
-            parts.append(f"queue on {n - 1} instances {queue:.2f}/instance")
+            parts.append(f"queue on {left} instances {queue:.2f}/instance")
         return ", ".join(parts) + f" below {b:g} x target"
 
     # ---- decisions ----------------------------------------------------------------------------------------------
-    def _up(self, s: FleetSignal, reason: str, now: float, cause: Cause) -> ScaleDecision:
+    def _up(self, s: FleetSignal, reason: str, now: float, cause: Cause, count: int) -> ScaleDecision:
+        count = min(count, max(1, self.cfg.max_instances - s.size)) if cause != "min_instances" else count
         role = role_to_add(s, cause)
-        return self._step("up", s.size, reason if role == "both" else f"{reason}: adds a {role} instance", now,
-                          cause, role=role)
+        what = f"{count} {'' if role == 'both' else role + ' '}instance{'s' if count > 1 else ''}"
+        return self._step("up", s.size, f"{reason}: adds {what}", now, cause, role=role, count=count)
 
-    def _down(self, s: FleetSignal, reason: str, now: float, cause: Cause) -> ScaleDecision:
-        removable = [i for i in s.serving if i.removable]
-        if s.disaggregated:  # never the last instance of a role: its half of every request would have nowhere to run
-            removable = [i for i in removable if i.role == "both" or len(s.of_role(i.role)) > 1]
-        if not removable:
+    def _down(self, s: FleetSignal, reason: str, now: float, cause: Cause, count: int) -> ScaleDecision:
+        count = min(count, s.size - self.cfg.min_instances) if cause != "max_instances" else count
+        leave: list[str] = []
+        roles = collections.Counter(i.role for i in s.serving)
+        for i in sorted((i for i in s.serving if i.removable), key=lambda i: (i.waiting + i.running, i.instance_id)):
+            if len(leave) == count:
+                break
+            # never the last instance of a role: its half of every request would have nowhere to run
+            if s.disaggregated and i.role != "both" and roles[i.role] <= 1:
+                continue
+            roles[i.role] -= 1
+            leave.append(i.instance_id)  # the least to move first
+        if not leave:
             return self._hold(s.size, f"{reason}, but no instance the autoscaler started is left to remove", cause)
-        leave = min(removable, key=lambda i: (i.waiting + i.running, i.instance_id))  # the least to move
-        return self._step("down", s.size, reason, now, cause, leave.instance_id)
+        named = ", ".join(leave[:3]) + (f" and {len(leave) - 3} more" if len(leave) > 3 else "")
+        return self._step("down", s.size, f"{reason}: removes {named}", now, cause, tuple(leave),
+                          count=len(leave))
 
     def _step(self, action: Literal["up", "down"], n: int, reason: str, now: float, cause: Cause,
-              remove: str | None = None, role: Role = "both") -> ScaleDecision:
+              remove: tuple[str, ...] = (), role: Role = "both", count: int = 1) -> ScaleDecision:
         self._last_step, self._up_since, self._down_since = now, None, None
         self.trend.clear()
-        return ScaleDecision(action, reason, n, remove, role, cause)
+        return ScaleDecision(action, reason, n, remove, role, cause, count)
 
     @staticmethod
     def _hold(n: int, reason: str, cause: Cause) -> ScaleDecision:
         return ScaleDecision("hold", reason, n, cause=cause)
+
+
+def _proportional(n: int, ratio: float) -> int:
+    """Instances for a latency `ratio` x its target on `n` (Ray Serve's desired = current x metric / target)."""
+    return math.ceil(n * ratio - 1e-9)
 
 
 def role_to_add(s: FleetSignal, cause: Cause) -> Role:

@@ -7,7 +7,8 @@ served), a Poisson load whose rate steps up then down, stats reaching the router
 deciding every `interval_s` from the router's rows. Scaling out adds an instance after `start_s`; scaling in drains
 one: the drain policy moves its running and queued requests to the others (a live migration's downtime is
 milliseconds, so each keeps its end time), and it leaves once empty. Time is simulated; what is measured: the fleet's
-size over time, every step with its reason, the wall time of each decision at the fleet's size, requests lost (0:
+size over time, every step with its reason, how long the fleet took from its first step up to its largest size, the
+wall time of each decision at the fleet's size, requests lost (0:
 each arrival ends, none restarted), time to first token (queue wait) against the target, instance-seconds.
 """
 
@@ -49,6 +50,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cooldown-s", type=float, default=0.5)
     p.add_argument("--start-s", type=float, default=2.0, help="a new instance's start")
     p.add_argument("--poll-s", type=float, default=0.5)
+    p.add_argument("--max-step", type=int, default=None,
+                   help="instances one step adds or removes at most (default: proportional, within the bounds)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", type=Path)
 
@@ -79,7 +82,7 @@ def simulate(args: argparse.Namespace) -> dict:
     cfg = AutoscalingConfig(min_instances=args.min_instances, max_instances=args.max_instances,
                             target=AutoscaleTarget(ttft_p99_s=args.ttft_target_s, queue_per_instance=args.queue_target),
                             up_after_s=args.up_after_s, down_after_s=args.down_after_s, cooldown_s=args.cooldown_s,
-                            interval_s=args.poll_s, window_s=10 * args.poll_s)
+                            interval_s=args.poll_s, window_s=10 * args.poll_s, max_step=args.max_step)
     policy, reader = AutoscalePolicy(cfg, args.slots), SignalReader(cfg.window_s, args.slots)
     registry = Registry(make_dispatch("least_load"), keep_finished=0)
     drain = make_planner(["drain"])
@@ -161,6 +164,8 @@ def simulate(args: argparse.Namespace) -> dict:
                     registry.rehome(m.request_id, m.destination)
                     where[m.request_id] = m.destination
                     moved += 1
+                for i in draining:  # a slot a moved request freed runs the next queued one, as an engine would
+                    start_queued(fleet[i], now)
                 for i in [i for i in draining if not fleet[i].running and not fleet[i].queue]:
                     registry.remove(i, now)
                     del fleet[i]
@@ -171,25 +176,32 @@ def simulate(args: argparse.Namespace) -> dict:
             d = policy.decide(signal, now)
             decide_s.append(time.thread_time() - t0)
             if d.action == "up":
-                new = f"{AUTOSCALED_PREFIX}{next_id}"
-                next_id += 1
-                starting.add(new)
-                heapq.heappush(events, (now + args.start_s, next(tick), "started", new))
-            elif d.action == "down" and d.remove is not None:
-                registry.set_draining(d.remove)
-                draining.add(d.remove)
+                for _ in range(d.count):
+                    new = f"{AUTOSCALED_PREFIX}{next_id}"
+                    next_id += 1
+                    starting.add(new)
+                    heapq.heappush(events, (now + args.start_s, next(tick), "started", new))
+            for leaving in d.remove if d.action == "down" else ():
+                registry.set_draining(leaving)
+                draining.add(leaving)
             if d.action != "hold":
-                steps.append({"t": round(now, 2), "action": d.action, "size": d.instances, "reason": d.reason})
+                steps.append({"t": round(now, 2), "action": d.action, "size": d.instances, "count": d.count,
+                              "reason": d.reason})
             sizes.append((now, signal.size))
             if arrived < 1 or finished < arrived or now < len(args.rates) * args.phase_s:
                 heapq.heappush(events, (now + args.poll_s, next(tick), "decide", None))
     flips = sum(a["action"] != b["action"] for a, b in zip(steps, steps[1:]))
+    top = max(n for _, n in sizes)
+    first_up = next((s["t"] for s in steps if s["action"] == "up"), None)
+    # from the first step up until the fleet (starting instances counted) first reached its largest size
+    grow_s = None if first_up is None else next(t for t, n in sizes if n == top) - first_up
     return {
-        "min_instances": cfg.min_instances, "max_instances": cfg.max_instances, "rates": list(args.rates),
+        "min_instances": cfg.min_instances, "max_instances": cfg.max_instances, "max_step": cfg.max_step,
+        "rates": list(args.rates),
         "requests": arrived, "finished": finished, "lost": arrived - finished, "migrated": moved,
         "steps_up": sum(s["action"] == "up" for s in steps), "steps_down": sum(s["action"] == "down" for s in steps),
         "direction_changes": flips, "size_min": min(n for _, n in sizes), "size_max": max(n for _, n in sizes),
-        "size_end": sizes[-1][1], "decide_ms_p50": round(1e3 * percentile(decide_s, 0.5), 3),
+        "size_end": sizes[-1][1], "grow_s": None if grow_s is None else round(grow_s, 1), "decide_ms_p50": round(1e3 * percentile(decide_s, 0.5), 3),
         "decide_ms_p99": round(1e3 * percentile(decide_s, 0.99), 3),
         "ttft_s_p99": round(percentile(ttft, 0.99) or 0.0, 3),
         "instance_s": round(instance_s), "max_fleet_instance_s": round(cfg.max_instances * last_t),

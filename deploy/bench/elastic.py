@@ -83,6 +83,7 @@ class NodeLauncher:
         node = self.nodes[(index + 1) % len(self.nodes)]
         spec = InstanceSpec(instance_id=instance_id, executor="local", num_cpus=b.num_cpus, engine=b.cfg, role=role,
                             layout=ShardLayout(stages=(StageSlot(node=node, layers=(0, b.num_layers)),)))
+        taken.update(spec.layout.places)
         server = InstanceServer.spawn(spec)
         info = await asyncio.wait_for(server.info.remote(), 600)
         return Launched(spec, server, info, time.monotonic() - began)
@@ -96,8 +97,9 @@ async def drive(b: Bench, prompts: list[list[int]], gaps: list[float], args, aut
     async def count() -> None:
         while not stop.is_set():
             rows = await b.router.instances.remote()
-            starting = autoscaler is not None and autoscaler.last is not None and autoscaler.last.action == "up"
-            counted.append((time.perf_counter(), len(rows) + int(starting)))
+            last = autoscaler.last if autoscaler is not None else None
+            starting = last.count if last is not None and last.action == "up" else 0
+            counted.append((time.perf_counter(), len(rows) + starting))
             await asyncio.sleep(0.25)
 
     counter = asyncio.create_task(count())

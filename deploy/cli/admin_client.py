@@ -125,7 +125,8 @@ class DecisionRow(_Row):
     action: str  # up | down | hold
     reason: str
     instances: int
-    remove: str | None = None
+    remove: list[str] = []  # the instances a step down drains
+    count: int = 1  # instances the step adds or removes
 
 
 class Autoscaling(_Row):

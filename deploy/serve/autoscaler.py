@@ -71,7 +71,8 @@ class Launched:
 class Launcher(Protocol):
     async def launch(self, instance_id: str, index: int, taken: set[tuple[str, int]], role: Role = "both") -> Launched:
         """Start instance `instance_id` (the `index`-th the autoscaler started) on devices not in `taken`, with its
-        disaggregation `role` in its spec (it reports it to a router that restarts)."""
+        disaggregation `role` in its spec (it reports it to a router that restarts). It adds the devices it takes to
+        `taken` before it waits for the load: launches side by side share the set."""
         ...
 
 
@@ -82,16 +83,19 @@ class PlannedLauncher:
     def __init__(self, template: InstanceSpec, fleet_cfg: FleetConfig) -> None:
         self.template = template
         self.fleet_cfg = fleet_cfg
+        self._planning = asyncio.Lock()  # one plan at a time: each sees the devices the ones before it took
 
     async def launch(self, instance_id: str, index: int, taken: set[tuple[str, int]], role: Role = "both") -> Launched:
         began = time.monotonic()
         spec = self.template.model_copy(update={"instance_id": instance_id, "role": role})
-        try:
-            placed = await asyncio.to_thread(replan, spec, self.fleet_cfg, index, taken)
-        except PlacementError as full:  # on KubeRay: on a pod to come, which Ray's autoscaler adds for it
-            placed = await asyncio.to_thread(replan, spec, self.fleet_cfg, index, taken, True)  # else: no room
-            log.warning("autoscaler: no room on the live nodes (%s); %s waits for a new pod of its group on %s",
-                        full, instance_id, placed.place)
+        async with self._planning:
+            try:
+                placed = await asyncio.to_thread(replan, spec, self.fleet_cfg, index, taken)
+            except PlacementError as full:  # on KubeRay: on a pod to come, which Ray's autoscaler adds for it
+                placed = await asyncio.to_thread(replan, spec, self.fleet_cfg, index, taken, True)  # else: no room
+                log.warning("autoscaler: no room on the live nodes (%s); %s waits for a new pod of its group on %s",
+                            full, instance_id, placed.place)
+            taken.update(placed.layout.places)
         name = f"{INSTANCE_ACTOR_PREFIX}{instance_id}/{uuid.uuid4().hex[:8]}"  # a restarted router finds it by name
         server = InstanceServer.spawn(placed, resources={**InstanceServer.pin(placed),
                                                          **self.fleet_cfg.instance_resources},
@@ -105,7 +109,8 @@ class PlannedLauncher:
 
 
 class Autoscaler:
-    """One decision per `tick`, carried out before the next (one step at a time)."""
+    """One decision per `tick`, carried out before the next; a step of several instances starts (or drains) them
+    side by side."""
 
     def __init__(self, cfg: AutoscalingConfig, slots_per_instance: int, router: RouterClient, launcher: Launcher,
                  clock=time.monotonic, floor: int | None = None) -> None:
@@ -148,9 +153,9 @@ class Autoscaler:
         self.size = signal.size
         try:
             if decision.action == "up":
-                await self.scale_out(decision.reason, rows, decision.role, decision.cause)
-            elif decision.action == "down" and decision.remove is not None:
-                await self.scale_in(decision.remove, decision.reason, decision.cause)
+                await self.scale_out(decision.reason, rows, decision.role, decision.cause, decision.count)
+            elif decision.action == "down":
+                await self.scale_in_all(decision.remove, decision.reason, decision.cause)
         finally:
             if decision.action != "hold":
                 self.policy.done(self.clock())
@@ -172,16 +177,24 @@ class Autoscaler:
                                0 if measured is None else measured.replicas)
 
     # ---- scale out ---------------------------------------------------------------------------------------------
-    async def scale_out(self, reason: str, rows: list[InstanceRow], role: Role = "both",
-                        cause: Cause = "manual") -> ScaleEvent:
-        """Start the next `auto-N` instance on free devices and register it with `role` (prefill, decode or both);
-        `cause`: the decision's, recorded with the step."""
-        at, began = time.time(), self.clock()
+    async def scale_out(self, reason: str, rows: list[InstanceRow], role: Role = "both", cause: Cause = "manual",
+                        count: int = 1) -> tuple[ScaleEvent, ...]:
+        """Start the next `count` `auto-N` instances on free devices, side by side, and register each with `role`
+        (prefill, decode or both); `cause`: the decision's, recorded with each step. One event per instance: one
+        that fails to start is recorded as failed, the others go on."""
         used = [int(r.instance_id[len(AUTOSCALED_PREFIX):]) for r in rows
                 if r.instance_id.startswith(AUTOSCALED_PREFIX) and r.instance_id[len(AUTOSCALED_PREFIX):].isdigit()]
-        index = max([*used, *(int(i[len(AUTOSCALED_PREFIX):]) for i in self.servers), -1]) + 1
-        instance_id = f"{AUTOSCALED_PREFIX}{index}"
+        first = max([*used, *(int(i[len(AUTOSCALED_PREFIX):]) for i in self.servers), -1]) + 1
+        # the devices the fleet holds; each launch adds the ones it takes, so side-by-side starts never share one
         taken = {(p.node, p.device) for r in rows for p in r.place.stages + ((r.place.draft,) if r.place.draft else ())}
+        return tuple(await asyncio.gather(*(self._start(first + n, taken, role, reason, cause)
+                                            for n in range(count))))
+
+    async def _start(self, index: int, taken: set[tuple[str, int]], role: Role, reason: str,
+                     cause: Cause) -> ScaleEvent:
+        """Start, load and register instance `auto-<index>`; its event, done or failed (never raised)."""
+        at, began = time.time(), self.clock()
+        instance_id = f"{AUTOSCALED_PREFIX}{index}"
         log.warning("autoscaler: starting %s (%s)", instance_id, reason)
         try:
             await self.router.call(lambda r: r.starting.remote(instance_id), timeout_s=CALL_TIMEOUT_S)
@@ -202,6 +215,14 @@ class Autoscaler:
                                        cause=cause))
 
     # ---- scale in ----------------------------------------------------------------------------------------------
+    async def scale_in_all(self, instance_ids: tuple[str, ...], reason: str,
+                           cause: Cause = "manual") -> tuple[ScaleEvent, ...]:
+        """Scale in `instance_ids` side by side. Each is first taken out of dispatch, so that no drain moves a
+        request onto another instance that is leaving; then each drains and stops as `scale_in` does."""
+        for instance_id in instance_ids[1:]:  # the first is drained by its own scale_in, at once
+            await self.router.call(lambda r, i=instance_id: r.drain.remote(i), timeout_s=CALL_TIMEOUT_S)
+        return tuple(await asyncio.gather(*(self.scale_in(i, reason, cause) for i in instance_ids)))
+
     async def scale_in(self, instance_id: str, reason: str, cause: Cause = "manual") -> ScaleEvent:
         """Drain `instance_id` through migration until the router counts nothing on it, then stop it; within
         `drain_timeout_s`, else put it back in service."""

@@ -143,7 +143,7 @@ def test_a_restarted_router_gives_an_autoscaled_instance_its_role_back(scaled) -
     autoscaler added as `decode` comes back `decode` in both, not `both`: it reports the role its spec gave it."""
     fl, autoscaler, floor = scaled
     rows = ray.get(fl.router.instances.remote())
-    event = asyncio.run(autoscaler.scale_out("test: a decode instance", rows, "decode"))
+    [event] = asyncio.run(autoscaler.scale_out("test: a decode instance", rows, "decode"))
     assert (event.action, event.outcome) == ("up", "done"), event
     added = event.instance_id
     assert {r.instance_id: r.role for r in ray.get(fl.router.instances.remote())}[added] == "decode"
@@ -160,6 +160,36 @@ def test_a_restarted_router_gives_an_autoscaled_instance_its_role_back(scaled) -
         ray.kill(restarted)
     out = asyncio.run(autoscaler.scale_in(added, "test: back to the floor"))
     assert (out.action, out.outcome) == ("down", "done"), out
+    assert [r.instance_id for r in ray.get(fl.router.instances.remote())] == [floor]
+
+
+def test_a_step_of_two_plans_each_on_a_device_of_its_own_and_one_without_room_fails_cleanly(scaled) -> None:
+    """A proportional step of two, started side by side, on a test cluster with one free device left: the launches
+    share what they take, so one starts there and the other is refused for lack of room (recorded as a failed
+    step), never planned onto the same device; the one started serves, and `scale_in_all` takes it back out."""
+    fl, autoscaler, floor = scaled
+    rows = ray.get(fl.router.instances.remote())
+    events = asyncio.run(autoscaler.scale_out("test: two at once", rows, count=2))
+    assert sorted(e.outcome for e in events) == ["done", "failed"], events
+    [done] = [e for e in events if e.outcome == "done"]
+    [refused] = [e for e in events if e.outcome == "failed"]
+    assert "PlacementError" in refused.detail and "held by another instance" in refused.detail, refused
+    assert refused.instance_id not in autoscaler.servers  # nothing of it is left running
+    rows = {r.instance_id: r for r in ray.get(fl.router.instances.remote())}
+    assert set(rows) == {floor, done.instance_id}
+    held_by = [{(p.node, p.device) for p in rows[i].place.stages} | ({(rows[i].place.draft.node,
+                                                                       rows[i].place.draft.device)}
+                                                                     if rows[i].place.draft else set())
+               for i in (floor, done.instance_id)]
+    assert held_by[0].isdisjoint(held_by[1]), held_by
+    prompt = text_prompts(load(fl.cfg.model.target), 1, offset=13)[0]
+    fl.servers[done.instance_id] = autoscaler.servers[done.instance_id]
+    out = asyncio.run(stream(fl, prompt, tokens=8))
+    assert len(out.tokens) == 8
+    [back] = asyncio.run(autoscaler.scale_in_all((done.instance_id,), "test: back to the floor"))
+    assert (back.action, back.outcome, back.detail) == ("down", "done", ""), back
+    fl.servers.pop(done.instance_id)
+    wait_no_pending(fl)
     assert [r.instance_id for r in ray.get(fl.router.instances.remote())] == [floor]
 
 

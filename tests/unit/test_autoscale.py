@@ -51,6 +51,7 @@ def test_an_autoscaled_fleet_starts_at_its_minimum() -> None:
     ({"autoscaling": {"max_instances": 2, "target": {"queue_per_instance": None}}}, "fleet.autoscaling.target"),
     ({"autoscaling": {"max_instances": 2, "up_after_s": -1}}, "fleet.autoscaling.up_after_s"),
     ({"autoscaling": {"max_instances": 2, "bogus": 1}}, "fleet.autoscaling.bogus"),
+    ({"autoscaling": {"max_instances": 2, "max_step": 0}}, "fleet.autoscaling.max_step"),
     ({"instances": 3, "autoscaling": {"min_instances": 1, "max_instances": 4}}, "fleet"),
 ])
 def test_bad_autoscaling_is_named_by_its_key(fleet: dict, key: str) -> None:
@@ -66,7 +67,8 @@ def test_scale_up_waits_until_the_condition_held_up_after_s() -> None:
     assert p.decide(hot, 0.0).action == "hold"
     assert p.decide(hot, 4.9).action == "hold"
     d = p.decide(hot, 5.0)
-    assert (d.action, d.desired) == ("up", 3) and "ttft p99 2.000 s > target 1 s" in d.reason
+    # proportional: a p99 twice its target on 2 instances asks for 4 (Ray Serve's current x metric / target)
+    assert (d.action, d.count, d.desired) == ("up", 2, 4) and "ttft p99 2.000 s > target 1 s" in d.reason
 
 
 def test_a_break_in_the_condition_restarts_the_clock() -> None:
@@ -96,7 +98,10 @@ def test_scale_down_needs_the_load_well_below_target_on_one_instance_fewer_for_d
     assert p.decide(idle, 0.0).action == "hold"
     assert p.decide(idle, 19.0).action == "hold"
     d = p.decide(idle, 20.0)
-    assert (d.action, d.remove, d.desired, d.cause) == ("down", "i1", 2, "low_load")  # the least to move
+    # two fewer would still be well within every target: both leave, the least to move first (i0 before i2 by id)
+    assert (d.action, d.remove, d.desired, d.cause) == ("down", ("i1", "i0"), 1, "low_load")
+    d = AutoscalePolicy(cfg(down_after_s=0.0, max_step=1), SLOTS).decide(idle, 0.0)
+    assert (d.action, d.remove, d.desired) == ("down", ("i1",), 2)  # max_step caps it
     # the same requests on 2 instances of 4 slots would queue: no scale-in
     p2 = AutoscalePolicy(cfg(down_after_s=0.0), SLOTS)
     assert p2.decide(fleet((0, 4), (0, 3), (0, 3), ttft=0.1, itl=0.01), 0.0).action == "hold"
@@ -137,7 +142,7 @@ def test_only_instances_the_autoscaler_started_are_removed() -> None:
     assert d.action == "hold" and "no instance the autoscaler started" in d.reason
     d = AutoscalePolicy(cfg(down_after_s=0.0), SLOTS).decide(fleet((0, 0), (0, 1), ttft=0.0, itl=0.0, fixed=(0,)),
                                                              0.0)
-    assert (d.action, d.remove) == ("down", "i1")
+    assert (d.action, d.remove) == ("down", ("i1",))
 
 
 # ---- no flapping ---------------------------------------------------------------------------------------------
@@ -164,8 +169,11 @@ def test_no_flapping_under_a_load_at_the_threshold(seed: int) -> None:
     assert steps in ([], ["up"]), steps  # jitter held above for up_after_s may add one; it never comes back down
 
 
-def test_a_rising_then_falling_load_scales_out_then_in_within_bounds() -> None:
-    c = cfg(min_instances=1, max_instances=4, up_after_s=1.0, down_after_s=3.0, cooldown_s=1.0)
+@pytest.mark.parametrize("max_step, changes", [(None, 2), (1, 6)])
+def test_a_rising_then_falling_load_scales_out_then_in_within_bounds(max_step: int | None, changes: int) -> None:
+    """Proportional steps: 30 requests on 1 instance of 4 slots (target 2 queued) ask for 5, so one step to the max
+    of 4, and one step back to 1 once 2 remain; with `max_step` 1, three steps each way. None is ever undone."""
+    c = cfg(min_instances=1, max_instances=4, up_after_s=1.0, down_after_s=3.0, cooldown_s=1.0, max_step=max_step)
     p = AutoscalePolicy(c, SLOTS)
     n, sizes = 1, []
     demand = [2] * 10 + [30] * 40 + [2] * 60  # requests in the fleet per tick
@@ -177,8 +185,8 @@ def test_a_rising_then_falling_load_scales_out_then_in_within_bounds() -> None:
         assert c.min_instances <= n <= c.max_instances
         sizes.append(n)
     assert max(sizes) == 4 and sizes[-1] == 1
-    changes = sum(a != b for a, b in zip(sizes, sizes[1:]))
-    assert changes == 6  # 3 up, 3 down: every step in one direction, none undone
+    assert sum(a != b for a, b in zip(sizes, sizes[1:])) == changes
+    assert sizes == sorted(sizes[:sizes.index(4) + 1]) + sorted(sizes[sizes.index(4) + 1:], reverse=True)
 
 
 # ---- latency window ------------------------------------------------------------------------------------------
@@ -211,11 +219,32 @@ def test_the_policy_scales_a_simulated_fleet_of_1000_up_then_down_losing_nothing
     row = autoscale_sim.simulate(args)
     assert row["requests"] > 40_000 and row["lost"] == 0 and row["finished"] == row["requests"]
     assert 980 == row["size_min"] < row["size_max"] <= 1000
-    assert row["steps_up"] >= 5 and row["steps_down"] >= 1 and row["direction_changes"] == 1, row["steps"]
+    assert row["steps_up"] >= 1 and row["steps_down"] >= 1 and row["direction_changes"] == 1, row["steps"]
     assert [s["action"] for s in row["steps"]][: row["steps_up"]] == ["up"] * row["steps_up"]
     assert row["migrated"] >= 1  # a drained instance's requests moved, not cut
     assert row["instance_s"] < row["max_fleet_instance_s"]
     assert row["decide_ms_p50"] < 50.0
+
+
+def test_proportional_steps_catch_a_load_step_at_1000_instances_that_one_a_step_does_not() -> None:
+    """The load steps from 0.4 to 0.9 of the max fleet's capacity on a floor of 500: steps sized to the load reach
+    the fleet it needs within seconds and keep the time to first token near the start's, where one instance a
+    step (`max_step` 1) has not caught up when the load falls again; neither loses a request or flaps."""
+    import argparse
+
+    from deploy.bench import autoscale_sim
+
+    p = argparse.ArgumentParser()
+    autoscale_sim.add_arguments(p)
+    common = ["--min-instances", "500", "--phase-s", "20", "--duration-s", "4", "--rates", "0.4", "0.9", "0.4"]
+    sized, single = (autoscale_sim.simulate(p.parse_args(common + extra)) for extra in ([], ["--max-step", "1"]))
+    for row in (sized, single):
+        assert row["lost"] == 0 and row["direction_changes"] == 1, row["steps"]
+    need = 0.9 * 1000  # instances the 0.9 phase keeps busy
+    assert sized["size_max"] >= need > single["size_max"]
+    assert sized["steps_up"] < single["steps_up"] / 4 and sized["grow_s"] < single["grow_s"] / 4
+    assert sized["ttft_s_p99"] < single["ttft_s_p99"] / 2
+    assert all(s["count"] == 1 for s in single["steps"]) and max(s["count"] for s in sized["steps"]) > 20
 
 
 def test_the_cooldown_runs_from_when_the_step_was_carried_out() -> None:
@@ -244,7 +273,7 @@ def roles(signal: FleetSignal, *names: str) -> FleetSignal:
 def test_a_step_up_adds_the_role_whose_signal_is_over(signal: FleetSignal, role: str) -> None:
     d = AutoscalePolicy(cfg(up_after_s=0.0), SLOTS).decide(signal, 0.0)
     assert (d.action, d.role) == ("up", role)
-    assert (f"adds a {role} instance" in d.reason) == (role != "both")
+    assert (f" {role} instance" in d.reason) == (role != "both")
 
 
 def test_below_the_minimum_the_role_with_fewer_instances_is_added() -> None:
@@ -258,8 +287,26 @@ def test_a_step_down_never_removes_the_last_instance_of_a_role() -> None:
     # the prefill instance has the least to move, but it is the only one: the emptier decode one leaves
     d = AutoscalePolicy(cfg(down_after_s=0.0), SLOTS).decide(
         roles(fleet((0, 0), (0, 1), (0, 2), **idle), "prefill", "decode", "decode"), 0.0)
-    assert (d.action, d.remove) == ("down", "i1")
+    assert (d.action, d.remove) == ("down", ("i1",))
     # one of each and the rest deployed (not removable): nothing the autoscaler may remove
     d = AutoscalePolicy(cfg(down_after_s=0.0), SLOTS).decide(
         roles(fleet((0, 0), (0, 0), (0, 0), fixed=(2,), **idle), "prefill", "decode", "both"), 0.0)
     assert d.action == "hold" and "no instance the autoscaler started" in d.reason
+
+
+def test_a_step_of_several_reaches_the_admin_route_and_specfleet_status_as_the_policy_decided_it() -> None:
+    """/admin/autoscaler serializes the status as it is (dataclasses.asdict, then JSON); the CLI's typed row reads a
+    step down of two back with both instances it drains and the count."""
+    import dataclasses
+    import json
+
+    from cluster.autoscale import AutoscaleStatus
+    from deploy.cli.admin_client import Autoscaling
+    from deploy.cli.admin_cmd import _autoscaling_line
+
+    d = AutoscalePolicy(cfg(down_after_s=0.0), SLOTS).decide(fleet((0, 1), (0, 0), (0, 0), ttft=0.0, itl=0.0), 0.0)
+    assert (d.action, d.count, d.desired) == ("down", 2, 1)
+    status = AutoscaleStatus(1, 4, 3, d, (), ())
+    row = Autoscaling.model_validate({"enabled": True, **json.loads(json.dumps(dataclasses.asdict(status)))})
+    assert (row.last.action, row.last.remove, row.last.count) == ("down", ["i1", "i2"], 2)
+    assert "last decision: down (" in _autoscaling_line(row) and "removes i1, i2" in _autoscaling_line(row)
