@@ -24,6 +24,7 @@ import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 import ray
 import torch
@@ -451,16 +452,18 @@ class InstanceServer:
 
     @classmethod
     def spawn(cls, spec: InstanceSpec, *, resources: dict[str, float] | None = None,
-              name: str | None = None, namespace: str | None = None) -> ActorHandle:
+              name: str | None = None, namespace: str | None = None,
+              lifetime: Literal["detached"] | None = None) -> ActorHandle:
         """Start the actor (it loads its models, or starts its shards, at once) with `resources` (default: the
         pin to its first stage's node). A local instance reserves the spec's CPUs; one over shard actors only
-        drives them."""
+        drives them. `lifetime` "detached": it outlives the process that spawned it (Ray's actor lifetimes)."""
         local = spec.executor == "local"  # then the actor's process computes, on the plan's GPU if it has one
         lay = spec.layout
         gpus = lay.stages[0].gpus + (lay.draft_gpus if lay.draft_node is not None else 0.0) if local else 0.0
         actor_cls = ray.remote(cls).options(num_cpus=spec.num_cpus if local else 0.0, num_gpus=gpus,
                                             resources=cls.pin(spec) if resources is None else resources,
-                                            max_restarts=0, max_concurrency=1000, name=name, namespace=namespace)
+                                            max_restarts=0, max_concurrency=1000, name=name, namespace=namespace,
+                                            lifetime=lifetime)
         return actor_cls.remote(spec, time.time())
 
 

@@ -9,7 +9,9 @@ and only once the router counts nothing on it is it deregistered and stopped. A 
 within `drain_timeout_s` is cancelled: the instance is put back in service, and the step is recorded as cancelled.
 
 The deployed floor (`min_instances`, Serve's `SpecfleetInstance` deployments, replaced by Serve when they fail) is
-never removed; the autoscaler removes only instances it started (ids `auto-<n>`). `SpecfleetAutoscaler` runs it as
+never removed; the autoscaler removes only instances it started (ids `auto-<n>`). Those are detached actors, as Ray
+Serve's controller starts its replicas: they outlive the autoscaler's replica, and a replica that replaces it adopts
+them from the router's table (`adopt`), so that a failed autoscaler cuts no stream. `SpecfleetAutoscaler` runs it as
 a one-replica Serve deployment beside the API, which reads its status for /metrics and `specfleet status`.
 
 Its TTFT signal is measured by the API replicas: each pushes its record of recent first tokens and of requests still
@@ -97,9 +99,11 @@ class PlannedLauncher:
                             full, instance_id, placed.place)
             taken.update(placed.layout.places)
         name = f"{INSTANCE_ACTOR_PREFIX}{instance_id}/{uuid.uuid4().hex[:8]}"  # a restarted router finds it by name
+        # detached: owned by no process, so it outlives the autoscaler replica that started it (Serve replaces that
+        # replica when it fails; the streams on the instance go on, and the new replica adopts it)
         server = InstanceServer.spawn(placed, resources={**InstanceServer.pin(placed),
                                                          **self.fleet_cfg.instance_resources},
-                                      name=name, namespace=NAMESPACE)
+                                      name=name, namespace=NAMESPACE, lifetime="detached")
         try:
             info = await asyncio.wait_for(server.info.remote(), LOAD_TIMEOUT_S)  # its models load here
         except BaseException:
@@ -145,6 +149,7 @@ class Autoscaler:
     async def tick(self) -> ScaleDecision:
         rows, start_s = await asyncio.gather(self._rows(), self._start_s())
         now = self.clock()
+        await self.adopt(rows)
         deployed = sum(not r.instance_id.startswith(AUTOSCALED_PREFIX) for r in rows if r.healthy)
         self.reports.prune(now)
         signal = self.reader.read(rows, now, starting=max(0, self.floor - deployed), start_s=start_s,
@@ -160,6 +165,21 @@ class Autoscaler:
             if decision.action != "hold":
                 self.policy.done(self.clock())
         return decision
+
+    async def adopt(self, rows: list[InstanceRow]) -> list[str]:
+        """Take charge of the autoscaled instances the router lists that this autoscaler did not start (a replica
+        before it did, and died: they are detached, so they lived on); they are then stopped with the others when
+        the app goes. The ids adopted."""
+        adopted = []
+        for r in rows:
+            if r.instance_id.startswith(AUTOSCALED_PREFIX) and r.instance_id not in self.servers:
+                server = await _find_instance(r.instance_id, r.incarnation)
+                if server is not None:
+                    self.servers[r.instance_id] = server
+                    adopted.append(r.instance_id)
+        if adopted:
+            log.warning("autoscaler: adopted %s, started by an autoscaler before this one", ", ".join(adopted))
+        return adopted
 
     def report_ttft(self, report: TtftReport) -> None:
         """An API replica's record of its recent first tokens and requests waiting for one (its latest replaces the

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 
 import pytest
 import ray
@@ -16,7 +17,7 @@ from ray.exceptions import ActorDiedError
 
 from cluster.config import RouterConfig, SpecfleetConfig, parse_config
 from cluster.request import FinishReason
-from cluster.router import Router
+from cluster.router import INSTANCE_ACTOR_PREFIX, NAMESPACE, Router
 from cluster.router_client import RouterClient
 from deploy.serve.autoscaler import Autoscaler, PlannedLauncher
 from deploy.serve.fleet import fleet_specs
@@ -191,6 +192,54 @@ def test_a_step_of_two_plans_each_on_a_device_of_its_own_and_one_without_room_fa
     fl.servers.pop(done.instance_id)
     wait_no_pending(fl)
     assert [r.instance_id for r in ray.get(fl.router.instances.remote())] == [floor]
+
+
+@ray.remote(num_cpus=0)
+class _Replica:
+    """Stands in for the autoscaler's Serve replica: an autoscaler in a process of its own, which can die."""
+
+    def __init__(self, cfg: SpecfleetConfig, spec, router) -> None:
+        self.autoscaler = Autoscaler(cfg.fleet.autoscaling, SLOTS, RouterClient(router),
+                                     PlannedLauncher(spec, cfg.fleet))
+
+    async def scale_out(self, rows):
+        return await self.autoscaler.scale_out("test: started by a replica that dies", rows)
+
+
+def test_an_instance_outlives_the_autoscaler_that_started_it_and_the_next_one_adopts_it(scaled) -> None:
+    """The autoscaler's replica dies (Serve would replace it): the instance it started is detached, so it lives on,
+    registered and serving, and the autoscaler that takes over adopts it, scales it in through migration, and would
+    stop it with the app."""
+    fl, autoscaler, floor = scaled
+    cfg = config(fl.cfg.model.target, fl.cfg.model.draft)
+    [spec] = fleet_specs(cfg)
+    replica = _Replica.remote(cfg, spec, fl.router)
+    [event] = ray.get(replica.scale_out.remote(ray.get(fl.router.instances.remote())), timeout=300)
+    assert (event.action, event.outcome) == ("up", "done"), event
+    added = event.instance_id
+    ray.kill(replica)
+    with pytest.raises(ray.exceptions.RayActorError):
+        ray.get(replica.scale_out.remote([]), timeout=60)
+    [named] = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+               if a["name"].startswith(f"{INSTANCE_ACTOR_PREFIX}{added}/")]
+    server = ray.get_actor(named, namespace=NAMESPACE)
+    try:
+        time.sleep(1.0)  # several of the router's health rounds (0.2 s)
+        assert ray.get(server.info.remote(), timeout=30).model
+        assert {r.instance_id: r.healthy for r in ray.get(fl.router.instances.remote())}.get(added), added
+        fl.servers[added] = server
+        prompt = text_prompts(load(fl.cfg.model.target), 1, offset=17)[0]
+        assert len(asyncio.run(stream(fl, prompt, tokens=8)).tokens) == 8
+        taking_over = Autoscaler(cfg.fleet.autoscaling, SLOTS, RouterClient(fl.router),
+                                 PlannedLauncher(spec, cfg.fleet))
+        assert asyncio.run(taking_over.adopt(ray.get(fl.router.instances.remote()))) == [added]
+        assert added in taking_over.servers
+        out = asyncio.run(taking_over.scale_in(added, "test: back to the floor"))
+        assert (out.action, out.outcome) == ("down", "done"), out
+        fl.servers.pop(added)
+        assert [r.instance_id for r in ray.get(fl.router.instances.remote())] == [floor]
+    finally:
+        ray.kill(server)  # detached: nothing else would
 
 
 def test_each_failed_autoscaling_round_is_counted_and_autoscaling_goes_on(ray_driver, tiny_models,
