@@ -24,6 +24,7 @@ ACCELERATOR_RESOURCE = "accelerator_{kind}"
 ACCELERATOR_MEMORY_RESOURCE = "specfleet_accelerator_memory_gb"
 NODE_RESOURCE_UNITS = 1000  # a task or bundle pins itself to a node by asking for 1 of these
 LABEL_PREFIX = "specfleet/"
+MAX_PODS_LABEL = f"{LABEL_PREFIX}max-pods"  # a KubeRay worker group's maxReplicas, on each of its pods
 
 
 def _label_value(text: str) -> str:

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import yaml
 
 from cluster.config import ConfigError, SpecfleetConfig
-from placement.inventory import LABEL_PREFIX, NODE_RESOURCE, Inventory, NodeSpec, ray_labels, ray_resources
+from placement.inventory import LABEL_PREFIX, MAX_PODS_LABEL, NODE_RESOURCE, Inventory, NodeSpec, ray_labels, ray_resources
 from deploy.serve.serve_env import PROXY_CALLBACK, PROXY_CALLBACK_ENV
 
 API_VERSION = "ray.io/v1"
@@ -89,10 +89,11 @@ def group_resources(node: NodeSpec, opts: RenderOptions) -> dict[str, str]:
     return out
 
 
-def group_labels(node: NodeSpec) -> dict[str, str]:
-    """Ray labels of a pod of `node`'s kind: ray_labels less `specfleet/node`, plus `specfleet/group`."""
+def group_labels(node: NodeSpec, max_replicas: int) -> dict[str, str]:
+    """Ray labels of a pod of `node`'s kind: ray_labels less `specfleet/node`, plus `specfleet/group` and its
+    `maxReplicas` as `specfleet/max-pods` (a scale-out then knows when no pod of the group can come)."""
     labels = {k: v for k, v in ray_labels(node).items() if k != f"{LABEL_PREFIX}node"}
-    return {**labels, f"{LABEL_PREFIX}group": group_name(node.accelerator)}
+    return {**labels, f"{LABEL_PREFIX}group": group_name(node.accelerator), MAX_PODS_LABEL: str(max_replicas)}
 
 
 def worker_groups(inventory: Inventory, config: SpecfleetConfig, opts: RenderOptions) -> list[dict]:
@@ -131,7 +132,7 @@ def worker_groups(inventory: Inventory, config: SpecfleetConfig, opts: RenderOpt
             "maxReplicas": n * opts.max_scale,
             "rayStartParams": {},
             "resources": group_resources(node, opts),
-            "labels": group_labels(node),
+            "labels": group_labels(node, n * opts.max_scale),
             "template": {"metadata": {"labels": {**APP_LABEL, f"{LABEL_PREFIX}group": name}}, "spec": pod},
         })
     return groups

@@ -94,7 +94,11 @@ class PlannedLauncher:
             try:
                 placed = await asyncio.to_thread(replan, spec, self.fleet_cfg, index, taken)
             except PlacementError as full:  # on KubeRay: on a pod to come, which Ray's autoscaler adds for it
-                placed = await asyncio.to_thread(replan, spec, self.fleet_cfg, index, taken, True)  # else: no room
+                try:
+                    placed = await asyncio.to_thread(replan, spec, self.fleet_cfg, index, taken, True)
+                except PlacementError:
+                    raise PlacementError(f"{full}; and no KubeRay worker group below its maxReplicas to add a pod "
+                                         "to") from None
                 log.warning("autoscaler: no room on the live nodes (%s); %s waits for a new pod of its group on %s",
                             full, instance_id, placed.place)
             taken.update(placed.layout.places)

@@ -20,7 +20,7 @@ from cluster.config import EngineConfig, FleetConfig, SpecfleetConfig
 from deploy import model_store
 from deploy.model_store import resolve_model
 from placement.fleet import InstanceSpec, plan_fleet, plan_instance
-from placement.inventory import ACCELERATOR_RESOURCE, LABEL_PREFIX, Inventory, inventory_from_labels
+from placement.inventory import ACCELERATOR_RESOURCE, LABEL_PREFIX, MAX_PODS_LABEL, Inventory, inventory_from_labels
 from placement.model_size import model_size_from_config
 
 log = logging.getLogger(__name__)
@@ -60,10 +60,13 @@ def nodes_inventory(ray_nodes: list[dict], spare_pods: bool = False) -> tuple[In
     order) and pinned by their kind's resource (`accelerator_<kind>`), never by address: a pod that replaces
     one with a new IP serves its slot as well as any other pod of the group.
 
-    `spare_pods` adds, for each group, the pod its next slot would be (`<group>-<n>`, the group's labels): an instance
-    planned there asks for the group's resources (its kind's pin, its accelerator memory, GPUs), which no live pod
-    has free, so its actor waits and Ray's autoscaler adds a pod of that group (up to the group's `maxReplicas`,
-    docs/kubernetes.md). Nodes of `specfleet cluster up` are never added: they are not in a group that can grow.
+    `spare_pods` adds, for each group, the pods its next slots would be (`<group>-<n>`, the group's labels): an
+    instance planned there asks for the group's resources (its kind's pin, its accelerator memory, GPUs), which no
+    live pod has free, so its actor waits and Ray's autoscaler adds a pod of that group (docs/kubernetes.md). As
+    many as the group may still grow by: up to its `maxReplicas` (the `specfleet/max-pods` label k8s_render gives
+    its pods; one spare where a pod has no such label), so a step of several instances has a slot for each, and a
+    group at its `maxReplicas` has none: a plan that needs a pod fails now rather than after the load timeout.
+    Nodes of `specfleet cluster up` are never added: they are not in a group that can grow.
     """
     nodes, pins, gpu_nodes, pods = [], {}, set(), {}
     last: dict[str, tuple[dict[str, str], bool]] = {}  # group -> (its last pod's labels, whether it has GPUs)
@@ -83,11 +86,14 @@ def nodes_inventory(ray_nodes: list[dict], spare_pods: bool = False) -> tuple[In
         if gpu:
             gpu_nodes.add(labels[f"{LABEL_PREFIX}node"])
     for group, (labels, gpu) in last.items() if spare_pods else ():
-        name = f"{group}-{pods[group] + 1}"
-        nodes.append({**labels, f"{LABEL_PREFIX}node": name})
-        pins[name] = pins[labels[f"{LABEL_PREFIX}node"]]
-        if gpu:
-            gpu_nodes.add(name)
+        live = pods[group] + 1
+        room = int(labels[MAX_PODS_LABEL]) - live if MAX_PODS_LABEL in labels else 1
+        for slot in range(live, live + room):
+            name = f"{group}-{slot}"
+            nodes.append({**labels, f"{LABEL_PREFIX}node": name})
+            pins[name] = pins[labels[f"{LABEL_PREFIX}node"]]
+            if gpu:
+                gpu_nodes.add(name)
     return inventory_from_labels(nodes), pins, gpu_nodes
 
 

@@ -9,6 +9,7 @@ from cluster.config import ConfigError, load_config, parse_config
 from deploy.infra import k8s_render
 from deploy.infra.k8s_render import RenderOptions
 from placement.inventory import load_inventory, parse_inventory, ray_labels, ray_resources
+from placement.planner import PlacementError
 from tests.fixtures.cli import run_cli
 from tests.k8s.manifests import ROOT, assert_valid
 
@@ -136,6 +137,19 @@ def test_the_base_scales_its_worker_groups_with_the_autoscaler_and_a_scale_out_a
     asks = {spec.layout.pin(node): PIN_UNITS, **config.fleet.instance_resources, "CPU": config.fleet.instance_num_cpus}
     group = next(g for g in groups if node.startswith(g["groupName"] + "-"))
     assert all(float(group["resources"].get(k, 0)) >= v for k, v in asks.items()), (asks, group["resources"])
+    # every group at its maxReplicas, every device held: no pod can come, so the plan fails now (not after the
+    # 900 s load timeout, waiting on a pod Ray's autoscaler will never add)
+    assert all(g["labels"]["specfleet/max-pods"] == str(g["maxReplicas"]) for g in groups)
+    full = [{"NodeID": f"{g['groupName']}-{i}", "Alive": True, "Labels": g["labels"],
+             "Resources": {k: float(v) for k, v in g["resources"].items()}}
+            for g in groups for i in range(g["maxReplicas"])]
+    at_max, _, _ = nodes_inventory(full)
+    spare_at_max, pins, gpu_nodes = nodes_inventory(full, spare_pods=True)
+    assert [n.name for n in spare_at_max.nodes] == [n.name for n in at_max.nodes]
+    with pytest.raises(PlacementError, match="held by another instance"):
+        plan_instance(config.engine, config.fleet, spare_at_max, model(2), model(1, name="draft"), 5,
+                      taken={(n.name, d) for n in at_max.nodes for d in range(n.count)}, pins=pins,
+                      gpu_nodes=gpu_nodes, prefix="auto")
 
 
 def test_an_autoscaled_fleet_the_groups_cannot_hold_is_refused(capsys):

@@ -147,7 +147,7 @@ def test_kuberay_pods_are_named_by_slot_and_pinned_by_kind_so_a_replaced_pod_tak
     assert not any("10.0.0" in p for p in pins.values())
 
 
-def test_a_full_kuberay_group_gets_a_spare_pod_to_plan_a_scale_out_on_and_named_nodes_do_not() -> None:
+def test_a_full_kuberay_group_gets_spare_pods_to_plan_a_scale_out_on_up_to_its_max_and_named_nodes_do_not() -> None:
     """Scale-out on KubeRay (docs/autoscaling.md): every device of the live pods is held, so the plan over them fails;
     over one more pod of the group (`spare_pods`) the instance lands on that pod's slot, pinned by its kind's resource
     and asking for the group's resources: its actor waits until Ray's autoscaler adds the pod. Nodes of `specfleet
@@ -167,6 +167,19 @@ def test_a_full_kuberay_group_gets_a_spare_pod_to_plan_a_scale_out_on_and_named_
         plan_instance(engine(), shape, live, model(2), None, 2, taken=held, pins=pins)
     grown = plan_instance(engine(), shape, spare, model(2), None, 2, taken=held, pins=pins)
     assert grown.layout.places == {("l4-24g-2", 0)} and grown.layout.pin("l4-24g-2") == "accelerator_l4-24g"
+
+    # a group's pods say its maxReplicas (k8s_render): as many spares as it may still grow by, none at its max
+    capped = [{**p, "Labels": {**p["Labels"], "specfleet/max-pods": "4"}} for p in pods]
+    room, pins, _ = nodes_inventory(capped, spare_pods=True)
+    assert [n.name for n in room.nodes] == ["l4-24g-0", "l4-24g-1", "l4-24g-2", "l4-24g-3"]
+    first = plan_instance(engine(), shape, room, model(2), None, 2, taken=held, pins=pins)
+    second = plan_instance(engine(), shape, room, model(2), None, 3, taken=held | first.layout.places, pins=pins)
+    assert first.layout.places | second.layout.places == {("l4-24g-2", 0), ("l4-24g-3", 0)}  # a step of two
+    at_max = [{**p, "Labels": {**p["Labels"], "specfleet/max-pods": "2"}} for p in pods]
+    none, pins, _ = nodes_inventory(at_max, spare_pods=True)
+    assert [n.name for n in none.nodes] == ["l4-24g-0", "l4-24g-1"]
+    with pytest.raises(PlacementError):  # at once: no pod will come for it
+        plan_instance(engine(), shape, none, model(2), None, 2, taken=held, pins=pins)
 
     named = {"NodeID": "c", "Alive": True, "Resources": {"CPU": 8.0},
              "Labels": {**_pod("c", "")["Labels"], "specfleet/node": "l4-0"}}
