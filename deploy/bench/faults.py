@@ -147,11 +147,15 @@ async def link_degraded(app: App, hit: asyncio.Event, streams: list[Streamed]) -
 
 
 async def migration_destination_killed(app: App, hit: asyncio.Event, streams: list[Streamed]) -> Landed:
-    """The running request furthest from its end migrates to the other instance (a long staged copy: up to 64
-    stages of 16-token chunks, stopping only when nothing is left), and the destination's process is killed once a
-    chunk has landed there: mid-copy. The request carries on at its source; whatever the destination still runs
-    fails over. The fault must catch the migrated request mid-stream; the other streams run at their instance's
-    pace (the channel's setup takes a while) and must only end unharmed."""
+    """The running request furthest from its end migrates to the other instance, and the destination's process is
+    killed once a chunk has landed there: mid-copy. The copy goes one token a chunk (up to 64 stages, stopping only
+    when nothing is left): a chunk is exported between two of the source's steps and each step adds at least a
+    token, so the copy never catches up while the request decodes, and it is mid-copy when looked at whatever the
+    destination's prefix cache already held of it (with 16-token chunks, a request whose prompt the destination had
+    cached from an earlier failover had 3 tokens left to copy, done between two looks). The request carries on at its
+    source; whatever the destination still runs fails over. The fault must catch the migrated request mid-stream;
+    the other streams run at their instance's pace (the channel's setup takes a while) and must only end
+    unharmed."""
     router = app.router()
     running = await router.requests.remote("running")
     if not running:
@@ -171,7 +175,7 @@ async def migration_destination_killed(app: App, hit: asyncio.Event, streams: li
     dst = next(r["instance_id"] for r in app.instances() if r["instance_id"] != src)
     was = app.incarnation(dst)
     pid = await app.instance_actor(dst).pid.remote()
-    cfg = MigrationConfig(max_stages=64, stop_copy_tokens=0, chunk_tokens=16, transfer="torch", step_timeout_s=30)
+    cfg = MigrationConfig(max_stages=64, stop_copy_tokens=0, chunk_tokens=1, transfer="torch", step_timeout_s=30)
     moving = router.migrate.remote(rid, dst, cfg)
     deadline = time.monotonic() + 60
     while True:
