@@ -227,14 +227,16 @@ class AutoscalePolicy:
                 return self._hold(n, f"{over}, but at max_instances {cfg.max_instances}", "max_instances")
             held = now - self._up_since
             if held >= cfg.up_after_s:
-                return self._up(signal, f"{over} for {held:.1f} s", now, cause, self._capped(need - n))
+                return self._up(signal, f"{over} for {held:.1f} s", now, cause,
+                                self._capped(min(need, cfg.max_instances) - n))
             return self._hold(n, f"{over} for {held:.1f} s of {cfg.up_after_s:g} s", cause)
         if under:
             if n <= cfg.min_instances:
                 return self._hold(n, f"at min_instances {cfg.min_instances}", "min_instances")
             held = now - self._down_since
             if held >= cfg.down_after_s:
-                return self._down(signal, f"{under} for {held:.1f} s", now, "low_load", fewer)
+                return self._down(signal, f"{under} for {held:.1f} s", now, "low_load",
+                                  min(fewer, n - cfg.min_instances))
             return self._hold(n, f"{under} for {held:.1f} s of {cfg.down_after_s:g} s", "low_load")
         return self._hold(n, "within targets", "within_targets")
 
@@ -302,7 +304,7 @@ class AutoscalePolicy:
         n = len(serving)
         demand = sum(i.waiting + i.running for i in serving)
         best: tuple[int, str] = (0, "")
-        for k in range(1, self._capped(n - 1) + 1 if n > 1 else 1):
+        for k in range(1, min(n - 1, self.cfg.max_step or n) + 1):
             why = self._within(s, n - k, n / (n - k), demand)
             if not why:
                 break
@@ -328,13 +330,11 @@ class AutoscalePolicy:
 
     # ---- decisions ----------------------------------------------------------------------------------------------
     def _up(self, s: FleetSignal, reason: str, now: float, cause: Cause, count: int) -> ScaleDecision:
-        count = min(count, max(1, self.cfg.max_instances - s.size)) if cause != "min_instances" else count
         role = role_to_add(s, cause)
         what = f"{count} {'' if role == 'both' else role + ' '}instance{'s' if count > 1 else ''}"
         return self._step("up", s.size, f"{reason}: adds {what}", now, cause, role=role, count=count)
 
     def _down(self, s: FleetSignal, reason: str, now: float, cause: Cause, count: int) -> ScaleDecision:
-        count = min(count, s.size - self.cfg.min_instances) if cause != "max_instances" else count
         leave: list[str] = []
         roles = collections.Counter(i.role for i in s.serving)
         for i in sorted((i for i in s.serving if i.removable), key=lambda i: (i.waiting + i.running, i.instance_id)):

@@ -34,6 +34,11 @@ class InstancePlace(_Row):
     draft: DraftPlace | None = None
     executor: str = "local"
 
+    @property
+    def places(self) -> set[tuple[str, int]]:
+        """Every (node, device) a shard of this instance runs on (as ShardLayout.places of its plan)."""
+        return {(p.node, p.device) for p in self.stages + ((self.draft,) if self.draft else ())}
+
 
 class InstanceRow(_Row):
     """One instance as the router reports it (cluster/registry.py, InstanceEntry.row)."""

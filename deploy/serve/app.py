@@ -137,8 +137,7 @@ class SpecfleetInstance:
             except Exception as e:  # noqa: BLE001 - no router to ask: plan as if no other instance held a device
                 log.warning("%s: no instances from the router (%s: %s)", self.instance_id, type(e).__name__, e)
                 rows = []
-            taken = {(p.node, p.device) for r in rows if r.instance_id != self.instance_id
-                     for p in r.place.stages + ((r.place.draft,) if r.place.draft else ())}
+            taken = set().union(*(r.place.places for r in rows if r.instance_id != self.instance_id))
             try:
                 placed = replan(spec, self.fleet_cfg, index, taken)
             except PlacementError as e:

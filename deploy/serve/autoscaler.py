@@ -210,7 +210,7 @@ class Autoscaler:
                 if r.instance_id.startswith(AUTOSCALED_PREFIX) and r.instance_id[len(AUTOSCALED_PREFIX):].isdigit()]
         first = max([*used, *(int(i[len(AUTOSCALED_PREFIX):]) for i in self.servers), -1]) + 1
         # the devices the fleet holds; each launch adds the ones it takes, so side-by-side starts never share one
-        taken = {(p.node, p.device) for r in rows for p in r.place.stages + ((r.place.draft,) if r.place.draft else ())}
+        taken = set().union(*(r.place.places for r in rows))
         return tuple(await asyncio.gather(*(self._start(first + n, taken, role, reason, cause)
                                             for n in range(count))))
 
@@ -243,7 +243,7 @@ class Autoscaler:
                            cause: Cause = "manual") -> tuple[ScaleEvent, ...]:
         """Scale in `instance_ids` side by side. Each is first taken out of dispatch, so that no drain moves a
         request onto another instance that is leaving; then each drains and stops as `scale_in` does."""
-        for instance_id in instance_ids[1:]:  # the first is drained by its own scale_in, at once
+        for instance_id in instance_ids:  # all of them before any drain moves a request
             await self.router.call(lambda r, i=instance_id: r.drain.remote(i), timeout_s=CALL_TIMEOUT_S)
         return tuple(await asyncio.gather(*(self.scale_in(i, reason, cause) for i in instance_ids)))
 

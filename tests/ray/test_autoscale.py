@@ -178,10 +178,7 @@ def test_a_step_of_two_plans_each_on_a_device_of_its_own_and_one_without_room_fa
     assert refused.instance_id not in autoscaler.servers  # nothing of it is left running
     rows = {r.instance_id: r for r in ray.get(fl.router.instances.remote())}
     assert set(rows) == {floor, done.instance_id}
-    held_by = [{(p.node, p.device) for p in rows[i].place.stages} | ({(rows[i].place.draft.node,
-                                                                       rows[i].place.draft.device)}
-                                                                     if rows[i].place.draft else set())
-               for i in (floor, done.instance_id)]
+    held_by = [rows[i].place.places for i in (floor, done.instance_id)]
     assert held_by[0].isdisjoint(held_by[1]), held_by
     prompt = text_prompts(load(fl.cfg.model.target), 1, offset=13)[0]
     fl.servers[done.instance_id] = autoscaler.servers[done.instance_id]
