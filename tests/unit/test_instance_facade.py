@@ -67,8 +67,14 @@ def test_the_serving_loop_ends_every_stream_when_a_migrations_export_loses_a_sha
     loop, got = ServingLoop(inst, between_steps=barrier), Collector()
     prompts = text_prompts(load(tiny_models["llama"]), 2, offset=4)
     try:
-        for i, p in enumerate(prompts):
-            loop.submit(Request(f"r{i}", tuple(p), GREEDY), got.sink(f"r{i}")).result(30)
+        # both requests are taken while the loop is paused, so both are in flight at step 2 whatever the scheduler
+        # does: submitted one after the other, a descheduled test thread could post r1 after step 2 had begun, and
+        # the held barrier would then keep r1's submit from ever being applied
+        loop.pause(60).result(30)
+        taken = [loop.submit(Request(f"r{i}", tuple(p), GREEDY), got.sink(f"r{i}")) for i, p in enumerate(prompts)]
+        loop.resume()
+        for fut in taken:
+            fut.result(30)
         assert barrier.reached.wait(30)
         inst.target.executor.kill([0])
         export = loop.call(lambda: inst.export(Pipeline.TARGET, "r0", 0, 10_000))  # applied before step 3
