@@ -294,6 +294,7 @@ class Engine:
             seq, v = d.work.seq, verdicts[d.request_id]
             n_before = len(seq.token_ids)
             self._observe_round(seq, RoundRecord(d.request_id, self._drafter_kind, v.proposed, v.accepted))
+            self.planner.observe(d, v.proposed, v.accepted)
             if seq.output.max_new_tokens == 0:  # a prompt being scored: nothing to generate
                 seq.output.finish_reason = FinishReason.LENGTH
                 taken = []

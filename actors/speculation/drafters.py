@@ -21,8 +21,9 @@ import torch
 from actors.model.metadata import SeqChunk
 from actors.model.runner import ModelRunner
 from actors.speculation.cost_model import ATTENTION_UNIT, ForwardShape
+from actors.speculation.evidence import match_class
 from actors.speculation.coupled import coupled_tokens
-from actors.speculation.lookup import NgramIndex, OutputCache, SuffixIndex, suffix_propose
+from actors.speculation.lookup import NgramIndex, OutputCache, SuffixIndex, suffix_match
 from actors.speculation.processors import process_request, processes
 from actors.speculation.sampling import probs_from_logits, sample
 from actors.speculation.step import Drafting, Drafts, Proposal, Work
@@ -40,6 +41,11 @@ class Drafter(Protocol):
 
     def lookahead(self, seq: Sequence, k: int) -> int:
         """At most how many tokens it would propose for `seq` now (k for a model; the match for a lookup)."""
+        ...
+
+    def evidence(self, seq: Sequence) -> int | None:
+        """After `lookahead`: the class of what backs its proposal (a lookup: the context length it matched, 0 for
+        none), keying the planner's acceptance estimate (actors/speculation/evidence.py); None: no such class."""
         ...
 
     def backlog(self, seq: Sequence, end: int) -> int:
@@ -85,6 +91,9 @@ class ModelDrafter:
 
     def lookahead(self, seq: Sequence, k: int) -> int:
         return k
+
+    def evidence(self, seq: Sequence) -> int | None:
+        return None  # a model's drafts are alike: the request's own estimate is the one to go by
 
     def backlog(self, seq: Sequence, end: int) -> int:
         return max(0, end - self.runner.cache.length(seq.request_id))
@@ -223,23 +232,27 @@ class LookupDrafter:
     def __init__(self, cfg: SpeculationConfig) -> None:
         self.cfg = cfg
         self._pending: dict[str, list[int]] = {}  # this step's lookahead, reused by propose
+        self._evidence: dict[str, int] = {}  # this step's matched context length per request
 
-    def _lookup(self, seq: Sequence, k: int) -> list[int]:
-        """Up to k tokens the lookup proposes after `seq`'s tokens."""
+    def _lookup(self, seq: Sequence, k: int) -> tuple[list[int], int]:
+        """Up to k tokens the lookup proposes after `seq`'s tokens, and the length of the context it matched."""
         raise NotImplementedError
 
-    def _drafts(self, seq: Sequence, k: int) -> list[int]:
+    def _drafts(self, seq: Sequence, k: int) -> tuple[list[int], int]:
         """The lookup's tokens; under a grammar (tool calls, structured output), cut at the first it refuses and
         continued by the tokens it forces (a call's fixed keys and brackets, which a lookup may not have seen
         in this order), as grammar fast-forwarding does (llguidance; SGLang's jump-forward decoding), but drafted,
         so the target still verifies them."""
-        tokens = self._lookup(seq, k) if k > 0 else []
-        return seq.grammar.extend(tokens, k) if seq.grammar is not None and k > 0 else tokens
+        tokens, matched = self._lookup(seq, k) if k > 0 else ([], 0)
+        return (seq.grammar.extend(tokens, k) if seq.grammar is not None and k > 0 else tokens), matched
 
     def lookahead(self, seq: Sequence, k: int) -> int:
-        tokens = self._drafts(seq, k)
-        self._pending[seq.request_id] = tokens
+        tokens, matched = self._drafts(seq, k)
+        self._pending[seq.request_id], self._evidence[seq.request_id] = tokens, match_class(matched)
         return len(tokens)
+
+    def evidence(self, seq: Sequence) -> int | None:
+        return self._evidence.get(seq.request_id)
 
     def backlog(self, seq: Sequence, end: int) -> int:
         return 0
@@ -253,10 +266,11 @@ class LookupDrafter:
         for d in drafting:
             tokens = self._pending.pop(d.request_id, None)
             if tokens is None and d.k > 0:
-                tokens = self._drafts(d.work.seq, d.k)
+                tokens = self._drafts(d.work.seq, d.k)[0]
             # `_drafts` already cut them where the grammar refuses (a prefix of them stays valid)
             out[d.request_id] = Proposal(list((tokens or [])[:d.k]))
         self._pending.clear()
+        self._evidence.clear()
         return Drafts(out, ForwardShape(), time.perf_counter() - t0)
 
     def accepted(self, seq: Sequence, length: int) -> None:
@@ -275,9 +289,9 @@ class NgramDrafter(LookupDrafter):
         super().__init__(cfg)
         self._ngrams: dict[str, NgramIndex] = {}
 
-    def _lookup(self, seq: Sequence, k: int) -> list[int]:
+    def _lookup(self, seq: Sequence, k: int) -> tuple[list[int], int]:
         index = self._ngrams.setdefault(seq.request_id, NgramIndex(self.cfg.ngram.min_n, self.cfg.ngram.max_n))
-        return index.propose(seq.token_ids, k)
+        return index.match(seq.token_ids, k)
 
     def release(self, seq: Sequence, finished: bool) -> None:
         self._ngrams.pop(seq.request_id, None)
@@ -293,10 +307,10 @@ class SuffixDrafter(LookupDrafter):
         self.shared = OutputCache(cfg.suffix.depth, cfg.suffix.cache_tokens)
         self._suffixes: dict[str, SuffixIndex] = {}
 
-    def _lookup(self, seq: Sequence, k: int) -> list[int]:
+    def _lookup(self, seq: Sequence, k: int) -> tuple[list[int], int]:
         own = self._suffixes.setdefault(seq.request_id, SuffixIndex(self.cfg.suffix.depth))
         shared = self.shared.trie(self._scope(seq))
-        return suffix_propose(own, shared, seq.token_ids, k, self.cfg.suffix.min_prob)
+        return suffix_match(own, shared, seq.token_ids, k, self.cfg.suffix.min_prob)
 
     def _scope(self, seq: Sequence) -> str:
         """Whose recent outputs a request drafts from: its tenant's (suffix.scope: tenant), or everyone's."""

@@ -38,12 +38,16 @@ class NgramIndex:
 
     def propose(self, tokens: Sequence[int], k: int) -> list[int]:
         """Up to k tokens that followed the longest n-gram matching the end of `tokens`."""
+        return self.match(tokens, k)[0]
+
+    def match(self, tokens: Sequence[int], k: int) -> tuple[list[int], int]:
+        """`propose`'s tokens and the n of the n-gram they follow (0: no match), the evidence behind them."""
         self.sync(tokens)  # n-grams with a continuation: the final one itself is not indexed
         for n in range(min(self.max_n, len(tokens)), self.min_n - 1, -1):
             end = self.last.get(tuple(tokens[len(tokens) - n:]))
             if end is not None:
-                return list(tokens[end:end + k])
-        return []
+                return list(tokens[end:end + k]), n
+        return [], 0
 
 
 class _Node:
@@ -179,6 +183,12 @@ def suffix_propose(own: SuffixIndex, shared: SuffixTrie | None, tokens: Sequence
     """SuffixDecoding's choice between the request's own tree and the shared one: the longer match wins
     (ties to the more probable path). The request's own tree holds `tokens` up to the end, so the pattern
     always finds itself there: what counts is the longest suffix that an occurrence continues."""
+    return suffix_match(own, shared, tokens, k, min_prob)[0]
+
+
+def suffix_match(own: SuffixIndex, shared: SuffixTrie | None, tokens: Sequence[int], k: int,
+                 min_prob: float) -> tuple[list[int], int]:
+    """`suffix_propose`'s tokens and the length of the suffix they continue (0: none), the evidence behind them."""
     own.sync(tokens)
     max_len = own.trie.depth - 1
     best, best_key = [], (0, 0.0)
@@ -191,4 +201,4 @@ def suffix_propose(own: SuffixIndex, shared: SuffixTrie | None, tokens: Sequence
         path, prob = SuffixTrie.walk(node, k, min_prob)
         if path and (n, prob) > best_key:
             best, best_key = path, (n, prob)
-    return best
+    return best, best_key[0]

@@ -11,6 +11,7 @@ from typing import Protocol
 
 from actors.speculation.cost_model import ATTENTION_UNIT, ForwardShape
 from actors.speculation.drafters import Drafter
+from actors.speculation.evidence import EvidenceAcceptance
 from actors.speculation.policy import Acceptance, BatchBase, Candidate, SpecPolicy
 from actors.speculation.step import Drafting, Schedule, SpecPlan, Work
 
@@ -27,6 +28,8 @@ class SpeculationPlanner:
         self.policy, self.drafter, self.target = policy, drafter, target
         self.max_k = max_k  # 0 when the policy is off or there is nothing to draft with
         self.acceptance = acceptance  # the engine-wide estimate (updated as rounds are verified)
+        # per class of a lookup's match, per position (the engine feeds it each verified round: `observe`)
+        self.evidence = EvidenceAcceptance()
 
     def plan(self, schedule: Schedule, running: int) -> SpecPlan:
         """The schedule's works with their ks; `running` is how many requests the engine runs in all."""
@@ -37,7 +40,7 @@ class SpeculationPlanner:
         tokens = sum(w.num_new for w in chunks)
         attention = sum(w.num_new * (w.start + w.num_new) for w in chunks) / ATTENTION_UNIT
         base = BatchBase(ForwardShape(1, tokens, attention), running=running)
-        cands = []
+        cands, evidence = [], {}
         for w in emitting:
             end = w.start + w.num_new
             limit = max(0, min(self.max_k, w.seq.remaining - 1))
@@ -45,13 +48,25 @@ class SpeculationPlanner:
             # the request's own rounds over a prior that is the engine's current estimate (learnt from every
             # request): a fixed prior outweighed one failed round, and a refit then made a random draft look worth it
             rate = w.seq.acceptance.blend(self.acceptance.rate)
-            cands.append(Candidate(rate, limit, w.num_new, end,
-                                   draft_backlog=self.drafter.backlog(w.seq, end), remaining=w.seq.remaining))
+            expected: tuple[float, ...] = ()
+            if limit and (ev := self.drafter.evidence(w.seq)) is not None:
+                # a lookup's drafts go by what drafts of its match class did, position by position, over that rate
+                evidence[id(w)] = ev
+                expected = self.evidence.expected(ev, limit, rate)
+                rate = expected[1] - 1.0  # the first position's: what orders requests in the policy's search
+            cands.append(Candidate(rate, limit, w.num_new, end, draft_backlog=self.drafter.backlog(w.seq, end),
+                                   remaining=w.seq.remaining, expected=expected))
         if not any(c.max_k for c in cands):  # nothing to draft for anyone (no lookup match): no search
             return SpecPlan(schedule, tuple(Drafting(w) for w in schedule.works))
         ks = {id(w): self._reserve(w, k) for w, k in zip(emitting, self.policy.choose(cands, base,
                                                                                       schedule.draft_budget))}
-        return SpecPlan(schedule, tuple(Drafting(w, ks.get(id(w), 0)) for w in schedule.works))
+        return SpecPlan(schedule, tuple(Drafting(w, ks.get(id(w), 0), evidence.get(id(w)))
+                                        for w in schedule.works))
+
+    def observe(self, d: Drafting, proposed: int, accepted: int) -> None:
+        """A verified round of `d`: what its match class's drafts did (a plain round or a model's drafts: nothing)."""
+        if d.evidence is not None:
+            self.evidence.observe(d.evidence, proposed, accepted)
 
     def _reserve(self, w: Work, k: int) -> int:
         """Reserve KV for k drafts (target: n + k tokens; the drafter its own); the k that fits."""

@@ -7,7 +7,9 @@
     E(alpha, k) = 1 + alpha + ... + alpha^k        (accepted drafts + the target's own token),
 
 with alpha_i the request's estimated per-token acceptance and step_seconds from the fitted cost model
-(actors/speculation/cost_model.py). k = 0 is a candidate, so under heavy load or with a poor draft the
+(actors/speculation/cost_model.py). For a lookup's drafts E comes from per-position rates of the match's class
+instead (`Candidate.expected`, actors/speculation/evidence.py), and a step that carries prefill chunks is judged
+as its decode part alone, the drafts charged what they add (`GoodputPolicy.goodput`). k = 0 is a candidate, so under heavy load or with a poor draft the
 policy turns speculation off by itself, per request. The search tries each cap c = 1..K (the cap fixes
 how many draft forwards run), starts every request at min(c, its own limit), then lowers single
 requests' k while that raises goodput (requests with poor acceptance drop first).
@@ -93,6 +95,13 @@ class Candidate:
     context: int  # its context length after this step
     draft_backlog: int = 0  # tokens the draft must catch up on before it drafts for this request
     remaining: int = 1 << 30  # tokens the request may still emit
+    # expected tokens a round emits with 0, 1, ... drafts where per-position rates are known (a lookup's match class:
+    # actors/speculation/evidence.py); () or a k past its end: E(acceptance, k), every position alike
+    expected: tuple[float, ...] = ()
+
+    def emitted(self, k: int) -> float:
+        """Tokens a round with k drafts emits on average."""
+        return self.expected[k] if k < len(self.expected) else expected_tokens(self.acceptance, k)
 
 
 @dataclass(frozen=True)
@@ -177,27 +186,40 @@ class GoodputPolicy:
                 self._catch_up.clear()
             seconds = self._catch_up[b, c.context] = self.cost.draft.predict(
                 ForwardShape(1, b, b * c.context / ATTENTION_UNIT))
-        rounds = 1.0 if one_off else max(1.0, c.remaining / expected_tokens(c.acceptance, k))
+        rounds = 1.0 if one_off else max(1.0, c.remaining / c.emitted(k))
         return seconds / rounds
 
     def goodput(self, cands: list[Candidate], base: BatchBase, ks: list[int],
                 one_off: frozenset[int] = frozenset()) -> float:
         """Expected tokens per second of a step with these ks (`one_off`: candidates whose catch-up this step pays
-        in full)."""
-        tokens, attention = base.target.tokens, base.target.attention
+        in full).
+
+        A step that carries prefill chunks is judged as the decode step its emitting requests would make alone,
+        with the drafts charged what they add to this step. Per-step tokens per second would otherwise favour
+        drafting exactly where the step is long: a step mostly spent on a prompt emits few tokens per second, so
+        any draft lifts its average, however poorly it pays for the time it adds (docs/scheduler.md). Where a
+        forward's time is linear in its rows this is the decode step's own choice; where it bends, the drafts
+        pay the marginal rate of the bigger forward."""
+        seconds = self._seconds(cands, base.target, ks, one_off)
+        if base.target.tokens:
+            plain = [0] * len(ks)
+            seconds += self._seconds(cands, ForwardShape(), plain) - self._seconds(cands, base.target, plain)
+        return sum(c.emitted(k) for c, k in zip(cands, ks)) / max(seconds, 1e-9)
+
+    def _seconds(self, cands: list[Candidate], base: ForwardShape, ks: list[int],
+                 one_off: frozenset[int] = frozenset()) -> float:
+        """Predicted seconds of a step of `base` (prefill chunks) and the candidates with these ks."""
+        tokens, attention = base.tokens, base.attention
         d_attention, catch_up = 0.0, 0.0
-        emitted = 0.0
         for i, (c, k) in enumerate(zip(cands, ks)):
             tokens += c.new_tokens + k
             attention += (c.new_tokens + k) * c.context / ATTENTION_UNIT
             d_attention += k * c.context / ATTENTION_UNIT
-            emitted += expected_tokens(c.acceptance, k)
             catch_up += self.catch_up_seconds(c, k, i in one_off)
         # draft forward j feeds one token of each request still drafting at position j
         sizes = [sum(k > j for k in ks) for j in range(max(ks, default=0))] if self.draft_forwards else []
         draft = ForwardShape(len(sizes), sum(sizes), d_attention, tuple(sizes))
-        seconds = self.cost.predict(ForwardShape(1, tokens, attention), draft, requests=len(cands)) + catch_up
-        return emitted / max(seconds, 1e-9)
+        return self.cost.predict(ForwardShape(1, tokens, attention), draft, requests=len(cands)) + catch_up
 
     def choose(self, cands: list[Candidate], base: BatchBase, budget: int) -> list[int]:
         self._catch_up.clear()  # the cost model may have been refitted since the last step
@@ -216,8 +238,8 @@ class GoodputPolicy:
         behind = [i for i, c in enumerate(cands) if c.draft_backlog > 1]
         if not self.draft_forwards or not behind or max(base.running, len(cands)) <= 1:
             return frozenset()
-        steady = [Candidate(c.acceptance, max(0, min(self.k, c.remaining - 1)), 1, c.context, 0, c.remaining)
-                  for c in cands]
+        steady = [Candidate(c.acceptance, max(0, min(self.k, c.remaining - 1)), 1, c.context, 0, c.remaining,
+                            c.expected) for c in cands]
         if base.running > len(cands):
             mean = Candidate(sum(c.acceptance for c in cands) / len(cands), self.k, 1,
                              sum(c.context for c in cands) // len(cands))

@@ -85,6 +85,7 @@ class Drafting:
 
     work: Work
     k: int = 0
+    evidence: int | None = None  # the class of the lookup match behind its drafts (actors/speculation/evidence.py)
 
     @property
     def request_id(self) -> str:

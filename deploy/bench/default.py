@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import platform
+import random
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -58,6 +59,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batches", type=int, nargs="+", default=[1, 8])
     p.add_argument("--repeats", type=int, default=1,
                    help="passes over the prompts per batch size, modes interleaved (in reverse order on odd passes)")
+    p.add_argument("--continuous", action="store_true",
+                   help="queue every prompt at once, so a finished request's slot is refilled as in a server, with "
+                        "output lengths drawn from [max_tokens / 4, max_tokens] per prompt (seeded); default: groups "
+                        "of `batch` prompts that all run to max_tokens")
     p.add_argument("--k", type=int, default=4)
     p.add_argument("--kinds", nargs="+", choices=["model", "ngram", "suffix"], default=["model", "ngram", "suffix"])
     p.add_argument("--start", action="store_true",
@@ -172,10 +177,17 @@ def _models(setup: Setup, dtype: str, device: str, weights: str = "dequantized")
 def _measure(setup: Setup, args: argparse.Namespace, prompts: list[list[int]], batch: int,
              costs: dict[str, StepCostModel]) -> dict[str, Mode]:
     modes = {name: Mode(name, e) for name, e in _build(setup, args, batch, costs).items()}
-    params = SamplingParams(temperature=0.0, max_tokens=setup.max_tokens, ignore_eos=True)
+    params: SamplingParams | list[SamplingParams] = SamplingParams(temperature=0.0, max_tokens=setup.max_tokens,
+                                                                   ignore_eos=True)
     for m in modes.values():  # warm-up on a real prompt: first-call kernel set-up is not what we measure
         generate(m.engine, [prompts[0]] * min(batch, 2), SamplingParams(temperature=0.0, max_tokens=4))
     groups = [prompts[i:i + batch] for i in range(0, len(prompts), batch)]
+    if args.continuous:  # one group of every prompt: the engine keeps `batch` running, refilling as requests end
+        rng = random.Random(0)
+        params = [SamplingParams(temperature=0.0, max_tokens=rng.randint(max(1, setup.max_tokens // 4),
+                                                                          setup.max_tokens), ignore_eos=True)
+                  for _ in prompts]
+        groups = [prompts]
     order = list(modes.values())
     for n, group in enumerate([g for _ in range(args.repeats) for g in groups]):
         if n % len(groups) == 0:  # a new pass: the suffix drafter's shared tree must not hold these prompts' answers

@@ -36,6 +36,8 @@ COMMANDS: list[Command] = [
     bench("spec", "speculative decoding vs plain decoding vs transformers' assisted generation"),
     bench("default", "off vs fixed vs goodput for every draft kind (model, n-gram, suffix), default model and Qwen "
           "pair, batch 1 and 8"),
+    bench("lookup", "n-gram lookup drafts' acceptance by the n of their match, position by position, on the target's "
+          "greedy outputs (what the planner's per-match estimate learns)"),
     bench("cpu", "llama.cpp (if installed) vs plain and speculative decoding, weights dequantized vs stored, default "
           "model and Qwen pair"),
     bench("gpu", "on a lent GPU, within 8 minutes: the lossless unit tier and the link paths on CUDA (NCCL between "

@@ -10,20 +10,22 @@ from actors.speculation.lookup import NgramIndex, OutputCache, SuffixIndex, Suff
 from cluster.config import SpeculationConfig
 
 
-def brute_ngram(tokens: list[int], k: int, min_n: int, max_n: int) -> list[int]:
-    """The longest n (max_n..min_n) whose last-n pattern occurs earlier; the continuation of its latest occurrence."""
+def brute_ngram(tokens: list[int], k: int, min_n: int, max_n: int) -> tuple[list[int], int]:
+    """The longest n (max_n..min_n) whose last-n pattern occurs earlier; the continuation of its latest occurrence,
+    and that n (0: none)."""
     for n in range(min(max_n, len(tokens)), min_n - 1, -1):
         pattern = tokens[-n:]
         for end in range(len(tokens) - 1, n - 1, -1):  # occurrence tokens[end - n:end], not the final one
             if tokens[end - n:end] == pattern:
-                return tokens[end:end + k]
-    return []
+                return tokens[end:end + k], n
+    return [], 0
 
 
 def test_ngram_proposes_what_followed_the_latest_match() -> None:
     index = NgramIndex(1, 3)
     tokens = [1, 2, 3, 9, 1, 2, 3, 7, 5, 1, 2, 3]
     assert index.propose(tokens, 2) == [7, 5]  # the latest earlier "1 2 3" was followed by 7 5
+    assert index.match(tokens, 2) == ([7, 5], 3)  # and the evidence behind it: a 3-gram
     assert NgramIndex(1, 3).propose([4, 5, 6], 3) == []  # nothing repeats
 
 
@@ -33,7 +35,7 @@ def test_ngram_matches_a_brute_force_search_as_tokens_grow() -> None:
         index = NgramIndex(2, 4)
         tokens = [rng.randrange(5) for _ in range(3)]
         for _ in range(60):  # synced incrementally, as a request's tokens grow
-            assert index.propose(tokens, 3) == brute_ngram(tokens, 3, 2, 4)
+            assert index.match(tokens, 3) == brute_ngram(tokens, 3, 2, 4)
             tokens.append(rng.randrange(5))
 
 
@@ -107,8 +109,8 @@ def test_a_tenant_never_drafts_from_another_tenants_outputs() -> None:
     secret = [1, 2, 3, 41, 42, 43, 44, 45, 46]
     drafter.release(_seq("a-1", "alice", secret), finished=True)
     probe = [9, 9, 9, 41, 42, 43]
-    assert drafter._lookup(_seq("a-2", "alice", probe), 3) == [44, 45, 46]  # alice drafts from her own outputs
-    assert drafter._lookup(_seq("b-1", "bob", probe), 3) == []  # bob does not see them
+    assert drafter._lookup(_seq("a-2", "alice", probe), 3) == ([44, 45, 46], 3)  # alice drafts from her own outputs
+    assert drafter._lookup(_seq("b-1", "bob", probe), 3) == ([], 0)  # bob does not see them
     shared = SuffixDrafter(SpeculationConfig(method="suffix", suffix={"scope": "shared"}))
     shared.release(_seq("a-1", "alice", secret), finished=True)
-    assert shared._lookup(_seq("b-1", "bob", probe), 3) == [44, 45, 46]  # scope: shared (single-tenant setups)
+    assert shared._lookup(_seq("b-1", "bob", probe), 3) == ([44, 45, 46], 3)  # scope: shared (single-tenant setups)

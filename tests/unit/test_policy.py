@@ -98,6 +98,16 @@ def test_a_long_prefill_in_the_step_makes_drafts_relatively_cheaper() -> None:
     assert with_prefill >= alone
 
 
+def test_a_prefill_in_the_step_does_not_buy_drafts_that_lose_in_a_decode_step() -> None:
+    """On a forward linear in its rows, a draft accepted 45% of the time loses in a decode step of 8 (a row costs
+    what 0.6 of a plain token does); a 256-token prefill riding along makes the step's own tokens per second so low
+    that any draft lifts it, but the drafts still cost their rows: the choice is the decode step's."""
+    policy = GoodputPolicy(4, COMPUTE_BOUND)
+    assert policy.choose(cands([0.45] * 8), BatchBase(), 100) == [0] * 8
+    assert policy.choose(cands([0.45] * 8), BatchBase(ForwardShape(1, 256, 0.0)), 100) == [0] * 8
+    assert sum(policy.choose(cands([0.9] * 8), BatchBase(ForwardShape(1, 256, 0.0)), 100)) > 0  # ones that pay, do
+
+
 def test_an_unfitted_cost_model_does_not_speculate() -> None:
     assert GoodputPolicy(4, StepCostModel()).choose(cands([1.0]), BatchBase(), 100) == [0]
 
