@@ -58,8 +58,10 @@ class SpeculationPlanner:
                                    remaining=w.seq.remaining, expected=expected))
         if not any(c.max_k for c in cands):  # nothing to draft for anyone (no lookup match): no search
             return SpecPlan(schedule, tuple(Drafting(w) for w in schedule.works))
-        ks = {id(w): self._reserve(w, k) for w, k in zip(emitting, self.policy.choose(cands, base,
-                                                                                      schedule.draft_budget))}
+        chosen = self.policy.choose(cands, base, schedule.draft_budget)
+        if not any(chosen) and not chunks and all(w.num_new == 1 for w in emitting):  # a steady decode step said no
+            self.policy.declined(len(emitting))
+        ks = {id(w): self._reserve(w, k) for w, k in zip(emitting, chosen)}
         return SpecPlan(schedule, tuple(Drafting(w, ks.get(id(w), 0), evidence.get(id(w)))
                                         for w in schedule.works))
 

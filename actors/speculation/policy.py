@@ -127,6 +127,9 @@ class FixedPolicy:
     def observe_step(self, batch: int, drafted: bool, tokens: int, seconds: float) -> None:
         pass
 
+    def declined(self, batch: int) -> None:
+        pass
+
     def choose(self, cands: list[Candidate], base: BatchBase, budget: int) -> list[int]:
         ks = []
         for c in cands:
@@ -145,6 +148,9 @@ class OffPolicy:
         return False
 
     def observe_step(self, batch: int, drafted: bool, tokens: int, seconds: float) -> None:
+        pass
+
+    def declined(self, batch: int) -> None:
         pass
 
     def choose(self, cands: list[Candidate], base: BatchBase, budget: int) -> list[int]:
@@ -173,6 +179,13 @@ class GoodputPolicy:
         """A decode step's outcome (tokens emitted in `seconds` of wall time), for the guard."""
         if self.guard is not None:
             self.guard.observe(batch, drafted, tokens, seconds)
+
+    def declined(self, batch: int) -> None:
+        """This step's search gave every request k = 0. With a draft model the guard then skips the search until
+        its next exploration (MeasuredGuard.declined). Not with a lookup: its candidates change every step (a
+        4-gram match may come next), and a step without any match skips the search already."""
+        if self.guard is not None and self.draft_forwards:
+            self.guard.declined(batch)
 
     def catch_up_seconds(self, c: Candidate, k: int, one_off: bool = False) -> float:
         """The share of this step in the draft's catch-up for `c`: its cost over the rounds the request has left,

@@ -34,6 +34,9 @@ class Scripted:
     def observe_step(self, batch: int, drafted: bool, tokens: int, seconds: float) -> None:
         pass
 
+    def declined(self, batch: int) -> None:
+        pass
+
     def choose(self, cands: list[Candidate], base: BatchBase, budget: int) -> list[int]:
         step, self.calls = self.calls, self.calls + 1
         return [0 if step in self.pause else min(self.k, c.max_k) for c in cands]

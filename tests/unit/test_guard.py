@@ -3,12 +3,15 @@ slower than plain steps, whatever the cost model says, and continues where it me
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 
 from actors.engine.offline import generate
 from actors.speculation.cost_model import StepCostModel
 from actors.speculation.guard import MeasuredGuard, bucket_of
-from actors.speculation.policy import BatchBase, Candidate, GoodputPolicy, make_policy
+from actors.speculation.plan import SpeculationPlanner
+from actors.speculation.policy import Acceptance, BatchBase, Candidate, GoodputPolicy, make_policy
 from cluster.config import SpeculationConfig
 from cluster.request import SamplingParams
 from tests.unit.helpers import load, runner, text_prompts
@@ -127,3 +130,49 @@ def test_a_closed_batch_size_takes_the_plain_path_and_stays_lossless(tiny_models
     ks = [k for c in out for k in c.stats.k_history]
     assert ks and not any(ks)  # every step at batch 2 took the plain path
     assert engine.policy.guard.buckets[2].plain.samples > 3  # and was measured as plain
+
+
+def test_a_draft_model_that_never_pays_is_not_searched_every_step() -> None:
+    """A draft model whose drafts never pay: the policy says k = 0 each time it is asked, so the guard never sees a
+    drafting step to close on; it now skips the search (milliseconds a step) until its next exploration, where the
+    policy is asked again. A lookup is asked every step (its next match may pay)."""
+    asked = []
+
+    class Counting(GoodputPolicy):
+        def choose(self, cands, base, budget):  # noqa: ANN001
+            asked.append(len(cands))
+            return super().choose(cands, base, budget)
+
+    never_pays = StepCostModel.from_weights(target=[0.020, 0.004, 0.0], draft=[0.020, 0.004, 0.0])
+    for draft_forwards, expected in ((True, 1 + 64 // 8), (False, 64)):  # the first step, then every 8th
+        asked.clear()
+        policy = Counting(4, never_pays, draft_forwards=draft_forwards, guard=MeasuredGuard(explore_every=8))
+        planner = SpeculationPlanner(policy, FourAhead(draft_forwards), SimpleNamespace(reserve=lambda rid, n: True),
+                                     4, Acceptance.prior(0.3))
+        works = [SimpleNamespace(seq=SimpleNamespace(request_id=f"r{i}", remaining=100,
+                                                     acceptance=Acceptance.prior(0.3)),
+                                 start=100, num_new=1, emits=True) for i in range(8)]
+        for _ in range(64):
+            assert all(d.k == 0 for d in planner.plan(SimpleNamespace(works=works, draft_budget=32), 8).works)
+        assert len(asked) == expected, (draft_forwards, len(asked))
+
+
+class FourAhead:
+    """A drafter that can always propose 4 tokens (a draft model, or a lookup with a match every step)."""
+
+    kind = "model"
+
+    def __init__(self, runs_forwards: bool) -> None:
+        self.runs_forwards = runs_forwards
+
+    def lookahead(self, seq, k: int) -> int:  # noqa: ANN001
+        return k
+
+    def evidence(self, seq) -> None:  # noqa: ANN001
+        return None
+
+    def backlog(self, seq, end: int) -> int:  # noqa: ANN001
+        return 0
+
+    def reserve(self, w, k: int) -> int:  # noqa: ANN001
+        return k
