@@ -231,8 +231,8 @@ class LookupDrafter:
 
     def __init__(self, cfg: SpeculationConfig) -> None:
         self.cfg = cfg
-        self._pending: dict[str, list[int]] = {}  # this step's lookahead, reused by propose
-        self._evidence: dict[str, int] = {}  # this step's matched context length per request
+        # this step's lookahead per request, reused by propose: its tokens and the class of the match behind them
+        self._pending: dict[str, tuple[list[int], int]] = {}
 
     def _lookup(self, seq: Sequence, k: int) -> tuple[list[int], int]:
         """Up to k tokens the lookup proposes after `seq`'s tokens, and the length of the context it matched."""
@@ -248,11 +248,12 @@ class LookupDrafter:
 
     def lookahead(self, seq: Sequence, k: int) -> int:
         tokens, matched = self._drafts(seq, k)
-        self._pending[seq.request_id], self._evidence[seq.request_id] = tokens, match_class(matched)
+        self._pending[seq.request_id] = tokens, match_class(matched)
         return len(tokens)
 
     def evidence(self, seq: Sequence) -> int | None:
-        return self._evidence.get(seq.request_id)
+        pending = self._pending.get(seq.request_id)
+        return None if pending is None else pending[1]
 
     def backlog(self, seq: Sequence, end: int) -> int:
         return 0
@@ -264,13 +265,13 @@ class LookupDrafter:
         t0 = time.perf_counter()
         out = {}
         for d in drafting:
-            tokens = self._pending.pop(d.request_id, None)
-            if tokens is None and d.k > 0:
+            pending = self._pending.pop(d.request_id, None)
+            tokens = pending[0] if pending is not None else []
+            if pending is None and d.k > 0:
                 tokens = self._drafts(d.work.seq, d.k)[0]
             # `_drafts` already cut them where the grammar refuses (a prefix of them stays valid)
-            out[d.request_id] = Proposal(list((tokens or [])[:d.k]))
+            out[d.request_id] = Proposal(list(tokens[:d.k]))
         self._pending.clear()
-        self._evidence.clear()
         return Drafts(out, ForwardShape(), time.perf_counter() - t0)
 
     def accepted(self, seq: Sequence, length: int) -> None:

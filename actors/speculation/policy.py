@@ -203,7 +203,7 @@ class GoodputPolicy:
         return seconds / rounds
 
     def goodput(self, cands: list[Candidate], base: BatchBase, ks: list[int],
-                one_off: frozenset[int] = frozenset()) -> float:
+                one_off: frozenset[int] = frozenset(), offset: float | None = None) -> float:
         """Expected tokens per second of a step with these ks (`one_off`: candidates whose catch-up this step pays
         in full).
 
@@ -212,12 +212,19 @@ class GoodputPolicy:
         drafting exactly where the step is long: a step mostly spent on a prompt emits few tokens per second, so
         any draft lifts its average, however poorly it pays for the time it adds (docs/scheduler.md). Where a
         forward's time is linear in its rows this is the decode step's own choice; where it bends, the drafts
-        pay the marginal rate of the bigger forward."""
+        pay the marginal rate of the bigger forward. `offset`: `_prefill_offset(cands, base)`, if already known
+        (the search evaluates many ks of one step)."""
         seconds = self._seconds(cands, base.target, ks, one_off)
-        if base.target.tokens:
-            plain = [0] * len(ks)
-            seconds += self._seconds(cands, ForwardShape(), plain) - self._seconds(cands, base.target, plain)
+        seconds += self._prefill_offset(cands, base) if offset is None else offset
         return sum(c.emitted(k) for c, k in zip(cands, ks)) / max(seconds, 1e-9)
+
+    def _prefill_offset(self, cands: list[Candidate], base: BatchBase) -> float:
+        """Seconds that turn a step with `base`'s prefill chunks into its decode part alone, without drafts: the
+        decode-alone step's time minus this step's (0 without prefill). The same for every ks of the step."""
+        if not base.target.tokens:
+            return 0.0
+        plain = [0] * len(cands)
+        return self._seconds(cands, ForwardShape(), plain) - self._seconds(cands, base.target, plain)
 
     def _seconds(self, cands: list[Candidate], base: ForwardShape, ks: list[int],
                  one_off: frozenset[int] = frozenset()) -> float:
@@ -263,13 +270,14 @@ class GoodputPolicy:
     def _search(self, cands: list[Candidate], base: BatchBase, budget: int, one_off: frozenset[int]) -> list[int]:
         """The ks of the best goodput found: per cap c = 1..K, every request at min(c, its limit), then single
         requests lowered while that helps."""
-        best_ks, best = [0] * len(cands), self.goodput(cands, base, [0] * len(cands), one_off)
+        offset = self._prefill_offset(cands, base)
+        best_ks, best = [0] * len(cands), self.goodput(cands, base, [0] * len(cands), one_off, offset)
         for cap in range(1, self.k + 1):
             ks = [min(cap, c.max_k) for c in cands]
             while sum(ks) > budget:  # trim the requests with the lowest acceptance first
                 i = min((i for i, k in enumerate(ks) if k > 0), key=lambda i: (cands[i].acceptance, -ks[i]))
                 ks[i] -= 1
-            value = self.goodput(cands, base, ks, one_off)
+            value = self.goodput(cands, base, ks, one_off, offset)
             improved = True
             while improved:
                 improved = False
@@ -277,7 +285,7 @@ class GoodputPolicy:
                     if ks[i] == 0:
                         continue
                     ks[i] -= 1
-                    v = self.goodput(cands, base, ks, one_off)
+                    v = self.goodput(cands, base, ks, one_off, offset)
                     if v > value:
                         value, improved = v, True
                     else:

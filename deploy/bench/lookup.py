@@ -22,6 +22,7 @@ from actors.engine.core import Engine
 from actors.engine.offline import generate
 from actors.model.loader import load_model
 from actors.model.runner import ModelRunner
+from actors.speculation.evidence import PositionRates
 from actors.speculation.lookup import NgramIndex
 from cluster.config import CacheConfig, NgramConfig, SchedulerConfig, SpeculationConfig
 from cluster.request import SamplingParams
@@ -44,26 +45,29 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 @dataclass
 class MatchClass:
-    """Rounds whose drafts followed an n-gram of one n: per position, rounds that reached it and accepted it."""
+    """Rounds whose drafts followed an n-gram of one n: per position, rounds that reached it and accepted it (the
+    planner's per-position counts, actors/speculation/evidence.py, kept whole: no decay)."""
 
     rounds: int = 0
     accepted: int = 0  # draft tokens accepted, all rounds
-    reached: list[int] = field(default_factory=list)
-    taken: list[int] = field(default_factory=list)
+    counts: PositionRates = field(default_factory=PositionRates)
 
     def add(self, proposed: int, accepted: int) -> None:
         self.rounds += 1
         self.accepted += accepted
-        for j in range(min(accepted + 1, proposed)):
-            if j == len(self.reached):
-                self.reached.append(0)
-                self.taken.append(0)
-            self.reached[j] += 1
-            self.taken[j] += j < accepted
+        self.counts.update(proposed, accepted, decay=1.0)
+
+    @property
+    def reached(self) -> list[int]:
+        return [int(t) for t in self.counts.trials]
+
+    @property
+    def taken(self) -> list[int]:
+        return [int(s) for s in self.counts.successes]
 
     def rates(self) -> list[float]:
         """Per position, P(accepted | every earlier draft accepted)."""
-        return [t / r for t, r in zip(self.taken, self.reached)]
+        return [s / t for s, t in zip(self.counts.successes, self.counts.trials)]
 
 
 def acceptance_by_match(prompts: Sequence[Sequence[int]], outputs: Sequence[Sequence[int]], k: int,
