@@ -162,6 +162,32 @@ def test_bench_default_takes_any_model_and_every_mode_is_lossless_in_fp32(pair, 
     assert setup["off_saturation"]["4"] > 0  # JSON keys are strings
 
 
+def test_bench_default_continuous_queues_every_prompt_with_its_own_length_and_stays_lossless(pair, tmp_path):
+    """`--continuous`: every prompt in one queue at batch 2 (slots refilled as requests end), each with an output
+    length drawn from [max_tokens / 4, max_tokens]; every mode gives plain decoding's outputs in fp32."""
+    import argparse
+
+    from deploy.bench import default as bench_default
+
+    target, draft = pair
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(f'{{"turns": ["Question {i}: name {i} colours, then {i} colours again."]}}\n'
+                               for i in range(6)))
+    parser = argparse.ArgumentParser()
+    bench_default.add_arguments(parser)
+    args = parser.parse_args(["--target", str(target), "--draft", str(draft), "--prompts", str(prompts),
+                              "--num-prompts", "6", "--max-tokens", "16", "--kinds", "ngram", "--dtype", "fp32",
+                              "--continuous"])
+    setup = bench_default.setups(args)[0]
+    model = bench_default._models(setup, args.dtype, args.device, args.weights)[0]
+    ids = [model.encode(p, chat=True) for p in bench_default.load_prompts(args.prompts, 6)]
+    modes = bench_default._measure(setup, args, ids, 2, {})
+    lengths = [len(o) for o in modes["off"].outputs]
+    assert len(lengths) == 6 and all(4 <= n <= 16 for n in lengths) and len(set(lengths)) > 1, lengths
+    for name, m in modes.items():
+        assert m.outputs == modes["off"].outputs, name
+
+
 def test_bench_default_wants_a_target_for_its_draft(pair, capsys):
     status, _, err = run_cli(capsys, "bench", "default", "--draft", str(pair[1]))
     assert status != 0 and "--draft needs --target" in err
