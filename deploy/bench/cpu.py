@@ -71,7 +71,8 @@ SETUPS = {
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--setups", nargs="+", choices=list(SETUPS), default=list(SETUPS))
+    p.add_argument("--setups", nargs="*", choices=list(SETUPS), default=list(SETUPS),
+                   help="the model setups to run (none, with --kernels: the kernels' table alone)")
     p.add_argument("--prompts", type=Path, nargs="+",
                    default=[DATASETS / "mt_bench_questions.jsonl", DATASETS / "HumanEval.jsonl.gz"])
     p.add_argument("--num-prompts", type=int, default=8)
@@ -101,6 +102,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="the setups whose time to first token is measured")
     p.add_argument("--profile", action="store_true", help="profile one plain stored request of the first setup")
     p.add_argument("--kernels", action="store_true", help="also time each matmul kernel alone (deploy/bench/kernels.py)")
+    p.add_argument("--kernel-rows", type=int, nargs="+", default=None,
+                   help="with --kernels: the input rows each kernel is timed at (default 1 5)")
     p.add_argument("--isas", nargs="+", choices=[*cpu_kernels.ISAS, "torch"], default=None,
                    help="our kernels' ISA paths, one set of rows each (default: every one this CPU runs, then torch)")
     p.add_argument("--json", type=Path, help="write the results here")
@@ -243,7 +246,7 @@ def run(args: argparse.Namespace) -> int:
     if args.kernels:
         from deploy.bench import kernels
 
-        report["kernels"] = kernels.measure()
+        report["kernels"] = kernels.measure(rows=tuple(args.kernel_rows or kernels.ROWS))
     for name in args.setups:
         setup = SETUPS[name]
         t0 = time.perf_counter()

@@ -1,6 +1,11 @@
 """The matmuls behind `weights: stored | dequantized`, side by side: microseconds per call of one weight matrix at
-1 and 5 input rows (a decode step, a k = 4 verification), streaming through enough copies that the weights come
-from memory, not cache, as in a real forward; ours once per ISA path this CPU runs. Part of `specfleet bench cpu --kernels`."""
+1 and 5 input rows by default (a decode step, a k = 4 verification; `--kernel-rows` picks others, e.g. 1 8 16 for a
+batch of 8 and its drafts), streaming through enough copies that the weights come from memory, not cache, as in a
+real forward; ours once per ISA path this CPU runs. Part of `specfleet bench cpu --kernels`.
+
+With more than two row counts the table adds what decides whether a draft row pays in a full batch: the cost of one
+more row at the largest count against the mean row's there (a verified row at batch 8 pays only when its acceptance
+is above that ratio, for this matrix's share of the forward)."""
 
 from __future__ import annotations
 
@@ -51,8 +56,12 @@ def _variants(n: int, k: int) -> dict[str, Callable[[], Callable[[torch.Tensor],
     return out
 
 
-def measure(repeats: int = 5) -> dict[str, dict[str, dict[int, float]]]:
-    """shape -> variant -> rows -> microseconds per call (wall time, median of `repeats` passes)."""
+ROWS = (1, 5)
+
+
+def measure(repeats: int = 5, rows: tuple[int, ...] = ROWS) -> dict[str, dict[str, dict[int, float]]]:
+    """shape -> variant -> input rows (each of `rows`) -> microseconds per call (wall time, median of `repeats`
+    passes)."""
     report: dict = {}
     for label, (n, k) in SHAPES.items():
         report[label] = {}
@@ -61,7 +70,7 @@ def measure(repeats: int = 5) -> dict[str, dict[str, dict[int, float]]]:
             copies = max(2, BYTES // max(1, _bytes(first)))
             mods = [first] + [build() for _ in range(copies - 1)]
             report[label][name] = {}
-            for m in (1, 5):
+            for m in rows:
                 x = torch.randn(m, k, dtype=torch.bfloat16)
                 with torch.inference_mode():
                     for mod in mods:
@@ -82,15 +91,33 @@ def _bytes(module: torch.nn.Module) -> int:
         p.numel() * p.element_size() for p in module.parameters())
 
 
+def extra_row_ratio(times: dict[int, float]) -> float | None:
+    """One more row's cost at the largest row count (the slope from the count below it) over the mean row's there;
+    None with fewer than two counts."""
+    ms = sorted(times)
+    if len(ms) < 2:
+        return None
+    lo, hi = ms[-2], ms[-1]
+    return (times[hi] - times[lo]) / (hi - lo) / (times[hi] / hi)
+
+
 def print_table(report: dict) -> None:
     from rich.console import Console
     from rich.markup import escape  # "[avx2]" is text, not markup
     from rich.table import Table
 
-    for label, rows in report.items():
+    for label, variants in report.items():
+        rows = sorted({m for r in variants.values() for m in r}, key=int)
+        first, last = rows[0], rows[-1]
         t = Table(title=f"matmul, {label}: microseconds per call")
-        for col in ("kernel", "1 row", "5 rows", "5 rows / 1 row"):
+        cols = ["kernel", *(f"{m} row{'s' if int(m) > 1 else ''}" for m in rows), f"{last} / {first}"]
+        if len(rows) > 2:
+            cols.append(f"one more row at {last} / mean row")
+        for col in cols:
             t.add_column(col, justify="left" if col == "kernel" else "right")
-        for name, r in rows.items():
-            t.add_row(escape(name), f"{r[1]:.0f}", f"{r[5]:.0f}", f"{r[5] / r[1]:.2f}")
-        Console(width=120).print(t)
+        for name, r in variants.items():
+            cells = [f"{r[m]:.0f}" for m in rows] + [f"{r[last] / r[first]:.2f}"]
+            if len(rows) > 2:
+                cells.append(f"{extra_row_ratio({int(m): v for m, v in r.items()}):.2f}")
+            t.add_row(escape(name), *cells)
+        Console(width=160).print(t)

@@ -80,3 +80,13 @@ def test_time_to_first_token_prefills_the_same_ids_on_every_isa_path(tmp_path: P
     assert list(out) == [f"ours [{isa}]" for isa in isas]
     assert all(r["seconds"] > 0 and r["prefill_tok_s"] > 0 and r["x_llama_cpp"] is None for r in out.values())
     assert all(0 <= r["first_token"] < model.config.vocab_size for r in out.values())
+
+
+def test_the_kernel_tables_extra_row_is_the_slope_at_the_largest_count_over_its_mean_row() -> None:
+    from deploy.bench.kernels import extra_row_ratio
+
+    assert extra_row_ratio({1: 10.0, 8: 80.0, 16: 160.0}) == pytest.approx(1.0)  # linear in rows: a row is a row
+    assert extra_row_ratio({1: 60.0, 8: 60.0, 16: 60.0}) == pytest.approx(0.0)  # flat (memory-bound): rows are free
+    # from 8 to 16 rows: 8 us a row, against 192 / 16 = 12 us the mean row at 16 (the counts below 8 do not matter)
+    assert extra_row_ratio({1: 50.0, 8: 128.0, 16: 192.0}) == pytest.approx(8 / 12)
+    assert extra_row_ratio({5: 40.0}) is None
