@@ -23,6 +23,7 @@ from torch import nn
 from actors.kv.cache import KVCache
 from actors.model.attention_backends import Heads, span_kernel
 from actors.model.metadata import AttentionMetadata
+from actors.model.weights import Concat
 
 TILE = 16  # rows per matmul call: one shape for every call (a decode pays 16 rows of compute, not of weight reads)
 
@@ -47,9 +48,12 @@ class Tiled(nn.Module):
 
 def row_invariant(linear: nn.Module) -> nn.Module:
     """`linear` as it is where its kernel is row-invariant by construction (our int4 kernel sums each row alone in
-    one order), else on fixed tiles."""
+    one order), else on fixed tiles. A fused projection whose parts are separate calls (`Concat`: a GGUF file's
+    formats side by side, as Q4_K_M's q and k with a Q6_K v) is row-invariant when each part is."""
     if isinstance(linear, Tiled):
         return linear
+    if isinstance(linear, Concat):  # a new module: the model's prepared one may serve a runner that is not invariant
+        return Concat([row_invariant(p) for p in linear.parts])
     if getattr(linear, "own", None) is not None:
         linear.invariant = True  # every row on our kernel, never the dense path of a prefill
         return linear

@@ -13,6 +13,7 @@ from gguf import GGMLQuantizationType as Q
 
 from actors.engine.core import Engine
 from actors.model.convert import converted
+from actors.model.deterministic import Tiled
 from actors.model.loader import ModelLoadError, load_model
 from actors.model.metadata import SeqChunk
 from actors.model.qlinear import Int4Linear, Int8Linear
@@ -140,3 +141,23 @@ def test_a_safetensors_model_computes_as_stored_that_is_dense(tiny_models) -> No
     with torch.no_grad():
         hf = model.hf_model(torch.tensor([prompt])).logits[0]
     torch.testing.assert_close(logits(runner, prompt), hf, rtol=0, atol=ATOL)  # fused views of the same weights
+
+
+@pytest.mark.parametrize("kernel_isa", isa_params("torch"), indirect=True)
+def test_deterministic_mode_takes_a_projection_of_mixed_formats(quantized_gguf: Path, kernel_isa: str) -> None:
+    """A fused projection of two kernel calls (Q4_0 q, k beside Q8_0 v, as Q4_K_M's q, k beside a Q6_K v) runs in the
+    batch-invariant forward, each part row-invariant (the default config's `deterministic: true` on such a file
+    failed to load: the whole projection was wrapped as one linear map): k+1 verified positions beside another
+    request's decode give the logits of one-token steps, bit for bit, in bf16."""
+    model = load_model(str(quantized_gguf), "bf16", weights="stored")
+    runner = ModelRunner(model, range(model.num_layers), CACHE, deterministic=True)
+    qkv = runner.layers[0].attn.qkv_proj
+    assert isinstance(qkv, Concat) and all(isinstance(p, Tiled) or p.invariant for p in qkv.parts)
+    prompt, other = text_prompts(model, 2)
+    for rid, p in (("a", prompt), ("b", prompt), ("c", other)):
+        assert runner.reserve(rid, len(p) + 8)
+        runner.forward([SeqChunk(rid, tuple(p), 1)])
+    drafts = (5, 6, 7, 8)
+    together = runner.forward([SeqChunk("c", (3,), 1), SeqChunk("a", drafts, len(drafts))])[1:]  # (k+1, V)
+    alone = torch.cat([runner.forward([SeqChunk("b", (t,), 1)]) for t in drafts])
+    assert torch.equal(together, alone), float((together.float() - alone.float()).abs().max())
