@@ -243,7 +243,10 @@ class Engine:
         deltas = [self._failed(f) for f in schedule.failed]
         if not schedule.works:
             return deltas
-        plan = self.planner.plan(schedule, running=len(self.running))
+        # the batch it settles into: what runs and what waits, up to the batch size (a request that drafts while the
+        # queue is still filling the batch catches its draft up on a prompt it will not draft for)
+        settled = min(len(self.running) + len(self.waiting), self.scheduler.cfg.max_batch_size)
+        plan = self.planner.plan(schedule, running=settled)
         t1 = time.perf_counter()
         drafts = self._propose(plan)
         scores = self._score(plan, drafts)

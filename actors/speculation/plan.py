@@ -32,7 +32,7 @@ class SpeculationPlanner:
         self.evidence = EvidenceAcceptance()
 
     def plan(self, schedule: Schedule, running: int) -> SpecPlan:
-        """The schedule's works with their ks; `running` is how many requests the engine runs in all."""
+        """The schedule's works with their ks; `running` is the batch the engine settles into (`BatchBase.running`)."""
         emitting = [w for w in schedule.works if w.emits]
         if self.max_k == 0 or not emitting or self.drafter is None or not self.policy.allows(len(emitting)):
             return SpecPlan(schedule, tuple(Drafting(w) for w in schedule.works))  # the plain path: no lookup, no search

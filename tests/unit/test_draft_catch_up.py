@@ -10,7 +10,7 @@ from actors.engine.core import Engine
 from actors.engine.offline import generate
 from actors.speculation.cost_model import StepCostModel
 from actors.speculation.policy import BatchBase, Candidate
-from cluster.config import SpeculationConfig
+from cluster.config import SchedulerConfig, SpeculationConfig
 from cluster.request import Request, SamplingParams
 from tests.unit.helpers import load, reference_greedy, runner, text_prompts
 
@@ -109,3 +109,31 @@ def test_catch_up_after_a_pause_leaves_the_draft_kv_of_a_continuous_run(tiny_mod
     while paused.has_unfinished():
         tokens_p += [t for d in paused.step() for t in d.token_ids]
     assert tokens_p == tokens_c == reference_greedy(tiny_models["llama"], prompt, 24)
+
+
+def test_a_batch_still_filling_from_its_queue_does_not_catch_its_draft_up(tiny_models, tiny_draft_models) -> None:
+    """Requests admitted a few at a time (a small token budget) into a batch of 8 that drafting does not pay at, a
+    request alone drafts: while others wait, the policy's steady state is the batch they fill, so no request catches
+    its draft up on a prompt for the few rounds before the batch is full (the Qwen pair at batch 8 did, in its first
+    steps: 2 of its 27 s). Once the queue is empty and the batch thins out, drafting may pay again."""
+    convex_at_8 = [0.0] * 17
+    convex_at_8[:2], convex_at_8[3 + 7 + 2] = [0.020, 0.0], 0.004  # 20 ms a forward, 4 ms a token beyond 8
+    cost = StepCostModel.from_weights(target=convex_at_8, draft=[0.002, 0.001, 0.0])
+    target = load(tiny_models["llama"])
+    engine = Engine(runner(target), runner(load(tiny_draft_models["llama"])),
+                    SpeculationConfig(policy="goodput", k=4, prior_acceptance=0.8),
+                    SchedulerConfig(max_batch_size=8, max_num_batched_tokens=16), cost_model=cost)
+    prompts = text_prompts(target, 12)
+    for i, p in enumerate(prompts):
+        engine.add_request(Request(f"r{i}", tuple(p), GREEDY))
+    filling, outputs = 0, {}
+    while engine.has_unfinished():
+        waited = bool(engine.waiting)
+        for d in engine.step():
+            outputs.setdefault(d.request_id, []).extend(d.token_ids)
+        if waited:
+            filling += 1
+            assert engine.draft.cache.num_used_blocks == 0, f"step {filling}: the draft caught up while others waited"
+    assert filling >= 4  # the queue did take several steps to drain
+    for i, p in enumerate(prompts):
+        assert outputs[f"r{i}"] == reference_greedy(tiny_models["llama"], p, 24)
