@@ -8,8 +8,8 @@
 
 with alpha_i the request's estimated per-token acceptance and step_seconds from the fitted cost model
 (actors/speculation/cost_model.py). For a lookup's drafts E comes from per-position rates of the match's class
-instead (`Candidate.expected`, actors/speculation/evidence.py), and a step that carries prefill (a prompt's last
-chunk included) is judged as its decode part alone, the drafts charged what they add (`GoodputPolicy.goodput`). k = 0 is a candidate, so under heavy load or with a poor draft the
+instead (`Candidate.expected`, actors/speculation/evidence.py), and a step that carries prefill chunks is judged
+as its decode part alone, the drafts charged what they add (`GoodputPolicy.goodput`). k = 0 is a candidate, so under heavy load or with a poor draft the
 policy turns speculation off by itself, per request. The search tries each cap c = 1..K (the cap fixes
 how many draft forwards run), starts every request at min(c, its own limit), then lowers single
 requests' k while that raises goodput (requests with poor acceptance drop first).
@@ -31,7 +31,7 @@ it then never drafted for (docs/benchmarks.md).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from actors.speculation.cost_model import ATTENTION_UNIT, ForwardShape, StepCostModel
 from actors.speculation.guard import MeasuredGuard
@@ -208,8 +208,7 @@ class GoodputPolicy:
         """Expected tokens per second of a step with these ks (`one_off`: candidates whose catch-up this step pays
         in full).
 
-        A step that carries prefill (other requests' chunks, or an emitting request's prompt before its last token)
-        is judged as the decode step its emitting requests would make alone,
+        A step that carries prefill chunks is judged as the decode step its emitting requests would make alone,
         with the drafts charged what they add to this step. Per-step tokens per second would otherwise favour
         drafting exactly where the step is long: a step mostly spent on a prompt emits few tokens per second, so
         any draft lifts its average, however poorly it pays for the time it adds (docs/scheduler.md). Where a
@@ -221,14 +220,14 @@ class GoodputPolicy:
         return sum(c.emitted(k) for c, k in zip(cands, ks)) / max(seconds, 1e-9)
 
     def _prefill_offset(self, cands: list[Candidate], base: BatchBase) -> float:
-        """Seconds that turn this step into its decode part alone, without drafts: every emitting request decoding
-        one token (a prompt's last chunk too: its other tokens are prefill, as `base`'s chunks are), minus this
-        step's time. 0 for a step of decodes alone; the same for every ks of the step."""
-        if not base.target.tokens and all(c.new_tokens == 1 for c in cands):
+        """Seconds that turn a step with `base`'s prefill chunks into its decode part alone, without drafts: the
+        decode-alone step's time minus this step's (0 without prefill). The same for every ks of the step. An
+        emitting request's own prompt chunk stays in its candidate (judging it as a decode too cost n-gram goodput
+        at batch 8 about 4%, docs/scheduler.md)."""
+        if not base.target.tokens:
             return 0.0
         plain = [0] * len(cands)
-        decode = [c if c.new_tokens == 1 else replace(c, new_tokens=1) for c in cands]
-        return self._seconds(decode, ForwardShape(), plain) - self._seconds(cands, base.target, plain)
+        return self._seconds(cands, ForwardShape(), plain) - self._seconds(cands, base.target, plain)
 
     def _seconds(self, cands: list[Candidate], base: ForwardShape, ks: list[int],
                  one_off: frozenset[int] = frozenset()) -> float:

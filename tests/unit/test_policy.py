@@ -108,18 +108,6 @@ def test_a_prefill_in_the_step_does_not_buy_drafts_that_lose_in_a_decode_step() 
     assert sum(policy.choose(cands([0.9] * 8), BatchBase(ForwardShape(1, 256, 0.0)), 100)) > 0  # ones that pay, do
 
 
-def test_a_prompts_last_chunk_in_the_step_is_prefill_too() -> None:
-    """A request whose step feeds its prompt's last 200 tokens emits one token, as a decode does: those tokens are
-    prefill as another request's chunk is, so they buy no drafts that lose in the decode step of 8 (the Qwen pair at
-    batch 8 drafted k = 4 for every request in such steps, then caught its draft up on each prompt for nothing)."""
-    policy = GoodputPolicy(4, COMPUTE_BOUND)
-    last_chunk = [Candidate(0.45, 4, 200, 300)] + cands([0.45] * 7)
-    assert policy.choose(last_chunk, BatchBase(), 100) == [0] * 8
-    assert sum(policy.choose([Candidate(0.9, 4, 200, 300)] + cands([0.9] * 7), BatchBase(), 100)) > 0  # these pay
-    lookup = GoodputPolicy(4, COMPUTE_BOUND, draft_forwards=False)
-    assert lookup.choose([Candidate(0.3, 4, 200, 300)] + cands([0.3] * 7), BatchBase(), 100) == [0] * 8
-
-
 def test_an_unfitted_cost_model_does_not_speculate() -> None:
     assert GoodputPolicy(4, StepCostModel()).choose(cands([1.0]), BatchBase(), 100) == [0]
 
