@@ -57,14 +57,6 @@ class MatchClass:
         self.accepted += accepted
         self.counts.update(proposed, accepted, decay=1.0)
 
-    @property
-    def reached(self) -> list[int]:
-        return [int(t) for t in self.counts.trials]
-
-    @property
-    def taken(self) -> list[int]:
-        return [int(s) for s in self.counts.successes]
-
     def rates(self) -> list[float]:
         """Per position, P(accepted | every earlier draft accepted)."""
         return [s / t for s, t in zip(self.counts.successes, self.counts.trials)]

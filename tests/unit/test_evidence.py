@@ -118,5 +118,5 @@ def test_the_lookup_bench_reads_each_drafts_fate_off_the_greedy_output() -> None
     classes, rounds = acceptance_by_match([[1, 2, 3, 4, 5, 6, 1, 2, 3]], [[4, 5, 7, 8]], k=4, ngram=NgramConfig())
     assert rounds == 2 and list(classes) == [3]
     c = classes[3]
-    assert (c.rounds, c.accepted, c.reached, c.taken) == (1, 2, [1, 1, 1], [1, 1, 0])
+    assert (c.rounds, c.accepted, list(c.counts.trials), list(c.counts.successes)) == (1, 2, [1, 1, 1], [1, 1, 0])
     assert c.rates() == [1.0, 1.0, 0.0]
