@@ -8,8 +8,9 @@
 
 with alpha_i the request's estimated per-token acceptance and step_seconds from the fitted cost model
 (actors/speculation/cost_model.py). For a lookup's drafts E comes from per-position rates of the match's class
-instead (`Candidate.expected`, actors/speculation/evidence.py), and a step that carries prefill chunks is judged
-as its decode part alone, the drafts charged what they add (`GoodputPolicy.goodput`). k = 0 is a candidate, so under heavy load or with a poor draft the
+instead (`Candidate.expected`, actors/speculation/evidence.py), and a step that carries prefill chunks (with a
+draft model, a prompt's last chunk too) is judged as its decode part alone, the drafts charged what they add
+(`GoodputPolicy.goodput`). k = 0 is a candidate, so under heavy load or with a poor draft the
 policy turns speculation off by itself, per request. The search tries each cap c = 1..K (the cap fixes
 how many draft forwards run), starts every request at min(c, its own limit), then lowers single
 requests' k while that raises goodput (requests with poor acceptance drop first).
@@ -31,7 +32,7 @@ it then never drafted for (docs/benchmarks.md).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from actors.speculation.cost_model import ATTENTION_UNIT, ForwardShape, StepCostModel
 from actors.speculation.guard import MeasuredGuard
@@ -220,14 +221,21 @@ class GoodputPolicy:
         return sum(c.emitted(k) for c, k in zip(cands, ks)) / max(seconds, 1e-9)
 
     def _prefill_offset(self, cands: list[Candidate], base: BatchBase) -> float:
-        """Seconds that turn a step with `base`'s prefill chunks into its decode part alone, without drafts: the
-        decode-alone step's time minus this step's (0 without prefill). The same for every ks of the step. An
-        emitting request's own prompt chunk stays in its candidate (judging it as a decode too cost n-gram goodput
-        at batch 8 about 4%, docs/scheduler.md)."""
-        if not base.target.tokens:
+        """Seconds that turn a step with prefill into its decode part alone, without drafts: the decode-alone step's
+        time minus this step's (0 for a step of decodes alone). The same for every ks of the step.
+
+        Prefill is `base`'s chunks and, with a draft model, an emitting request's own prompt before its last token
+        (its last chunk emits one token, as a decode does). A draft model that drafts there also catches up on the
+        whole prompt, and judged by the long step's own rate that looked cheap: the Qwen pair at batch 8 drafted
+        k = 4 for all 8 on such steps, two or three times a run, 7% of its time (docs/scheduler.md). A lookup keeps
+        its chunk in its candidate: its drafts on a prompt's tail cost only their rows, and judging them as a
+        decode's cost n-gram goodput at batch 8 about 4%."""
+        own = self.draft_forwards and any(c.new_tokens > 1 for c in cands)
+        if not base.target.tokens and not own:
             return 0.0
         plain = [0] * len(cands)
-        return self._seconds(cands, ForwardShape(), plain) - self._seconds(cands, base.target, plain)
+        decode = [replace(c, new_tokens=1) for c in cands] if own else cands
+        return self._seconds(decode, ForwardShape(), plain) - self._seconds(cands, base.target, plain)
 
     def _seconds(self, cands: list[Candidate], base: ForwardShape, ks: list[int],
                  one_off: frozenset[int] = frozenset()) -> float:

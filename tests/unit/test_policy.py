@@ -108,6 +108,20 @@ def test_a_prefill_in_the_step_does_not_buy_drafts_that_lose_in_a_decode_step() 
     assert sum(policy.choose(cands([0.9] * 8), BatchBase(ForwardShape(1, 256, 0.0)), 100)) > 0  # ones that pay, do
 
 
+def test_a_prompts_last_chunk_is_prefill_to_a_draft_model_not_to_a_lookup() -> None:
+    """A request whose step feeds its prompt's last 200 tokens emits one token, as a decode does. To a draft model
+    those tokens are prefill, as another request's chunk is, so they buy no drafts that lose in the decode step of 8
+    (the Qwen pair at batch 8 drafted k = 4 for every request in such steps, then caught its draft up on each prompt
+    for nothing). A lookup keeps the chunk in its candidate: its drafts on a prompt's tail cost only their rows."""
+    model = GoodputPolicy(4, COMPUTE_BOUND)
+    last_chunk = [Candidate(0.45, 4, 200, 300)] + cands([0.45] * 7)
+    assert model.choose(last_chunk, BatchBase(), 100) == [0] * 8
+    assert sum(model.choose([Candidate(0.9, 4, 200, 300)] + cands([0.9] * 7), BatchBase(), 100)) > 0  # these pay
+    lookup = GoodputPolicy(4, COMPUTE_BOUND, draft_forwards=False)
+    assert lookup.choose(cands([0.45] * 8), BatchBase(), 100) == [0] * 8  # in a decode step they lose
+    assert sum(lookup.choose(last_chunk, BatchBase(), 100)) > 0  # the long step's own rate: the rule before
+
+
 def test_an_unfitted_cost_model_does_not_speculate() -> None:
     assert GoodputPolicy(4, StepCostModel()).choose(cands([1.0]), BatchBase(), 100) == [0]
 
