@@ -41,7 +41,7 @@ from cluster.config import EngineConfig
 
 log = logging.getLogger(__name__)
 
-FORMAT = 1  # bump when the points' meaning changes (the calibration sizes are part of the setup instead)
+FORMAT = 2  # bump when the points' meaning changes (the calibration sizes are part of the setup instead)
 # (new tokens, context before them) of each timed forward: every knot of the cost model's basis, and long contexts
 # for attention; each size is timed `REPEATS` times
 SIZES = ((1, 32), (2, 32), (4, 32), (8, 32), (16, 32), (32, 32), (64, 0), (128, 0), (8, 128), (1, 256))
@@ -151,19 +151,25 @@ def time_forwards(runners: Iterable[tuple[Literal["target", "draft"], object]], 
 def time_one(phase: Literal["target", "draft"], runner, size: tuple[int, int], max_model_len: int  # noqa: ANN001
              ) -> TimedForward | None:
     """One timed forward of `size` (new tokens, context) on `runner`, its throwaway request freed after it (so the
-    engine may step between two of them); None where the size does not fit."""
+    engine may step between two of them); None where the size does not fit.
+
+    The timed forward follows an untimed one of the same size: the first forward after a longer one is a transient
+    that steady steps do not pay (the Qwen 1.5B target's one-token decode took 150-210 ms right after a prompt's
+    forward and 100-115 ms in the steps after it, docs/scheduler.md), and a calibration that timed it predicted a
+    decode step 15-20% too slow, which made drafts look cheap."""
     rid, (new, ctx) = "__calibration__", size
-    if ctx + new > max_model_len or not runner.reserve(rid, ctx + new):
+    if ctx + 2 * new > max_model_len or not runner.reserve(rid, ctx + 2 * new):
         return None
     try:
         if ctx:  # context to attend to (not timed)
             runner.forward([SeqChunk(rid, tuple(range(1, ctx + 1)), 0)])
+        runner.forward([SeqChunk(rid, tuple(range(1, new + 1)))])  # the same size, not timed
         t0 = time.perf_counter()
         runner.forward([SeqChunk(rid, tuple(range(1, new + 1)))])
         seconds = time.perf_counter() - t0
     finally:
         runner.cache.free(rid)
-    return TimedForward(phase, new, new * (ctx + new) / ATTENTION_UNIT, seconds)
+    return TimedForward(phase, new, new * (ctx + 2 * new) / ATTENTION_UNIT, seconds)
 
 
 def seed(cost: StepCostModel, points: Iterable[TimedForward]) -> None:

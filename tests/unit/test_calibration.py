@@ -13,8 +13,10 @@ import torch
 from actors.engine.core import Engine
 from actors.model import cpu_kernels
 from actors.model.runner import ModelRunner
+from actors.speculation import calibration
 from actors.speculation.calibration import SIZES, CalibrationFile, setup_of
 from cluster.config import CacheConfig, EngineConfig, ModelConfig, SpeculationConfig
+from tests.unit.helpers import load, runner
 
 CACHE = CacheConfig(block_size=4, num_blocks=256)
 
@@ -174,3 +176,22 @@ def test_a_served_instance_times_its_calibration_after_it_takes_requests(tiny_mo
     again = local_instance(cfg, calibration_dir=tmp_path)
     assert forwards.calls == calls and again.engine.pending_calibration is None  # read back, nothing timed
     assert again.engine.cost_model.fitted
+
+
+def test_each_timed_forward_follows_an_untimed_one_of_its_size(tiny_models, monkeypatch) -> None:
+    """The first forward after a longer one is a transient that steady steps do not pay (docs/scheduler.md): each
+    size is timed on its second forward, its context (and the attention recorded) taking in the first."""
+    sizes = [(1, 32), (8, 0)]
+    monkeypatch.setattr(calibration, "SIZES", tuple(sizes))
+    fed: list[int] = []
+    real = ModelRunner.forward
+
+    def recorded(model_runner, chunks, *args, **kwargs):
+        fed.append(sum(len(c.token_ids) for c in chunks))
+        return real(model_runner, chunks, *args, **kwargs)
+
+    monkeypatch.setattr(ModelRunner, "forward", recorded)
+    points = calibration.time_forwards([("target", runner(load(tiny_models["llama"])))], max_model_len=64)
+
+    assert fed == [32, 1, 1, 8, 8] * calibration.REPEATS  # context, then the size twice: the second one is timed
+    assert [(p.tokens, p.attention) for p in points] == [(1, 1 * 34 / 1024), (8, 8 * 16 / 1024)] * calibration.REPEATS
