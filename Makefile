@@ -30,12 +30,14 @@ $(STAMP): pyproject.toml | $(PY)
 # without our kernels runs it: torch's ops, with torch's own kernels held to AVX2 (ATEN_CPU_CAPABILITY, oneDNN's
 # DNNL_MAX_CPU_ISA), so the fallback an AVX2-only machine takes is tested on every machine. The unit tier's tests are
 # independent and single-threaded: one pytest-xdist worker per core (up to 4) runs them; the tiers that start Ray
-# clusters, Serve apps and network namespaces run one test at a time, as before
+# clusters, Serve apps and network namespaces run one test at a time, as before. PYTHONFAULTHANDLER: a fatal signal
+# after pytest's own handler is gone (a crash at interpreter exit, seen once after every test had passed) still
+# prints every thread's Python stack
 XDIST := -n auto --maxprocesses 4
 test: $(STAMP)
-	$(PY) -m pytest -q $(XDIST) --durations=15 tests/unit
-	$(PY) -m pytest -q --durations=30 tests/k8s tests/faults tests/ray tests/serve
-	SPECFLEET_CPU_KERNELS=torch ATEN_CPU_CAPABILITY=avx2 DNNL_MAX_CPU_ISA=AVX2 \
+	PYTHONFAULTHANDLER=1 $(PY) -m pytest -q $(XDIST) --durations=15 tests/unit
+	PYTHONFAULTHANDLER=1 $(PY) -m pytest -q --durations=30 tests/k8s tests/faults tests/ray tests/serve
+	PYTHONFAULTHANDLER=1 SPECFLEET_CPU_KERNELS=torch ATEN_CPU_CAPABILITY=avx2 DNNL_MAX_CPU_ISA=AVX2 \
 		$(PY) -m pytest -q $(XDIST) -m "not slow and not heavy" tests/unit
 
 # on a machine with a GPU (lent or own), within 8 minutes: the lossless unit tier and the pipeline and KV-link paths
