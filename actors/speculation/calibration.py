@@ -154,9 +154,9 @@ def time_one(phase: Literal["target", "draft"], runner, size: tuple[int, int], m
     engine may step between two of them); None where the size does not fit.
 
     The timed forward follows an untimed one of the same size: the first forward after a longer one is a transient
-    that steady steps do not pay (the Qwen 1.5B target's one-token decode took 150-210 ms right after a prompt's
-    forward and 100-115 ms in the steps after it, docs/scheduler.md), and a calibration that timed it predicted a
-    decode step 15-20% too slow, which made drafts look cheap."""
+    that steady steps do not pay (the Qwen 1.5B target's one-token decode took 171-209 ms right after a 32-256-token
+    forward and 102-118 ms in the steps after it, docs/scheduler.md), and a calibration that timed it predicted a
+    decode step 16-22% too slow, which made drafts look cheap."""
     rid, (new, ctx) = "__calibration__", size
     if ctx + 2 * new > max_model_len or not runner.reserve(rid, ctx + 2 * new):
         return None
