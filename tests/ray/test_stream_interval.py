@@ -1,5 +1,5 @@
 """The instance actor's stream with `scheduler.stream_interval` (cluster/coalesce.py): fewer, larger items over Ray,
-the same greedy tokens and text, one logprob per token, the first token never held."""
+the same greedy tokens and text, one logprob per token."""
 
 from __future__ import annotations
 
@@ -48,7 +48,8 @@ def test_streams_carry_interval_tokens_per_item_and_the_same_output(server, tiny
         logprobs = [lp for it in items for lp in it.delta.logprobs]
         assert [lp.token_id for lp in logprobs] == tokens and all(len(lp.top) == 2 for lp in logprobs)
         sizes = [len(it.delta.token_ids) for it in items]
-        assert sizes[0] == 1  # the first token is sent as soon as it exists
+        # no `sizes[0] == 1`: the first token is never held (tests/unit/test_coalesce.py, without timing), but a reader
+        # that falls behind finds two waiting and sends them as one item (CI's check saw [2, ...] on a loaded host)
         assert all(s >= INTERVAL for s in sizes[1:-1]), sizes  # held until `interval` tokens (or more waited)
         assert len(tokens) > 2 * INTERVAL and len(items) <= 1 + -(-(len(tokens) - 1) // INTERVAL)
         assert items[-1].delta.finish_reason in (FinishReason.LENGTH, FinishReason.STOP)
