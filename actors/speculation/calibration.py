@@ -163,9 +163,10 @@ def time_one(phase: Literal["target", "draft"], runner, size: tuple[int, int], m
     try:
         if ctx:  # context to attend to (not timed)
             runner.forward([SeqChunk(rid, tuple(range(1, ctx + 1)), 0)])
-        runner.forward([SeqChunk(rid, tuple(range(1, new + 1)))])  # the same size, not timed
+        chunk = [SeqChunk(rid, tuple(range(1, new + 1)))]
+        runner.forward(chunk)  # the same size, not timed
         t0 = time.perf_counter()
-        runner.forward([SeqChunk(rid, tuple(range(1, new + 1)))])
+        runner.forward(chunk)
         seconds = time.perf_counter() - t0
     finally:
         runner.cache.free(rid)
