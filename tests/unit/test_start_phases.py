@@ -40,7 +40,8 @@ def test_a_start_reports_its_phases(tiny_gguf: Path, tmp_path: Path) -> None:
     got = clock.result()
     for name in ("tokenizer", "weights", "layout", "calibration"):
         assert got.seconds(name) > 0, (name, got)
-    assert sum(s for _, s in got.phases) <= got.total_s + 1e-3
+    # each figure is rounded to the millisecond, so each may be off by half of one (CI saw 0.305 against 0.304)
+    assert sum(s for _, s in got.phases) <= got.total_s + 0.0005 * (len(got.phases) + 1) + 1e-9
 
     with StartClock().current() as clock:
         local_instance(cfg, calibration_dir=tmp_path)  # with one: the calibration waits until it serves
