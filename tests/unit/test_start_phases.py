@@ -16,13 +16,15 @@ def test_nested_phases_add_up_to_the_wall_time_without_counting_twice() -> None:
         with phase("layout"):
             time.sleep(0.05)
             with phase("kernels"):
-                time.sleep(0.1)
+                time.sleep(0.4)
         with phase("layout"):  # a second model's: adds up
             time.sleep(0.05)
     got = clock.result()
     assert [n for n, _ in got.phases] == ["kernels", "layout"]
-    assert 0.1 <= got.seconds("kernels") < 0.2
-    assert 0.1 <= got.seconds("layout") < 0.2  # the kernels' 0.1 s inside it counted once, as kernels
+    assert got.seconds("kernels") >= 0.4
+    # the kernels' 0.4 s inside it counted once, as kernels (twice, layout would be 0.5 s); the margin is for a
+    # loaded host's late wake-ups
+    assert 0.1 <= got.seconds("layout") < 0.4
     assert abs(sum(s for _, s in got.phases) + got.other_s - got.total_s) < 0.01
     with phase("weights"):  # no start recorded here: nothing to record it in
         pass
