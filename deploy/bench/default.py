@@ -5,7 +5,8 @@ For each setup (model pair and dtype) the target is loaded once and shared by ev
 kind (the setup's draft model, n-gram lookup, suffix lookup) with a policy (fixed k, goodput), plus plain
 decoding (`off`). At batch 1 the modes run interleaved prompt by prompt, at batch 8 all prompts at once per
 mode, so drift in machine speed hits every mode alike. Ratios come from totals (generated tokens / wall
-seconds) within the run; agreement is against `off` at the same batch size (in fp32 it must be 1.0: the
+seconds) within the run; with `--repeats`, each pass's ratio too (the table's range, JSON `vs_off_by_pass`), so the
+run shows its own noise beside the pooled ratio. Agreement is against `off` at the same batch size (in fp32 it must be 1.0: the
 engine is lossless; in bf16 a different batch shape may round differently).
 """
 
@@ -15,7 +16,7 @@ import argparse
 import platform
 import random
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -81,6 +82,10 @@ class Mode(Measured):
 
     name: str
     engine: Engine
+    by_pass: list[list[float]] = field(default_factory=list)  # per pass over the prompts: [tokens, seconds]
+
+    def pass_tok_s(self) -> list[float]:
+        return [t / s if s else 0.0 for t, s in self.by_pass]
 
 
 def cpu_model() -> str:
@@ -196,11 +201,16 @@ def _measure(setup: Setup, args: argparse.Namespace, prompts: list[list[int]], b
                     m.engine.drafter.shared.clear()
         order.reverse()  # alternate the order so that drift in machine speed favours no mode
         for m in order:
+            if n % len(groups) == 0:
+                m.by_pass.append([0, 0.0])
             t = time.perf_counter()
             done = generate(m.engine, group, params)
-            m.seconds += time.perf_counter() - t
+            took = time.perf_counter() - t
+            m.seconds += took
+            m.by_pass[-1][1] += took
             for c in done:
                 m.tokens += len(c.token_ids)
+                m.by_pass[-1][0] += len(c.token_ids)
                 m.stats.merge(c.stats)
                 m.outputs.append(c.token_ids)
     print(f"{setup.name} batch {batch}: " + ", ".join(f"{n} {m.tok_s:.1f}" for n, m in modes.items()), flush=True)
@@ -233,6 +243,7 @@ def run(args: argparse.Namespace) -> int:
                     "mean_k": round(sum(m.stats.k_history) / len(m.stats.k_history), 2) if m.stats.k_history else 0.0,
                     "identical_to_off": same, "token_agreement": round(prefix, 4),
                     "repeatable": _repeatable(m.outputs, args.repeats),
+                    "vs_off_by_pass": _by_pass(m, off),
                 }
             rows[batch]["_goodput_vs_best"] = _goodput_vs_best(rows[batch])
         report["setups"][setup.name] = {"target": setup.target, "num_prompts": n, "max_tokens": setup.max_tokens,
@@ -255,6 +266,14 @@ def _repeatable(outputs: list[list[int]], passes: int) -> float | None:
     n = len(outputs) // passes
     runs = [outputs[p * n:(p + 1) * n] for p in range(passes)]
     return round(sum(all(r[i] == runs[0][i] for r in runs) for i in range(n)) / n, 3)
+
+
+def _by_pass(m: Mode, off: Mode) -> list[float] | None:
+    """The mode's tokens/s over off's in each pass over the prompts, the two run side by side (None with one pass):
+    their spread is the bench's own noise, next to the pooled ratio."""
+    if len(m.by_pass) < 2:
+        return None
+    return [round(a / b, 3) if b else None for a, b in zip(m.pass_tok_s(), off.pass_tok_s())]
 
 
 def _start_figures(setup: Setup, dtype: str, prompt: str) -> dict[str, float]:
@@ -297,7 +316,10 @@ def _print(report: dict) -> None:
                 if name.startswith("_"):
                     continue
                 acc = "-" if r["acceptance"] is None else f"{r['acceptance']:.2f}"
-                t.add_row(name, f"{r['tok_s']:.1f}", f"{r['vs_off']:.2f}x", acc, f"{r['mean_k']:.2f}",
+                vs = f"{r['vs_off']:.2f}x"
+                if r["vs_off_by_pass"] and name != "off":
+                    vs += f" ({min(r['vs_off_by_pass']):.2f}-{max(r['vs_off_by_pass']):.2f})"
+                t.add_row(name, f"{r['tok_s']:.1f}", vs, acc, f"{r['mean_k']:.2f}",
                           f"{r['identical_to_off']:.2f}", f"{r['token_agreement']:.3f}",
                           "-" if r["repeatable"] is None else f"{r['repeatable']:.2f}")
             console.print(t)

@@ -157,6 +157,8 @@ def test_bench_default_takes_any_model_and_every_mode_is_lossless_in_fp32(pair, 
         for name, r in modes.items():
             assert r["tok_s"] > 0 and r["identical_to_off"] == 1.0, (batch, name)  # fp32: the target's output
             assert r["repeatable"] == 1.0, (batch, name)  # both passes gave the same outputs
+            assert len(r["vs_off_by_pass"]) == 2 and all(v > 0 for v in r["vs_off_by_pass"]), (batch, name)
+        assert modes["off"]["vs_off_by_pass"] == [1.0, 1.0]  # each pass against off's own, side by side
         assert modes["draft model fixed"]["mean_k"] > 0
         assert set(rows["_goodput_vs_best"]) == {"draft model", "ngram", "suffix"}
     assert setup["off_saturation"]["4"] > 0  # JSON keys are strings
