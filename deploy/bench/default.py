@@ -6,8 +6,8 @@ kind (the setup's draft model, n-gram lookup, suffix lookup) with a policy (fixe
 decoding (`off`). At batch 1 the modes run interleaved prompt by prompt, at batch 8 all prompts at once per
 mode, so drift in machine speed hits every mode alike. Ratios come from totals (generated tokens / wall
 seconds) within the run; with `--repeats`, each pass's ratio too (the table's range, JSON `vs_off_by_pass`), so the
-run shows its own noise beside the pooled ratio. Agreement is against `off` at the same batch size (in fp32 it must be 1.0: the
-engine is lossless; in bf16 a different batch shape may round differently).
+run shows its own noise beside the pooled ratio. Agreement is against `off` at the same batch size (in fp32 it
+must be 1.0: the engine is lossless; in bf16 a different batch shape may round differently).
 """
 
 from __future__ import annotations
