@@ -82,10 +82,7 @@ class Mode(Measured):
 
     name: str
     engine: Engine
-    by_pass: list[list[float]] = field(default_factory=list)  # per pass over the prompts: [tokens, seconds]
-
-    def pass_tok_s(self) -> list[float]:
-        return [t / s if s else 0.0 for t, s in self.by_pass]
+    by_pass: list[Measured] = field(default_factory=list)  # the same tokens and seconds, per pass over the prompts
 
 
 def cpu_model() -> str:
@@ -197,20 +194,19 @@ def _measure(setup: Setup, args: argparse.Namespace, prompts: list[list[int]], b
     for n, group in enumerate([g for _ in range(args.repeats) for g in groups]):
         if n % len(groups) == 0:  # a new pass: the suffix drafter's shared tree must not hold these prompts' answers
             for m in modes.values():
+                m.by_pass.append(Measured())
                 if getattr(m.engine.drafter, "shared", None) is not None:
                     m.engine.drafter.shared.clear()
         order.reverse()  # alternate the order so that drift in machine speed favours no mode
         for m in order:
-            if n % len(groups) == 0:
-                m.by_pass.append([0, 0.0])
             t = time.perf_counter()
             done = generate(m.engine, group, params)
             took = time.perf_counter() - t
             m.seconds += took
-            m.by_pass[-1][1] += took
+            m.by_pass[-1].seconds += took
             for c in done:
                 m.tokens += len(c.token_ids)
-                m.by_pass[-1][0] += len(c.token_ids)
+                m.by_pass[-1].tokens += len(c.token_ids)
                 m.stats.merge(c.stats)
                 m.outputs.append(c.token_ids)
     print(f"{setup.name} batch {batch}: " + ", ".join(f"{n} {m.tok_s:.1f}" for n, m in modes.items()), flush=True)
@@ -273,7 +269,7 @@ def _by_pass(m: Mode, off: Mode) -> list[float] | None:
     their spread is the bench's own noise, next to the pooled ratio."""
     if len(m.by_pass) < 2:
         return None
-    return [round(a / b, 3) if b else None for a, b in zip(m.pass_tok_s(), off.pass_tok_s())]
+    return [round(a.tok_s / b.tok_s, 3) if b.tok_s else None for a, b in zip(m.by_pass, off.by_pass)]
 
 
 def _start_figures(setup: Setup, dtype: str, prompt: str) -> dict[str, float]:
