@@ -34,10 +34,11 @@ $(STAMP): pyproject.toml | $(PY)
 # after pytest's own handler is gone (a crash at interpreter exit, seen once after every test had passed) still
 # prints every thread's Python stack
 XDIST := -n auto --maxprocesses 4
+test: export PYTHONFAULTHANDLER := 1
 test: $(STAMP)
-	PYTHONFAULTHANDLER=1 $(PY) -m pytest -q $(XDIST) --durations=15 tests/unit
-	PYTHONFAULTHANDLER=1 $(PY) -m pytest -q --durations=30 tests/k8s tests/faults tests/ray tests/serve
-	PYTHONFAULTHANDLER=1 SPECFLEET_CPU_KERNELS=torch ATEN_CPU_CAPABILITY=avx2 DNNL_MAX_CPU_ISA=AVX2 \
+	$(PY) -m pytest -q $(XDIST) --durations=15 tests/unit
+	$(PY) -m pytest -q --durations=30 tests/k8s tests/faults tests/ray tests/serve
+	SPECFLEET_CPU_KERNELS=torch ATEN_CPU_CAPABILITY=avx2 DNNL_MAX_CPU_ISA=AVX2 \
 		$(PY) -m pytest -q $(XDIST) -m "not slow and not heavy" tests/unit
 
 # on a machine with a GPU (lent or own), within 8 minutes: the lossless unit tier and the pipeline and KV-link paths
